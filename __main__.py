@@ -1,0 +1,5 @@
+import sys
+
+from omforge.cli import main
+
+sys.exit(main())

@@ -1,0 +1,115 @@
+"""The ``omforge`` command line: one subcommand per stage the user drives.
+
+Every user-fixable error (:class:`omforge.errors.OmforgeError`, a missing file) prints one line,
+``omforge: error: …``, and exits with code 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+from omforge.errors import OmforgeError
+
+EXIT_USAGE = 2
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("OMFORGE_CACHE_DIR", Path.home() / ".cache" / "omforge")) / "exports"
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from omforge.export.onnx_export import export_recipe
+    from omforge.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe)
+    t0 = time.perf_counter()
+    meta = export_recipe(recipe, Path(args.output))
+    print(f"exported {recipe.model.name} to {args.output}: {meta['num_nodes']} nodes, opset {meta['opset']}, "
+          f"{time.perf_counter() - t0:.1f}s, peak RSS {_peak_rss_mb():.0f} MB")
+    return 0
+
+
+def _load_exported(target: str):  # noqa: ANN202 - ExportedModel (imported lazily)
+    from omforge.runtime.full_recompute import ExportedModel
+
+    path = Path(target)
+    if path.is_dir():
+        return ExportedModel(path)
+    if path.suffix in (".yaml", ".yml") or not path.exists():
+        from omforge.export.onnx_export import cached_export
+        from omforge.recipe import load_recipe
+
+        return ExportedModel(cached_export(load_recipe(path), _cache_root()))
+    raise OmforgeError(f"{target}: expected a recipe (.yaml) or an export directory")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    model = _load_exported(args.target)
+    if model.tokenizer is None:
+        raise OmforgeError(f"{args.target}: this model has no tokenizer; give model.tokenizer in the recipe")
+    if args.chat:
+        text = model.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+        prompt_ids = model.tokenizer.encode(text, add_special_tokens=False)
+    else:
+        prompt_ids = model.tokenizer.encode(args.prompt)
+    gen = model.greedy(prompt_ids, args.max_tokens, ignore_eos=args.ignore_eos)
+    if args.json:
+        print(json.dumps({"text": gen.text, "token_ids": gen.token_ids, "finish_reason": gen.finish_reason,
+                          "prompt_tokens": len(prompt_ids), "seconds": round(gen.seconds, 3)}))
+    else:
+        print(gen.text)
+        print(f"[{len(prompt_ids)} prompt + {len(gen.token_ids)} generated tokens, finish={gen.finish_reason}, "
+              f"{gen.seconds:.2f}s, full recompute]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="omforge", description="Compile Llama-family LLMs to fused, paged-KV "
+                                "ONNX Runtime / Ascend OM artifacts and serve them.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    e = sub.add_parser("export", help="recipe → unfused ONNX graph (primitive ops, external weights)")
+    e.add_argument("recipe", help="recipe file, e.g. models/smollm2-135m.yaml")
+    e.add_argument("-o", "--output", required=True, help="output directory")
+    e.set_defaults(func=cmd_export)
+
+    g = sub.add_parser("generate", help="greedy generation over the unfused graph (full recompute smoke path)")
+    g.add_argument("target", help="a recipe (exported once into the cache) or an export directory")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings)")
+    g.set_defaults(func=cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "max_tokens", 1) < 1:
+        print("omforge: error: --max-tokens must be at least 1", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return args.func(args)
+    except OmforgeError as e:
+        print(f"omforge: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except FileNotFoundError as e:
+        print(f"omforge: error: {e.filename or e}: file not found", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

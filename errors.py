@@ -1,0 +1,8 @@
+"""The one base class for errors a user can fix (bad recipe, missing file, weights that do not fit).
+
+The CLI turns any :class:`OmforgeError` into one line on stderr and exit code 2, never a traceback.
+"""
+
+
+class OmforgeError(ValueError):
+    """A user-facing error; ``str(err)`` is one line naming what was wrong and where."""

@@ -1,0 +1,184 @@
+"""Export a recipe's model to the *unfused* ONNX graph: primitive ops only, dynamic batch and sequence.
+
+Output directory (an "export"):
+  model.onnx        graph; inputs ``input_ids``/``position_ids`` [batch, seq] int64, output ``logits`` [batch, seq, vocab]
+  model.onnx.data   the weights, as ONNX external data (one file; the tied embedding stored once)
+  tokenizer.json    the tokenizer (``tokenizers`` format), when the model has one
+  export.json       model config, tokenizer metadata, opset, op histogram, the recipe digest, timings
+
+Invariants: opset_import holds exactly one entry (the default domain, version ``compile.opset`` ≤ 18,
+which ATC's ONNX parser requires); no op outside the ONNX standard domain; onnx.checker passes with
+``full_check``; every MatMul weight initializer is named after its torch parameter (``<param>.T``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sys
+import time
+import warnings
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from omforge.export.tokenizer import write_tokenizer
+from omforge.export.weights import Checkpoint, load_checkpoint
+from omforge.recipe import Recipe
+
+EXPORT_FORMAT = 1
+INPUTS = ("input_ids", "position_ids")
+OUTPUT = "logits"
+
+
+@dataclass
+class Timings:
+    """Wall time per stage, printed as it goes (``quiet`` silences the printing, not the recording)."""
+
+    quiet: bool = False
+    stages: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        if not self.quiet:
+            print(f"[export] {name} …", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        yield
+        self.stages[name] = round(time.perf_counter() - t0, 3)
+        if not self.quiet:
+            print(f"[export] {name}: {self.stages[name]:.1f}s", file=sys.stderr, flush=True)
+
+
+def recipe_digest(recipe: Recipe) -> str:
+    """Hash of what determines the export: the model section, the opset, and the weight file's identity."""
+    m = recipe.model
+    ident: dict[str, Any] = {"model": m.model_dump(), "opset": recipe.compile.opset, "format": EXPORT_FORMAT}
+    if m.source != "random":
+        p = recipe.weights_path()
+        files = [p] if p.is_file() else sorted(p.iterdir())
+        ident["files"] = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def export_recipe(recipe: Recipe, out_dir: Path, quiet: bool = False) -> dict[str, Any]:
+    """Run the whole export into ``out_dir``; returns the export.json contents."""
+    timings = Timings(quiet)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with timings.stage("load weights"):
+        ckpt = load_checkpoint(recipe)
+    with timings.stage("tokenizer"):
+        tok = write_tokenizer(recipe, ckpt, out_dir)
+    meta = export_checkpoint(ckpt, out_dir, recipe.compile.opset, timings)
+    meta.update(name=recipe.model.name, recipe_digest=recipe_digest(recipe), tokenizer=tok, timings=timings.stages)
+    (out_dir / "export.json").write_text(json.dumps(meta, indent=2))
+    return meta
+
+
+def export_checkpoint(ckpt: Checkpoint, out_dir: Path, opset: int, timings: Timings) -> dict[str, Any]:
+    """torch → ONNX (dynamo exporter) → tidy names, share the tied embedding → save external data → check."""
+    import onnx
+    import onnx_ir as ir
+    import torch
+
+    from omforge.models.llama import LlamaForCausalLM
+
+    with timings.stage("build torch model"):
+        model = LlamaForCausalLM(ckpt.config)
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in ckpt.tensors.items()}, strict=True)
+        model.eval()
+    with timings.stage("torch.onnx.export"):
+        # batch 2 / seq 8 as examples: a size-1 example would be specialised away by torch.export.
+        ids = torch.zeros((2, 8), dtype=torch.int64)
+        pos = torch.arange(8, dtype=torch.int64)[None].repeat(2, 1)
+        batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
+        logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # exporter deprecation chatter; real failures raise
+            program = torch.onnx.export(
+                model, (ids, pos), dynamo=True, opset_version=opset, optimize=True, verbose=False,
+                input_names=list(INPUTS), output_names=[OUTPUT],
+                dynamic_shapes={"input_ids": {0: batch, 1: seq}, "position_ids": {0: batch, 1: seq}},
+            )
+        graph_model: ir.Model = program.model
+    with timings.stage("tidy graph"):
+        _name_weights(graph_model.graph)
+        if ckpt.config.tie_word_embeddings:
+            _share_tied_embedding(graph_model.graph)
+        _strip_torch_metadata(graph_model.graph)
+        graph_model.producer_name = "omforge"
+    with timings.stage("save"):
+        onnx_path = out_dir / "model.onnx"
+        ir.save(graph_model, onnx_path, external_data="model.onnx.data")
+    with timings.stage("onnx.checker (full)"):
+        onnx.checker.check_model(str(onnx_path), full_check=True)
+    proto = onnx.load(str(onnx_path), load_external_data=False)
+    if len(proto.opset_import) != 1 or proto.opset_import[0].domain not in ("", "ai.onnx"):
+        raise RuntimeError(f"export produced opset imports {proto.opset_import}; ATC needs exactly one")
+    return {
+        "format": EXPORT_FORMAT,
+        "config": ckpt.config.to_dict(),
+        "opset": opset,
+        "inputs": list(INPUTS),
+        "output": OUTPUT,
+        "num_nodes": len(proto.graph.node),
+        "op_histogram": dict(Counter(n.op_type for n in proto.graph.node).most_common()),
+        "source": str(ckpt.source) if ckpt.source else None,
+    }
+
+
+def _scope(node) -> str:  # noqa: ANN001 - onnx_ir.Node
+    """The innermost torch module path of a node, from the exporter's metadata (``""`` if absent)."""
+    scopes = node.metadata_props.get("pkg.torch.onnx.name_scopes")
+    if not scopes:
+        return ""
+    parts = json.loads(scopes.replace("'", '"'))
+    return parts[-2] if len(parts) >= 2 else ""
+
+
+def _name_weights(graph) -> None:  # noqa: ANN001 - onnx_ir.Graph
+    """Rename the exporter's folded ``val_N`` weight constants after the torch parameter they transpose."""
+    for node in graph:
+        if node.op_type != "MatMul":
+            continue
+        w = node.inputs[1]
+        scope = _scope(node)
+        if w is not None and w.const_value is not None and w.name.startswith("val_") and scope.endswith("_proj"):
+            w.name = f"{scope}.weight.T"
+
+
+def _share_tied_embedding(graph) -> None:  # noqa: ANN001
+    """The exporter folds ``embed.weight.t()`` into a second copy; read the one embedding through a Transpose."""
+    import onnx_ir as ir
+
+    embed = graph.initializers["model.embed_tokens.weight"]
+    head = next(n for n in reversed(list(graph)) if n.op_type == "MatMul")
+    folded = head.inputs[1]
+    if folded is None or folded.const_value is None or folded is embed:
+        return
+    transpose = ir.node("Transpose", inputs=[embed], attributes={"perm": [1, 0]}, name="lm_head_tied_transpose")
+    transpose.outputs[0].name = "lm_head.weight.T"
+    graph.insert_before(head, transpose)
+    head.replace_input_with(1, transpose.outputs[0])
+    graph.initializers.pop(folded.name)
+
+
+def _strip_torch_metadata(graph) -> None:  # noqa: ANN001
+    """Keep only the module scope (used by the passes and by diff); drop stack traces and FX dumps."""
+    for node in graph:
+        scope = _scope(node)
+        node.metadata_props.clear()
+        if scope:
+            node.metadata_props["omforge.scope"] = scope
+
+
+def cached_export(recipe: Recipe, cache_root: Path, quiet: bool = False) -> Path:
+    """The export for ``recipe`` under ``cache_root/<name>-<digest>``, made once and reused while the digest holds."""
+    out = cache_root / f"{recipe.model.name}-{recipe_digest(recipe)}"
+    meta = out / "export.json"
+    if meta.is_file() and (out / "model.onnx").is_file():
+        return out
+    export_recipe(recipe, out, quiet=quiet)
+    return out

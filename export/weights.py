@@ -1,0 +1,203 @@
+"""Weight sources: a Hugging Face directory, a GGUF file (dequantized to fp32), a file in a Python package, random.
+
+Every loader returns a :class:`Checkpoint` whose ``tensors`` use transformers' ``LlamaForCausalLM``
+names and hold float32 numpy arrays. Invariant: the names are exactly the parameters of
+:class:`omforge.models.llama.LlamaForCausalLM` for ``config`` (checked by :func:`check_names`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from omforge.errors import OmforgeError
+from omforge.models.config import ConfigError, ModelConfig
+from omforge.recipe import Recipe
+
+
+class WeightsError(OmforgeError):
+    """Weights that do not fit the model; the message names the file and the tensor."""
+
+
+@dataclass
+class Checkpoint:
+    config: ModelConfig
+    tensors: dict[str, np.ndarray]
+    source: Path | None  # file or directory the weights came from (None for random)
+
+
+def expected_names(cfg: ModelConfig) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not cfg.tie_word_embeddings:
+        names.add("lm_head.weight")
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        names |= {p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
+        names |= {p + f"self_attn.{n}_proj.weight" for n in "qkvo"}
+        if cfg.qkv_bias:
+            names |= {p + f"self_attn.{n}_proj.bias" for n in "qkv"}
+        if cfg.o_bias:
+            names.add(p + "self_attn.o_proj.bias")
+    return names
+
+
+def check_names(ckpt: Checkpoint) -> None:
+    want, have = expected_names(ckpt.config), set(ckpt.tensors)
+    where = ckpt.source or "random weights"
+    if missing := sorted(want - have):
+        raise WeightsError(f"{where}: tensor '{missing[0]}' is missing ({len(missing)} missing in all)")
+    if extra := sorted(have - want):
+        raise WeightsError(f"{where}: unexpected tensor '{extra[0]}' ({len(extra)} unexpected in all)")
+
+
+def load_checkpoint(recipe: Recipe) -> Checkpoint:
+    """Load the weights a recipe names. Raises :class:`WeightsError` / :class:`ConfigError` with a clear message."""
+    m = recipe.model
+    if m.source == "random":
+        ckpt = random_checkpoint(_config_from_recipe(recipe), m.seed)
+    else:
+        path = recipe.weights_path()
+        ckpt = load_gguf(path) if path.is_file() else load_hf_dir(path)
+    if m.family is not None and ckpt.config.family != m.family:
+        raise WeightsError(f"{recipe.path}: model.family: recipe says '{m.family}' but the weights are "
+                           f"'{ckpt.config.family}'")
+    check_names(ckpt)
+    return ckpt
+
+
+def _config_from_recipe(recipe: Recipe) -> ModelConfig:
+    d = dict(recipe.model.config or {})
+    d.setdefault("family", recipe.model.family or "llama")
+    try:
+        return ModelConfig.from_dict(d)
+    except (ConfigError, KeyError) as e:
+        raise ConfigError(f"{recipe.path}: model.config.{e}") from None
+
+
+def random_checkpoint(cfg: ModelConfig, seed: int) -> Checkpoint:
+    """Random weights with a fixed seed (normal, std 0.02; norm weights near 1 so they matter numerically)."""
+    from omforge.models.llama import LlamaForCausalLM  # torch only when building from scratch
+
+    rng = np.random.default_rng(seed)
+    shapes = {k: tuple(v.shape) for k, v in LlamaForCausalLM(cfg).state_dict().items()}
+    tensors = {}
+    for name in sorted(shapes):
+        if name.endswith("norm.weight"):
+            tensors[name] = (1.0 + 0.1 * rng.standard_normal(shapes[name])).astype(np.float32)
+        else:
+            tensors[name] = (0.02 * rng.standard_normal(shapes[name])).astype(np.float32)
+    return Checkpoint(cfg, tensors, None)
+
+
+def load_hf_dir(path: Path) -> Checkpoint:
+    """A Hugging Face directory: config.json and one or more *.safetensors (sharded via the index)."""
+    from safetensors.numpy import load_file
+
+    try:
+        cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    except (ConfigError, KeyError) as e:
+        raise ConfigError(f"{path / 'config.json'}: {e}") from None
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+        else sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise WeightsError(f"{path}: no *.safetensors files (omforge reads safetensors, not .bin)")
+    tensors: dict[str, np.ndarray] = {}
+    for name in files:
+        if not (path / name).is_file():
+            raise WeightsError(f"{path}: shard '{name}' named in the index is missing")
+        for key, arr in load_file(path / name).items():
+            if "rotary_emb" in key or (cfg.tie_word_embeddings and key == "lm_head.weight"):
+                continue
+            tensors[key] = arr.astype(np.float32, copy=False)
+    return Checkpoint(cfg, tensors, path)
+
+
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (it interleaves rotary halves for its own rope kernel)."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_config(reader) -> ModelConfig:  # noqa: ANN001 - gguf.GGUFReader
+    def field(key: str, default=None):  # noqa: ANN001, ANN202
+        f = reader.get_field(key)
+        return f.contents() if f is not None else default
+
+    arch = field("general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise ConfigError(f"general.architecture: '{arch}' is not supported (llama, qwen2)")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ConfigError("rope_freqs.weight: GGUF rope frequency factors are not supported; use the HF directory")
+    heads = int(field(f"{arch}.attention.head_count"))
+    hidden = int(field(f"{arch}.embedding_length"))
+    vocab = field(f"{arch}.vocab_size") or len(reader.get_field("tokenizer.ggml.tokens").data)
+    names = {t.name for t in reader.tensors}
+    eos = field("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        family=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(field(f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(field(f"{arch}.block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(field(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(field(f"{arch}.rope.dimension_count", hidden // heads)),
+        rms_norm_eps=float(np.float32(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5))),
+        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(field(f"{arch}.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=field("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+    )
+
+
+def load_gguf(path: Path) -> Checkpoint:
+    """A GGUF file; quantized tensors (Q4_0/Q4_1/Q8_0/K-quants …) are dequantized to fp32 with ``gguf``."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # gguf raises bare ValueError/struct errors on a bad file
+        raise WeightsError(f"{path}: not a readable GGUF file ({e})") from None
+    try:
+        cfg = gguf_config(reader)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    permute = cfg.family == "llama"
+    tensors: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name)
+        if m:
+            if m[2] not in _GGUF_LAYER:
+                raise WeightsError(f"{path}: tensor '{t.name}' has no place in a {cfg.family} model")
+            name = f"model.layers.{m[1]}.{_GGUF_LAYER[m[2]]}.{m[3]}"
+        elif t.name in _GGUF_NAMES:
+            name = _GGUF_NAMES[t.name]
+        else:
+            raise WeightsError(f"{path}: tensor '{t.name}' has no place in a {cfg.family} model")
+        shape = [int(x) for x in reversed(t.shape.tolist())]
+        arr = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32, copy=False)
+        if permute and m and m[2] in ("attn_q", "attn_k"):
+            arr = _unpermute(arr, cfg.num_attention_heads if m[2] == "attn_q" else cfg.num_key_value_heads)
+        tensors[name] = arr
+    return Checkpoint(cfg, tensors, path)

@@ -1,0 +1,121 @@
+"""A plain torch definition of the Llama family (Llama 2/3, SmolLM2, Qwen2, Mistral), written to export cleanly.
+
+Only primitive tensor operations: no ``scaled_dot_product_attention``, no ``rms_norm``, so the
+exported ONNX graph holds primitive ops and every fusion is left to ``omforge.passes``.
+Parameter names follow Hugging Face's ``LlamaForCausalLM`` so safetensors load without renaming.
+
+Forward contract: ``input_ids [batch, seq]`` int64 and ``position_ids [batch, seq]`` int64 in,
+``logits [batch, seq, vocab]`` float32 out; attention is causal over the ``seq`` axis (full recompute,
+no KV cache; the paged-KV pass adds the cache to the exported graph).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from omforge.models.config import ModelConfig, rope_inv_freq
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)`` in the order transformers computes it."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.eps))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        groups = self.heads // self.kv_heads
+        if groups > 1:  # GQA: each KV head serves `groups` query heads
+            k = k[:, :, None].expand(b, self.kv_heads, groups, s, self.head_dim).reshape(b, self.heads, s, self.head_dim)
+            v = v[:, :, None].expand(b, self.kv_heads, groups, s, self.head_dim).reshape(b, self.heads, s, self.head_dim)
+        scores = torch.matmul(q, k.transpose(2, 3)) * self.scale
+        scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x)
+        return self.down_proj(gate * torch.sigmoid(gate) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only transformer; ``state_dict`` keys match transformers' ``LlamaForCausalLM``/``Qwen2ForCausalLM``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", torch.from_numpy(rope_inv_freq(cfg)), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        freqs = position_ids.to(torch.float32)[:, :, None] * self.inv_freq[None, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [batch, 1, seq, head_dim]
+        cos, sin = emb.cos(), emb.sin()
+        idx = torch.arange(input_ids.shape[1], device=input_ids.device)
+        mask = idx[None, :] > idx[:, None]  # True above the diagonal: a future token
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, mask)
+        x = self.model.norm(x)
+        if self.lm_head is None:
+            return torch.matmul(x, self.model.embed_tokens.weight.t())
+        return self.lm_head(x)

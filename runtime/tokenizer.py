@@ -1,0 +1,79 @@
+"""The serving-side tokenizer: ``tokenizer.json`` through the ``tokenizers`` library, and the chat template.
+
+No torch, no transformers: the chat template is rendered with jinja2 the way Hugging Face renders it
+(sandboxed, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``tojson``, ``strftime_now``).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Sequence
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from omforge.errors import OmforgeError
+
+
+class ChatTemplateError(OmforgeError):
+    """The chat template rejected the messages (``raise_exception`` in the template) or is missing."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class TextTokenizer:
+    """Encode/decode text and render chat prompts for one model.
+
+    ``meta`` is the ``tokenizer`` entry of export.json / the bundle manifest: chat_template, bos_token, eos_token.
+    """
+
+    def __init__(self, path: Path, meta: dict[str, Any]):
+        self.tokenizer = Tokenizer.from_file(str(path))
+        self.chat_template: str | None = meta.get("chat_template")
+        self.bos_token: str | None = meta.get("bos_token")
+        self.eos_token: str | None = meta.get("eos_token")
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        if not self.chat_template:
+            raise ChatTemplateError("this model has no chat template; use a plain completion prompt")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        return env.from_string(self.chat_template)
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """Render ``messages`` ([{role, content}, …]) into the prompt text the model was trained on."""
+        return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) map to their ids.
+
+        ``add_special_tokens`` lets the tokenizer's post-processor add BOS (Llama 3 does, SmolLM2 does not);
+        pass False for a rendered chat prompt, whose template writes BOS itself (as transformers does).
+        """
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, token: str | None) -> int | None:
+        return self.tokenizer.token_to_id(token) if token else None
