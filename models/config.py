@@ -1,6 +1,6 @@
 """The Llama-family model configuration: one small dataclass read from config.json, GGUF metadata or a recipe.
 
-Pure Python + numpy (no torch): the runtime reads it back from the export/bundle metadata.
+Pure Python (no torch): the runtime reads it back from the export/bundle metadata.
 
 Invariants: ``num_attention_heads % num_key_value_heads == 0`` (GQA groups are whole);
 ``head_dim`` is even (rotary pairs); ``rope_scaling`` is None or a dict whose ``rope_type`` is one of
@@ -10,11 +10,8 @@ Invariants: ``num_attention_heads % num_key_value_heads == 0`` (GQA groups are w
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from omforge.errors import OmforgeError
 
@@ -128,26 +125,3 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else [])),
         )
-
-
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Rotary inverse frequencies ``[head_dim // 2]`` (float32), with linear or Llama-3 scaling applied.
-
-    Matches transformers' ``_compute_default_rope_parameters`` / ``_compute_llama3_parameters``.
-    """
-    dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
-    s = cfg.rope_scaling or {}
-    if s.get("rope_type") == "linear":
-        inv = inv / float(s["factor"])
-    elif s.get("rope_type") == "llama3":
-        factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
-        old_len = float(s["original_max_position_embeddings"])
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv
-        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv = np.where(medium, smoothed, scaled)
-    return inv.astype(np.float32)

@@ -11,10 +11,37 @@ no KV cache; the paged-KV pass adds the cache to the exported graph).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
-from omforge.models.config import ModelConfig, rope_inv_freq
+from omforge.models.config import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies ``[head_dim // 2]`` (float32), with linear or Llama-3 scaling applied.
+
+    The same float32 operations, in the same order, as transformers' ``_compute_default_rope_parameters`` /
+    ``_compute_linear_scaling_rope_parameters`` / ``_compute_llama3_parameters``, so the constant baked into
+    the export is bit-identical to the reference.
+    """
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+    s = cfg.rope_scaling or {}
+    if s.get("rope_type") == "linear":
+        inv = inv / s["factor"]
+    elif s.get("rope_type") == "llama3":
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_len = s["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
 
 
 class RMSNorm(nn.Module):
@@ -104,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = Backbone(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.register_buffer("inv_freq", torch.from_numpy(rope_inv_freq(cfg)), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
