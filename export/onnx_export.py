@@ -87,7 +87,8 @@ def export_checkpoint(ckpt: Checkpoint, out_dir: Path, opset: int, timings: Timi
 
     with timings.stage("build torch model"):
         model = LlamaForCausalLM(ckpt.config)
-        model.load_state_dict({k: torch.from_numpy(v) for k, v in ckpt.tensors.items()}, strict=True)
+        model.load_state_dict({k: torch.from_numpy(v if v.flags.writeable else v.copy())
+                               for k, v in ckpt.tensors.items()}, strict=True)
         model.eval()
     with timings.stage("torch.onnx.export"):
         # batch 2 / seq 8 as examples: a size-1 example would be specialised away by torch.export.

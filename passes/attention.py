@@ -1,0 +1,76 @@
+"""Attention fusion: scaled dot-product with a causal mask and GQA head sharing → ``omforge.Attention(q, k, v)``.
+
+Pattern (the export of :class:`omforge.models.llama.Attention`)::
+
+    k' = Reshape(Expand(Unsqueeze(k, [2])))        (GQA: repeat each KV head; absent when heads are equal)
+    p  = Softmax(Where(causal, -big, MatMul(q, Transpose(k', [0,1,3,2])) * scale))
+    o  = MatMul(p, v')
+
+Check: the scale is a constant scalar, the fill is ≤ -1e30 (masked positions get no probability), the mask
+is the causal ``arange[None, :] > arange[:, None]`` over one ``Range``, and the head counts are static with
+``q_heads % kv_heads == 0``.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+from onnxscript.rewriter import pattern
+
+from omforge.passes import ops
+from omforge.passes.util import const_array, const_scalar
+
+
+def is_causal_mask(mask: ir.Value) -> bool:
+    """``Greater(Unsqueeze(r, [0]), Unsqueeze(r, [1]))`` for one value ``r``: True strictly above the diagonal."""
+    node = mask.producer()
+    if node is None or node.op_type != "Greater":
+        return False
+    cols, rows = (i.producer() if i is not None else None for i in node.inputs)
+    if cols is None or rows is None or cols.op_type != "Unsqueeze" or rows.op_type != "Unsqueeze":
+        return False
+    axes_c, axes_r = const_array(cols.inputs[1]), const_array(rows.inputs[1])
+    return (cols.inputs[0] is rows.inputs[0] and axes_c is not None and axes_r is not None
+            and axes_c.tolist() == [0] and axes_r.tolist() == [1])
+
+
+class _AttentionBase(pattern.RewriteRuleClassBase):
+    def check(self, context, q, k, scale, mask, fill, **kw) -> pattern.MatchResult:  # noqa: ANN001
+        result = pattern.MatchResult()
+        if const_scalar(scale) is None:
+            return result.fail("scale is not a constant scalar", scale)
+        f = const_scalar(fill)
+        if f is None or f > -1e30:
+            return result.fail("masked fill is not a large negative constant", fill)
+        if not is_causal_mask(mask):
+            return result.fail("mask is not the causal arange comparison", mask)
+        for axes in (kw.get("axes_k"), kw.get("axes_v")):
+            if axes is not None and (const_array(axes) is None or const_array(axes).tolist() != [2]):
+                return result.fail("GQA repeat is not an Unsqueeze at axis 2", axes)
+        if q.shape is None or k.shape is None or not isinstance(q.shape[1], int) or not isinstance(k.shape[1], int):
+            return result.fail("head counts are not static", q)
+        if q.shape[1] % k.shape[1]:
+            return result.fail("query heads are not a multiple of KV heads", k)
+        return result
+
+    def rewrite(self, op, q, k, v, scale, **_):  # noqa: ANN001, ANN201
+        return op.Attention(q, k, v, scale=float(const_scalar(scale)), q_heads=int(q.shape[1]),
+                            kv_heads=int(k.shape[1]), _domain=ops.DOMAIN)
+
+
+class GQAttentionFusion(_AttentionBase):
+    def pattern(self, op, q, k, v, scale, mask, fill, axes_k, axes_v, ek, rk, ev, rv):  # noqa: ANN001, ANN201
+        k_rep = op.Reshape(op.Expand(op.Unsqueeze(k, axes_k), ek), rk, _allow_other_attributes=True)
+        v_rep = op.Reshape(op.Expand(op.Unsqueeze(v, axes_v), ev), rv, _allow_other_attributes=True)
+        scores = op.Mul(op.MatMul(q, op.Transpose(k_rep, perm=[0, 1, 3, 2])), scale)
+        probs = op.Softmax(op.Where(mask, fill, scores), axis=-1)
+        return op.MatMul(probs, v_rep)
+
+
+class MHAttentionFusion(_AttentionBase):
+    def pattern(self, op, q, k, v, scale, mask, fill):  # noqa: ANN001, ANN201
+        scores = op.Mul(op.MatMul(q, op.Transpose(k, perm=[0, 1, 3, 2])), scale)
+        probs = op.Softmax(op.Where(mask, fill, scores), axis=-1)
+        return op.MatMul(probs, v)
+
+
+RULES = pattern.RewriteRuleSet([GQAttentionFusion.rule("attention_gqa"), MHAttentionFusion.rule("attention_mha")])

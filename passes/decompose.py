@@ -1,0 +1,163 @@
+"""Plain-op decompositions of the neutral ``omforge`` ops: the fallback any target can run.
+
+Each rule rewrites one neutral op into standard ONNX ops (opset ≤ 18) with the same numerics as the
+export it was fused from. Lowerings use these for ops a target has no kernel for.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript.rewriter import pattern
+
+from omforge.passes import ops
+
+_NEG_BIG = float(np.finfo(np.float32).min)
+
+
+def rms_norm(op, x, weight, eps: float):  # noqa: ANN001, ANN201
+    mean = op.ReduceMean(op.Pow(x, op.Constant(value_float=2.0)), op.Constant(value_ints=[-1]), keepdims=1)
+    inv_rms = op.Reciprocal(op.Sqrt(op.Add(mean, op.Constant(value_float=eps))))
+    return op.Mul(weight, op.Mul(x, inv_rms))
+
+
+def causal_attention(op, q, k, v, scale: float, q_heads: int, kv_heads: int, mask=None):  # noqa: ANN001, ANN201
+    """softmax(q·kᵀ·scale masked) · v with KV heads repeated for GQA. ``mask`` (bool, True = hide) defaults
+    to causal over the sequence axis (``q`` and ``k`` of one length)."""
+    groups = q_heads // kv_heads
+    if groups > 1:
+        rep = op.Constant(value_ints=[1, 1, groups, 1, 1])
+        shape = op.Constant(value_ints=[0, q_heads, -1, 0])
+        axis = op.Constant(value_ints=[2])
+        k = op.Reshape(op.Expand(op.Unsqueeze(k, axis), rep), shape)
+        v = op.Reshape(op.Expand(op.Unsqueeze(v, axis), rep), shape)
+    scores = op.Mul(op.MatMul(q, op.Transpose(k, perm=[0, 1, 3, 2])), op.Constant(value_float=scale))
+    if mask is None:
+        seq = op.Gather(op.Shape(q), op.Constant(value_int=2), axis=0)
+        r = op.Range(op.Constant(value_int=0), seq, op.Constant(value_int=1))
+        mask = op.Greater(op.Unsqueeze(r, op.Constant(value_ints=[0])), op.Unsqueeze(r, op.Constant(value_ints=[1])))
+    probs = op.Softmax(op.Where(mask, op.Constant(value_float=_NEG_BIG), scores), axis=-1)
+    return op.MatMul(probs, v)
+
+
+def paged_attention(op, q, k, v, key_cache, value_cache, slot_mapping, block_tables, query_index, token_index,  # noqa: ANN001, ANN201
+                    position_ids, *, scale: float, q_heads: int, kv_heads: int, block_size: int, attend=None):
+    """The step ABI's paged attention in plain ops (see :mod:`omforge.passes.paged_kv`).
+
+    ScatterND writes the new K/V rows at their slots (its output is the updated pool; bound to the input's
+    buffer the write is in place); each sequence's blocks are gathered into a contiguous context
+    ``[B, kv, M * block_size, D]``; queries are gathered into ``[B, Hq, Q, D]``; a key is hidden from a query
+    when its position in the context exceeds the query's position. ``attend(q, k, v, hide)`` computes the
+    attention itself (default: :func:`causal_attention`'s plain ops with that mask).
+    """
+    head_dim = q.shape[-1] if q.shape is not None else None
+    zero, one = op.Constant(value_ints=[0]), op.Constant(value_ints=[1])
+    tok_major = [1, 0, 2]
+
+    def tokens(x):  # noqa: ANN001, ANN202 - [1, H, T, D] -> [T, H, D]
+        return op.Transpose(op.Squeeze(x, zero), perm=tok_major)
+
+    slots = op.Unsqueeze(slot_mapping, one)
+    k_out = op.ScatterND(key_cache, slots, tokens(k))
+    v_out = op.ScatterND(value_cache, slots, tokens(v))
+    block_row = op.Constant(value_ints=[-1, block_size * kv_heads * head_dim])
+    ctx_shape = op.Constant(value_ints=[0, -1, kv_heads, head_dim])
+
+    def context(pool):  # noqa: ANN001, ANN202 - [S, kv, D] -> [B, kv, M*bs, D]
+        blocks = op.Gather(op.Reshape(pool, block_row), block_tables, axis=0)
+        return op.Transpose(op.Reshape(blocks, ctx_shape), perm=[0, 2, 1, 3])
+
+    k_ctx, v_ctx = context(k_out), context(v_out)
+    q_pad = op.Transpose(op.Gather(tokens(q), query_index, axis=0), perm=[0, 2, 1, 3])
+    q_pos = op.Gather(op.Squeeze(position_ids, zero), query_index, axis=0)
+    ctx_len = op.Gather(op.Shape(k_ctx), op.Constant(value_int=2), axis=0)
+    key_pos = op.Unsqueeze(op.Range(op.Constant(value_int=0), ctx_len, op.Constant(value_int=1)),
+                           op.Constant(value_ints=[0, 1, 2]))
+    hide = op.Greater(key_pos, op.Unsqueeze(q_pos, op.Constant(value_ints=[1, 3])))  # [B, 1, Q, C]
+    if attend is None:
+        o_pad = causal_attention(op, q_pad, k_ctx, v_ctx, scale, q_heads, kv_heads, mask=hide)
+    else:
+        o_pad = attend(op, q_pad, k_ctx, v_ctx, hide)
+    rows = op.Reshape(op.Transpose(o_pad, perm=[0, 2, 1, 3]), op.Constant(value_ints=[-1, q_heads, head_dim]))
+    out = op.Unsqueeze(op.Transpose(op.Gather(rows, token_index, axis=0), perm=tok_major), zero)
+    return out, k_out, v_out
+
+
+class DecomposeRMSNorm(pattern.RewriteRuleClassBase):
+    def pattern(self, op, x, weight):  # noqa: ANN001, ANN201
+        return op.RMSNorm(x, weight, _domain=ops.DOMAIN, _allow_other_attributes=True, _outputs=["y"])
+
+    def rewrite(self, op, x, weight, y, **_):  # noqa: ANN001, ANN201
+        return rms_norm(op, x, weight, y.producer().attributes["epsilon"].value)
+
+
+class DecomposeAddRMSNorm(pattern.RewriteRuleClassBase):
+    def pattern(self, op, a, b, weight):  # noqa: ANN001, ANN201
+        return op.AddRMSNorm(a, b, weight, _domain=ops.DOMAIN, _allow_other_attributes=True, _outputs=["y", "s"])
+
+    def rewrite(self, op, a, b, weight, y, **_):  # noqa: ANN001, ANN201
+        total = op.Add(a, b)
+        return rms_norm(op, total, weight, y.producer().attributes["epsilon"].value), total
+
+
+class DecomposeRotary(pattern.RewriteRuleClassBase):
+    def pattern(self, op, x, cos, sin):  # noqa: ANN001, ANN201
+        return op.Rotary(x, cos, sin, _domain=ops.DOMAIN)
+
+    def check(self, context, x, **_) -> pattern.MatchResult:  # noqa: ANN001
+        result = pattern.MatchResult()
+        if x.shape is None or not isinstance(x.shape[-1], int):
+            return result.fail("head dimension is not static", x)
+        return result
+
+    def rewrite(self, op, x, cos, sin, **_):  # noqa: ANN001, ANN201
+        half = x.shape[-1] // 2
+        axis, step = op.Constant(value_ints=[-1]), op.Constant(value_ints=[1])
+        second = op.Slice(x, op.Constant(value_ints=[half]), op.Constant(value_ints=[2**63 - 1]), axis, step)
+        first = op.Slice(x, op.Constant(value_ints=[0]), op.Constant(value_ints=[half]), axis, step)
+        rotated = op.Concat(op.Neg(second), first, axis=-1)
+        return op.Add(op.Mul(x, cos), op.Mul(rotated, sin))
+
+
+class DecomposeSwiGLU(pattern.RewriteRuleClassBase):
+    def pattern(self, op, gate_up):  # noqa: ANN001, ANN201
+        return op.SwiGLU(gate_up, _domain=ops.DOMAIN)
+
+    def rewrite(self, op, gate_up, **_):  # noqa: ANN001, ANN201
+        gate, up = op.Split(gate_up, axis=-1, num_outputs=2, _outputs=2)
+        return op.Mul(op.Mul(gate, op.Sigmoid(gate)), up)
+
+
+class DecomposeAttention(pattern.RewriteRuleClassBase):
+    def pattern(self, op, q, k, v):  # noqa: ANN001, ANN201
+        return op.Attention(q, k, v, _domain=ops.DOMAIN, _allow_other_attributes=True, _outputs=["o"])
+
+    def rewrite(self, op, q, k, v, o, **_):  # noqa: ANN001, ANN201
+        a = o.producer().attributes
+        return causal_attention(op, q, k, v, a["scale"].value, a["q_heads"].value, a["kv_heads"].value)
+
+
+class DecomposePagedAttention(pattern.RewriteRuleClassBase):
+    def pattern(self, op, q, k, v, kc, vc, slots, tables, qidx, tidx, pos):  # noqa: ANN001, ANN201
+        return op.PagedAttention(q, k, v, kc, vc, slots, tables, qidx, tidx, pos, _domain=ops.DOMAIN,
+                                 _allow_other_attributes=True, _outputs=["o", "k_out", "v_out"])
+
+    def attend(self, node: ir.Node):  # noqa: ANN201 - None: the plain-op attention
+        return None
+
+    def rewrite(self, op, q, k, v, kc, vc, slots, tables, qidx, tidx, pos, o, **_):  # noqa: ANN001, ANN201
+        node = o.producer()
+        a = {name: node.attributes[name].value for name in ("scale", "q_heads", "kv_heads", "block_size")}
+        return paged_attention(op, q, k, v, kc, vc, slots, tables, qidx, tidx, pos, **a, attend=self.attend(node))
+
+
+RULES: dict[str, pattern.RewriteRule] = {
+    "PagedAttention": DecomposePagedAttention.rule("decompose_paged_attention"),
+    "RMSNorm": DecomposeRMSNorm.rule("decompose_rms_norm"),
+    "AddRMSNorm": DecomposeAddRMSNorm.rule("decompose_add_rms_norm"),
+    "Rotary": DecomposeRotary.rule("decompose_rotary"),
+    "SwiGLU": DecomposeSwiGLU.rule("decompose_swiglu"),
+    "Attention": DecomposeAttention.rule("decompose_attention"),
+}
+"""Neutral op type → its decomposition rule."""
+

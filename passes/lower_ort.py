@@ -1,0 +1,85 @@
+"""Lowering to ONNX Runtime (CPU): neutral ops → ORT kernels, or their plain decomposition where ORT has none.
+
+  RMSNorm     → RMSNormalization (opset 23)
+  AddRMSNorm  → com.microsoft SkipSimplifiedLayerNormalization (output 3 is the residual sum)
+  Rotary      → RotaryEmbedding (opset 23) on 4-D [B, H, S, D] with cos/sin caches [B, S, D/2] (no position ids)
+  SwiGLU      → plain ops (ORT has no CPU SwiGLU kernel)
+  Attention   → Attention (opset 23), ``is_causal``, GQA through ``q_num_heads``/``kv_num_heads``
+  PagedAttention → ScatterND KV write + Gather of the block table + Attention (opset 23) with a boolean mask
+
+After lowering the default-domain opset is 23: the exported ops keep their semantics there (the changes
+from 18 to 23 only widen type lists).
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+from onnxscript.rewriter import pattern
+
+from omforge.passes import decompose, ops
+
+ORT_OPSET = 23
+MS_DOMAIN = "com.microsoft"
+
+
+class LowerRMSNorm(decompose.DecomposeRMSNorm):
+    def rewrite(self, op, x, weight, y, **_):  # noqa: ANN001, ANN201
+        return op.RMSNormalization(x, weight, axis=-1, epsilon=y.producer().attributes["epsilon"].value, stash_type=1)
+
+
+class LowerAddRMSNorm(decompose.DecomposeAddRMSNorm):
+    def rewrite(self, op, a, b, weight, y, **_):  # noqa: ANN001, ANN201
+        eps = y.producer().attributes["epsilon"].value
+        out, _, _, total = op.SkipSimplifiedLayerNormalization(a, b, weight, epsilon=eps, _domain=MS_DOMAIN, _outputs=4)
+        return out, total
+
+
+class LowerRotary(decompose.DecomposeRotary):
+    def rewrite(self, op, x, cos, sin, **_):  # noqa: ANN001, ANN201
+        half = x.shape[-1] // 2
+        axis, step = op.Constant(value_ints=[-1]), op.Constant(value_ints=[1])
+        start, end, squeeze = op.Constant(value_ints=[0]), op.Constant(value_ints=[half]), op.Constant(value_ints=[1])
+        cos_cache = op.Squeeze(op.Slice(cos, start, end, axis, step), squeeze)
+        sin_cache = op.Squeeze(op.Slice(sin, start, end, axis, step), squeeze)
+        return op.RotaryEmbedding(x, cos_cache, sin_cache, interleaved=0)
+
+
+class LowerAttention(decompose.DecomposeAttention):
+    def rewrite(self, op, q, k, v, o, **_):  # noqa: ANN001, ANN201
+        a = o.producer().attributes
+        return op.Attention(q, k, v, is_causal=1, scale=a["scale"].value, q_num_heads=a["q_heads"].value,
+                            kv_num_heads=a["kv_heads"].value)
+
+
+class LowerPagedAttention(decompose.DecomposePagedAttention):
+    """Paged attention: plain-op KV write and block gather, then the fused ``Attention`` with a boolean mask."""
+
+    def attend(self, node: ir.Node):  # noqa: ANN201
+        a = node.attributes
+
+        def fused(op, q, k, v, hide):  # noqa: ANN001, ANN202
+            return op.Attention(q, k, v, op.Not(hide), scale=a["scale"].value, q_num_heads=a["q_heads"].value,
+                                kv_num_heads=a["kv_heads"].value)
+
+        return fused
+
+
+RULES = pattern.RewriteRuleSet([
+    LowerPagedAttention.rule("ort_paged_attention"),
+    LowerAddRMSNorm.rule("ort_add_rms_norm"),
+    LowerRMSNorm.rule("ort_rms_norm"),
+    LowerRotary.rule("ort_rotary"),
+    decompose.RULES["SwiGLU"],
+    LowerAttention.rule("ort_attention"),
+])
+
+
+def lower(model: ir.Model) -> int:
+    """Lower every neutral op in ``model`` in place; returns the number of ops lowered."""
+    model.opset_imports[""] = max(model.opset_imports.get("", 18), ORT_OPSET)
+    count = RULES.apply_to_model(model)
+    left = [n.op_type for n in model.graph if n.domain == ops.DOMAIN]
+    if left:
+        raise RuntimeError(f"ORT lowering left neutral ops: {sorted(set(left))}")
+    model.opset_imports.pop(ops.DOMAIN, None)
+    return count

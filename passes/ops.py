@@ -1,0 +1,18 @@
+"""The neutral fused ops the fusions produce, in domain ``omforge`` (version 1), before lowering to a target.
+
+Each op is a contract: its semantics below, a plain-op decomposition in :mod:`omforge.passes.decompose`
+(the fallback any target can run), and per-target lowerings in ``lower_ort`` / ``lower_ascend``.
+
+  RMSNorm(x, weight; epsilon) -> y                          y = weight * x / sqrt(mean(x², -1) + eps)
+  AddRMSNorm(x, residual, weight; epsilon) -> (y, sum)      sum = x + residual; y = RMSNorm(sum)
+  Rotary(x, cos, sin) -> y        x [B, H, S, D], cos/sin [B, 1, S, D]: y = x·cos + rotate_half(x)·sin
+  SwiGLU(gate_up) -> y            gate_up [..., 2F]: y = silu(gate_up[..., :F]) · gate_up[..., F:]
+  Attention(q, k, v; scale, q_heads, kv_heads) -> o
+                                  q [B, Hq, S, D], k/v [B, Hkv, S, D], causal over S, GQA by head groups
+  PagedAttention(q, k, v, key_cache, value_cache, slot_mapping, block_tables, query_index, token_index,
+                 position_ids; scale, q_heads, kv_heads, block_size) -> (o, key_cache_out, value_cache_out)
+                                  see :mod:`omforge.passes.paged_kv` and the step ABI in the README
+"""
+
+DOMAIN = "omforge"
+VERSION = 1

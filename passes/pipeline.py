@@ -1,0 +1,51 @@
+"""From an export to the graphs a target runs: fusions → (paged-KV insertion) → lowering, saved with its weights."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import onnx_ir as ir
+
+from omforge.passes import lower_ort, manager
+from omforge.passes.paged_kv import PagedLayout, insert_paged_kv
+
+
+@dataclass
+class PassReport:
+    fusion_counts: dict[str, int]
+    num_nodes: int
+    op_histogram: dict[str, int]
+    layout: PagedLayout | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        d["layout"] = asdict(self.layout) if self.layout else None
+        return d
+
+
+def histogram(model: ir.Model) -> dict[str, int]:
+    return dict(Counter(f"{n.domain + '::' if n.domain not in ('', 'ai.onnx') else ''}{n.op_type}"
+                        for n in model.graph).most_common())
+
+
+def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | None = None,
+          block_size: int | None = None, target: str = "ort") -> PassReport:
+    """Fuse (switches ``fusions``), page the KV cache when ``block_size`` is given, lower to ``target``,
+    and save ``out_path`` with its weights in ``out_path.name + '.data'`` beside it."""
+    if target != "ort":
+        raise ValueError(f"target '{target}' is not lowered here yet")
+    model = ir.load(export_dir / "model.onnx")
+    counts = manager.run_fusions(model, fusions)
+    layout = insert_paged_kv(model, block_size) if block_size else None
+    lower_ort.lower(model)
+    manager.cleanup(model)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    ir.save(model, out_path, external_data=out_path.name + ".data")
+    report = PassReport(counts, len(list(model.graph)), histogram(model), layout)
+    out_path.with_suffix(".json").write_text(json.dumps(report.to_dict(), indent=2))
+    return report

@@ -1,0 +1,46 @@
+"""The ONNX Runtime executor: one session over the step graph, the KV pools allocated once and bound in place.
+
+Each layer's pool is a numpy array ``[num_blocks, block_size, kv_heads, head_dim]``; its slot view is bound
+through IOBinding as both the ``key_cache.N`` input and the ``key_cache_out.N`` output, so the in-graph
+ScatterND writes the new rows into the pool itself (no copy of the pool per step: cost follows the work).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from omforge.passes.paged_kv import PagedLayout
+
+
+class OrtExecutor:
+    def __init__(self, model_path: Path, layout: PagedLayout, num_blocks: int, threads: int | None = None,
+                 providers: list[str] | None = None):
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = threads
+        self.layout, self.num_blocks = layout, num_blocks
+        self.session = ort.InferenceSession(str(model_path), opts, providers=providers or ["CPUExecutionProvider"])
+        shape = (num_blocks, layout.block_size, layout.kv_heads, layout.head_dim)
+        self.key_pools = [np.zeros(shape, np.float32) for _ in range(layout.num_layers)]
+        self.value_pools = [np.zeros(shape, np.float32) for _ in range(layout.num_layers)]
+        self.binding = self.session.io_binding()
+        self.binding.bind_output("logits")  # first, so it stays output 0 when re-bound each run
+        self._pool_values = []  # keep the OrtValues alive as long as the binding refers to them
+        slots = (num_blocks * layout.block_size, layout.kv_heads, layout.head_dim)
+        for layer in range(layout.num_layers):
+            for kind, pools in (("key", self.key_pools), ("value", self.value_pools)):
+                value = ort.OrtValue.ortvalue_from_numpy(pools[layer].reshape(slots))
+                self.binding.bind_ortvalue_input(f"{kind}_cache.{layer}", value)
+                self.binding.bind_ortvalue_output(f"{kind}_cache_out.{layer}", value)
+                self._pool_values.append(value)
+
+    def run(self, step: dict[str, np.ndarray]) -> np.ndarray:
+        """Execute one step; returns logits ``[num_logits, vocab]`` (the pools are updated in place)."""
+        for name, array in step.items():
+            self.binding.bind_cpu_input(name, np.ascontiguousarray(array))
+        self.binding.bind_output("logits")  # unallocated again: the number of logit rows varies by step
+        self.session.run_with_iobinding(self.binding)
+        return self.binding.get_outputs()[0].numpy()[0]
