@@ -21,13 +21,13 @@ def rms_norm(op, x, weight, eps: float):  # noqa: ANN001, ANN201
     return op.Mul(weight, op.Mul(x, inv_rms))
 
 
-def causal_attention(op, q, k, v, scale: float, q_heads: int, kv_heads: int, mask=None):  # noqa: ANN001, ANN201
+def causal_attention(op, q, k, v, scale: float, q_heads: int, kv_heads: int, head_dim: int, mask=None):  # noqa: ANN001, ANN201
     """softmax(q·kᵀ·scale masked) · v with KV heads repeated for GQA. ``mask`` (bool, True = hide) defaults
     to causal over the sequence axis (``q`` and ``k`` of one length)."""
     groups = q_heads // kv_heads
     if groups > 1:
         rep = op.Constant(value_ints=[1, 1, groups, 1, 1])
-        shape = op.Constant(value_ints=[0, q_heads, -1, 0])
+        shape = op.Constant(value_ints=[0, q_heads, -1, head_dim])
         axis = op.Constant(value_ints=[2])
         k = op.Reshape(op.Expand(op.Unsqueeze(k, axis), rep), shape)
         v = op.Reshape(op.Expand(op.Unsqueeze(v, axis), rep), shape)
@@ -46,9 +46,10 @@ def paged_attention(op, q, k, v, key_cache, value_cache, slot_mapping, block_tab
 
     ScatterND writes the new K/V rows at their slots (its output is the updated pool; bound to the input's
     buffer the write is in place); each sequence's blocks are gathered into a contiguous context
-    ``[B, kv, M * block_size, D]``; queries are gathered into ``[B, Hq, Q, D]``; a key is hidden from a query
-    when its position in the context exceeds the query's position. ``attend(q, k, v, hide)`` computes the
-    attention itself (default: :func:`causal_attention`'s plain ops with that mask).
+    ``[B, M * block_size, kv * D]`` (sequence-major, so no transpose of the context is needed); queries are
+    gathered into ``[B, Q, Hq * D]``; a key is hidden from a query when its position in the context exceeds the
+    query's position (``hide [B, 1, Q, C]``). ``attend(op, q, k, v, hide)`` computes attention on those 3-D
+    (BSH) tensors; by default the plain ops of :func:`causal_attention`.
     """
     head_dim = q.shape[-1] if q.shape is not None else None
     zero, one = op.Constant(value_ints=[0]), op.Constant(value_ints=[1])
@@ -61,24 +62,29 @@ def paged_attention(op, q, k, v, key_cache, value_cache, slot_mapping, block_tab
     k_out = op.ScatterND(key_cache, slots, tokens(k))
     v_out = op.ScatterND(value_cache, slots, tokens(v))
     block_row = op.Constant(value_ints=[-1, block_size * kv_heads * head_dim])
-    ctx_shape = op.Constant(value_ints=[0, -1, kv_heads, head_dim])
+    ctx_shape = op.Constant(value_ints=[0, -1, kv_heads * head_dim])
 
-    def context(pool):  # noqa: ANN001, ANN202 - [S, kv, D] -> [B, kv, M*bs, D]
-        blocks = op.Gather(op.Reshape(pool, block_row), block_tables, axis=0)
-        return op.Transpose(op.Reshape(blocks, ctx_shape), perm=[0, 2, 1, 3])
+    def context(pool):  # noqa: ANN001, ANN202 - [S, kv, D] -> [B, M*bs, kv*D]
+        return op.Reshape(op.Gather(op.Reshape(pool, block_row), block_tables, axis=0), ctx_shape)
 
     k_ctx, v_ctx = context(k_out), context(v_out)
-    q_pad = op.Transpose(op.Gather(tokens(q), query_index, axis=0), perm=[0, 2, 1, 3])
+    q_rows = op.Reshape(tokens(q), op.Constant(value_ints=[0, -1]))  # [T, Hq*D]
+    q_pad = op.Gather(q_rows, query_index, axis=0)  # [B, Q, Hq*D]
     q_pos = op.Gather(op.Squeeze(position_ids, zero), query_index, axis=0)
-    ctx_len = op.Gather(op.Shape(k_ctx), op.Constant(value_int=2), axis=0)
+    ctx_len = op.Gather(op.Shape(k_ctx), op.Constant(value_int=1), axis=0)
     key_pos = op.Unsqueeze(op.Range(op.Constant(value_int=0), ctx_len, op.Constant(value_int=1)),
                            op.Constant(value_ints=[0, 1, 2]))
     hide = op.Greater(key_pos, op.Unsqueeze(q_pos, op.Constant(value_ints=[1, 3])))  # [B, 1, Q, C]
     if attend is None:
-        o_pad = causal_attention(op, q_pad, k_ctx, v_ctx, scale, q_heads, kv_heads, mask=hide)
+        def heads(x, n):  # noqa: ANN001, ANN202 - [B, S, n*D] -> [B, n, S, D]
+            return op.Transpose(op.Reshape(x, op.Constant(value_ints=[0, 0, n, head_dim])), perm=[0, 2, 1, 3])
+
+        o4 = causal_attention(op, heads(q_pad, q_heads), heads(k_ctx, kv_heads), heads(v_ctx, kv_heads), scale,
+                              q_heads, kv_heads, head_dim, mask=hide)
+        o_pad = op.Transpose(o4, perm=[0, 2, 1, 3])
     else:
         o_pad = attend(op, q_pad, k_ctx, v_ctx, hide)
-    rows = op.Reshape(op.Transpose(o_pad, perm=[0, 2, 1, 3]), op.Constant(value_ints=[-1, q_heads, head_dim]))
+    rows = op.Reshape(o_pad, op.Constant(value_ints=[-1, q_heads, head_dim]))  # [B*Q, Hq, D]
     out = op.Unsqueeze(op.Transpose(op.Gather(rows, token_index, axis=0), perm=tok_major), zero)
     return out, k_out, v_out
 
@@ -132,9 +138,15 @@ class DecomposeAttention(pattern.RewriteRuleClassBase):
     def pattern(self, op, q, k, v):  # noqa: ANN001, ANN201
         return op.Attention(q, k, v, _domain=ops.DOMAIN, _allow_other_attributes=True, _outputs=["o"])
 
+    def check(self, context, q, **_) -> pattern.MatchResult:  # noqa: ANN001
+        result = pattern.MatchResult()
+        if q.shape is None or not isinstance(q.shape[-1], int):
+            return result.fail("head dimension is not static", q)
+        return result
+
     def rewrite(self, op, q, k, v, o, **_):  # noqa: ANN001, ANN201
         a = o.producer().attributes
-        return causal_attention(op, q, k, v, a["scale"].value, a["q_heads"].value, a["kv_heads"].value)
+        return causal_attention(op, q, k, v, a["scale"].value, a["q_heads"].value, a["kv_heads"].value, q.shape[-1])
 
 
 class DecomposePagedAttention(pattern.RewriteRuleClassBase):
@@ -144,6 +156,12 @@ class DecomposePagedAttention(pattern.RewriteRuleClassBase):
 
     def attend(self, node: ir.Node):  # noqa: ANN201 - None: the plain-op attention
         return None
+
+    def check(self, context, o, **_) -> pattern.MatchResult:  # noqa: ANN001
+        result = pattern.MatchResult()
+        if o.shape is None or not isinstance(o.shape[-1], int):
+            return result.fail("head dimension is not static", o)
+        return result
 
     def rewrite(self, op, q, k, v, kc, vc, slots, tables, qidx, tidx, pos, o, **_):  # noqa: ANN001, ANN201
         node = o.producer()

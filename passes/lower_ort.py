@@ -5,7 +5,8 @@
   Rotary      → RotaryEmbedding (opset 23) on 4-D [B, H, S, D] with cos/sin caches [B, S, D/2] (no position ids)
   SwiGLU      → plain ops (ORT has no CPU SwiGLU kernel)
   Attention   → Attention (opset 23), ``is_causal``, GQA through ``q_num_heads``/``kv_num_heads``
-  PagedAttention → ScatterND KV write + Gather of the block table + Attention (opset 23) with a boolean mask
+  PagedAttention → ScatterND KV write + Gather of the block table + Attention (opset 23, 3-D BSH inputs, so the
+                   gathered context needs no transpose) with a boolean mask; plain ops when the attention switch is off
 
 After lowering the default-domain opset is 23: the exported ops keep their semantics there (the changes
 from 18 to 23 only widen type lists).
@@ -56,6 +57,8 @@ class LowerPagedAttention(decompose.DecomposePagedAttention):
 
     def attend(self, node: ir.Node):  # noqa: ANN201
         a = node.attributes
+        if not a["fused_attention"].value:  # the recipe switched the attention fusion off
+            return None
 
         def fused(op, q, k, v, hide):  # noqa: ANN001, ANN202
             return op.Attention(q, k, v, op.Not(hide), scale=a["scale"].value, q_num_heads=a["q_heads"].value,

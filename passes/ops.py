@@ -10,7 +10,8 @@ Each op is a contract: its semantics below, a plain-op decomposition in :mod:`om
   Attention(q, k, v; scale, q_heads, kv_heads) -> o
                                   q [B, Hq, S, D], k/v [B, Hkv, S, D], causal over S, GQA by head groups
   PagedAttention(q, k, v, key_cache, value_cache, slot_mapping, block_tables, query_index, token_index,
-                 position_ids; scale, q_heads, kv_heads, block_size) -> (o, key_cache_out, value_cache_out)
+                 position_ids; scale, q_heads, kv_heads, block_size, fused_attention)
+                 -> (o, key_cache_out, value_cache_out)
                                   see :mod:`omforge.passes.paged_kv` and the step ABI in the README
 """
 

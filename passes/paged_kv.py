@@ -55,7 +55,8 @@ def insert_paged_kv(model: ir.Model, block_size: int) -> PagedLayout:
     """Rewrite ``model`` (fused, with ``omforge.Attention`` nodes) into the step graph, in place."""
     graph = model.graph
     attn = [n for n in graph if n.domain == ops.DOMAIN and n.op_type == "Attention"]
-    if not attn:  # the attention switch is off: find attention anyway, it is where the cache goes
+    fused = bool(attn)  # False when the attention switch is off: the lowering then keeps plain-op attention
+    if not attn:  # find attention anyway: it is where the cache goes
         attention.RULES.apply_to_model(model)
         attn = [n for n in graph if n.domain == ops.DOMAIN and n.op_type == "Attention"]
     if not attn:
@@ -84,7 +85,7 @@ def insert_paged_kv(model: ir.Model, block_size: int) -> PagedLayout:
             "PagedAttention", [q, k, v, *caches, step["slot_mapping"], step["block_tables"], step["query_index"],
                                step["token_index"], pos],
             attributes={**{a: node.attributes[a].value for a in ("scale", "q_heads", "kv_heads")},
-                        "block_size": block_size},
+                        "block_size": block_size, "fused_attention": int(fused)},
             domain=ops.DOMAIN, num_outputs=3, name=f"paged_attention.{layer}")
         out, k_out, v_out = paged.outputs
         out.shape, out.dtype = node.outputs[0].shape, node.outputs[0].dtype

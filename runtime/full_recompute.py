@@ -35,6 +35,7 @@ class ExportedModel:
         meta_path = export_dir / "export.json"
         if not meta_path.is_file():
             raise OmforgeError(f"{export_dir}: not an omforge export (no export.json)")
+        self.export_dir = export_dir
         self.meta = json.loads(meta_path.read_text())
         self.config = ModelConfig.from_dict(self.meta["config"])
         opts = ort.SessionOptions()

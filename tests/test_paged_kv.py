@@ -127,3 +127,18 @@ def test_smollm2_paged_matches_unfused(smollm2_export: Path, tmp_path: Path) -> 
         ids.append(int(logits[0].argmax()))
         logits = ex.run(build_step([SeqWork(ids[-1:], len(ids) - 1, table)], 16))
     assert worst <= 1e-4, worst
+
+
+def test_paged_graph_with_every_fusion_off(tiny, tmp_path: Path) -> None:  # noqa: ANN001
+    """The switches off: the paged pass still finds attention (the cache must go somewhere), plain ops elsewhere."""
+    from omforge.recipe import FUSIONS
+
+    ref, _, _ = tiny
+    report = build(ref.export_dir, tmp_path / "model.onnx", fusions={f: False for f in FUSIONS}, block_size=BLOCK)
+    assert set(report.fusion_counts.values()) == {0}
+    ops = report.op_histogram
+    assert "Attention" not in ops and "RMSNormalization" not in ops and "ScatterND" in ops
+    ex = OrtExecutor(tmp_path / "model.onnx", report.layout, num_blocks=16)
+    ids = [7, 8, 9, 10, 11, 12, 13]
+    logits = ex.run(build_step([SeqWork(ids, 0, [3, 1])], BLOCK))
+    np.testing.assert_allclose(logits[0], last_logits(ref, ids), atol=1e-5)
