@@ -41,7 +41,8 @@ def causal_attention(op, q, k, v, scale: float, q_heads: int, kv_heads: int, hea
 
 
 def paged_attention(op, q, k, v, key_cache, value_cache, slot_mapping, block_tables, query_index, token_index,  # noqa: ANN001, ANN201
-                    position_ids, *, scale: float, q_heads: int, kv_heads: int, block_size: int, attend=None):
+                    position_ids, *, scale: float, q_heads: int, kv_heads: int, block_size: int, attend=None,
+                    contiguous: bool = False):
     """The step ABI's paged attention in plain ops (see :mod:`omforge.passes.paged_kv`).
 
     ScatterND writes the new K/V rows at their slots (its output is the updated pool; bound to the input's
@@ -50,6 +51,9 @@ def paged_attention(op, q, k, v, key_cache, value_cache, slot_mapping, block_tab
     gathered into ``[B, Q, Hq * D]``; a key is hidden from a query when its position in the context exceeds the
     query's position (``hide [B, 1, Q, C]``). ``attend(op, q, k, v, hide)`` computes attention on those 3-D
     (BSH) tensors; by default the plain ops of :func:`causal_attention`.
+
+    ``contiguous=True`` is the contiguous-cache baseline the benchmarks compare against: sequence ``b`` owns
+    slots ``[b*C, (b+1)*C)`` of a pool of exactly ``B*C`` slots, so the context is a reshape, not a gather.
     """
     head_dim = q.shape[-1] if q.shape is not None else None
     zero, one = op.Constant(value_ints=[0]), op.Constant(value_ints=[1])
@@ -65,6 +69,9 @@ def paged_attention(op, q, k, v, key_cache, value_cache, slot_mapping, block_tab
     ctx_shape = op.Constant(value_ints=[0, -1, kv_heads * head_dim])
 
     def context(pool):  # noqa: ANN001, ANN202 - [S, kv, D] -> [B, M*bs, kv*D]
+        if contiguous:
+            batch = op.Gather(op.Shape(block_tables), op.Constant(value_ints=[0]), axis=0)
+            return op.Reshape(pool, op.Concat(batch, op.Constant(value_ints=[-1, kv_heads * head_dim]), axis=0))
         return op.Reshape(op.Gather(op.Reshape(pool, block_row), block_tables, axis=0), ctx_shape)
 
     k_ctx, v_ctx = context(k_out), context(v_out)

@@ -28,6 +28,15 @@ class PassReport:
         return d
 
 
+def interface(model: ir.Model) -> dict[str, list[dict[str, object]]]:
+    """The graph's inputs and outputs (name, dtype, shape with symbolic dims as names): the ABI as data."""
+    def describe(v: ir.Value) -> dict[str, object]:
+        dims = [d if isinstance(d, int) else str(d) for d in v.shape] if v.shape is not None else None
+        return {"name": v.name, "dtype": v.dtype.name.lower() if v.dtype is not None else None, "shape": dims}
+
+    return {"inputs": [describe(v) for v in model.graph.inputs], "outputs": [describe(v) for v in model.graph.outputs]}
+
+
 def histogram(model: ir.Model) -> dict[str, int]:
     return dict(Counter(f"{n.domain + '::' if n.domain not in ('', 'ai.onnx') else ''}{n.op_type}"
                         for n in model.graph).most_common())
@@ -46,6 +55,6 @@ def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | Non
     manager.cleanup(model)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     ir.save(model, out_path, external_data=out_path.name + ".data")
-    report = PassReport(counts, len(list(model.graph)), histogram(model), layout)
+    report = PassReport(counts, len(list(model.graph)), histogram(model), layout, {"abi": interface(model)})
     out_path.with_suffix(".json").write_text(json.dumps(report.to_dict(), indent=2))
     return report

@@ -1,0 +1,175 @@
+"""Benchmarks for the passes issue (numbers for the closing note; not a test).
+
+  python benchmarks/bench_passes.py nodes                 nodes per decoder layer, unfused vs fused (exact, marginal)
+  python benchmarks/bench_passes.py decode  EXPORT_DIR    decode step: fused vs unfused, batch 1 and 16
+  python benchmarks/bench_passes.py pool    EXPORT_DIR    decode step with a pool of 1k vs 32k blocks, batch 16
+  python benchmarks/bench_passes.py paged   EXPORT_DIR    paged vs contiguous cache, batch 16, context 512,
+                                                          and the paged step over block sizes
+
+Decode steps are timed on pools whose content does not matter for speed (the positions and block tables
+say every sequence holds ``context`` tokens); each figure is the median of ``--steps`` runs after warm-up.
+Ratios are measured in one process, one after the other, on the same machine state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from omforge.passes import lower_ort, manager
+from omforge.passes.decompose import paged_attention
+from omforge.passes.lower_ort import LowerPagedAttention
+from omforge.passes.paged_kv import insert_paged_kv
+from omforge.passes.pipeline import build
+from omforge.recipe import FUSIONS
+from omforge.runtime.ort_executor import OrtExecutor
+from omforge.runtime.step import SeqWork, build_step
+
+
+def median_step_ms(ex: OrtExecutor, step: dict[str, np.ndarray], steps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        ex.run(step)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        ex.run(step)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def decode_step(batch: int, context: int, block_size: int, num_blocks: int, contiguous: bool = False) -> dict:
+    """``batch`` sequences each decoding one token at position ``context - 1``; tables spread over the pool."""
+    per_seq = -(-context // block_size)
+    rng = np.random.default_rng(0)
+    if contiguous:
+        tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
+    else:  # random distinct blocks anywhere in the pool: a fragmented, realistic pool
+        ids = rng.choice(num_blocks, size=batch * per_seq, replace=False)
+        tables = [ids[b * per_seq:(b + 1) * per_seq].tolist() for b in range(batch)]
+    return build_step([SeqWork([int(rng.integers(3, 1000))], context - 1, t) for t in tables], block_size)
+
+
+class ContiguousPagedAttention(LowerPagedAttention):
+    """The contiguous-cache baseline: each sequence owns a fixed slot range; the context is a reshape."""
+
+    def rewrite(self, op, q, k, v, kc, vc, slots, tables, qidx, tidx, pos, o, **_):  # noqa: ANN001, ANN201
+        node = o.producer()
+        a = {name: node.attributes[name].value for name in ("scale", "q_heads", "kv_heads", "block_size")}
+        return paged_attention(op, q, k, v, kc, vc, slots, tables, qidx, tidx, pos, **a, attend=self.attend(node),
+                               contiguous=True)
+
+
+def build_contiguous(export_dir: Path, out: Path, block_size: int):  # noqa: ANN201
+    from onnxscript.rewriter import pattern
+
+    model = ir.load(export_dir / "model.onnx")
+    manager.run_fusions(model)
+    layout = insert_paged_kv(model, block_size)
+    pattern.RewriteRuleSet([ContiguousPagedAttention.rule("contiguous")]).apply_to_model(model)
+    lower_ort.lower(model)
+    manager.cleanup(model)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ir.save(model, out, external_data=out.name + ".data")
+    return layout
+
+
+def cmd_nodes(_: argparse.Namespace) -> None:
+    """Marginal nodes per decoder layer: (nodes of a 2-layer model) − (nodes of a 1-layer model)."""
+    from omforge.export.onnx_export import export_checkpoint, Timings
+    from omforge.export.weights import random_checkpoint
+    from omforge.models.config import ModelConfig
+
+    counts = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for layers in (1, 2):
+            cfg = ModelConfig(family="llama", vocab_size=512, hidden_size=576, intermediate_size=1536,
+                              num_hidden_layers=layers, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                              tie_word_embeddings=True)
+            d = Path(tmp) / str(layers)
+            d.mkdir()
+            meta = export_checkpoint(random_checkpoint(cfg, 0), d, 18, Timings(quiet=True))
+            fused = build(d, d / "fused" / "model.onnx")
+            paged = build(d, d / "paged" / "model.onnx", block_size=16)
+            counts[layers] = (meta["num_nodes"], fused.num_nodes, paged.num_nodes)
+    names = ("unfused (export)", "fused + ORT-lowered", "fused + paged + ORT-lowered")
+    print("nodes per decoder layer (SmolLM2 shape; 2-layer minus 1-layer model):")
+    for i, name in enumerate(names):
+        print(f"  {name:30s} {counts[2][i] - counts[1][i]:4d}")
+
+
+def cmd_decode(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        graphs = {
+            "fused": build(args.export, Path(tmp) / "fused" / "model.onnx", block_size=args.block_size),
+            "unfused": build(args.export, Path(tmp) / "unfused" / "model.onnx", block_size=args.block_size,
+                             fusions={f: False for f in FUSIONS}),
+        }
+        print(f"decode step, context {args.context}, block size {args.block_size} (median of {args.steps}):")
+        for batch in (1, 16):
+            step = decode_step(batch, args.context, args.block_size, 1024)
+            ms = {}
+            for name, report in graphs.items():
+                ex = OrtExecutor(Path(tmp) / name / "model.onnx", report.layout, num_blocks=1024)
+                ms[name] = median_step_ms(ex, step, args.steps)
+                del ex
+            print(f"  batch {batch:2d}: unfused {ms['unfused']:7.2f} ms  fused {ms['fused']:7.2f} ms  "
+                  f"speed-up {ms['unfused'] / ms['fused']:.2f}x  ({graphs['unfused'].num_nodes} vs "
+                  f"{graphs['fused'].num_nodes} nodes)")
+
+
+def cmd_pool(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        report = build(args.export, Path(tmp) / "model.onnx", block_size=args.block_size)
+        ms = {}
+        for blocks in (1024, 32768):
+            ex = OrtExecutor(Path(tmp) / "model.onnx", report.layout, num_blocks=blocks)
+            ms[blocks] = median_step_ms(ex, decode_step(16, args.context, args.block_size, blocks), args.steps)
+            gb = 2 * report.layout.num_layers * ex.key_pools[0].nbytes / 1e9
+            print(f"  pool {blocks:6d} blocks ({gb:5.1f} GB of KV, block size {args.block_size}): "
+                  f"{ms[blocks]:7.2f} ms per decode step, batch 16, context {args.context}")
+            del ex
+        print(f"  ratio 32k / 1k: {ms[32768] / ms[1024]:.3f}")
+
+
+def cmd_paged(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        batch, context = 16, args.context
+        for bs in args.block_sizes:
+            per_seq = -(-context // bs)
+            report = build(args.export, Path(tmp) / f"p{bs}" / "model.onnx", block_size=bs)
+            ex = OrtExecutor(Path(tmp) / f"p{bs}" / "model.onnx", report.layout, num_blocks=batch * per_seq * 2)
+            paged = median_step_ms(ex, decode_step(batch, context, bs, batch * per_seq * 2), args.steps)
+            del ex
+            layout = build_contiguous(args.export, Path(tmp) / f"c{bs}" / "model.onnx", bs)
+            ex = OrtExecutor(Path(tmp) / f"c{bs}" / "model.onnx", layout, num_blocks=batch * per_seq)
+            contiguous = median_step_ms(ex, decode_step(batch, context, bs, batch * per_seq, contiguous=True), args.steps)
+            del ex
+            print(f"  block size {bs:4d}: paged {paged:7.2f} ms  contiguous {contiguous:7.2f} ms  "
+                  f"ratio {paged / contiguous:.2f}x  (batch {batch}, context {context})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("nodes").set_defaults(func=cmd_nodes)
+    for name, func, ctx in (("decode", cmd_decode, 128), ("pool", cmd_pool, 512), ("paged", cmd_paged, 512)):
+        s = sub.add_parser(name)
+        s.add_argument("export", type=Path)
+        s.add_argument("--context", type=int, default=ctx)
+        s.add_argument("--block-size", type=int, default=16)
+        s.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32, 64, 128, 256])
+        s.add_argument("--steps", type=int, default=20)
+        s.set_defaults(func=func)
+    args = p.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
