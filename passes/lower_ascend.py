@@ -1,0 +1,360 @@
+"""Lowering to Ascend (ATC → OM): neutral ops → nodes CANN's ONNX plugins map, plugins of our own, or plain ops.
+
+ATC's ONNX parser keys every node as ``"<domain>::<opset>::<op_type>"`` (empty domain → ``ai.onnx``) and accepts
+a node only if some plugin registered that exact key; a node in the default domain is accepted only when the
+model has exactly ONE ``opset_import`` entry (reference/ascend.md §1.6). So every node here is in the default
+domain and the lowered model imports only ``""``, at the export's opset (18 by default; 11..18 accepted, ≤ 18
+being what the parser documents). What CANN's built-in plugins register (their sources in ops-transformer /
+ops-nn; ascend.md §2.1, the rotary one read from its plugin source):
+
+  NPURmsNorm, NPUAddRmsNorm, NPURotaryPositionEmbedding   ai.onnx 11–18 (and npu::1)
+  NPUPromptFlashAttention                                  ai.onnx 11–16 and 19 only (and npu::1): NOT 17 or 18
+
+The lowering, op by op (``own plugin`` = one the compile stage renders; a plugin may map a node to an existing
+GE op, so most need no kernel of ours, §1.7):
+
+  RMSNorm     → NPURmsNorm(x, gamma) -> (y, rstd)                  rmsnorm_plugin="cann"
+              → OmRmsNorm(x, gamma; epsilon) -> (y, rstd)          rmsnorm_plugin="omforge": own plugin → GE RmsNorm
+  AddRMSNorm  → NPUAddRmsNorm / OmAddRmsNorm(x1, x2, gamma) -> (y, rstd, x1 + x2): our (y, sum) are outputs 0, 2
+  Rotary      → NPURotaryPositionEmbedding(x, cos, sin; mode=0), cos/sin [B, 1, S, D] as inputs: mode 0 is
+                rotate_half (1 = interleaved) and the plugin rejects a node without ``mode`` (plugin source;
+                npu_rotary_position_embedding docs). Not on 310B/310P [unverified, reported by a public port]:
+                use ``plain=True`` there.
+  SwiGLU      → SwiGlu(x; dim=-1): no built-in plugin; ours maps it to the GE op SwiGlu (Atlas A2), whose
+                ``silu(x[..., :F]) · x[..., F:]`` matches our [gate | up] merge.
+  Attention   → plain ops by default (``attention="plain"``): at opset 18 no built-in plugin has the PFA key,
+                and PFA computes in fp16/bf16/int8 only. ``attention="pfa"`` emits
+                NPUPromptFlashAttention(query, key, value, pse_shift="", atten_mask; input_layout="BNSD",
+                num_heads, num_key_value_heads, scale_value, pre_tokens=2147483647, next_tokens=0, sparse_mode=0,
+                inner_precise=0) with the whole causal mask ``[S, S]`` bool, True = masked (PFA docs: sparse mode 0
+                takes the full q_S × kv_S mask; modes 2–4 a compressed 2048 × 2048 one); it needs an own plugin
+                registering ``ai.onnx::18::NPUPromptFlashAttention`` → GE PromptFlashAttention (no kernel).
+                [unverified: that such a registration coexists with CANN's; that the parser passes the empty
+                pse_shift input through; PFA under fp32 graphs and ATC's precision modes]
+  PagedAttention → the step graph, out of place (an OM cannot update an input, §0.2 / §2.4): instead of
+                ``key_cache_out.N``/``value_cache_out.N`` the graph outputs the new rows ``key_new.N`` /
+                ``value_new.N`` ``[num_tokens, kv_heads, head_dim]``, and the runtime copies them into the resident
+                pools at ``slot_mapping`` (one D2D copy per row); ``slot_mapping`` is then unused and leaves the
+                graph's inputs. Within the step, attention still sees the new tokens:
+                  ``paged_attention="plain"`` (default: our plugin needs a CANN build to exist): gather each
+                  sequence's blocks from the not-yet-updated pool into a small context ``[B, M·bs, kv·D]``, ScatterND
+                  the new rows into it at (sequence, position), then plain-op attention; cost follows the context,
+                  never the pool;
+                  ``paged_attention="plugin"``: our op ``PagedAttention(query, key, value, key_cache, value_cache,
+                  block_tables, query_index, token_index, position_ids; scale_value, num_heads, num_key_value_heads,
+                  block_size) -> attention_out`` with the same semantics (own plugin AND own kernel).
+  anything else neutral → its plain decomposition (:mod:`omforge.passes.decompose`).
+
+``plain=True`` lowers every op to standard ONNX ops *with the numerics of the chosen lowering*: with
+``rmsnorm_plugin="cann"`` the norms are decomposed at CANN's fixed epsilon 1e-6, so the graph shows on any CPU what
+the NPU will compute; with ``"omforge"`` it equals the ORT lowering. It is also the graph for a toolchain without
+our plugins built.
+
+Epsilon (§2.2): CANN's NPURmsNorm/NPUAddRmsNorm plugins set epsilon to 1e-6 whatever the node says; Llama and
+SmolLM2 use 1e-5. Measured on SmolLM2-135M (the plain-op graph on ORT CPU, model eps 1e-5 vs eps forced to
+1e-6, i.e. ``plain=True`` with ``"omforge"`` vs ``"cann"``): on a 64-token prompt max |Δlogits| = 0.0122 over all
+positions and 0.0028 at the last one (logits std ≈ 6), no argmax changed at any position; greedy 32 tokens
+identical on 3 of 3 chat prompts. That drift is above the 1e-3 we call negligible, so the default is
+``rmsnorm_plugin="omforge"`` (our plugin carries the model's epsilon to the same GE RmsNorm/AddRmsNorm kernels,
+exact numerics); ``"cann"`` needs no plugin build and records the mismatch in
+:attr:`AscendLowering.epsilon_note`; its documented tolerance is the drift above (the SmolLM2 test bounds it).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import onnx_ir as ir
+from onnxscript.rewriter import pattern
+
+from omforge.passes import decompose, ops
+
+CANN_RMSNORM_EPS = 1e-6
+"""The epsilon CANN's NPURmsNorm/NPUAddRmsNorm plugins hard-code (reference/ascend.md §2.2)."""
+MAX_OPSET = 18
+"""The highest default-domain opset ATC's ONNX parser documents (reference/ascend.md §1.6)."""
+
+RMSNORM_PLUGINS = ("cann", "omforge")
+ATTENTION_MODES = ("plain", "pfa")
+PAGED_ATTENTION_MODES = ("plain", "plugin")
+DEFAULT_RMSNORM_PLUGIN = "omforge"  # CANN's fixed epsilon moves SmolLM2's logits by up to 0.012 (module docstring)
+
+_NORM_OPS = {"cann": ("NPURmsNorm", "NPUAddRmsNorm"), "omforge": ("OmRmsNorm", "OmAddRmsNorm")}
+_INT32_MAX = 2**31 - 1
+_CACHE_OUT = re.compile(r"(key|value)_cache_out\.(\d+)")
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """How a non-standard ONNX op type reaches the OM: the GE IR op it becomes and who provides what."""
+
+    ge_type: str
+    cann_opsets: tuple[int, ...]  # ai.onnx versions CANN's built-in plugin registers (empty: none exists)
+    own_kernel: bool  # False: the GE op exists, a plugin (CANN's or ours) only maps the node to it
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+_CANN_11_18 = tuple(range(11, 19))
+SPECS: dict[str, OpSpec] = {
+    "NPURmsNorm": OpSpec("RmsNorm", _CANN_11_18, False, ("x", "gamma"), ("y", "rstd")),
+    "NPUAddRmsNorm": OpSpec("AddRmsNorm", _CANN_11_18, False, ("x1", "x2", "gamma"), ("y", "rstd", "x")),
+    "OmRmsNorm": OpSpec("RmsNorm", (), False, ("x", "gamma"), ("y", "rstd")),
+    "OmAddRmsNorm": OpSpec("AddRmsNorm", (), False, ("x1", "x2", "gamma"), ("y", "rstd", "x")),
+    "NPURotaryPositionEmbedding": OpSpec("RotaryPositionEmbedding", _CANN_11_18, False, ("x", "cos", "sin"), ("y",)),
+    "SwiGlu": OpSpec("SwiGlu", (), False, ("x",), ("y",)),
+    "NPUPromptFlashAttention": OpSpec("PromptFlashAttention", (*range(11, 17), 19), False,
+                                      ("query", "key", "value", "pse_shift", "atten_mask"), ("attention_out",)),
+    "PagedAttention": OpSpec("PagedAttention", (), True,
+                             ("query", "key", "value", "key_cache", "value_cache", "block_tables", "query_index",
+                              "token_index", "position_ids"), ("attention_out",)),
+}
+"""Every non-standard op type this lowering can emit."""
+
+
+@dataclass
+class CustomOp:
+    """One non-standard op type in the lowered graph: what the compile stage renders a plugin (or kernel) for."""
+
+    op_type: str
+    onnx_key: str  # the key ATC's parser looks up: "ai.onnx::<opset>::<op_type>"
+    ge_type: str
+    count: int
+    attributes: dict[str, list[Any]]  # attribute → its distinct values over the nodes
+    own_plugin: bool  # no built-in plugin registers onnx_key: ours must
+    own_kernel: bool
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+@dataclass
+class AscendLowering:
+    """What :func:`lower` did, for the compile stage (plugin sources, manifest) and the runtime (KV write-back)."""
+
+    opset: int
+    options: dict[str, Any]
+    lowered: dict[str, int]  # neutral op type → nodes lowered
+    custom_ops: dict[str, CustomOp] = field(default_factory=dict)
+    epsilon_note: str | None = None
+    new_kv_outputs: list[str] = field(default_factory=list)  # key_new.N / value_new.N: the host copies at slot_mapping
+    removed_inputs: list[str] = field(default_factory=list)
+
+    @property
+    def own_plugins(self) -> list[str]:
+        return sorted(t for t, c in self.custom_ops.items() if c.own_plugin)
+
+    @property
+    def own_kernels(self) -> list[str]:
+        return sorted(t for t, c in self.custom_ops.items() if c.own_kernel)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "own_plugins": self.own_plugins, "own_kernels": self.own_kernels}
+
+
+class RMSNormRule(decompose.DecomposeRMSNorm):
+    """RMSNorm → ``op_type`` (x, gamma) -> (y, rstd), or plain ops when ``op_type`` is None. The node carries the
+    model's epsilon (CANN's NPURmsNorm plugin ignores it); ``epsilon`` replaces it in the plain ops."""
+
+    def __init__(self, op_type: str | None, epsilon: float | None = None):
+        super().__init__(f"ascend_rms_norm_{op_type or 'plain'}")
+        self.op_type, self.epsilon = op_type, epsilon  # epsilon: override the node's (CANN's fixed value)
+
+    def rewrite(self, op, x, weight, y, **_):  # noqa: ANN001, ANN201
+        eps = self.epsilon if self.epsilon is not None else y.producer().attributes["epsilon"].value
+        if self.op_type is None:
+            return decompose.rms_norm(op, x, weight, eps)
+        return getattr(op, self.op_type)(x, weight, epsilon=eps, _outputs=2)[0]
+
+
+class AddRMSNormRule(decompose.DecomposeAddRMSNorm):
+    """AddRMSNorm → ``op_type`` (x1, x2, gamma) -> (y, rstd, x1 + x2), or plain ops when ``op_type`` is None."""
+
+    def __init__(self, op_type: str | None, epsilon: float | None = None):
+        super().__init__(f"ascend_add_rms_norm_{op_type or 'plain'}")
+        self.op_type, self.epsilon = op_type, epsilon
+
+    def rewrite(self, op, a, b, weight, y, **_):  # noqa: ANN001, ANN201
+        eps = self.epsilon if self.epsilon is not None else y.producer().attributes["epsilon"].value
+        if self.op_type is None:
+            total = op.Add(a, b)
+            return decompose.rms_norm(op, total, weight, eps), total
+        out, _, total = getattr(op, self.op_type)(a, b, weight, epsilon=eps, _outputs=3)
+        return out, total
+
+
+class NPURotary(decompose.DecomposeRotary):
+    def rewrite(self, op, x, cos, sin, **_):  # noqa: ANN001, ANN201
+        return op.NPURotaryPositionEmbedding(x, cos, sin, mode=0)
+
+
+class OwnSwiGlu(decompose.DecomposeSwiGLU):
+    def rewrite(self, op, gate_up, **_):  # noqa: ANN001, ANN201
+        return op.SwiGlu(gate_up, dim=-1)
+
+
+class NPUPromptFlashAttention(decompose.DecomposeAttention):
+    """Full-sequence causal attention → PFA in BNSD with the whole causal mask (sparse mode 0)."""
+
+    def rewrite(self, op, q, k, v, o, **_):  # noqa: ANN001, ANN201
+        a = o.producer().attributes
+        seq = op.Gather(op.Shape(q), op.Constant(value_int=2), axis=0)
+        r = op.Range(op.Constant(value_int=0), seq, op.Constant(value_int=1))
+        mask = op.Greater(op.Unsqueeze(r, op.Constant(value_ints=[0])), op.Unsqueeze(r, op.Constant(value_ints=[1])))
+        return op.NPUPromptFlashAttention(
+            q, k, v, None, mask, input_layout="BNSD", num_heads=a["q_heads"].value,
+            num_key_value_heads=a["kv_heads"].value, scale_value=a["scale"].value, pre_tokens=_INT32_MAX,
+            next_tokens=0, sparse_mode=0, inner_precise=0)
+
+
+def _tokens(op, x):  # noqa: ANN001, ANN202 - [1, H, T, D] -> [T, H, D]
+    return op.Transpose(op.Squeeze(x, op.Constant(value_ints=[0])), perm=[1, 0, 2])
+
+
+def paged_attention_new_rows(op, q, k, v, key_cache, value_cache, block_tables, query_index, token_index,  # noqa: ANN001, ANN201
+                             position_ids, *, scale: float, q_heads: int, kv_heads: int, block_size: int):
+    """The step ABI's paged attention without writing the pools: returns ``(o, key_new, value_new)``.
+
+    Each sequence's blocks are gathered from the pool as it was before this step into ``[B, M * bs, kv * D]``
+    (:func:`decompose.paged_attention`'s layout); the step's own K/V rows are scattered into that gathered
+    context at (sequence, position) — token t belongs to sequence ``token_index[t] // Q`` — so attention sees
+    them although the pool does not hold them yet. Queries, the mask by position and the attention are
+    :func:`decompose.paged_attention`'s.
+    """
+    head_dim = q.shape[-1]
+    zero, one = op.Constant(value_ints=[0]), op.Constant(value_ints=[1])
+    k_new, v_new = _tokens(op, k), _tokens(op, v)
+    pos = op.Squeeze(position_ids, zero)
+    seq = op.Div(token_index, op.Gather(op.Shape(query_index), op.Constant(value_int=1), axis=0))
+    at = op.Concat(op.Unsqueeze(seq, one), op.Unsqueeze(pos, one), axis=1)  # [T, 2]: (sequence, position)
+    block_row = op.Constant(value_ints=[-1, block_size * kv_heads * head_dim])
+    row_shape = op.Constant(value_ints=[0, -1])
+    ctx_shape = op.Constant(value_ints=[0, -1, kv_heads * head_dim])
+
+    def context(pool, new):  # noqa: ANN001, ANN202 - [S, kv, D] pool + [T, kv, D] rows -> [B, M*bs, kv*D]
+        gathered = op.Reshape(op.Gather(op.Reshape(pool, block_row), block_tables, axis=0), ctx_shape)
+        return op.ScatterND(gathered, at, op.Reshape(new, row_shape))
+
+    def heads(x, n):  # noqa: ANN001, ANN202 - [B, S, n*D] -> [B, n, S, D]
+        return op.Transpose(op.Reshape(x, op.Constant(value_ints=[0, 0, n, head_dim])), perm=[0, 2, 1, 3])
+
+    k_ctx, v_ctx = context(key_cache, k_new), context(value_cache, v_new)
+    q_pad = op.Gather(op.Reshape(_tokens(op, q), row_shape), query_index, axis=0)  # [B, Q, Hq*D]
+    q_pos = op.Gather(pos, query_index, axis=0)
+    ctx_len = op.Gather(op.Shape(k_ctx), op.Constant(value_int=1), axis=0)
+    key_pos = op.Unsqueeze(op.Range(op.Constant(value_int=0), ctx_len, op.Constant(value_int=1)),
+                           op.Constant(value_ints=[0, 1, 2]))
+    hide = op.Greater(key_pos, op.Unsqueeze(q_pos, op.Constant(value_ints=[1, 3])))  # [B, 1, Q, C]
+    o4 = decompose.causal_attention(op, heads(q_pad, q_heads), heads(k_ctx, kv_heads), heads(v_ctx, kv_heads),
+                                    scale, q_heads, kv_heads, head_dim, mask=hide)
+    rows = op.Reshape(op.Transpose(o4, perm=[0, 2, 1, 3]), op.Constant(value_ints=[-1, q_heads, head_dim]))
+    out = op.Unsqueeze(op.Transpose(op.Gather(rows, token_index, axis=0), perm=[1, 0, 2]), zero)
+    return out, k_new, v_new
+
+
+class PagedAttentionNewRows(decompose.DecomposePagedAttention):
+    """PagedAttention → (o, new K rows, new V rows): plain ops, or our ``PagedAttention`` op when ``plugin``."""
+
+    def __init__(self, plugin: bool):
+        super().__init__(f"ascend_paged_attention_{'plugin' if plugin else 'plain'}")
+        self.plugin = plugin
+
+    def rewrite(self, op, q, k, v, kc, vc, slots, tables, qidx, tidx, pos, o, **_):  # noqa: ANN001, ANN201
+        a = {name: o.producer().attributes[name].value for name in ("scale", "q_heads", "kv_heads", "block_size")}
+        if not self.plugin:
+            return paged_attention_new_rows(op, q, k, v, kc, vc, tables, qidx, tidx, pos, **a)
+        out = op.PagedAttention(q, k, v, kc, vc, tables, qidx, tidx, pos, scale_value=a["scale"],
+                                num_heads=a["q_heads"], num_key_value_heads=a["kv_heads"], block_size=a["block_size"])
+        return out, _tokens(op, k), _tokens(op, v)
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"ascend lowering: {name}={value!r} is not one of {', '.join(map(repr, allowed))}")
+
+
+def lower(model: ir.Model, *, rmsnorm_plugin: Literal["cann", "omforge"] = DEFAULT_RMSNORM_PLUGIN,
+          attention: Literal["plain", "pfa"] = "plain", paged_attention: Literal["plain", "plugin"] = "plain",
+          plain: bool = False) -> AscendLowering:
+    """Lower every neutral op in ``model`` in place for ATC (see the module docstring for each choice)."""
+    _choice("rmsnorm_plugin", rmsnorm_plugin, RMSNORM_PLUGINS)
+    _choice("attention", attention, ATTENTION_MODES)
+    _choice("paged_attention", paged_attention, PAGED_ATTENTION_MODES)
+    opset = model.opset_imports.get("", None)
+    if opset is None or not 11 <= opset <= MAX_OPSET:
+        raise ValueError(f"ascend lowering needs a default-domain opset in 11..{MAX_OPSET}, the model has {opset}")
+    foreign = set(model.opset_imports) - {"", ops.DOMAIN}
+    if foreign or model.functions:
+        raise ValueError(f"ascend lowering: the model imports {sorted(foreign)} / has {len(model.functions)} "
+                         "functions; ATC accepts one opset_import (the default domain) and no functions")
+    neutral = Counter(n.op_type for n in model.graph if n.domain == ops.DOMAIN)
+    epsilons = sorted({float(n.attributes["epsilon"].value) for n in model.graph
+                       if n.domain == ops.DOMAIN and n.op_type in ("RMSNorm", "AddRMSNorm")})
+
+    norm, add_norm = (None, None) if plain else _NORM_OPS[rmsnorm_plugin]
+    plain_eps = CANN_RMSNORM_EPS if plain and rmsnorm_plugin == "cann" else None  # emulate CANN's numerics
+    pfa = attention == "pfa" and not plain
+    rules = pattern.RewriteRuleSet([
+        PagedAttentionNewRows.rule(plugin=paged_attention == "plugin" and not plain),
+        AddRMSNormRule.rule(add_norm, plain_eps),
+        RMSNormRule.rule(norm, plain_eps),
+        decompose.RULES["Rotary"] if plain else NPURotary.rule("ascend_rotary"),
+        decompose.RULES["SwiGLU"] if plain else OwnSwiGlu.rule("ascend_swiglu"),
+        NPUPromptFlashAttention.rule("ascend_pfa") if pfa else decompose.RULES["Attention"],
+    ])
+    rules.apply_to_model(model)
+    left = sorted({n.op_type for n in model.graph if n.domain not in ("", "ai.onnx")})
+    if left:
+        raise RuntimeError(f"ascend lowering left ops outside the default domain: {left}")
+    model.opset_imports.clear()
+    model.opset_imports[""] = opset
+
+    result = AscendLowering(opset=opset, lowered=dict(neutral), options=dict(
+        rmsnorm_plugin=rmsnorm_plugin, attention=attention, paged_attention=paged_attention, plain=plain))
+    if neutral.get("PagedAttention"):
+        _new_rows_as_outputs(model.graph, result)
+    result.custom_ops = _custom_ops(model.graph, opset)
+    if rmsnorm_plugin == "cann" and any(abs(e - CANN_RMSNORM_EPS) > 1e-12 for e in epsilons):
+        result.epsilon_note = (
+            f"NPURmsNorm/NPUAddRmsNorm run at epsilon {CANN_RMSNORM_EPS:g} (fixed by CANN's plugin); the model uses "
+            f"{', '.join(f'{e:g}' for e in epsilons)}. Measured on SmolLM2-135M (1e-5 vs 1e-6): max |dlogits| 0.0122 "
+            "on a 64-token prompt, greedy 32 tokens unchanged on 3 prompts. rmsnorm_plugin='omforge' is exact.")
+    return result
+
+
+def _new_rows_as_outputs(graph: ir.Graph, result: AscendLowering) -> None:
+    """The rewrite left the new rows under the old pool outputs' names: rename them and drop ``slot_mapping``."""
+    for value in graph.outputs:
+        m = _CACHE_OUT.fullmatch(value.name or "")
+        if m is None:
+            continue
+        kind, layer = m.groups()
+        value.name = f"{kind}_new.{layer}"
+        value.shape = ir.Shape(["num_tokens", *value.shape[1:]])
+        result.new_kv_outputs.append(value.name)
+    for value in list(graph.inputs):
+        if value.name == "slot_mapping" and not value.uses():
+            graph.inputs.remove(value)
+            result.removed_inputs.append(value.name)
+
+
+def _custom_ops(graph: ir.Graph, opset: int) -> dict[str, CustomOp]:
+    found: dict[str, CustomOp] = {}
+    for node in graph:
+        spec = SPECS.get(node.op_type)
+        if spec is None or node.domain not in ("", "ai.onnx"):
+            continue
+        entry = found.get(node.op_type)
+        if entry is None:
+            entry = found[node.op_type] = CustomOp(
+                node.op_type, f"ai.onnx::{opset}::{node.op_type}", spec.ge_type, 0, {},
+                own_plugin=opset not in spec.cann_opsets, own_kernel=spec.own_kernel, inputs=spec.inputs,
+                outputs=spec.outputs)
+        entry.count += 1
+        for name, attr in node.attributes.items():
+            values = entry.attributes.setdefault(name, [])
+            if attr.value not in values:
+                values.append(attr.value)
+    return found
