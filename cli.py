@@ -1,7 +1,8 @@
 """The ``omforge`` command line: one subcommand per stage the user drives.
 
 Every user-fixable error (:class:`omforge.errors.OmforgeError`, a missing file) prints one line,
-``omforge: error: …``, and exits with code 2; no traceback.
+``omforge: error: …``, and exits with code 2; no traceback. ``diff`` exits 1 when the drift exceeds its
+tolerance, and says so in its last line.
 """
 
 from __future__ import annotations
@@ -75,6 +76,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_diff(args: argparse.Namespace) -> int:
+    from omforge.passes import diff
+
+    if args.html and not Path(args.html).resolve().parent.is_dir():
+        raise OmforgeError(f"{args.html}: its directory does not exist")
+    options = diff.DiffOptions(seq=args.seq, batch=args.batch, seed=args.seed, tol=args.tol, per_fusion=args.per_fusion)
+    result = diff.run(Path(args.a), Path(args.b) if args.b else None, options,
+                      progress=lambda msg: print(f"[diff] {msg} …", file=sys.stderr, flush=True))
+    if args.html:
+        Path(args.html).write_text(diff.render_html(result))
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+        print(result.verdict, file=sys.stderr)
+    else:
+        print(diff.render_text(result))
+        if args.html:
+            print(f"HTML report: {args.html}")
+        print(result.verdict)
+    return 0 if result.passed else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omforge", description="Compile Llama-family LLMs to fused, paged-KV "
                                 "ONNX Runtime / Ascend OM artifacts and serve them.")
@@ -93,6 +115,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings)")
     g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("diff", help="fused vs unfused: op histograms, fused regions, numeric drift (exit 1 over --tol)")
+    d.add_argument("a", metavar="A", help="the reference ONNX graph, or an export directory (then B is its fused "
+                   "graph, built on the fly)")
+    d.add_argument("b", metavar="B", nargs="?", help="the ONNX graph to compare (same inputs and outputs as A)")
+    d.add_argument("--per-fusion", action="store_true", help="export directory only: build a graph per fusion "
+                   "and report each one's drift")
+    d.add_argument("--seq", type=int, default=32, help="tokens per row of the random input (default 32)")
+    d.add_argument("--batch", type=int, default=1, help="rows of the random input (default 1)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the random token ids (default 0)")
+    d.add_argument("--tol", type=float, default=1e-3, help="largest max-abs drift that passes (default 1e-3)")
+    d.add_argument("--json", action="store_true", help="print everything as one JSON object")
+    d.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report")
+    d.set_defaults(func=cmd_diff)
     return p
 
 
