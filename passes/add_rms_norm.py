@@ -2,8 +2,8 @@
 
 Runs after :mod:`rms_norm`. The sum stays an output because the residual stream reads it on; the fused
 op is the one kernel that does both (ORT's SkipSimplifiedLayerNormalization, CANN's AddRmsNorm).
-Check: none (any Add feeding an RMSNorm is a residual add; broadcasting is the caller's: shapes must match,
-which the check verifies when both are known).
+Check: the two operands have one shape, compared where both are known (any such Add feeding an RMSNorm is a
+residual add; a broadcasting one is not, and SkipSimplifiedLayerNormalization refuses e.g. a [1, 1, H] skip).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from onnxscript.rewriter import pattern
 
 from omforge.passes import ops
+from omforge.passes.util import dims_agree
 
 
 class AddRMSNormFusion(pattern.RewriteRuleClassBase):
@@ -21,8 +22,11 @@ class AddRMSNormFusion(pattern.RewriteRuleClassBase):
 
     def check(self, context, a, b, y, **_) -> pattern.MatchResult:  # noqa: ANN001
         result = pattern.MatchResult()
-        if a.shape is not None and b.shape is not None and a.shape.rank() != b.shape.rank():
-            return result.fail("residual operands differ in rank (broadcasting add)", a)
+        if a.shape is not None and b.shape is not None:
+            if a.shape.rank() != b.shape.rank():
+                return result.fail("residual operands differ in rank (broadcasting add)", a)
+            if not dims_agree(a.shape, b.shape):
+                return result.fail("residual operands differ in shape (broadcasting add)", a)
         return result
 
     def rewrite(self, op, a, b, weight, y, **_):  # noqa: ANN001, ANN201

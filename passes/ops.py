@@ -5,7 +5,9 @@ Each op is a contract: its semantics below, a plain-op decomposition in :mod:`om
 
   RMSNorm(x, weight; epsilon) -> y                          y = weight * x / sqrt(mean(x², -1) + eps)
   AddRMSNorm(x, residual, weight; epsilon) -> (y, sum)      sum = x + residual; y = RMSNorm(sum)
-  Rotary(x, cos, sin) -> y        x [B, H, S, D], cos/sin [B, 1, S, D]: y = x·cos + rotate_half(x)·sin
+  Rotary(x, cos, sin) -> y        x [B, H, S, D], cos/sin [B, 1, S, D]: y = x·cos + rotate_half(x)·sin;
+                                  cos/sin repeat their halves (cat(c, c), as RoPE builds them): kernels that
+                                  take a [.., D/2] cache (ORT RotaryEmbedding, CANN) rely on it
   SwiGLU(gate_up) -> y            gate_up [..., 2F]: y = silu(gate_up[..., :F]) · gate_up[..., F:]
   Attention(q, k, v; scale, q_heads, kv_heads) -> o
                                   q [B, Hq, S, D], k/v [B, Hkv, S, D], causal over S, GQA by head groups

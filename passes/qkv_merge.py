@@ -75,7 +75,7 @@ def rewrite(graph: ir.Graph, projs: list[_Proj]) -> None:
     new_nodes = [matmul]
     out = matmul.outputs[0]
     if projs[0].bias is not None:
-        bname = name.replace(".weight.T", ".bias")
+        bname = name.replace(".weight.T", ".bias") if name.endswith(".weight.T") else f"{name}.bias"
         bias = ir.Value(name=bname, const_value=ir.tensor(np.concatenate([p.bias for p in projs]), name=bname))
         graph.register_initializer(bias)
         add = ir.node("Add", [out, bias], name=f"{first.name}_qkv_bias")
@@ -86,9 +86,9 @@ def rewrite(graph: ir.Graph, projs: list[_Proj]) -> None:
     split = ir.node("Split", [out, sizes], attributes={"axis": -1}, num_outputs=3, name=f"{first.name}_qkv_split")
     new_nodes.append(split)
     graph.insert_before(first, new_nodes)
-    for proj, new_out in zip(projs, split.outputs):
-        new_out.shape, new_out.dtype = proj.output.shape, proj.output.dtype
-        proj.output.replace_all_uses_with(new_out)
+    for proj, new_out in zip(projs, split.outputs):  # the name too: a projection may be a graph output
+        new_out.shape, new_out.dtype, new_out.name = proj.output.shape, proj.output.dtype, proj.output.name
+        proj.output.replace_all_uses_with(new_out, replace_graph_outputs=True)
         for old in (proj.bias_add, proj.matmul):
             if old is not None:
                 graph.remove(old, safe=True)

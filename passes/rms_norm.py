@@ -1,8 +1,8 @@
 """RMSNorm fusion: ``w * (x * Reciprocal(Sqrt(ReduceMean(Pow(x, 2), [-1]) + eps)))`` → ``omforge.RMSNorm``.
 
 Matches the export of :class:`omforge.models.llama.RMSNorm` (either operand order of the scaling Muls).
-Check: the exponent is 2, the reduction is over the last axis only with keepdims, epsilon is a scalar
-constant and the weight is a 1-D constant as long as the normalized axis.
+Check: the exponent is 2, the reduction is over the last axis only with keepdims (set, or left at its
+default), epsilon is a scalar constant and the weight is a 1-D constant as long as the normalized axis.
 """
 
 from __future__ import annotations
@@ -15,15 +15,17 @@ from omforge.passes.util import const_scalar, const_array
 
 class RMSNormFusion(pattern.RewriteRuleClassBase):
     def pattern(self, op, x, weight, two, axes, eps):  # noqa: ANN001, ANN201
-        mean = op.ReduceMean(op.Pow(x, two), axes, keepdims=1, noop_with_empty_axes=0)
+        mean = op.ReduceMean(op.Pow(x, two), axes, _allow_other_attributes=True, _outputs=["mean"])
         inv_rms = op.Reciprocal(op.Sqrt(op.Add(mean, eps)))
         normed = pattern.OrValue([op.Mul(x, inv_rms), op.Mul(inv_rms, x)])
         return op.Mul(weight, normed, _outputs=["y"])
 
-    def check(self, context, x, weight, two, axes, eps, **_) -> pattern.MatchResult:  # noqa: ANN001
+    def check(self, context, x, weight, two, axes, eps, mean, **_) -> pattern.MatchResult:  # noqa: ANN001
         result = pattern.MatchResult()
         if const_scalar(two) != 2.0:
             return result.fail("exponent is not 2", two)
+        if mean.producer().attributes.get_int("keepdims", 1) != 1:  # absent means the default, 1
+            return result.fail("the reduction drops the axis", mean)
         ax = const_array(axes)
         if ax is None or ax.tolist() not in ([-1], [len(x.shape) - 1] if x.shape else [-1]):
             return result.fail("not a reduction over the last axis", axes)
@@ -42,7 +44,7 @@ class RMSNormFusionSwapped(RMSNormFusion):
     """The same with the weight on the right: ``Mul(normed, w)``."""
 
     def pattern(self, op, x, weight, two, axes, eps):  # noqa: ANN001, ANN201
-        mean = op.ReduceMean(op.Pow(x, two), axes, keepdims=1, noop_with_empty_axes=0)
+        mean = op.ReduceMean(op.Pow(x, two), axes, _allow_other_attributes=True, _outputs=["mean"])
         inv_rms = op.Reciprocal(op.Sqrt(op.Add(mean, eps)))
         normed = pattern.OrValue([op.Mul(x, inv_rms), op.Mul(inv_rms, x)])
         return op.Mul(normed, weight, _outputs=["y"])

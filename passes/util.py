@@ -27,3 +27,15 @@ def const_scalar(value: ir.Value | None) -> float | None:
     if arr is None or arr.size != 1:
         return None
     return float(arr.reshape(()))
+
+
+def dims_agree(a: ir.Shape, b: ir.Shape, axes: tuple[int, ...] | None = None) -> bool:
+    """Equal rank, and equal dims (on ``axes``, default all) wherever both are known: a static size, or a
+    symbolic one with a name (one name is one size)."""
+    if a.rank() != b.rank():
+        return False
+
+    def known(d: int | ir.SymbolicDim) -> bool:
+        return isinstance(d, int) or d.value is not None
+
+    return all(a[i] == b[i] for i in (range(a.rank()) if axes is None else axes) if known(a[i]) and known(b[i]))

@@ -1,5 +1,5 @@
 """Session fixtures: the SmolLM2 export (made once per test session: it takes about a minute) and its
-transformers reference."""
+transformers reference; the tiny export of every family for the fusion tests (about 8 s each, made once)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SMOLLM2_RECIPE
+from helpers import SMOLLM2_RECIPE, TINY_HF_CONFIGS, export_tiny
 
 
 @pytest.fixture(scope="session")
@@ -38,3 +38,13 @@ def smollm2_hf():  # noqa: ANN201
                                                  attn_implementation="eager").eval()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``{variant: export directory}`` for every family in ``TINY_HF_CONFIGS`` (2 layers, GQA 4/2 heads).
+    ``OMFORGE_TEST_TINY_EXPORTS`` may name a directory to keep them in and reuse across sessions."""
+    given = os.environ.get("OMFORGE_TEST_TINY_EXPORTS")
+    root = Path(given) if given else tmp_path_factory.mktemp("tiny-exports")
+    return {variant: root / variant / "export" if (root / variant / "export" / "export.json").is_file()
+            else export_tiny(root / variant, variant) for variant in sorted(TINY_HF_CONFIGS)}

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import onnx
+import onnxruntime as ort
 import yaml
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
 
 REPO = Path(__file__).resolve().parent.parent
 SMOLLM2_RECIPE = REPO / "models" / "smollm2-135m.yaml"
@@ -75,3 +81,130 @@ def hf_reference(path: Path):  # noqa: ANN201 - transformers model
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
+
+
+# --- Small graphs for the fusion tests: build with onnx.helper, fuse, lower, run both sides ---------------
+
+FUSED_TOL = 1e-5
+"""Max abs difference allowed between a graph and its fused-then-lowered self."""
+
+
+def make_model(nodes: list, inputs: dict[str, np.ndarray], outputs: list[str],
+               initializers: dict[str, np.ndarray] | None = None, shapes: dict[str, list] | None = None,
+               opset: int = 18) -> onnx.ModelProto:
+    """A model whose graph inputs take their dtype and shape from the sample ``inputs`` (also the feeds), or
+    their shape from ``shapes`` (symbolic dims as names, as in an export); shapes of everything else come from
+    ONNX shape inference, as they do in an export."""
+    from onnx import helper, numpy_helper
+
+    shapes = shapes or {}
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), shapes.get(k, v.shape))
+         for k, v in inputs.items()],
+        [helper.make_tensor_value_info(name, onnx.TensorProto.UNDEFINED, None) for name in outputs],
+        [numpy_helper.from_array(np.asarray(v), k) for k, v in (initializers or {}).items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 10
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def apply_rules(model: ir.Model, rules: Any) -> int:
+    """Apply a rewrite rule set (or a ``(model) -> count`` pass) in place; returns the count."""
+    from onnxscript.rewriter import pattern
+
+    if isinstance(rules, pattern.RewriteRule):
+        rules = pattern.RewriteRuleSet([rules])
+    return rules.apply_to_model(model) if isinstance(rules, pattern.RewriteRuleSet) else rules(model)
+
+
+def run_model(model: onnx.ModelProto | ir.Model, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    import onnx_ir as ir
+
+    proto = ir.to_proto(model) if isinstance(model, ir.Model) else model
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # errors only: unused initializers left by a rewrite are no news
+    session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def lowered(model: ir.Model) -> ir.Model:
+    """A lowered copy of a fused model (the fused one is left as it is, for attribute checks)."""
+    import onnx_ir as ir
+
+    from omforge.passes import lower_ort
+
+    copy = ir.from_proto(ir.to_proto(model))
+    lower_ort.lower(copy)
+    return copy
+
+
+def fused_ops(model: ir.Model, op_type: str | None = None) -> list[ir.Node]:
+    """The neutral ``omforge`` nodes of ``model`` (of one type when given)."""
+    return [n for n in model.graph if n.domain == "omforge" and op_type in (None, n.op_type)]
+
+
+def assert_fuses(proto: onnx.ModelProto, rules: Any, feeds: dict[str, np.ndarray], count: int,
+                 op_type: str) -> ir.Model:
+    """``rules`` match ``count`` times and leave ``count`` ``omforge.<op_type>`` nodes; fused and lowered, the
+    graph computes what it did before (≤ :data:`FUSED_TOL`). Returns the fused (unlowered) model."""
+    import onnx_ir as ir
+
+    model = ir.from_proto(proto)
+    assert apply_rules(model, rules) == count
+    assert len(fused_ops(model, op_type)) == count
+    before, after = run_model(proto, feeds), run_model(lowered(model), feeds)
+    assert len(before) == len(after)
+    for b, a in zip(before, after):
+        assert b.shape == a.shape
+        assert float(np.abs(b - a).max()) <= FUSED_TOL
+    return model
+
+
+def assert_no_match(proto: onnx.ModelProto, rules: Any) -> None:
+    """``rules`` match nothing and leave the graph exactly as it was."""
+    import onnx_ir as ir
+
+    model = ir.from_proto(proto)
+    before = ir.to_proto(model).SerializeToString()
+    assert apply_rules(model, rules) == 0
+    assert ir.to_proto(model).SerializeToString() == before
+
+
+# --- Real exports for the fusion tests (the session fixture ``tiny_exports`` makes one per family) ----------
+
+NUM_LAYERS = 2
+"""Layers in every tiny HF config (``make_tiny_hf_dir``)."""
+
+
+def export_tiny(root: Path, variant: str) -> Path:
+    """Make the tiny HF checkpoint of ``variant`` under ``root`` and export it; returns the export directory."""
+    from omforge.export.onnx_export import export_recipe
+    from omforge.recipe import load_recipe
+
+    make_tiny_hf_dir(root / "hf", variant)
+    recipe = write_recipe(root / "recipe.yaml", {"name": f"tiny-{variant}", "source": "hf", "path": "hf"})
+    export_recipe(load_recipe(recipe), root / "export", quiet=True)
+    return root / "export"
+
+
+def load_export(export_dir: Path) -> ir.Model:
+    """The export's graph with its weights in memory (so it serializes whole, for ORT sessions from bytes)."""
+    import onnx_ir as ir
+
+    return ir.from_proto(onnx.load(str(export_dir / "model.onnx"), load_external_data=True))
+
+
+def export_feeds(seed: int = 0, batch: int = 2, seq: int = 19) -> dict[str, np.ndarray]:
+    ids = np.random.default_rng(seed).integers(0, 256, size=(batch, seq), dtype=np.int64)
+    pos = np.ascontiguousarray(np.broadcast_to(np.arange(seq, dtype=np.int64), ids.shape))
+    return {"input_ids": ids, "position_ids": pos}
+
+
+def assert_same_logits(unfused: ir.Model, fused: ir.Model, feeds: dict[str, np.ndarray] | None = None) -> None:
+    """The fused model, lowered to ORT, gives the unfused model's logits (≤ :data:`FUSED_TOL`)."""
+    feeds = feeds or export_feeds()
+    ref, out = run_model(unfused, feeds)[0], run_model(lowered(fused), feeds)[0]
+    assert out.shape == ref.shape
+    diff = float(np.abs(out - ref).max())
+    assert diff <= FUSED_TOL, f"max abs diff {diff:.3g} > {FUSED_TOL}"
