@@ -7,8 +7,8 @@
                                                           and the paged step over block sizes
 
 Decode steps are timed on pools whose content does not matter for speed (the positions and block tables
-say every sequence holds ``context`` tokens); each figure is the median of ``--steps`` runs after warm-up.
-Ratios are measured in one process, one after the other, on the same machine state.
+say every sequence holds ``context`` tokens); each figure is the median of ``--steps`` runs after warm-up, the compared cases alternating in rounds
+in one process so that the machine's drift hits both alike.
 """
 
 from __future__ import annotations
@@ -33,15 +33,21 @@ from omforge.runtime.ort_executor import OrtExecutor
 from omforge.runtime.step import SeqWork, build_step
 
 
-def median_step_ms(ex: OrtExecutor, step: dict[str, np.ndarray], steps: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        ex.run(step)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        ex.run(step)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def interleaved_ms(cases: dict[str, tuple[OrtExecutor, dict[str, np.ndarray]]], steps: int,
+                   rounds: int = 5, warmup: int = 3) -> dict[str, float]:
+    """Median step time per case, the cases alternating in ``rounds`` so drift of the machine hits all alike."""
+    for ex, step in cases.values():
+        for _ in range(warmup):
+            ex.run(step)
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    per_round = max(1, steps // rounds)
+    for _ in range(rounds):
+        for name, (ex, step) in cases.items():
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                ex.run(step)
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def decode_step(batch: int, context: int, block_size: int, num_blocks: int, contiguous: bool = False) -> dict:
@@ -112,13 +118,11 @@ def cmd_decode(args: argparse.Namespace) -> None:
                              fusions={f: False for f in FUSIONS}),
         }
         print(f"decode step, context {args.context}, block size {args.block_size} (median of {args.steps}):")
+        executors = {name: OrtExecutor(Path(tmp) / name / "model.onnx", report.layout, num_blocks=1024)
+                     for name, report in graphs.items()}
         for batch in (1, 16):
             step = decode_step(batch, args.context, args.block_size, 1024)
-            ms = {}
-            for name, report in graphs.items():
-                ex = OrtExecutor(Path(tmp) / name / "model.onnx", report.layout, num_blocks=1024)
-                ms[name] = median_step_ms(ex, step, args.steps)
-                del ex
+            ms = interleaved_ms({name: (ex, step) for name, ex in executors.items()}, args.steps)
             print(f"  batch {batch:2d}: unfused {ms['unfused']:7.2f} ms  fused {ms['fused']:7.2f} ms  "
                   f"speed-up {ms['unfused'] / ms['fused']:.2f}x  ({graphs['unfused'].num_nodes} vs "
                   f"{graphs['fused'].num_nodes} nodes)")
@@ -127,14 +131,13 @@ def cmd_decode(args: argparse.Namespace) -> None:
 def cmd_pool(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         report = build(args.export, Path(tmp) / "model.onnx", block_size=args.block_size)
-        ms = {}
-        for blocks in (1024, 32768):
-            ex = OrtExecutor(Path(tmp) / "model.onnx", report.layout, num_blocks=blocks)
-            ms[blocks] = median_step_ms(ex, decode_step(16, args.context, args.block_size, blocks), args.steps)
+        cases = {blocks: (OrtExecutor(Path(tmp) / "model.onnx", report.layout, num_blocks=blocks),
+                          decode_step(16, args.context, args.block_size, blocks)) for blocks in (1024, 32768)}
+        ms = interleaved_ms(cases, args.steps)
+        for blocks, (ex, _) in cases.items():
             gb = 2 * report.layout.num_layers * ex.key_pools[0].nbytes / 1e9
-            print(f"  pool {blocks:6d} blocks ({gb:5.1f} GB of KV, block size {args.block_size}): "
+            print(f"  pool {blocks:6d} blocks ({gb:5.1f} GB of KV allocated, block size {args.block_size}): "
                   f"{ms[blocks]:7.2f} ms per decode step, batch 16, context {args.context}")
-            del ex
         print(f"  ratio 32k / 1k: {ms[32768] / ms[1024]:.3f}")
 
 
@@ -144,13 +147,14 @@ def cmd_paged(args: argparse.Namespace) -> None:
         for bs in args.block_sizes:
             per_seq = -(-context // bs)
             report = build(args.export, Path(tmp) / f"p{bs}" / "model.onnx", block_size=bs)
-            ex = OrtExecutor(Path(tmp) / f"p{bs}" / "model.onnx", report.layout, num_blocks=batch * per_seq * 2)
-            paged = median_step_ms(ex, decode_step(batch, context, bs, batch * per_seq * 2), args.steps)
-            del ex
             layout = build_contiguous(args.export, Path(tmp) / f"c{bs}" / "model.onnx", bs)
-            ex = OrtExecutor(Path(tmp) / f"c{bs}" / "model.onnx", layout, num_blocks=batch * per_seq)
-            contiguous = median_step_ms(ex, decode_step(batch, context, bs, batch * per_seq, contiguous=True), args.steps)
-            del ex
+            ms = interleaved_ms({
+                "paged": (OrtExecutor(Path(tmp) / f"p{bs}" / "model.onnx", report.layout, num_blocks=batch * per_seq * 2),
+                          decode_step(batch, context, bs, batch * per_seq * 2)),
+                "contiguous": (OrtExecutor(Path(tmp) / f"c{bs}" / "model.onnx", layout, num_blocks=batch * per_seq),
+                               decode_step(batch, context, bs, batch * per_seq, contiguous=True)),
+            }, args.steps)
+            paged, contiguous = ms["paged"], ms["contiguous"]
             print(f"  block size {bs:4d}: paged {paged:7.2f} ms  contiguous {contiguous:7.2f} ms  "
                   f"ratio {paged / contiguous:.2f}x  (batch {batch}, context {context})")
 
