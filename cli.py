@@ -18,6 +18,7 @@ from pathlib import Path
 from omforge.errors import OmforgeError
 
 EXIT_USAGE = 2
+EXIT_ATC_LEFT = 3  # compile --target ascend finished everything but the ATC step (no atc on PATH)
 
 
 def _cache_root() -> Path:
@@ -97,10 +98,53 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 0 if result.passed else 1
 
 
+def cmd_compile(args: argparse.Namespace) -> int:
+    from omforge.compile.compiler import compile_recipe
+    from omforge.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe)
+    out = Path(args.output) if args.output else Path("build") / recipe.model.name
+    t0 = time.perf_counter()
+    try:
+        result = compile_recipe(recipe, out, target=args.target)
+    except OmforgeError as e:
+        from omforge.compile.atc import AtcMissing
+
+        if not isinstance(e, AtcMissing):
+            raise
+        print(f"omforge: the bundle at {out} is complete up to the ATC step, which is left: {e}", file=sys.stderr)
+        return EXIT_ATC_LEFT
+    size = sum(f["size"] for f in result.manifest["files"].values())
+    cached = ", ".join(k for k, v in result.cached.items() if v) or "none"
+    print(f"compiled {recipe.model.name} for {result.manifest['target']} into {out}: {size / 1e6:.0f} MB, "
+          f"{time.perf_counter() - t0:.1f}s (cached stages: {cached})")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from omforge.compile.bundle import describe, load_manifest
+
+    manifest = load_manifest(Path(args.bundle), verify=not args.no_verify)
+    print(json.dumps(manifest, indent=2) if args.json else describe(manifest))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omforge", description="Compile Llama-family LLMs to fused, paged-KV "
                                 "ONNX Runtime / Ascend OM artifacts and serve them.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    c = sub.add_parser("compile", help="recipe → export → passes → lowering → bundle (ort, or ascend up to/through ATC)")
+    c.add_argument("recipe", help="recipe file, e.g. models/smollm2-135m.yaml")
+    c.add_argument("-o", "--output", help="bundle directory (default build/<model name>)")
+    c.add_argument("--target", choices=["ort", "ascend"], help="override compile.target")
+    c.set_defaults(func=cmd_compile)
+
+    i = sub.add_parser("inspect", help="print a bundle's manifest readably (checks its version and file hashes)")
+    i.add_argument("bundle")
+    i.add_argument("--json", action="store_true", help="the whole manifest as JSON")
+    i.add_argument("--no-verify", action="store_true", help="skip re-hashing the files (sizes are still checked)")
+    i.set_defaults(func=cmd_inspect)
 
     e = sub.add_parser("export", help="recipe → unfused ONNX graph (primitive ops, external weights)")
     e.add_argument("recipe", help="recipe file, e.g. models/smollm2-135m.yaml")

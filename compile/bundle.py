@@ -1,0 +1,99 @@
+"""The bundle: what ``omforge compile`` writes and ``omforge serve`` loads.
+
+  manifest.json      schema version; model config; tokenizer and chat template; the step ABI (names, dtypes,
+                     shapes); buckets; KV layout and block size; target; toolchain versions; file hashes
+  export/            the unfused export (model.onnx + data, export.json): the reference side of ``omforge diff``
+  ort/               (ort) the fused, paged, lowered step graph and its weights
+  ascend/            (ascend) the lowered step graph(s), ATC commands, plugin sources, build.sh, om/ once built
+  tokenizer.json
+
+Loading (:func:`load_manifest`) checks the schema version and every listed file's size and SHA-256: an unknown
+version, a missing or a modified file is a clear :class:`BundleError`, never a crash later.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from omforge.compile.cache import file_sha256
+from omforge.errors import OmforgeError
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class BundleError(OmforgeError):
+    """A bundle that cannot be used: the message names the bundle and the file or field."""
+
+
+def file_entries(bundle: Path, files: list[Path]) -> dict[str, dict[str, Any]]:
+    """``{relative path: {size, sha256}}`` for the manifest."""
+    return {str(f.relative_to(bundle)): {"size": f.stat().st_size, "sha256": file_sha256(f)} for f in sorted(files)}
+
+
+def write_manifest(bundle: Path, manifest: dict[str, Any]) -> None:
+    manifest = {"schema_version": SCHEMA_VERSION, **manifest}
+    (bundle / MANIFEST).write_text(json.dumps(manifest, indent=2))
+
+
+def load_manifest(bundle: Path, verify: bool = True) -> dict[str, Any]:
+    """Read and check a bundle's manifest. ``verify`` re-hashes every listed file (about a second per GB)."""
+    path = bundle / MANIFEST
+    if not bundle.is_dir():
+        raise BundleError(f"{bundle}: not a directory (expected a bundle written by omforge compile)")
+    if not path.is_file():
+        raise BundleError(f"{bundle}: no {MANIFEST} (not a bundle, or its compile did not finish)")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise BundleError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    version = manifest.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise BundleError(f"{path}: schema_version {version!r} is not supported by this omforge "
+                          f"(supports {SCHEMA_VERSION}); recompile the bundle")
+    for rel, entry in manifest.get("files", {}).items():
+        f = bundle / rel
+        if not f.is_file():
+            raise BundleError(f"{bundle}: file '{rel}' listed in the manifest is missing")
+        if f.stat().st_size != entry["size"]:
+            raise BundleError(f"{bundle}: file '{rel}' was modified (size {f.stat().st_size}, manifest says "
+                              f"{entry['size']}); recompile the bundle")
+        if verify and file_sha256(f) != entry["sha256"]:
+            raise BundleError(f"{bundle}: file '{rel}' was modified (SHA-256 differs from the manifest); "
+                              f"recompile the bundle")
+    return manifest
+
+
+def describe(manifest: dict[str, Any]) -> str:
+    """A readable summary for ``omforge inspect``."""
+    cfg = manifest["model"]["config"]
+    kv = manifest["kv"]
+    lines = [
+        f"bundle of {manifest['model']['name']} ({cfg['family']}), target {manifest['target']}, "
+        f"schema {manifest['schema_version']}",
+        f"  model      {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, heads "
+        f"{cfg['num_attention_heads']}/{cfg['num_key_value_heads']} kv, head_dim {cfg['head_dim']}, "
+        f"vocab {cfg['vocab_size']}, tied embeddings {cfg['tie_word_embeddings']}",
+        f"  kv cache   block size {kv['block_size']}, layout {kv['layout']}, {kv['num_layers']} layers × K,V, "
+        f"{kv['bytes_per_token']} bytes per token",
+        f"  limits     max_seq_len {manifest['limits']['max_seq_len']}, max_batch_size "
+        f"{manifest['limits']['max_batch_size']}, max_num_tokens {manifest['limits']['max_num_tokens']}",
+        f"  fusions    " + ", ".join(f"{k} {v}" for k, v in manifest["passes"]["fusion_counts"].items()),
+        f"  graphs     " + ", ".join(f"{k}: {v}" for k, v in manifest["graphs"].items()),
+        f"  tokenizer  {manifest['tokenizer'].get('file')}, chat template "
+        f"{'yes' if manifest['tokenizer'].get('chat_template') else 'no'}, eos {cfg['eos_token_ids']}",
+        "  step ABI",
+    ]
+    for io in ("inputs", "outputs"):
+        entries = manifest["abi"][io]
+        shown = [e for e in entries if not e["name"].split(".")[-1].isdigit() or e["name"].endswith(".0")]
+        for e in shown:
+            more = " (… one per layer)" if e["name"].endswith(".0") else ""
+            lines.append(f"    {io[:-1]:6s} {e['name']:22s} {e['dtype']:7s} {e['shape']}{more}")
+    lines.append("  buckets    " + json.dumps(manifest["buckets"]))
+    lines.append("  toolchain  " + ", ".join(f"{k} {v}" for k, v in manifest["toolchain"].items()))
+    size = sum(e["size"] for e in manifest["files"].values())
+    lines.append(f"  files      {len(manifest['files'])} files, {size / 1e6:.1f} MB")
+    return "\n".join(lines)

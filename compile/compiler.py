@@ -1,0 +1,184 @@
+"""``omforge compile``: recipe → export → passes → lowering → target artifacts → bundle, stage by stage.
+
+Every stage is cached by content hash (:mod:`omforge.compile.cache`): the export by the recipe's model
+section and weight file; the passes by the export, the fusion switches, the block size, the target, the
+source of the passes and the tool versions; the bundle is then assembled by copying from the cached stages. A second compile with nothing changed only re-assembles and re-hashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import shutil
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from omforge.compile import buckets as bucket_planner
+from omforge.compile.bundle import file_entries, write_manifest
+from omforge.compile.cache import Stage, cache_root, copy_into, stage_key
+from omforge.errors import OmforgeError
+from omforge.passes.paged_kv import DEFAULT_BLOCK_SIZE
+from omforge.recipe import Recipe
+
+TOOLS = ("onnx", "onnxruntime", "onnxscript", "onnx-ir", "onnxsim", "torch")
+
+
+def tool_versions() -> dict[str, str]:
+    versions = {"omforge": _version("omforge"), "python": sys.version.split()[0]}
+    for tool in TOOLS:
+        versions[tool] = _version(tool)
+    return versions
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _source_digest(folder: Path) -> str:
+    """Hash of a package folder's Python sources: a change to the passes invalidates their cached output."""
+    h = hashlib.sha256()
+    for f in sorted(folder.rglob("*.py")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class Progress:
+    """Prints each stage with its wall time (to stderr) and records it."""
+
+    quiet: bool = False
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def stage(self, name: str, cached: bool = False) -> Iterator[None]:
+        t0 = time.perf_counter()
+        if not self.quiet:
+            print(f"[compile] {name}{' (cached)' if cached else ' …'}", file=sys.stderr, flush=True)
+        yield
+        self.timings[name] = round(time.perf_counter() - t0, 3)
+        if not self.quiet and not cached:
+            print(f"[compile] {name}: {self.timings[name]:.1f}s", file=sys.stderr, flush=True)
+
+
+@dataclass
+class CompileResult:
+    bundle: Path
+    manifest: dict[str, Any]
+    cached: dict[str, bool]
+    timings: dict[str, float]
+
+
+def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: bool = False) -> CompileResult:
+    """Compile ``recipe`` into the bundle ``out`` (replaced). Raises OmforgeError subclasses on user errors;
+    on the ascend target without ``atc`` the bundle is complete up to the ATC step and
+    :class:`omforge.compile.atc.AtcMissing` is raised after it is written."""
+    from omforge.export.onnx_export import cached_export, recipe_digest
+
+    target = target or recipe.compile.target
+    if target not in DEFAULT_BLOCK_SIZE:
+        raise OmforgeError(f"--target: '{target}' is not a target; choose one of {', '.join(DEFAULT_BLOCK_SIZE)}")
+    block_size = recipe.compile.kv_block_size or DEFAULT_BLOCK_SIZE[target]
+    if out.exists() and not (out / "manifest.json").is_file() and any(out.iterdir()):
+        raise OmforgeError(f"-o {out}: exists and is not a bundle; refusing to overwrite it")
+    progress = Progress(quiet)
+    cached: dict[str, bool] = {}
+    root = cache_root()
+
+    digest = recipe_digest(recipe)
+    export_dir = root / "exports" / f"{recipe.model.name}-{digest}"
+    cached["export"] = (export_dir / "export.json").is_file()
+    with progress.stage("export", cached["export"]):
+        export_dir = cached_export(recipe, root / "exports", quiet=quiet)
+    export_meta = json.loads((export_dir / "export.json").read_text())
+
+    plan = bucket_planner.plan(recipe.compile, target=target, block_size=block_size)
+    passes_key = stage_key("passes", {
+        "export": digest, "fusions": recipe.compile.fusions, "block_size": block_size, "target": target,
+        "passes_source": _source_digest(Path(__file__).resolve().parent.parent / "passes"),
+        "tools": tool_versions(),
+    })
+    passes = Stage(f"passes-{target}", passes_key, root)
+    cached["passes"] = passes.done
+    with progress.stage(f"passes + lowering ({target})", passes.done):
+        if not passes.done:
+            _run_passes(export_dir, passes, recipe, target, block_size)
+    report = passes.info()
+
+    with progress.stage("bundle"):
+        if out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+        files: list[Path] = []
+        for name in ("model.onnx", "model.onnx.data", "export.json"):
+            copy_into(export_dir / name, out / "export" / name)
+            files.append(out / "export" / name)
+        if export_meta["tokenizer"].get("file"):
+            copy_into(export_dir / "tokenizer.json", out / "tokenizer.json")
+            files.append(out / "tokenizer.json")
+        for f in sorted(p for p in passes.dir.iterdir() if p.name != "stage.json"):
+            copy_into(f, out / target / f.name)
+            files.append(out / target / f.name)
+
+    atc_missing = None
+    if target == "ascend":
+        from omforge.compile import ascend
+
+        with progress.stage("ascend toolchain (ATC)"):
+            try:
+                files += ascend.prepare_and_run(out, recipe, plan, report)
+            except ascend.AtcMissing as e:  # everything else is written; say what is left after the manifest
+                atc_missing = e
+                files += [p for p in (out / "ascend").rglob("*") if p.is_file() and p not in files]
+
+    layout = report["layout"]
+    cfg = export_meta["config"]
+    manifest = {
+        "omforge_version": _version("omforge"),
+        "model": {"name": recipe.model.name, "config": cfg},
+        "tokenizer": {**export_meta["tokenizer"], "file": "tokenizer.json" if export_meta["tokenizer"].get("file") else None},
+        "target": target,
+        "abi": report["abi"],
+        "kv": {**layout, "dtype": "float32", "layout": "[num_blocks, block_size, kv_heads, head_dim] per layer, K and V",
+               "bytes_per_token": 2 * layout["num_layers"] * layout["kv_heads"] * layout["head_dim"] * 4,
+               "write": "in place: bind key_cache_out.N to key_cache.N" if target == "ort"
+               else "out of place: the graph returns key_new.N; the runtime copies rows to slot_mapping"},
+        "limits": {"max_seq_len": recipe.compile.max_seq_len, "max_batch_size": recipe.compile.max_batch_size,
+                   "max_num_tokens": recipe.compile.max_num_tokens},
+        "serve": recipe.serve.model_dump(),
+        "buckets": plan.to_dict(),
+        "passes": {k: report[k] for k in ("fusion_counts", "num_nodes", "op_histogram")},
+        "graphs": {"unfused": "export/model.onnx", "step": f"{target}/{report['graph']}"},
+        "toolchain": tool_versions(),
+        "timings": progress.timings,
+        "files": file_entries(out, files),
+    }
+    write_manifest(out, manifest)
+    result = CompileResult(out, manifest, cached, progress.timings)
+    if atc_missing is not None:
+        raise atc_missing
+    return result
+
+
+def _run_passes(export_dir: Path, stage: Stage, recipe: Recipe, target: str, block_size: int) -> None:
+    from dataclasses import asdict
+
+    from omforge.passes.pipeline import build
+
+    out = stage.begin()
+    if target == "ort":
+        report = build(export_dir, out / "step.onnx", fusions=recipe.compile.fusions, block_size=block_size)
+        stage.finish({**report.to_dict(), "abi": report.extra["abi"], "graph": "step.onnx"})
+        return
+    from omforge.compile import ascend
+
+    info = ascend.lower_step_graph(export_dir, out, recipe, block_size)
+    stage.finish({**info, "layout": asdict(info["layout"]) if not isinstance(info["layout"], dict) else info["layout"]})

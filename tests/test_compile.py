@@ -1,0 +1,129 @@
+"""``omforge compile`` / ``inspect``: the bundle, stage caching and invalidation, corrupted or missing artifacts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import TINY_RECIPE
+from omforge.cli import main
+from omforge.compile.bundle import SCHEMA_VERSION, BundleError, load_manifest
+from omforge.compile.compiler import compile_recipe
+from omforge.recipe import load_recipe
+
+
+@pytest.fixture()
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("OMFORGE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import os
+
+    root = tmp_path_factory.mktemp("bundle")
+    old = os.environ.get("OMFORGE_CACHE_DIR")
+    os.environ["OMFORGE_CACHE_DIR"] = str(root / "cache")
+    try:
+        compile_recipe(load_recipe(TINY_RECIPE), root / "b", quiet=True)
+    finally:
+        os.environ.pop("OMFORGE_CACHE_DIR") if old is None else os.environ.__setitem__("OMFORGE_CACHE_DIR", old)
+    return root / "b"
+
+
+def test_manifest_contents(bundle: Path) -> None:
+    m = load_manifest(bundle)
+    assert m["schema_version"] == SCHEMA_VERSION and m["target"] == "ort"
+    assert m["model"]["config"]["num_hidden_layers"] == 2
+    assert m["kv"]["block_size"] == 64 and m["kv"]["num_layers"] == 2  # the ort default, measured
+    names = [i["name"] for i in m["abi"]["inputs"]]
+    assert names[:7] == ["input_ids", "position_ids", "slot_mapping", "block_tables", "query_index", "token_index",
+                         "logits_indices"]
+    assert m["passes"]["fusion_counts"] == {"rms_norm": 5, "add_rms_norm": 4, "rotary": 4, "qkv_merge": 2,
+                                            "gate_up_swiglu": 2, "attention": 2}
+    assert set(m["files"]) >= {"export/model.onnx", "export/model.onnx.data", "ort/step.onnx", "ort/step.onnx.data"}
+    assert m["buckets"]["profiles"][0]["name"] == "step"
+    for tool in ("onnx", "onnxruntime", "omforge"):
+        assert m["toolchain"][tool]
+
+
+def test_step_graph_of_the_bundle_runs(bundle: Path) -> None:
+    from omforge.passes.paged_kv import PagedLayout
+    from omforge.runtime.ort_executor import OrtExecutor
+    from omforge.runtime.step import SeqWork, build_step
+
+    m = load_manifest(bundle)
+    layout = PagedLayout(**{k: m["kv"][k] for k in ("num_layers", "kv_heads", "head_dim", "block_size")})
+    ex = OrtExecutor(bundle / m["graphs"]["step"], layout, num_blocks=4)
+    logits = ex.run(build_step([SeqWork([1, 2, 3], 0, [2])], layout.block_size))
+    assert logits.shape == (1, 256) and np.isfinite(logits).all()
+
+
+def test_second_compile_reuses_every_stage_and_a_switch_redoes_only_the_passes(cache: Path, tmp_path: Path) -> None:
+    recipe = load_recipe(TINY_RECIPE)
+    first = compile_recipe(recipe, tmp_path / "a", quiet=True)
+    assert first.cached == {"export": False, "passes": False}
+    second = compile_recipe(recipe, tmp_path / "a", quiet=True)
+    assert second.cached == {"export": True, "passes": True}
+    assert second.manifest["files"] == first.manifest["files"]
+    text = TINY_RECIPE.read_text().replace("compile:\n", "compile:\n  fusions: {rms_norm: false}\n")
+    switched = tmp_path / "switched.yaml"
+    switched.write_text(text.replace("name: tiny-llama", "name: tiny-llama"))
+    third = compile_recipe(load_recipe(switched), tmp_path / "b", quiet=True)
+    assert third.cached == {"export": True, "passes": False}
+    assert third.manifest["passes"]["fusion_counts"]["rms_norm"] == 0
+    block = tmp_path / "block.yaml"
+    block.write_text(TINY_RECIPE.read_text().replace("compile:\n", "compile:\n  kv_block_size: 16\n"))
+    fourth = compile_recipe(load_recipe(block), tmp_path / "c", quiet=True)
+    assert fourth.cached == {"export": True, "passes": False} and fourth.manifest["kv"]["block_size"] == 16
+
+
+def test_corrupted_or_missing_artifacts_are_clear_errors(bundle: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(bundle, copy)
+    data = copy / "ort" / "step.onnx.data"
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(BundleError, match=r"file 'ort/step.onnx.data' was modified \(SHA-256"):
+        load_manifest(copy)
+    data.write_bytes(bytes(raw[:-4]))
+    with pytest.raises(BundleError, match=r"'ort/step.onnx.data' was modified \(size"):
+        load_manifest(copy)
+    data.unlink()
+    with pytest.raises(BundleError, match=r"file 'ort/step.onnx.data' listed in the manifest is missing"):
+        load_manifest(copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["schema_version"] = 99
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="schema_version 99 is not supported"):
+        load_manifest(copy)
+    (copy / "manifest.json").unlink()
+    with pytest.raises(BundleError, match="no manifest.json"):
+        load_manifest(copy)
+
+
+def test_inspect_cli(bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(bundle)]) == 0
+    out = capsys.readouterr().out
+    assert "target ort" in out and "block size 64" in out and "slot_mapping" in out and "key_cache.0" in out
+    assert main(["inspect", str(bundle), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["target"] == "ort"
+    assert main(["inspect", str(tmp_path / "nothing")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+
+
+def test_compile_cli_refuses_to_overwrite_a_non_bundle(cache: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    assert main(["compile", str(TINY_RECIPE), "-o", str(precious)]) == 2
+    assert "exists and is not a bundle" in capsys.readouterr().err
+    assert (precious / "notes.txt").read_text() == "keep me"
