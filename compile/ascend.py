@@ -8,6 +8,8 @@ when it is on PATH. Without it, :class:`AtcMissing` names the step left and the 
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -17,6 +19,10 @@ import onnx
 import onnx_ir as ir
 
 
+from omforge.compile.atc import (FUSION_SWITCH_FILE, AtcError, AtcMissing, AtcModelSpec, atc_command,  # noqa: F401
+                                 input_shapes_from_onnx, om_path, render_build_script, render_command,
+                                 render_plugins, run_atc, write_fusion_switch)
+from omforge.compile.buckets import BucketPlan
 from omforge.passes import lower_ascend, manager
 from omforge.passes.paged_kv import insert_paged_kv
 from omforge.passes.pipeline import histogram, interface
@@ -54,3 +60,43 @@ def _onnxsim(path: Path) -> str:
     data.unlink(missing_ok=True)
     onnx.save(simplified, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name)
     return f"simplified: {len(proto.graph.node)} → {len(simplified.graph.node)} nodes"
+
+
+def num_slots(recipe: Recipe, block_size: int) -> int:
+    """The pool size ATC compiles in (a static dim of every cache input): ``serve.num_kv_blocks`` blocks, or
+    enough for ``max_batch_size`` sequences of ``max_seq_len`` tokens."""
+    blocks = recipe.serve.num_kv_blocks or recipe.compile.max_batch_size * -(-recipe.compile.max_seq_len // block_size)
+    return blocks * block_size
+
+
+def prepare_and_run(bundle: Path, recipe: Recipe, plan: BucketPlan, report: dict[str, Any]) -> list[Path]:
+    """Write the ATC step into ``bundle/ascend`` and run it when ``atc`` is on PATH; returns the files written.
+
+    Raises :class:`AtcMissing` (after writing everything) when ``atc`` is not on PATH, naming ``build.sh`` and
+    the commands; :class:`AtcError` when a run fails (its log is kept under ``ascend/logs``)."""
+    asc = bundle / "ascend"
+    slots = num_slots(recipe, plan.block_size)
+    switches = write_fusion_switch(recipe.compile.fusions, asc / FUSION_SWITCH_FILE)
+    commands = []
+    for profile in plan.profiles:
+        shapes = input_shapes_from_onnx(asc / "step.onnx", {**profile.shape, "num_slots": slots})
+        spec = AtcModelSpec(profile.name, Path("step.onnx"), shapes, list(profile.gears or ()), list(profile.dims))
+        commands.append(atc_command(spec, recipe.compile, Path("om"), Path(switches.name)))
+    plugins = render_plugins(report["lowering"], asc / "plugins")
+    script = render_build_script(commands, asc / "build.sh", plugins)
+    (asc / "atc_commands.txt").write_text("".join(render_command(c) + "\n" for c in commands))
+    written = [p for p in asc.rglob("*") if p.is_file()]
+    if plugins is not None and shutil.which("atc") is not None:
+        log = asc / "logs" / "build.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("wb") as f:  # our plugins must be built and installed before atc can parse our op types
+            rc = subprocess.run(["bash", str(script)], cwd=asc, stdout=f, stderr=subprocess.STDOUT).returncode
+        if rc != 0:
+            raise AtcError(f"{script} failed (exit {rc}); see {log}")
+        oms = [asc / om_path(c) for c in commands]
+        missing = [str(o) for o in oms if not o.is_file()]
+        if missing:
+            raise AtcError(f"{script} finished but wrote no {', '.join(missing)}; see {log}")
+    else:
+        oms = run_atc(commands, asc / "logs", cwd=asc, script=script)
+    return sorted(set(written + oms + [p for p in (asc / "logs").rglob("*") if p.is_file()]))

@@ -17,7 +17,7 @@ from omforge.passes.paged_kv import PagedLayout
 
 class OrtExecutor:
     def __init__(self, model_path: Path, layout: PagedLayout, num_blocks: int, threads: int | None = None,
-                 providers: list[str] | None = None):
+                 providers: list[str] | None = None, num_host_blocks: int = 0):
         opts = ort.SessionOptions()
         if threads:
             opts.intra_op_num_threads = threads
@@ -26,6 +26,7 @@ class OrtExecutor:
         shape = (num_blocks, layout.block_size, layout.kv_heads, layout.head_dim)
         self.key_pools = [np.zeros(shape, np.float32) for _ in range(layout.num_layers)]
         self.value_pools = [np.zeros(shape, np.float32) for _ in range(layout.num_layers)]
+        self.allocate_host(num_host_blocks)
         self.binding = self.session.io_binding()
         self.binding.bind_output("logits")  # first, so it stays output 0 when re-bound each run
         self._pool_values = []  # keep the OrtValues alive as long as the binding refers to them
@@ -36,6 +37,37 @@ class OrtExecutor:
                 self.binding.bind_ortvalue_input(f"{kind}_cache.{layer}", value)
                 self.binding.bind_ortvalue_output(f"{kind}_cache_out.{layer}", value)
                 self._pool_values.append(value)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks ``src → dst`` in every layer's K and V pool (copy-on-write of a shared block)."""
+        if not pairs:
+            return
+        src, dst = (np.fromiter(col, np.int64, len(pairs)) for col in zip(*pairs))
+        for pool in (*self.key_pools, *self.value_pools):
+            pool[dst] = pool[src]
+
+    def allocate_host(self, num_host_blocks: int) -> None:
+        """The host swap tier: pools of ``num_host_blocks`` blocks per layer, K and V."""
+        shape = (num_host_blocks, *self.key_pools[0].shape[1:])
+        self.host_keys = [np.zeros(shape, np.float32) for _ in self.key_pools]
+        self.host_values = [np.zeros(shape, np.float32) for _ in self.value_pools]
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to host blocks, ``(device, host)`` pairs."""
+        self._swap(pairs, (self.key_pools, self.value_pools), (self.host_keys, self.host_values))
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host blocks back to device blocks, ``(host, device)`` pairs."""
+        self._swap(pairs, (self.host_keys, self.host_values), (self.key_pools, self.value_pools))
+
+    @staticmethod
+    def _swap(pairs: list[tuple[int, int]], src_pools, dst_pools) -> None:  # noqa: ANN001
+        if not pairs:
+            return
+        src, dst = (np.fromiter(col, np.int64, len(pairs)) for col in zip(*pairs))
+        for srcs, dsts in zip(src_pools, dst_pools):
+            for s_pool, d_pool in zip(srcs, dsts):
+                d_pool[dst] = s_pool[src]
 
     def run(self, step: dict[str, np.ndarray]) -> np.ndarray:
         """Execute one step; returns logits ``[num_logits, vocab]`` (the pools are updated in place)."""

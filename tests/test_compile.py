@@ -127,3 +127,29 @@ def test_compile_cli_refuses_to_overwrite_a_non_bundle(cache: Path, tmp_path: Pa
     assert main(["compile", str(TINY_RECIPE), "-o", str(precious)]) == 2
     assert "exists and is not a bundle" in capsys.readouterr().err
     assert (precious / "notes.txt").read_text() == "keep me"
+
+
+def test_ascend_target_writes_everything_up_to_atc(cache: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str], monkeypatch) -> None:  # noqa: ANN001
+    """No CANN here: exit code 3, one message naming the step left and how to run it; no .om is ever written."""
+    import onnx
+
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # make sure no atc (real or fake) is found
+    out = tmp_path / "asc"
+    assert main(["compile", str(TINY_RECIPE), "-o", str(out), "--target", "ascend"]) == 3
+    err = capsys.readouterr().err
+    assert "complete up to the ATC step" in err and "`atc` is not on PATH" in err
+    assert f"bash {out / 'ascend' / 'build.sh'}" in err and "atc --model=step.onnx --framework=5" in err
+    m = load_manifest(out)
+    assert m["target"] == "ascend" and m["kv"]["block_size"] == 128
+    assert [p["name"] for p in m["buckets"]["profiles"]] == ["prefill", "decode"]
+    for rel in ("ascend/build.sh", "ascend/atc_commands.txt", "ascend/fusion_switch.cfg", "ascend/step.onnx",
+                "ascend/plugins/CMakeLists.txt", "ascend/plugins/swi_glu_onnx_plugin.cc"):
+        assert rel in m["files"], rel
+    assert not list(out.rglob("*.om"))
+    step = onnx.load(str(out / "ascend" / "step.onnx"), load_external_data=False)
+    assert [(o.domain, o.version) for o in step.opset_import] == [("", 18)]
+    assert {n.domain for n in step.graph.node} == {""}
+    assert "key_new.0" in [o.name for o in step.graph.output]
+    commands = (out / "ascend" / "atc_commands.txt").read_text().splitlines()
+    assert len(commands) == 2 and all("--soc_version=Ascend910B3" in c and "--input_format=ND" in c for c in commands)

@@ -1,0 +1,472 @@
+"""The Ascend toolchain step: exact ``atc`` command lines, the fusion switch file, our ONNX parser plugins and the
+bundle's ``build.sh``; ``atc`` itself runs only where it is on PATH (reference/ascend.md §1).
+
+One ATC model per profile (``AtcModelSpec``: "prefill", "decode", …), its command line (§1.1–1.5)::
+
+  atc --model=<onnx> --framework=5 --output=<dir>/<name> --soc_version=<compile.soc_version> --input_format=ND
+      --input_shape="input_ids:1,-1;…;key_cache.0:65536,3,64;…" --dynamic_dims="128,128,16,128,128;512,…"
+      --precision_mode=<compile.precision_mode> --fusion_switch_file=<dir>/fusion_switch.cfg --log=error
+
+``--input_shape`` lists every graph input in graph order, ``-1`` for a dim that a gear sets. A gear gives one
+value per *dynamic dim* (``dim_order``, e.g. ``(chunk_len, max_blocks)``); ``--dynamic_dims`` repeats that value
+at each ``-1`` the dim occupies, in input order then dim order (§1.3; ATC's own example ``data:1,1,40,-1;
+label:1,-1;mask:-1,-1`` with one T takes four values per gear). ATC writes ``<dir>/<name>.om``.
+
+Decisions and known limits:
+
+* ``--out_nodes`` is not emitted: it only sets or limits the model outputs and their order (§1.5), and the step
+  graph's outputs are already exactly what the runtime reads (``logits``, ``key_new.N``, ``value_new.N``).
+  [inference] ATC keeps the ONNX graph outputs in order by default.
+* Fusion switch file (§1.5, JSON form): our recipe switches (``compile.fusions``) drive OUR passes, whose
+  result is already in the ONNX graph; what ATC must not do is re-fuse or split what we chose. The reference
+  names no CANN fusion pass that does either, so no pass is switched off: the file has the documented
+  structure with ``"ALL": "on"`` for GraphFusion and UBFusion, and our switches under a top-level ``"omforge"``
+  key (JSON has no comments). [unverified] that ATC ignores that extra key. To switch a CANN pass off, add
+  ``"<PassName>": "off"`` beside ``ALL``; ATC lists the passes it applied in ``fusion_result.json`` (kept per
+  model in the log folder).
+* Older ATC docs allow at most 4 dynamic dims per gear; current docs (8.0+) state no such limit. The step
+  graph has 5 (prefill) to 7 (decode) ``-1`` per gear. [unverified] on CANN releases before 8.0.
+* Plugins (§1.7, §2.2): one C++ ONNX parser plugin per op type the lowering marks ``own_plugin``, each mapping
+  ``ai.onnx::<opset>::<op>`` to a GE op and copying the node's attributes (ATC hands a
+  ``ParseParamsByOperatorFn`` plugin the ONNX attributes as one JSON string attribute named ``attribute``:
+  Ascend/parser ``Message2Operator`` + ``Pb2Json``, and CANN's plugin development guide). They build into
+  ``libcust_onnx_parsers.so``, installed as the OPP vendor ``omforge``. None was compiled against a real CANN
+  toolkit here (no CANN, no hardware): the tests compile them against stub headers (tests/stubs/).
+  ``PagedAttention`` also needs a GE op prototype and a kernel of our own, which are not provided.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import jinja2
+
+from omforge.errors import OmforgeError
+from omforge.passes.lower_ascend import AscendLowering, CustomOp
+from omforge.recipe import FUSIONS, CompileSection
+
+ATC = "atc"
+FRAMEWORK_ONNX = 5
+MIN_GEARS, MAX_GEARS = 2, 100  # --dynamic_dims takes (1, 100] gears (reference/ascend.md §1.3)
+FUSION_SWITCH_FILE = "fusion_switch.cfg"  # the name ATC's docs give their (JSON) example
+PLUGIN_LIBRARY = "libcust_onnx_parsers.so"
+PLUGIN_VENDOR = "omforge"
+
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_INPUT_NAME = re.compile(r"[^\s:;,\"'$`\\]+")  # ATC's --input_shape separators and shell-special characters
+_SOC = re.compile(r"Ascend[A-Za-z0-9_]+")
+_SAFE_IN_DOUBLE_QUOTES = re.compile(r"[^\"$`\\!\n]*")
+
+
+class AtcError(OmforgeError):
+    """A model profile ATC cannot take, or an ``atc`` run that failed (the message names its log)."""
+
+
+class AtcMissing(OmforgeError):
+    """``atc`` is not on PATH: everything up to the ATC step is written, the step itself is left.
+
+    ``str(err)`` names the step and the commands that run it; ``commands`` holds them as argv lists."""
+
+    def __init__(self, commands: Sequence[Sequence[str]], script: Path | None = None):
+        self.commands = [list(c) for c in commands]
+        self.script = script
+        run = f"run `bash {script}` there, or the ATC commands: " if script else "run: "
+        super().__init__("the ATC step (ONNX -> OM) is left: `atc` is not on PATH (install the CANN toolkit and "
+                         f"source its set_env.sh); {run}{' && '.join(render_command(c) for c in commands)}")
+
+
+@dataclass(frozen=True)
+class AtcModelSpec:
+    """One OM model to build: a step graph and the gears it is compiled for.
+
+    ``input_shapes``: every graph input in graph order; a dim is a static size (int) or the name of a dynamic
+    dim listed in ``dim_order`` (it becomes ``-1``). ``gears``: one tuple per gear, a value per ``dim_order``
+    name. Invariants (checked on construction, :class:`AtcError` otherwise): 2..100 distinct gears of positive
+    sizes, each as long as ``dim_order``; every dynamic dim is used by some input and every symbolic dim is in
+    ``dim_order``; names are safe in ATC's ``name:d0,d1;…`` syntax and as a file name.
+    """
+
+    name: str
+    onnx_path: Path
+    input_shapes: dict[str, list[int | str]]
+    gears: list[tuple[int, ...]]
+    dim_order: list[str]
+
+    def __post_init__(self) -> None:
+        where = f"ATC model '{self.name}'"
+        if not _NAME.fullmatch(self.name):
+            raise AtcError(f"ATC model name {self.name!r}: use letters, digits, '_', '.', '-' (it names the .om)")
+        if not self.input_shapes:
+            raise AtcError(f"{where}: no graph inputs given")
+        if not self.dim_order or len(set(self.dim_order)) != len(self.dim_order):
+            raise AtcError(f"{where}: dim_order {self.dim_order} must name each dynamic dim once")
+        for name, dims in self.input_shapes.items():
+            if not _INPUT_NAME.fullmatch(name):
+                raise AtcError(f"{where}: input name {name!r} contains a character ATC's --input_shape or the "
+                               "shell cannot take (whitespace : ; , quotes $ ` \\)")
+            for d in dims:
+                if isinstance(d, str):
+                    if d not in self.dim_order:
+                        raise AtcError(f"{where}: input '{name}' has dim '{d}', which is not in dim_order "
+                                       f"{self.dim_order}; give it a static size or add it to the gears")
+                elif isinstance(d, bool) or not isinstance(d, int) or d < 1:
+                    raise AtcError(f"{where}: input '{name}' has dim {d!r}; a static dim is a positive integer")
+        unused = [d for d in self.dim_order if d not in self.dynamic_dims()]
+        if unused:
+            raise AtcError(f"{where}: dynamic dim(s) {unused} are in dim_order but no input uses them")
+        if not MIN_GEARS <= len(self.gears) <= MAX_GEARS:
+            raise AtcError(f"{where}: {len(self.gears)} gear(s); ATC's --dynamic_dims takes {MIN_GEARS} to "
+                           f"{MAX_GEARS} (a single shape needs no gears: make its dims static)")
+        for i, gear in enumerate(self.gears):
+            if len(gear) != len(self.dim_order):
+                raise AtcError(f"{where}: gear {i} {tuple(gear)} has {len(gear)} value(s); each gear gives one "
+                               f"value per dynamic dim {tuple(self.dim_order)} ({len(self.dim_order)} values)")
+            if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in gear):
+                raise AtcError(f"{where}: gear {i} {tuple(gear)}: every value must be a positive integer")
+        if len(set(map(tuple, self.gears))) != len(self.gears):
+            raise AtcError(f"{where}: duplicate gears in {[tuple(g) for g in self.gears]}")
+
+    def dynamic_dims(self) -> list[str]:
+        """The dynamic dim behind each ``-1`` of ``--input_shape``, in input order then dim order."""
+        return [d for dims in self.input_shapes.values() for d in dims if isinstance(d, str)]
+
+    def input_shape_arg(self) -> str:
+        """``--input_shape``'s value: ``name:d0,d1;…`` with ``-1`` where a gear sets the dim."""
+        return ";".join(f"{name}:{','.join('-1' if isinstance(d, str) else str(d) for d in dims)}"
+                        for name, dims in self.input_shapes.items())
+
+    def dynamic_dims_arg(self) -> str:
+        """``--dynamic_dims``'s value: gears separated by ``;``, one value per ``-1`` in each."""
+        index = {d: i for i, d in enumerate(self.dim_order)}
+        slots = [index[d] for d in self.dynamic_dims()]
+        return ";".join(",".join(str(gear[i]) for i in slots) for gear in self.gears)
+
+
+def input_shapes_from_onnx(onnx_path: Path, dims: Mapping[str, int | str]) -> dict[str, list[int | str]]:
+    """The graph inputs of ``onnx_path`` (weights not loaded) with each symbolic dim replaced by ``dims[symbol]``:
+    an int fixes it (e.g. ``num_slots``, ``num_seqs=1`` for prefill), a str names the gear dim it follows
+    (e.g. ``num_tokens -> "chunk_len"``)."""
+    import onnx
+
+    try:
+        graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    except Exception as e:  # a missing file or a protobuf that does not parse: say which file
+        raise AtcError(f"{onnx_path}: cannot read the ONNX graph: {e}") from None
+    weights = {t.name for t in graph.initializer}
+    shapes: dict[str, list[int | str]] = {}
+    for value in graph.input:
+        if value.name in weights:
+            continue
+        out: list[int | str] = []
+        for d in value.type.tensor_type.shape.dim:
+            if d.HasField("dim_value"):
+                out.append(int(d.dim_value))
+            elif d.HasField("dim_param") and d.dim_param in dims:
+                out.append(dims[d.dim_param])
+            else:
+                symbol = d.dim_param or "?"
+                raise AtcError(f"{onnx_path}: input '{value.name}' has dim '{symbol}' with no size or gear dim "
+                               f"given (known: {', '.join(sorted(dims)) or 'none'})")
+        shapes[value.name] = out
+    return shapes
+
+
+def atc_command(spec: AtcModelSpec, compile: CompileSection, out_dir: Path,
+                fusion_switch_file: Path | None = None) -> list[str]:
+    """The exact argv that builds ``<out_dir>/<spec.name>.om``. Paths are written as given (build.sh runs from
+    its own folder, so give them relative to it there). ``fusion_switch_file`` defaults to
+    ``<out_dir>/fusion_switch.cfg`` (see :func:`write_fusion_switch`)."""
+    if not _SOC.fullmatch(compile.soc_version):
+        raise AtcError(f"compile.soc_version: {compile.soc_version!r} is not an ATC SoC name ('Ascend' + the chip "
+                       "name npu-smi reports, e.g. Ascend910B3, Ascend310P3, Ascend910_9392)")
+    switches = fusion_switch_file if fusion_switch_file is not None else out_dir / FUSION_SWITCH_FILE
+    return [
+        ATC,
+        f"--model={spec.onnx_path}",
+        f"--framework={FRAMEWORK_ONNX}",
+        f"--output={out_dir / spec.name}",
+        f"--soc_version={compile.soc_version}",
+        "--input_format=ND",
+        f"--input_shape={spec.input_shape_arg()}",
+        f"--dynamic_dims={spec.dynamic_dims_arg()}",
+        f"--precision_mode={compile.precision_mode}",
+        f"--fusion_switch_file={switches}",
+        "--log=error",
+    ]
+
+
+def om_path(argv: Sequence[str]) -> Path:
+    """The .om an atc command writes: its ``--output`` prefix + ``.om`` (§1.1)."""
+    for arg in argv:
+        if arg.startswith("--output="):
+            return Path(arg.removeprefix("--output=") + ".om")
+    raise AtcError(f"not an atc command with --output: {render_command(argv)}")
+
+
+def _quote(arg: str) -> str:
+    """Shell-quote one argument; a ``--flag=value`` keeps the flag bare and double-quotes the value the way ATC's
+    docs write it (``--input_shape="a:1,-1;b:-1"``)."""
+    if not arg or shlex.quote(arg) == arg:
+        return arg or "''"
+    flag, eq, value = arg.partition("=")
+    if eq and flag.startswith("--") and shlex.quote(flag) == flag:
+        if shlex.quote(value) == value:
+            return arg
+        if _SAFE_IN_DOUBLE_QUOTES.fullmatch(value):
+            return f'{flag}="{value}"'
+        return f"{flag}={shlex.quote(value)}"
+    return shlex.quote(arg)
+
+
+def render_command(argv: Sequence[str]) -> str:
+    """One shell line that runs ``argv`` (``shlex.split`` gives ``argv`` back)."""
+    return " ".join(_quote(a) for a in argv)
+
+
+def fusion_switch_config(fusions: Mapping[str, bool]) -> dict[str, Any]:
+    """The fusion switch file's content (module docstring): documented structure, every CANN pass left on, our
+    own switches recorded under ``"omforge"``."""
+    unknown = sorted(set(fusions) - set(FUSIONS))
+    if unknown:
+        raise AtcError(f"compile.fusions: unknown fusion(s) {unknown}; allowed: {', '.join(FUSIONS)}")
+    return {
+        "Switch": {"GraphFusion": {"ALL": "on"}, "UBFusion": {"ALL": "on"}},
+        "omforge": {
+            "note": "omforge's own fusion passes (recipe compile.fusions), already applied to the ONNX graph. "
+                    "No CANN pass is switched off: none is known to re-fuse or split these ops. Add "
+                    "\"<PassName>\": \"off\" under Switch.GraphFusion / Switch.UBFusion to disable one; "
+                    "fusion_result.json lists the passes ATC applied.",
+            "fusions": {name: "on" if fusions.get(name, True) else "off" for name in FUSIONS},
+        },
+    }
+
+
+def write_fusion_switch(fusions: Mapping[str, bool], path: Path) -> Path:
+    """Write the fusion switch file (JSON form of §1.5) for ``--fusion_switch_file``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(fusion_switch_config(fusions), indent=2) + "\n")
+    return path
+
+
+# --- plugins ----------------------------------------------------------------------------------------------------
+
+AttrKind = Literal["float", "int", "string"]
+
+
+@dataclass(frozen=True)
+class PluginAttr:
+    """One ONNX attribute a plugin copies to the GE op."""
+
+    onnx: str
+    ge: str
+    kind: AttrKind
+
+
+@dataclass(frozen=True)
+class PluginSpec:
+    """How our plugin maps one ONNX op type: its attributes and what to say about it in the source."""
+
+    attrs: tuple[PluginAttr, ...]
+    notes: tuple[str, ...]
+
+
+def _attrs(*items: tuple[str, AttrKind]) -> tuple[PluginAttr, ...]:
+    return tuple(PluginAttr(name, name, kind) for name, kind in items)
+
+
+PLUGINS: dict[str, PluginSpec] = {
+    "OmRmsNorm": PluginSpec(_attrs(("epsilon", "float")), (
+        "CANN's own NPURmsNorm plugin sets epsilon to 1e-6 whatever the node says (reference/ascend.md §2.2);",
+        "this one carries the model's epsilon to the same GE RmsNorm kernel. No kernel of ours is needed.",
+    )),
+    "OmAddRmsNorm": PluginSpec(_attrs(("epsilon", "float")), (
+        "CANN's own NPUAddRmsNorm plugin sets epsilon to 1e-6 whatever the node says (reference/ascend.md §2.2);",
+        "this one carries the model's epsilon to the same GE AddRmsNorm kernel (outputs y, rstd, x = x1 + x2).",
+        "No kernel of ours is needed.",
+    )),
+    "SwiGlu": PluginSpec(_attrs(("dim", "int")), (
+        "CANN has no ONNX plugin for SwiGlu (reference/ascend.md §2.1). GE SwiGlu computes",
+        "silu(x[..., :F]) * x[..., F:] along dim, our [gate | up] merge. torch_npu lists it for Atlas A2 only,",
+        "not 310P [unverified on other SoCs]. No kernel of ours is needed.",
+    )),
+    "NPUPromptFlashAttention": PluginSpec(_attrs(
+        ("num_heads", "int"), ("input_layout", "string"), ("scale_value", "float"), ("pre_tokens", "int"),
+        ("next_tokens", "int"), ("num_key_value_heads", "int"), ("sparse_mode", "int"), ("inner_precise", "int"),
+    ), (
+        "CANN's own PFA plugin registers ai.onnx 11-16 and 19, not 17 or 18 (reference/ascend.md §2.1); this adds",
+        "the export's opset. CANN's plugin maps the node to a PartitionedCall subgraph (ParseOpToGraphFn) to",
+        "handle PFA's optional inputs; this one maps it straight to GE PromptFlashAttention, and the lowering",
+        "leaves pse_shift (input 3) empty. [unverified] that the parser keeps atten_mask at IR input 4 then,",
+        "and that this registration coexists with CANN's (OpRegistry keys GE type + original type).",
+    )),
+    "PagedAttention": PluginSpec(_attrs(
+        ("scale_value", "float"), ("num_heads", "int"), ("num_key_value_heads", "int"), ("block_size", "int"),
+    ), (
+        "No GE op PagedAttention exists in CANN (ATB's PagedAttention is not a GE op, reference/ascend.md §0).",
+        "This plugin needs an op prototype (REG_OP) and a kernel of our own; NEITHER IS PROVIDED (see README.md).",
+        "Without them ATC stops at this node (E10501, GE IR type not registered). The default lowering",
+        "(paged_attention=\"plain\") emits plain ops and needs no plugin.",
+    )),
+}
+"""Every op type our plugins map (attributes copied under the same names: the GE ops use the ONNX ones)."""
+
+_KINDS: dict[AttrKind, tuple[type, ...]] = {"float": (float, int), "int": (int,), "string": (str,)}
+_C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_ONNX_KEY = re.compile(r"ai\.onnx::\d+::[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass
+class PluginProject:
+    """The rendered custom-op project: plugin sources, CMakeLists.txt, build.sh, README.md."""
+
+    dir: Path
+    ops: list[CustomOp]
+    files: list[Path] = field(default_factory=list)
+
+    @property
+    def own_kernels(self) -> list[str]:
+        """Op types whose plugin needs a kernel (and GE op prototype) we do not provide."""
+        return [op.op_type for op in self.ops if op.own_kernel]
+
+
+def plugin_ops(lowering: AscendLowering | Mapping[str, Any]) -> list[CustomOp]:
+    """The custom ops that need our own plugin, from :func:`lower`'s result or its ``to_dict()`` (cached stages)."""
+    raw = lowering.custom_ops if isinstance(lowering, AscendLowering) else lowering.get("custom_ops", {})
+    ops = [op if isinstance(op, CustomOp) else CustomOp(**op) for op in raw.values()]
+    return sorted((op for op in ops if op.own_plugin), key=lambda op: op.op_type)
+
+
+def _check_plugin_op(op: CustomOp) -> PluginSpec:
+    spec = PLUGINS.get(op.op_type)
+    if spec is None:
+        raise AtcError(f"the lowering needs an own plugin for '{op.op_type}' ({op.onnx_key}) but omforge has no "
+                       f"plugin template for it (known: {', '.join(sorted(PLUGINS))})")
+    if not (_ONNX_KEY.fullmatch(op.onnx_key) and _C_IDENTIFIER.fullmatch(op.op_type)
+            and _C_IDENTIFIER.fullmatch(op.ge_type)):
+        raise AtcError(f"plugin for '{op.op_type}': unexpected names {op.onnx_key!r} / {op.ge_type!r}")
+    mapped = {a.onnx: a for a in spec.attrs}
+    for name, values in op.attributes.items():
+        attr = mapped.get(name)
+        if attr is None:
+            raise AtcError(f"'{op.op_type}' nodes carry attribute '{name}', which its plugin does not copy "
+                           f"(it copies {', '.join(mapped)}): the lowering and compile/atc.py PLUGINS disagree")
+        bad = [v for v in values if isinstance(v, bool) or not isinstance(v, _KINDS[attr.kind])]
+        if bad:
+            raise AtcError(f"'{op.op_type}' attribute '{name}': values {bad} are not {attr.kind}")
+    return spec
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
+
+
+def _templates() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.PackageLoader("omforge.compile", "templates"), autoescape=False,
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True, trim_blocks=True,
+                             lstrip_blocks=True)
+    env.filters["cstr"] = json.dumps  # a JSON string literal is a valid C++ one for these ASCII names
+    env.filters["shell"] = _quote
+    return env
+
+
+def render_plugins(lowering: AscendLowering | Mapping[str, Any], out_dir: Path) -> PluginProject | None:
+    """Write the custom-op project for every op type the lowering marks ``own_plugin`` into ``out_dir``; None (and
+    nothing written) when none needs one. Its ``build.sh`` builds ``libcust_onnx_parsers.so`` and installs it as
+    the OPP vendor ``omforge`` (reference/ascend.md §1.7)."""
+    ops = plugin_ops(lowering)
+    if not ops:
+        return None
+    env = _templates()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    project = PluginProject(out_dir, ops)
+    sources = []
+    for op in ops:
+        spec = _check_plugin_op(op)
+        source = f"{_snake(op.op_type)}_onnx_plugin.cc"
+        attrs = [{"onnx": a.onnx, "ge": a.ge, "kind": a.kind, "var": a.onnx} for a in spec.attrs]
+        text = env.get_template("onnx_plugin.cc.j2").render(op=op, attrs=attrs, notes=spec.notes)
+        sources.append(source)
+        project.files.append(_write(out_dir / source, text))
+    project.files.append(_write(out_dir / "omforge_onnx_attrs.h", env.get_template("omforge_onnx_attrs.h.j2").render()))
+    context = dict(ops=ops, sources=sources, library=PLUGIN_LIBRARY, vendor=PLUGIN_VENDOR,
+                   own_kernels=project.own_kernels)
+    for template, name, mode in (("plugins_CMakeLists.txt.j2", "CMakeLists.txt", 0o644),
+                                 ("plugins_build.sh.j2", "build.sh", 0o755),
+                                 ("plugins_README.md.j2", "README.md", 0o644)):
+        project.files.append(_write(out_dir / name, env.get_template(template).render(**context), mode))
+    return project
+
+
+def _write(path: Path, text: str, mode: int = 0o644) -> Path:
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+def render_build_script(commands: Sequence[Sequence[str]], path: Path, plugins: PluginProject | None = None) -> Path:
+    """Write the bundle's ``build.sh``: source CANN's set_env.sh when ``ASCEND_TOOLKIT_HOME`` is set, build and
+    install our plugins into the bundle (``<plugins>/opp``, found through ``ASCEND_CUSTOM_OPP_PATH``) when there
+    are any, run every atc command with its log in ``logs/`` and check each .om exists. It runs from its own
+    folder: give the commands' paths relative to ``path.parent``."""
+    if not commands:
+        raise AtcError("build.sh: no atc commands to write")
+    models = [{"name": om_path(c).name.removesuffix(".om"), "om": str(om_path(c)),
+               "args": [_quote(a) for a in c]} for c in commands]
+    plugins_dir = os.path.relpath(plugins.dir, path.parent) if plugins is not None else None
+    if plugins_dir is not None and not _SAFE_IN_DOUBLE_QUOTES.fullmatch(plugins_dir):
+        raise AtcError(f"build.sh: the plugin folder {plugins_dir!r} contains a character a shell string cannot hold")
+    text = _templates().get_template("build.sh.j2").render(
+        models=models, plugins_dir=plugins_dir, own_kernels=plugins.own_kernels if plugins else [],
+        vendor=PLUGIN_VENDOR)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return _write(path, text, 0o755)
+
+
+# --- running ATC ------------------------------------------------------------------------------------------------
+
+
+def run_atc(commands: Sequence[Sequence[str]], log_dir: Path, cwd: Path | None = None,
+            script: Path | None = None) -> list[Path]:
+    """Run each atc command (relative paths in them are relative to ``cwd``, default the current directory),
+    output in ``<log_dir>/atc-<name>.log`` and ATC's ``fusion_result.json`` kept as
+    ``<log_dir>/<name>.fusion_result.json``; returns the .om paths. Raises :class:`AtcMissing` (naming
+    ``script`` and the commands) when ``atc`` is not on PATH, :class:`AtcError` naming the log when a run fails
+    or leaves no .om. Never writes an .om itself."""
+    if shutil.which(ATC) is None:
+        raise AtcMissing(commands, script)
+    base = (cwd or Path.cwd()).resolve()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    built = []
+    for argv in commands:
+        om = base / om_path(argv)  # an absolute --output stays as it is
+        name = om.name.removesuffix(".om")
+        log = log_dir / f"atc-{name}.log"
+        om.parent.mkdir(parents=True, exist_ok=True)
+        om.unlink(missing_ok=True)  # a stale .om must not pass for this run's
+        with log.open("wb") as f:
+            f.write(f"$ {render_command(argv)}\n".encode())
+            f.flush()
+            rc = subprocess.run(list(argv), stdout=f, stderr=subprocess.STDOUT, cwd=base, check=False).returncode
+        result = base / "fusion_result.json"
+        if result.is_file():
+            result.replace(log_dir / f"{name}.fusion_result.json")
+        if rc != 0:
+            raise AtcError(f"atc failed for model '{name}' (exit {rc}); see {log}{_last_line(log)}")
+        if not om.is_file():
+            raise AtcError(f"atc exited 0 for model '{name}' but wrote no {om}; see {log}")
+        built.append(om)
+    return built
+
+
+def _last_line(log: Path) -> str:
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    return f": {lines[-1][:300]}" if len(lines) > 1 else ""
