@@ -57,7 +57,35 @@ def _load_exported(target: str):  # noqa: ANN202 - ExportedModel (imported lazil
     raise OmforgeError(f"{target}: expected a recipe (.yaml) or an export directory")
 
 
+def _generate_with_engine(args: argparse.Namespace) -> int:
+    from omforge.runtime.llm import LLM
+    from omforge.runtime.sampling_params import SamplingParams
+
+    llm = LLM(args.target)
+    if llm.tokenizer is None:
+        raise OmforgeError(f"{args.target}: this bundle has no tokenizer")
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]),
+                                      add_special_tokens=False)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+                            seed=args.seed)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    seconds = (out.token_times[-1] - out.arrival_time) if out.token_times else 0.0
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                          "prompt_tokens": len(out.prompt_token_ids), "ttft": round(out.ttft or 0.0, 4),
+                          "seconds": round(seconds, 3)}))
+    else:
+        print(out.text)
+        print(f"[{len(out.prompt_token_ids)} prompt + {len(out.token_ids)} generated tokens, finish="
+              f"{out.finish_reason}, TTFT {1e3 * (out.ttft or 0):.0f} ms, {seconds:.2f}s, paged engine]", file=sys.stderr)
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    if (Path(args.target) / "manifest.json").is_file():
+        return _generate_with_engine(args)
     model = _load_exported(args.target)
     if model.tokenizer is None:
         raise OmforgeError(f"{args.target}: this model has no tokenizer; give model.tokenizer in the recipe")
@@ -151,12 +179,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("-o", "--output", required=True, help="output directory")
     e.set_defaults(func=cmd_export)
 
-    g = sub.add_parser("generate", help="greedy generation over the unfused graph (full recompute smoke path)")
-    g.add_argument("target", help="a recipe (exported once into the cache) or an export directory")
+    g = sub.add_parser("generate", help="generate from a bundle (the paged engine), or greedily from a recipe or "
+                       "export over the unfused graph (full-recompute smoke path)")
+    g.add_argument("target", help="a bundle directory, a recipe (exported once into the cache) or an export directory")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--temperature", type=float, default=0.0, help="bundle only (0 = greedy)")
+    g.add_argument("--seed", type=int, default=None, help="bundle only")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings)")
     g.set_defaults(func=cmd_generate)
 

@@ -12,16 +12,42 @@ from helpers import SMOLLM2_RECIPE, TINY_HF_CONFIGS, export_tiny
 
 
 @pytest.fixture(scope="session")
-def smollm2_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The SmolLM2 export; ``OMFORGE_TEST_SMOLLM2_EXPORT`` may name an existing one to skip the minute."""
-    from omforge.export.onnx_export import export_recipe
+def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The stage cache the SmolLM2 fixtures compile into; ``OMFORGE_TEST_CACHE`` may name a persistent one so
+    local runs skip the minute of export."""
+    given = os.environ.get("OMFORGE_TEST_CACHE")
+    return Path(given) if given else tmp_path_factory.mktemp("omforge-cache")
+
+
+@pytest.fixture(scope="session")
+def smollm2_export(smollm2_cache: Path) -> Path:
+    """The SmolLM2 export (made once per session, in the stage cache the bundle fixture reuses);
+    ``OMFORGE_TEST_SMOLLM2_EXPORT`` may name an existing export directory instead."""
+    from omforge.export.onnx_export import cached_export
     from omforge.recipe import load_recipe
 
     given = os.environ.get("OMFORGE_TEST_SMOLLM2_EXPORT")
     if given and (Path(given) / "export.json").is_file():
         return Path(given)
-    out = tmp_path_factory.mktemp("smollm2-export")
-    export_recipe(load_recipe(SMOLLM2_RECIPE), out, quiet=True)
+    return cached_export(load_recipe(SMOLLM2_RECIPE), smollm2_cache / "exports", quiet=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_bundle(smollm2_cache: Path, smollm2_export: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The SmolLM2 ort bundle, compiled once per session (the export stage comes from ``smollm2_export``)."""
+    from omforge.compile.compiler import compile_recipe
+    from omforge.recipe import load_recipe
+
+    old = os.environ.get("OMFORGE_CACHE_DIR")
+    os.environ["OMFORGE_CACHE_DIR"] = str(smollm2_cache)
+    try:
+        out = tmp_path_factory.mktemp("smollm2-bundle") / "bundle"
+        compile_recipe(load_recipe(SMOLLM2_RECIPE), out, quiet=True)
+    finally:
+        if old is None:
+            os.environ.pop("OMFORGE_CACHE_DIR")
+        else:
+            os.environ["OMFORGE_CACHE_DIR"] = old
     return out
 
 

@@ -1,0 +1,250 @@
+"""The engine loop: schedule → copy blocks → execute one step → sample → detokenize → finish, and its statistics.
+
+One ``step()`` runs one execution of the step graph for every scheduled request (prefill chunks and decodes
+together). Loading needs no torch: a bundle (manifest + step graph + tokenizer), onnxruntime and numpy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from omforge.compile.bundle import BundleError, load_manifest
+from omforge.errors import OmforgeError
+from omforge.passes.paged_kv import PagedLayout
+from omforge.runtime.detokenizer import IncrementalDetokenizer
+from omforge.runtime.kv_cache_manager import KVCacheManager
+from omforge.runtime.ort_executor import OrtExecutor
+from omforge.runtime.request import Request, Status
+from omforge.runtime.sampler import Sampler
+from omforge.runtime.sampling_params import SamplingParams
+from omforge.runtime.scheduler import ScheduledRequest, Scheduler
+from omforge.runtime.step import SeqWork, build_step
+from omforge.runtime.tokenizer import TextTokenizer
+
+DEFAULT_KV_CACHE_BYTES = 2 << 30  # the pool size when the recipe gives no serve.num_kv_blocks
+
+
+class RequestRejected(OmforgeError):
+    """A request that can never run (too long for the context or the KV pool); the message says which limit."""
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    step_times: deque = field(default_factory=lambda: deque(maxlen=1000))  # seconds, the last 1000 steps
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    last_prefill_tokens: int = 0
+    last_decode_tokens: int = 0
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """One request's result so far (``new_text`` / ``new_token_ids``: what this step added)."""
+
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    new_text: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    num_cached_tokens: int
+    logprobs: list[dict]
+    arrival_time: float
+    first_token_time: float | None
+    token_times: list[float]
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+class LLMEngine:
+    def __init__(self, bundle: str | Path, *, num_kv_blocks: int | None = None, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool | None = None,
+                 preemption_mode: str | None = None, swap_space_gb: float | None = None,
+                 max_model_len: int | None = None, threads: int | None = None):
+        bundle = Path(bundle)
+        self.manifest = m = load_manifest(bundle)
+        if m["target"] != "ort":
+            raise BundleError(f"{bundle}: a '{m['target']}' bundle needs its own executor; this engine runs 'ort' bundles")
+        serve = m["serve"]
+        self.config = m["model"]["config"]
+        self.layout = PagedLayout(**{k: m["kv"][k] for k in ("num_layers", "kv_heads", "head_dim", "block_size")})
+        self.block_size = self.layout.block_size
+        self.max_model_len = min(max_model_len or serve["max_model_len"] or m["limits"]["max_seq_len"],
+                                 m["limits"]["max_seq_len"])
+        bytes_per_block = m["kv"]["bytes_per_token"] * self.block_size
+        blocks = num_kv_blocks or serve["num_kv_blocks"] or max(
+            2, min(DEFAULT_KV_CACHE_BYTES // bytes_per_block,
+                   (max_num_seqs or serve["max_num_seqs"]) * -(-self.max_model_len // self.block_size)))
+        swap_gb = serve["swap_space_gb"] if swap_space_gb is None else swap_space_gb
+        mode = preemption_mode or serve["preemption_mode"]
+        host_blocks = int(swap_gb * (1 << 30) // bytes_per_block) if mode == "swap" else 0
+        self.executor = OrtExecutor(bundle / m["graphs"]["step"], self.layout, num_blocks=blocks, threads=threads,
+                                    num_host_blocks=host_blocks)
+        caching = serve["enable_prefix_caching"] if enable_prefix_caching is None else enable_prefix_caching
+        self.kv = KVCacheManager(blocks, self.block_size, enable_prefix_caching=caching, num_host_blocks=host_blocks)
+        self.scheduler = Scheduler(self.kv, max_num_seqs or serve["max_num_seqs"],
+                                   max_num_batched_tokens or serve["max_num_batched_tokens"], mode)
+        tok = m["tokenizer"]
+        self.tokenizer = TextTokenizer(bundle / tok["file"], tok) if tok.get("file") else None
+        self.eos_token_ids = tuple(self.config["eos_token_ids"])
+        self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+
+    # --- requests -----------------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> list[Request]:
+        """Queue a request (``n`` sequences for ``params.n > 1``). Raises :class:`RequestRejected` when it can
+        never run, :class:`omforge.runtime.sampling_params.SamplingParamsError` for bad parameters."""
+        params = params or SamplingParams()
+        params.validate()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestRejected("this bundle has no tokenizer: give prompt token ids")
+            ids, text = self.tokenizer.encode(prompt), prompt
+        else:
+            ids, text = list(prompt), None
+        if not ids:
+            raise RequestRejected("the prompt is empty")
+        if any(not 0 <= t < self.config["vocab_size"] for t in ids):
+            raise RequestRejected(f"prompt token ids must be in [0, {self.config['vocab_size']})")
+        room = self.max_model_len - len(ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise RequestRejected(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                                  f"context of {self.max_model_len} tokens")
+        need = -(-(len(ids) + max_tokens) // self.block_size)
+        if need > self.kv.pool.num_blocks:
+            raise RequestRejected(f"prompt + max_tokens needs {need} KV blocks but the pool has "
+                                  f"{self.kv.pool.num_blocks}; it could never run")
+        params = replace(params, max_tokens=max_tokens)
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise RequestRejected(f"request id '{rid}' is already in use")
+        reqs = []
+        for i in range(params.n):
+            req = Request(f"{rid}-{i}" if params.n > 1 else rid, ids, params, prompt=text, index=i,
+                          generator=params.make_generator(i))
+            if self.tokenizer is not None:
+                req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
+            reqs.append(req)
+        for req in reqs:
+            self.requests[req.request_id] = req
+            self.scheduler.add(req)
+        return reqs
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its blocks (a client that went away)."""
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.finished:
+            self.scheduler.remove(req)
+            req.status, req.finish_reason = Status.FINISHED, "abort"
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- the step -----------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        self.stats.preemptions = self.scheduler.num_preemptions
+        if not plan.scheduled:
+            return []
+        self.executor.swap_out(plan.swap_out)
+        self.executor.swap_in(plan.swap_in)
+        self.executor.copy_blocks(plan.block_copies)
+        work = [SeqWork(s.request.all_token_ids[s.start:s.start + s.num_new_tokens], s.start,
+                        self.kv.block_table(s.request.request_id), needs_logits=s.samples) for s in plan.scheduled]
+        logits = self.executor.run(build_step(work, self.block_size))
+        now = time.monotonic()
+        sampling = [s for s in plan.scheduled if s.samples]
+        for s in plan.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+            self.kv.commit(s.request.request_id, s.request.all_token_ids, s.request.num_computed_tokens)
+        outputs = self._sample(sampling, logits, now) if sampling else []
+        decode = sum(1 for s in plan.scheduled if s.start >= len(s.request.prompt_token_ids))
+        st = self.stats
+        st.steps += 1
+        st.last_decode_tokens = decode
+        st.last_prefill_tokens = plan.num_tokens - decode
+        st.decode_tokens += decode
+        st.prefill_tokens += plan.num_tokens - decode
+        st.step_times.append(time.perf_counter() - t0)
+        return outputs
+
+    def _sample(self, sampling: list[ScheduledRequest], logits: np.ndarray, now: float) -> list[RequestOutput]:
+        reqs = [s.request for s in sampling]
+        result = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs],
+                                     [r.output_token_ids for r in reqs], [r.prompt_token_ids for r in reqs])
+        outputs = []
+        for row, req in enumerate(reqs):
+            token = int(result.token_ids[row])
+            req.output_token_ids.append(token)
+            req.token_times.append(now)
+            if req.first_token_time is None:
+                req.first_token_time = now
+                self.stats.prompt_tokens += len(req.prompt_token_ids)
+            self.stats.generation_tokens += 1
+            if req.params.logprobs is not None:
+                entry = {"token_id": token, "logprob": float(result.logprobs[row])}
+                if result.top_ids is not None:
+                    k = req.params.logprobs
+                    entry["top"] = [(int(i), float(v)) for i, v in zip(result.top_ids[row, :k], result.top_logprobs[row, :k])]
+                req.logprobs.append(entry)
+            self._check_stop(req, token)
+            ends_on_token = req.finish_reason == "stop" and not isinstance(req.stop_reason, str)
+            new_text = req.detokenizer.append(token) if req.detokenizer is not None and not ends_on_token else ""
+            if req.detokenizer is not None and req.detokenizer.stopped and not req.finished:
+                req.finish_reason, req.stop_reason, req.status = "stop", req.detokenizer.stopped, Status.FINISHED
+            if req.finished:
+                if req.detokenizer is not None:
+                    new_text += req.detokenizer.flush()  # held-back text that can no longer become a stop string
+                self.scheduler.remove(req)
+                self.stats.finished += 1
+            outputs.append(self._output(req, new_text, [token]))
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        """Token-level stops (stop token ids, EOS, length); stop strings are the detokenizer's, checked after."""
+        p = req.params
+        n_out = len(req.output_token_ids)
+        if n_out >= p.min_tokens and token in p.stop_token_ids:
+            req.finish_reason, req.stop_reason = "stop", token
+        elif n_out >= p.min_tokens and not p.ignore_eos and token in self.eos_token_ids:
+            req.finish_reason = "stop"
+        elif n_out >= (p.max_tokens or 0) or req.num_tokens >= self.max_model_len:
+            req.finish_reason = "length"
+        if req.finish_reason is not None:
+            req.status = Status.FINISHED
+
+    def _output(self, req: Request, new_text: str, new_ids: list[int]) -> RequestOutput:
+        text = req.detokenizer.text if req.detokenizer is not None else ""
+        return RequestOutput(req.request_id, req.index, req.prompt_token_ids, text, list(req.output_token_ids),
+                             new_text, new_ids, req.finished, req.finish_reason, req.stop_reason,
+                             req.num_cached_tokens, req.logprobs, req.arrival_time, req.first_token_time,
+                             list(req.token_times))

@@ -1,0 +1,232 @@
+"""The KV cache manager: per-request block tables over a :class:`BlockPool`, prefix caching, copy-on-write and a
+host swap tier. Allocation only: which request runs, waits or is preempted is the scheduler's policy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from omforge.runtime.block_pool import BlockPool
+
+BlockHash = bytes
+
+
+def hash_block_tokens(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
+    """The chain hash of one full block: sha256 of the parent block's hash and the block's token ids (int64).
+
+    A digest rather than Python's 64-bit ``hash``: a collision would silently serve another prompt's KV, and
+    crafted prompts can collide a non-cryptographic hash.
+    """
+    digest = hashlib.sha256(parent or b"")
+    digest.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return digest.digest()
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    """A snapshot of the KV cache. ``num_used`` blocks are referenced by some request; ``num_free`` includes cached
+    blocks nobody references (evictable); ``num_cached`` counts blocks holding a prefix hash, referenced or not.
+    ``prefix_queries`` are full blocks looked up by :meth:`KVCacheManager.get_computed_blocks` (a lookup stops at
+    the first miss), ``prefix_hits`` those found. ``num_swapped_blocks`` host blocks hold swapped-out requests."""
+
+    num_blocks: int
+    num_free: int
+    num_used: int
+    num_cached: int
+    usage: float
+    prefix_queries: int
+    prefix_hits: int
+    hit_rate: float
+    num_swapped_blocks: int
+    num_host_free: int
+
+
+class KVCacheManager:
+    """Block tables of running requests (device block ids) and of swapped-out ones (host block ids).
+
+    Prefix caching works on FULL blocks keyed by a hash chain, ``hash(parent_hash, block tokens)``: a key names
+    the whole prefix up to the end of its block, so a lookup is one dict probe per block and the pool stays a flat
+    ``hash -> block`` map in which any unreferenced block can be evicted alone in O(1). A radix tree would match at
+    token granularity, but KV below a block cannot be shared without a copy anyway, and it would need tree upkeep
+    (splits, leaf-first eviction). Requests free their blocks tail first, so within a chain the tail is evicted
+    before its prefix; a block whose parent was evicted is unreachable until it is evicted too.
+
+    Invariants (:meth:`check_invariants`): a block's refcount equals the number of tables holding it (each at
+    most once); ``_hashes[r][i]`` is the chain hash of block ``i`` of request ``r`` and the pool hash of that
+    block is None or that hash (a block past them may already carry the hash a forked sibling committed; hashes
+    are only computed when caching is on); host blocks are either free or in exactly one swapped table.
+    Copies returned by :meth:`allocate_slots`, :meth:`swap_out` and :meth:`swap_in` are correct when performed in
+    the order the calls returned them, before the step that follows.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_host_blocks: int = 0) -> None:
+        if block_size < 1 or num_host_blocks < 0:
+            raise ValueError(f"block_size must be >= 1 and num_host_blocks >= 0, got {block_size}, {num_host_blocks}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_host_blocks = num_host_blocks
+        self.pool = BlockPool(num_blocks)
+        self._tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}  # chain hashes of the first blocks, those already committed
+        self._host_tables: dict[str, list[int]] = {}
+        self._host_free: deque[int] = deque(range(num_host_blocks))
+
+    def _table(self, req_id: str) -> list[int]:
+        if req_id in self._host_tables:
+            raise ValueError(f"request {req_id!r} is swapped out: swap it in first")
+        if req_id not in self._tables:
+            raise ValueError(f"request {req_id!r} holds no blocks")
+        return self._tables[req_id]
+
+    def get_computed_blocks(self, req_id: str, token_ids: Sequence[int]) -> int:
+        """For a NEW request: take references on the longest chain of cached full blocks matching the prefix of
+        ``token_ids`` and start its block table with them. Returns the tokens already computed: a multiple of
+        ``block_size``, always < ``len(token_ids)`` (one token is left so the step yields logits); 0 when off."""
+        if req_id in self._tables or req_id in self._host_tables:
+            raise ValueError(f"request {req_id!r} already holds blocks")
+        if len(token_ids) == 0:
+            raise ValueError(f"request {req_id!r} has no tokens")
+        bs, blocks, hashes = self.block_size, [], []
+        if self.enable_prefix_caching:
+            for i in range((len(token_ids) - 1) // bs):
+                block_hash = hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs])
+                block = self.pool.lookup(block_hash)
+                if block is None:
+                    break
+                blocks.append(block)
+                hashes.append(block_hash)
+            self.pool.incref(blocks)
+        self._tables[req_id], self._hashes[req_id] = blocks, hashes
+        return len(blocks) * bs
+
+    def allocate_slots(self, req_id: str, num_computed_tokens: int,
+                       num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Make the table cover ``num_computed_tokens + num_new_tokens`` slots (an unknown request starts empty).
+        Returns the copies ``(src, dst)`` to perform BEFORE the step: a shared block (refcount > 1) the step
+        writes into is replaced by a fresh one, copied if it is partly filled. None, with NO state changed, when
+        there are not enough free blocks."""
+        if req_id in self._host_tables:
+            raise ValueError(f"request {req_id!r} is swapped out: swap it in first")
+        table, bs = self._tables.get(req_id, []), self.block_size
+        committed = len(self._hashes.get(req_id, ())) * bs
+        if num_new_tokens < 0 or not committed <= num_computed_tokens <= len(table) * bs:
+            raise ValueError(f"request {req_id!r}: cannot compute {num_new_tokens} tokens after {num_computed_tokens} "
+                             f"(its table holds {len(table) * bs} slots, {committed} committed)")
+        first, end = num_computed_tokens // bs, -(-(num_computed_tokens + num_new_tokens) // bs)
+        shared = [i for i in range(first, min(end, len(table))) if self.pool.ref_count(table[i]) > 1]
+        grow = max(0, end - len(table))
+        if len(shared) + grow > self.pool.num_free():
+            return None
+        fresh = self.pool.allocate(len(shared) + grow)
+        copies = [(table[i], new) for i, new in zip(shared, fresh) if i == first and num_computed_tokens % bs]
+        self.pool.decref(table[i] for i in shared)  # still referenced by the other holders
+        for i, new in zip(shared, fresh):
+            table[i] = new
+        table.extend(fresh[len(shared):])
+        self._tables[req_id] = table
+        self._hashes.setdefault(req_id, [])
+        return copies
+
+    def block_table(self, req_id: str) -> list[int]:
+        """A copy of the request's device block table."""
+        return list(self._table(req_id))
+
+    def commit(self, req_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """After a step: hash every block now full (within ``num_computed_tokens`` of ``token_ids``) and register
+        it, unless caching is off or another block already holds that hash (then ours stays uncached)."""
+        table, hashes = self._table(req_id), self._hashes[req_id]
+        if not num_computed_tokens <= min(len(token_ids), len(table) * self.block_size):
+            raise ValueError(f"request {req_id!r}: {num_computed_tokens} computed tokens exceed its "
+                             f"{len(token_ids)} tokens or its {len(table) * self.block_size} slots")
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(len(hashes), num_computed_tokens // bs):
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs]))
+            if self.pool.block_hash(table[i]) is None:  # a forked sibling may have registered it already
+                self.pool.register(table[i], hashes[-1])
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares every block of the parent (refcount + 1 each); writes diverge by copy-on-write."""
+        table = self._table(parent_id)
+        if child_id in self._tables or child_id in self._host_tables:
+            raise ValueError(f"request {child_id!r} already holds blocks")
+        self.pool.incref(table)
+        self._tables[child_id], self._hashes[child_id] = list(table), list(self._hashes[parent_id])
+
+    def free(self, req_id: str) -> None:
+        """Release the request's blocks, tail first (hashed ones stay cached until evicted); unknown ids are a no-op."""
+        if req_id in self._tables:
+            self.pool.decref(reversed(self._tables.pop(req_id)))
+        self._host_free.extend(self._host_tables.pop(req_id, ()))
+        self._hashes.pop(req_id, None)
+
+    def swap_out(self, req_id: str) -> list[tuple[int, int]] | None:
+        """Move the request to the host tier: returns the ``(device block, host block)`` copies and frees its device
+        blocks (shared ones are copied too: the host copy is private). None, with no change, if the host lacks room."""
+        table = self._table(req_id)
+        if len(table) > len(self._host_free):
+            return None
+        host = [self._host_free.popleft() for _ in table]
+        self.pool.decref(reversed(table))
+        del self._tables[req_id]
+        self._host_tables[req_id] = host
+        return list(zip(table, host))
+
+    def swap_in(self, req_id: str) -> list[tuple[int, int]] | None:
+        """Bring a swapped-out request back: returns the ``(host block, device block)`` copies; None, with no change,
+        when there are not enough free device blocks. Its committed blocks rejoin the prefix cache if no other
+        block holds their hash."""
+        if req_id not in self._host_tables:
+            raise ValueError(f"request {req_id!r} is not swapped out")
+        host = self._host_tables[req_id]
+        if len(host) > self.pool.num_free():
+            return None
+        table = self.pool.allocate(len(host))
+        for block, block_hash in zip(table, self._hashes[req_id]):
+            self.pool.register(block, block_hash)
+        self._host_free.extend(host)
+        del self._host_tables[req_id]
+        self._tables[req_id] = table
+        return list(zip(host, table))
+
+    def num_blocks_needed(self, req_id: str | None, num_tokens: int) -> int:
+        """Free device blocks the request (None or unknown: a new one, ignoring prefix hits) needs to hold
+        ``num_tokens`` tokens on device, counting a swapped-out request's swap-in; copy-on-write may need more
+        (:meth:`allocate_slots` has the last word)."""
+        host = len(self._host_tables.get(req_id, ()))
+        held = host or len(self._tables.get(req_id, ()))
+        return host + max(0, -(-num_tokens // self.block_size) - held)
+
+    def stats(self) -> KVCacheStats:
+        pool, free = self.pool, self.pool.num_free()
+        used, queries, hits = pool.num_blocks - free, pool.stats.queries, pool.stats.hits
+        return KVCacheStats(num_blocks=pool.num_blocks, num_free=free, num_used=used, num_cached=pool.num_cached(),
+                            usage=used / pool.num_blocks, prefix_queries=queries, prefix_hits=hits,
+                            hit_rate=hits / queries if queries else 0.0,
+                            num_swapped_blocks=self.num_host_blocks - len(self._host_free),
+                            num_host_free=len(self._host_free))
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        held = Counter(b for table in self._tables.values() for b in table)
+        assert all(self.pool.ref_count(b) == held[b] for b in range(self.pool.num_blocks)), \
+            "a refcount differs from the number of tables holding the block (leak or double free)"
+        assert all(len(set(t)) == len(t) for t in self._tables.values()), "a block is twice in one table"
+        assert not self._tables.keys() & self._host_tables.keys(), "a request is both on device and swapped out"
+        assert self._hashes.keys() == self._tables.keys() | self._host_tables.keys(), "hash chains out of step"
+        for req_id, table in self._tables.items():
+            hashes = self._hashes[req_id]
+            assert len(hashes) <= len(table), f"request {req_id!r} has more hashes than blocks"
+            assert all(self.pool.block_hash(b) in (None, h) for b, h in zip(table, hashes)), \
+                f"request {req_id!r} holds a block with a foreign hash"
+        assert all(len(self._hashes[r]) <= len(t) for r, t in self._host_tables.items()), "host hashes out of step"
+        host = [h for t in self._host_tables.values() for h in t] + list(self._host_free)
+        assert sorted(host) == list(range(self.num_host_blocks)), "host blocks lost or held twice"
+        assert self.enable_prefix_caching or self.pool.num_cached() == 0, "blocks cached with caching off"

@@ -1,0 +1,57 @@
+"""A request's state as the engine sees it: tokens, progress through the KV cache, status, timings.
+
+Invariants: ``num_computed_tokens <= len(all_token_ids)``; a RUNNING or SWAPPED request holds blocks in the
+KV cache manager, a WAITING or finished one holds none.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from omforge.runtime.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    generator: np.random.Generator | None = None
+    detokenizer: object | None = None  # IncrementalDetokenizer, set by the engine
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+    parent: "Request | None" = None  # n > 1: the request whose prompt this one shares
+    index: int = 0  # n > 1: which of the n completions
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,186 @@
+"""The engine: continuous batching equals running alone, prefix caching, preemption (swap and recompute),
+admission errors, and a fuzz of arrivals, cancellations and preemptions with the invariants checked every step."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import TINY_RECIPE
+from omforge.runtime.engine import LLMEngine, RequestRejected
+from omforge.runtime.llm import LLM
+from omforge.runtime.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from omforge.compile.compiler import compile_recipe
+    from omforge.recipe import load_recipe
+
+    root = tmp_path_factory.mktemp("tiny-engine")
+    old = os.environ.get("OMFORGE_CACHE_DIR")
+    os.environ["OMFORGE_CACHE_DIR"] = str(root / "cache")
+    try:
+        text = TINY_RECIPE.read_text().replace("compile:\n", "compile:\n  kv_block_size: 4\n")
+        recipe = root / "tiny.yaml"
+        recipe.write_text(text)
+        compile_recipe(load_recipe(recipe), root / "bundle", quiet=True)
+    finally:
+        os.environ.pop("OMFORGE_CACHE_DIR") if old is None else os.environ.__setitem__("OMFORGE_CACHE_DIR", old)
+    return root / "bundle"
+
+
+def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 256, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+def alone(bundle: Path, prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
+    return LLM(bundle, num_kv_blocks=64).generate([prompt], params, use_tqdm=False)[0].token_ids
+
+
+def test_batched_equals_alone_tiny(tiny_bundle: Path) -> None:
+    ps = prompts(12)
+    llm = LLM(tiny_bundle, num_kv_blocks=256, max_num_batched_tokens=32)  # small budget: chunked prefills
+    together = llm.generate(ps, GREEDY, use_tqdm=False)
+    for p, out in zip(ps, together):
+        assert out.token_ids == alone(tiny_bundle, p) and out.finish_reason == "length"
+    assert llm.engine.kv.stats().num_used == 0
+    llm.engine.kv.check_invariants()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_outputs(tiny_bundle: Path, mode: str) -> None:
+    ps = prompts(8, seed=1, lo=10, hi=30)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    # 16 blocks of 4 tokens: far too few for 8 sequences of up to 50 tokens at once
+    llm = LLM(tiny_bundle, num_kv_blocks=16, preemption_mode=mode, swap_space_gb=0.01)
+    outs = llm.generate(ps, params, use_tqdm=False)
+    assert llm.engine.stats.preemptions > 0
+    for p, out in zip(ps, outs):
+        assert out.token_ids == alone(tiny_bundle, p, params)
+    assert llm.engine.kv.stats().num_used == 0
+    llm.engine.kv.check_invariants()
+
+
+def test_admission_rejects_what_can_never_run(tiny_bundle: Path) -> None:
+    engine = LLMEngine(tiny_bundle, num_kv_blocks=8)
+    with pytest.raises(RequestRejected, match="exceeds the model's context of 256 tokens"):
+        engine.add_request([5] * 250, SamplingParams(max_tokens=10))
+    with pytest.raises(RequestRejected, match="needs 10 KV blocks but the pool has 8"):
+        engine.add_request([5] * 30, SamplingParams(max_tokens=10))
+    with pytest.raises(RequestRejected, match="empty"):
+        engine.add_request([], SamplingParams())
+    assert not engine.has_unfinished()
+
+
+def test_abort_frees_blocks_at_once(tiny_bundle: Path) -> None:
+    engine = LLMEngine(tiny_bundle, num_kv_blocks=64)
+    (req,) = engine.add_request(prompts(1)[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.kv.stats().num_used > 0
+    engine.abort(req.request_id)
+    assert engine.kv.stats().num_used == 0 and not engine.has_unfinished()
+    engine.kv.check_invariants()
+
+
+def test_fuzz_arrivals_cancellations_preemptions(tiny_bundle: Path) -> None:
+    rnd = random.Random(7)
+    for mode in ("recompute", "swap"):
+        engine = LLMEngine(tiny_bundle, num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=24,
+                           preemption_mode=mode, swap_space_gb=0.005)
+        live: list[str] = []
+        for step in range(150):
+            if rnd.random() < 0.3:
+                p = prompts(1, seed=rnd.randrange(10**6), lo=2, hi=30)[0]
+                params = SamplingParams(temperature=rnd.choice([0.0, 0.8]), seed=rnd.randrange(100),
+                                        max_tokens=rnd.randrange(1, 25), ignore_eos=True)
+                live += [r.request_id for r in engine.add_request(p, params)]
+            if live and rnd.random() < 0.08:
+                engine.abort(live.pop(rnd.randrange(len(live))))
+            for out in engine.step():
+                if out.finished and out.request_id in live:
+                    live.remove(out.request_id)
+            engine.kv.check_invariants()
+        while engine.has_unfinished():
+            engine.step()
+            engine.kv.check_invariants()
+        assert engine.kv.stats().num_used == 0
+        assert engine.stats.preemptions > 0, mode
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(tiny_bundle: Path) -> None:
+    ps = prompts(6, seed=3)
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=42, max_tokens=10, ignore_eos=True)
+    batch = LLM(tiny_bundle, num_kv_blocks=128).generate(ps, params, use_tqdm=False)
+    for p, out in zip(ps, batch):
+        assert out.token_ids == alone(tiny_bundle, p, params)
+
+
+# --- SmolLM2 acceptance -------------------------------------------------------------------------------------
+
+LONG_TOPIC = ("The history of computing spans abacuses, mechanical calculators, the analytical engine, "
+              "vacuum tubes, transistors, integrated circuits and the microprocessor. ")
+
+
+def smol_prompts(llm: LLM) -> list[list[int]]:
+    rng = random.Random(0)
+    words = "red green blue ocean river mountain compiler kernel tensor model token cache block".split()
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randrange(3, 120))) for _ in range(31)]
+    texts.append(LONG_TOPIC * 60)  # > 1,500 tokens: prefilled in chunks
+    ids = [llm.tokenizer.encode(t) for t in texts]
+    assert max(len(i) for i in ids) > 1500
+    return ids
+
+
+def test_smollm2_32_mixed_prompts_together_equal_alone(smollm2_bundle: Path) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = LLM(smollm2_bundle)
+    ps = smol_prompts(llm)
+    together = llm.generate(ps, params, use_tqdm=False)
+    assert llm.engine.stats.prefill_tokens >= sum(len(p) for p in ps)
+    single = LLM(smollm2_bundle, max_num_seqs=1)
+    for p, out in zip(ps, together):
+        assert out.token_ids == single.generate([p], params, use_tqdm=False)[0].token_ids
+    assert llm.engine.kv.stats().num_used == 0
+
+
+def test_smollm2_prefix_caching(smollm2_bundle: Path) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    on = LLM(smollm2_bundle, enable_prefix_caching=True)
+    prefix = on.tokenizer.encode(LONG_TOPIC * 40)[:512]
+    ps = [prefix + on.tokenizer.encode(f" Question {i}: what came after the transistor?") for i in range(16)]
+    outs_on = on.generate(ps, params, use_tqdm=False)
+    st = on.engine.kv.stats()
+    shared_blocks = 512 // on.engine.block_size
+    assert sum(o.num_cached_tokens for o in outs_on) >= 0.9 * 15 * shared_blocks * on.engine.block_size
+    assert st.hit_rate >= 0.9 * 15 / 16 * shared_blocks / (shared_blocks + 1)
+    off = LLM(smollm2_bundle, enable_prefix_caching=False)
+    outs_off = off.generate(ps, params, use_tqdm=False)
+    assert [o.token_ids for o in outs_on] == [o.token_ids for o in outs_off]
+    assert on.engine.stats.prefill_tokens < off.engine.stats.prefill_tokens - 14 * 512 * 0.9
+
+
+def test_smollm2_text_stops_and_offline_api(smollm2_bundle: Path) -> None:
+    from omforge import LLM as PublicLLM, SamplingParams as PublicParams
+
+    llm = PublicLLM(smollm2_bundle)
+    chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    ids = llm.tokenizer.encode(chat, add_special_tokens=False)
+    eos, stop, sampled = llm.generate([ids, ids, ids], [
+        PublicParams(temperature=0.0, max_tokens=32),
+        PublicParams(temperature=0.0, max_tokens=32, stop=["Paris"]),
+        PublicParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=16, logprobs=2)], use_tqdm=False)
+    assert eos.finish_reason == "stop" and eos.stop_reason is None and "Paris" in eos.text
+    assert "<|im_end|>" not in eos.text and eos.token_ids[-1] == 2
+    assert stop.finish_reason == "stop" and stop.stop_reason == "Paris" and "Paris" not in stop.text
+    assert stop.text == eos.text[:eos.text.index("Paris")]
+    assert len(sampled.logprobs) == len(sampled.token_ids) and len(sampled.logprobs[0]["top"]) == 2
+    assert eos.ttft is not None and eos.ttft > 0 and len(eos.inter_token_latencies) == len(eos.token_ids) - 1
