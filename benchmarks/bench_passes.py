@@ -79,7 +79,7 @@ def build_contiguous(export_dir: Path, out: Path, block_size: int):  # noqa: ANN
     manager.run_fusions(model)
     layout = insert_paged_kv(model, block_size)
     pattern.RewriteRuleSet([ContiguousPagedAttention.rule("contiguous")]).apply_to_model(model)
-    lower_ort.lower(model)
+    lower_ort.lower(model, kv_write="graph")  # the baseline writes its contiguous cache in the graph
     manager.cleanup(model)
     out.parent.mkdir(parents=True, exist_ok=True)
     ir.save(model, out, external_data=out.name + ".data")

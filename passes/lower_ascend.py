@@ -213,47 +213,6 @@ def _tokens(op, x):  # noqa: ANN001, ANN202 - [1, H, T, D] -> [T, H, D]
     return op.Transpose(op.Squeeze(x, op.Constant(value_ints=[0])), perm=[1, 0, 2])
 
 
-def paged_attention_new_rows(op, q, k, v, key_cache, value_cache, block_tables, query_index, token_index,  # noqa: ANN001, ANN201
-                             position_ids, *, scale: float, q_heads: int, kv_heads: int, block_size: int):
-    """The step ABI's paged attention without writing the pools: returns ``(o, key_new, value_new)``.
-
-    Each sequence's blocks are gathered from the pool as it was before this step into ``[B, M * bs, kv * D]``
-    (:func:`decompose.paged_attention`'s layout); the step's own K/V rows are scattered into that gathered
-    context at (sequence, position) — token t belongs to sequence ``token_index[t] // Q`` — so attention sees
-    them although the pool does not hold them yet. Queries, the mask by position and the attention are
-    :func:`decompose.paged_attention`'s.
-    """
-    head_dim = q.shape[-1]
-    zero, one = op.Constant(value_ints=[0]), op.Constant(value_ints=[1])
-    k_new, v_new = _tokens(op, k), _tokens(op, v)
-    pos = op.Squeeze(position_ids, zero)
-    seq = op.Div(token_index, op.Gather(op.Shape(query_index), op.Constant(value_int=1), axis=0))
-    at = op.Concat(op.Unsqueeze(seq, one), op.Unsqueeze(pos, one), axis=1)  # [T, 2]: (sequence, position)
-    block_row = op.Constant(value_ints=[-1, block_size * kv_heads * head_dim])
-    row_shape = op.Constant(value_ints=[0, -1])
-    ctx_shape = op.Constant(value_ints=[0, -1, kv_heads * head_dim])
-
-    def context(pool, new):  # noqa: ANN001, ANN202 - [S, kv, D] pool + [T, kv, D] rows -> [B, M*bs, kv*D]
-        gathered = op.Reshape(op.Gather(op.Reshape(pool, block_row), block_tables, axis=0), ctx_shape)
-        return op.ScatterND(gathered, at, op.Reshape(new, row_shape))
-
-    def heads(x, n):  # noqa: ANN001, ANN202 - [B, S, n*D] -> [B, n, S, D]
-        return op.Transpose(op.Reshape(x, op.Constant(value_ints=[0, 0, n, head_dim])), perm=[0, 2, 1, 3])
-
-    k_ctx, v_ctx = context(key_cache, k_new), context(value_cache, v_new)
-    q_pad = op.Gather(op.Reshape(_tokens(op, q), row_shape), query_index, axis=0)  # [B, Q, Hq*D]
-    q_pos = op.Gather(pos, query_index, axis=0)
-    ctx_len = op.Gather(op.Shape(k_ctx), op.Constant(value_int=1), axis=0)
-    key_pos = op.Unsqueeze(op.Range(op.Constant(value_int=0), ctx_len, op.Constant(value_int=1)),
-                           op.Constant(value_ints=[0, 1, 2]))
-    hide = op.Greater(key_pos, op.Unsqueeze(q_pos, op.Constant(value_ints=[1, 3])))  # [B, 1, Q, C]
-    o4 = decompose.causal_attention(op, heads(q_pad, q_heads), heads(k_ctx, kv_heads), heads(v_ctx, kv_heads),
-                                    scale, q_heads, kv_heads, head_dim, mask=hide)
-    rows = op.Reshape(op.Transpose(o4, perm=[0, 2, 1, 3]), op.Constant(value_ints=[-1, q_heads, head_dim]))
-    out = op.Unsqueeze(op.Transpose(op.Gather(rows, token_index, axis=0), perm=[1, 0, 2]), zero)
-    return out, k_new, v_new
-
-
 class PagedAttentionNewRows(decompose.DecomposePagedAttention):
     """PagedAttention → (o, new K rows, new V rows): plain ops, or our ``PagedAttention`` op when ``plugin``."""
 
@@ -264,7 +223,7 @@ class PagedAttentionNewRows(decompose.DecomposePagedAttention):
     def rewrite(self, op, q, k, v, kc, vc, slots, tables, qidx, tidx, pos, o, **_):  # noqa: ANN001, ANN201
         a = {name: o.producer().attributes[name].value for name in ("scale", "q_heads", "kv_heads", "block_size")}
         if not self.plugin:
-            return paged_attention_new_rows(op, q, k, v, kc, vc, tables, qidx, tidx, pos, **a)
+            return decompose.paged_attention_new_rows(op, q, k, v, kc, vc, tables, qidx, tidx, pos, **a)
         out = op.PagedAttention(q, k, v, kc, vc, tables, qidx, tidx, pos, scale_value=a["scale"],
                                 num_heads=a["q_heads"], num_key_value_heads=a["kv_heads"], block_size=a["block_size"])
         return out, _tokens(op, k), _tokens(op, v)

@@ -53,7 +53,8 @@ class LowerAttention(decompose.DecomposeAttention):
 
 
 class LowerPagedAttention(decompose.DecomposePagedAttention):
-    """Paged attention: plain-op KV write and block gather, then the fused ``Attention`` with a boolean mask."""
+    """Paged attention with the KV write in the graph (``kv_write="graph"``): ScatterND into the pool (bound in
+    place by IOBinding), block gather, then the fused ``Attention`` with a boolean mask."""
 
     def attend(self, node: ir.Node):  # noqa: ANN201
         a = node.attributes
@@ -67,20 +68,56 @@ class LowerPagedAttention(decompose.DecomposePagedAttention):
         return fused
 
 
-RULES = pattern.RewriteRuleSet([
-    LowerPagedAttention.rule("ort_paged_attention"),
+class LowerPagedAttentionNewRows(LowerPagedAttention):
+    """Paged attention with the KV write left to the runtime (``kv_write="runtime"``, the default): the pools are
+    read-only inputs, the step's new rows are outputs (``key_new.N``) that the executor stores at
+    ``slot_mapping``, and attention sees them through a scatter into the small gathered context."""
+
+    def rewrite(self, op, q, k, v, kc, vc, slots, tables, qidx, tidx, pos, o, **_):  # noqa: ANN001, ANN201
+        node = o.producer()
+        a = {name: node.attributes[name].value for name in ("scale", "q_heads", "kv_heads", "block_size")}
+        return decompose.paged_attention_new_rows(op, q, k, v, kc, vc, tables, qidx, tidx, pos, **a,
+                                                  attend=self.attend(node))
+
+
+def new_rows_as_outputs(graph: ir.Graph) -> None:
+    """Name the out-of-place outputs ``key_new.N`` / ``value_new.N`` ``[num_tokens, kv, D]``; drop the then
+    unused ``slot_mapping`` input (the runtime still uses it on the host)."""
+    for value in graph.outputs:
+        for kind in ("key", "value"):
+            prefix = f"{kind}_cache_out."
+            if value.name and value.name.startswith(prefix):
+                value.name = f"{kind}_new.{value.name[len(prefix):]}"
+                value.shape = ir.Shape(["num_tokens", *value.shape[1:]])
+    for value in list(graph.inputs):
+        if value.name == "slot_mapping" and not value.uses():
+            graph.inputs.remove(value)
+
+
+_COMMON = [
     LowerAddRMSNorm.rule("ort_add_rms_norm"),
     LowerRMSNorm.rule("ort_rms_norm"),
     LowerRotary.rule("ort_rotary"),
     decompose.RULES["SwiGLU"],
     LowerAttention.rule("ort_attention"),
-])
+]
+RULES = pattern.RewriteRuleSet([LowerPagedAttention.rule("ort_paged_attention"), *_COMMON])
+RULES_RUNTIME_WRITE = pattern.RewriteRuleSet([LowerPagedAttentionNewRows.rule("ort_paged_attention_new_rows"),
+                                              *_COMMON])
+KV_WRITES = ("runtime", "graph")
 
 
-def lower(model: ir.Model) -> int:
-    """Lower every neutral op in ``model`` in place; returns the number of ops lowered."""
+def lower(model: ir.Model, kv_write: str = "runtime") -> int:
+    """Lower every neutral op in ``model`` in place; returns the number of ops lowered. ``kv_write`` says who
+    writes the new K/V rows of a step graph: the runtime (default; measured: ORT's ScatterND into a pool bound
+    in place grew with the step's tokens and the pool, ~100 ms per call at 64 tokens and 25k slots inside the
+    full graph, although alone it costs microseconds) or the graph itself."""
+    if kv_write not in KV_WRITES:
+        raise ValueError(f"kv_write={kv_write!r} is not one of {KV_WRITES}")
     model.opset_imports[""] = max(model.opset_imports.get("", 18), ORT_OPSET)
-    count = RULES.apply_to_model(model)
+    count = (RULES_RUNTIME_WRITE if kv_write == "runtime" else RULES).apply_to_model(model)
+    if kv_write == "runtime":
+        new_rows_as_outputs(model.graph)
     left = [n.op_type for n in model.graph if n.domain == ops.DOMAIN]
     if left:
         raise RuntimeError(f"ORT lowering left neutral ops: {sorted(set(left))}")

@@ -43,7 +43,7 @@ def histogram(model: ir.Model) -> dict[str, int]:
 
 
 def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | None = None,
-          block_size: int | None = None, target: str = "ort") -> PassReport:
+          block_size: int | None = None, target: str = "ort", kv_write: str = "runtime") -> PassReport:
     """Fuse (switches ``fusions``), page the KV cache when ``block_size`` is given, lower to ``target``,
     and save ``out_path`` with its weights in ``out_path.name + '.data'`` beside it."""
     if target != "ort":
@@ -51,10 +51,11 @@ def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | Non
     model = ir.load(export_dir / "model.onnx")
     counts = manager.run_fusions(model, fusions)
     layout = insert_paged_kv(model, block_size) if block_size else None
-    lower_ort.lower(model)
+    lower_ort.lower(model, kv_write=kv_write)
     manager.cleanup(model)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     ir.save(model, out_path, external_data=out_path.name + ".data")
-    report = PassReport(counts, len(list(model.graph)), histogram(model), layout, {"abi": interface(model)})
+    report = PassReport(counts, len(list(model.graph)), histogram(model), layout,
+                        {"abi": interface(model), "kv_write": kv_write if layout else None})
     out_path.with_suffix(".json").write_text(json.dumps(report.to_dict(), indent=2))
     return report

@@ -167,6 +167,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop all cached prefixes; returns False (nothing done) while requests are in flight."""
+        if self.has_unfinished():
+            return False
+        self.kv = KVCacheManager(self.kv.pool.num_blocks, self.block_size, self.kv.enable_prefix_caching,
+                                 self.kv.num_host_blocks)
+        self.scheduler.kv = self.kv
+        return True
+
     # --- the step -----------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

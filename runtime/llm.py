@@ -18,6 +18,10 @@ class LLM:
     def __init__(self, bundle: str | Path, **engine_options: object):
         self.engine = LLMEngine(bundle, **engine_options)  # type: ignore[arg-type]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (for benchmarks that repeat the same prompts); only when idle."""
+        return self.engine.reset_prefix_cache()
+
     @property
     def tokenizer(self):  # noqa: ANN201 - TextTokenizer | None
         return self.engine.tokenizer

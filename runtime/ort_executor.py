@@ -1,8 +1,10 @@
-"""The ONNX Runtime executor: one session over the step graph, the KV pools allocated once and bound in place.
+"""The ONNX Runtime executor: one session over the step graph, the KV pools allocated once and never copied.
 
-Each layer's pool is a numpy array ``[num_blocks, block_size, kv_heads, head_dim]``; its slot view is bound
-through IOBinding as both the ``key_cache.N`` input and the ``key_cache_out.N`` output, so the in-graph
-ScatterND writes the new rows into the pool itself (no copy of the pool per step: cost follows the work).
+Each layer's pool is a numpy array ``[num_blocks, block_size, kv_heads, head_dim]`` whose slot view is bound
+(zero-copy) as the ``key_cache.N`` input. Who writes the step's new rows depends on the graph
+(``lower_ort.lower(kv_write=…)``): with ``key_new.N`` outputs (the default) the executor stores them at
+``slot_mapping`` after the run; with ``key_cache_out.N`` outputs the same buffer is bound as that output and
+the in-graph ScatterND writes in place. Either way no step copies a pool: cost follows the work.
 """
 
 from __future__ import annotations
@@ -29,14 +31,22 @@ class OrtExecutor:
         self.allocate_host(num_host_blocks)
         self.binding = self.session.io_binding()
         self.binding.bind_output("logits")  # first, so it stays output 0 when re-bound each run
+        self.input_names = {i.name for i in self.session.get_inputs()}
+        outputs = [o.name for o in self.session.get_outputs()]
+        self.runtime_write = "key_new.0" in outputs
+        self._new_rows = [f"{kind}_new.{layer}" for layer in range(layout.num_layers) for kind in ("key", "value")]
         self._pool_values = []  # keep the OrtValues alive as long as the binding refers to them
         slots = (num_blocks * layout.block_size, layout.kv_heads, layout.head_dim)
+        self._slot_views = []
         for layer in range(layout.num_layers):
             for kind, pools in (("key", self.key_pools), ("value", self.value_pools)):
-                value = ort.OrtValue.ortvalue_from_numpy(pools[layer].reshape(slots))
+                view = pools[layer].reshape(slots)
+                value = ort.OrtValue.ortvalue_from_numpy(view)
                 self.binding.bind_ortvalue_input(f"{kind}_cache.{layer}", value)
-                self.binding.bind_ortvalue_output(f"{kind}_cache_out.{layer}", value)
+                if not self.runtime_write:
+                    self.binding.bind_ortvalue_output(f"{kind}_cache_out.{layer}", value)
                 self._pool_values.append(value)
+                self._slot_views.append(view)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks ``src → dst`` in every layer's K and V pool (copy-on-write of a shared block)."""
@@ -72,7 +82,16 @@ class OrtExecutor:
     def run(self, step: dict[str, np.ndarray]) -> np.ndarray:
         """Execute one step; returns logits ``[num_logits, vocab]`` (the pools are updated in place)."""
         for name, array in step.items():
-            self.binding.bind_cpu_input(name, np.ascontiguousarray(array))
+            if name in self.input_names:
+                self.binding.bind_cpu_input(name, np.ascontiguousarray(array))
         self.binding.bind_output("logits")  # unallocated again: the number of logit rows varies by step
+        if self.runtime_write:
+            for name in self._new_rows:
+                self.binding.bind_output(name)
         self.session.run_with_iobinding(self.binding)
-        return self.binding.get_outputs()[0].numpy()[0]
+        outputs = self.binding.get_outputs()
+        if self.runtime_write:  # store the step's K/V rows at their slots, every layer
+            slots = step["slot_mapping"]
+            for view, rows in zip(self._slot_views, outputs[1:]):
+                view[slots] = rows.numpy()
+        return outputs[0].numpy()[0]

@@ -41,8 +41,8 @@ def test_manifest_contents(bundle: Path) -> None:
     assert m["model"]["config"]["num_hidden_layers"] == 2
     assert m["kv"]["block_size"] == 64 and m["kv"]["num_layers"] == 2  # the ort default, measured
     names = [i["name"] for i in m["abi"]["inputs"]]
-    assert names[:7] == ["input_ids", "position_ids", "slot_mapping", "block_tables", "query_index", "token_index",
-                         "logits_indices"]
+    assert names[:6] == ["input_ids", "position_ids", "block_tables", "query_index", "token_index", "logits_indices"]
+    assert [o["name"] for o in m["abi"]["outputs"]][:3] == ["logits", "key_new.0", "value_new.0"]
     assert m["passes"]["fusion_counts"] == {"rms_norm": 5, "add_rms_norm": 4, "rotary": 4, "qkv_merge": 2,
                                             "gate_up_swiglu": 2, "attention": 2}
     assert set(m["files"]) >= {"export/model.onnx", "export/model.onnx.data", "ort/step.onnx", "ort/step.onnx.data"}
@@ -112,7 +112,7 @@ def test_corrupted_or_missing_artifacts_are_clear_errors(bundle: Path, tmp_path:
 def test_inspect_cli(bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", str(bundle)]) == 0
     out = capsys.readouterr().out
-    assert "target ort" in out and "block size 64" in out and "slot_mapping" in out and "key_cache.0" in out
+    assert "target ort" in out and "block size 64" in out and "block_tables" in out and "key_cache.0" in out
     assert main(["inspect", str(bundle), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["target"] == "ort"
     assert main(["inspect", str(tmp_path / "nothing")]) == 2
