@@ -6,7 +6,8 @@ not load the runtime).
 
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "__version__"]
+__version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:

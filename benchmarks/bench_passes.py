@@ -130,15 +130,15 @@ def cmd_decode(args: argparse.Namespace) -> None:
 
 def cmd_pool(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        report = build(args.export, Path(tmp) / "model.onnx", block_size=args.block_size)
+        report = build(args.export, Path(tmp) / "model.onnx", block_size=args.block_size, kv_write=args.kv_write)
         cases = {blocks: (OrtExecutor(Path(tmp) / "model.onnx", report.layout, num_blocks=blocks),
-                          decode_step(16, args.context, args.block_size, blocks)) for blocks in (1024, 32768)}
+                          decode_step(16, args.context, args.block_size, blocks)) for blocks in (1024, args.big_pool)}
         ms = interleaved_ms(cases, args.steps)
         for blocks, (ex, _) in cases.items():
             gb = 2 * report.layout.num_layers * ex.key_pools[0].nbytes / 1e9
             print(f"  pool {blocks:6d} blocks ({gb:5.1f} GB of KV allocated, block size {args.block_size}): "
                   f"{ms[blocks]:7.2f} ms per decode step, batch 16, context {args.context}")
-        print(f"  ratio 32k / 1k: {ms[32768] / ms[1024]:.3f}")
+        print(f"  ratio {args.big_pool} / 1024 blocks: {ms[args.big_pool] / ms[1024]:.3f}  (kv_write={args.kv_write})")
 
 
 def cmd_paged(args: argparse.Namespace) -> None:
@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
         s.add_argument("--block-size", type=int, default=16)
         s.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32, 64, 128, 256])
         s.add_argument("--steps", type=int, default=20)
+        s.add_argument("--kv-write", choices=["runtime", "graph"], default="runtime")
+        s.add_argument("--big-pool", type=int, default=32768, help="pool: the large pool, in blocks")
         s.set_defaults(func=func)
     args = p.parse_args(argv)
     args.func(args)

@@ -149,7 +149,8 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
         "abi": report["abi"],
         "kv": {**layout, "dtype": "float32", "layout": "[num_blocks, block_size, kv_heads, head_dim] per layer, K and V",
                "bytes_per_token": 2 * layout["num_layers"] * layout["kv_heads"] * layout["head_dim"] * 4,
-               "write": "the graph returns the step's rows key_new.N; the runtime stores them at slot_mapping"},
+               "write": "in place: bind key_cache_out.N to key_cache.N's buffer" if target == "ort"
+               else "out of place: the graph returns key_new.N; the runtime copies rows to slot_mapping"},
         "limits": {"max_seq_len": recipe.compile.max_seq_len, "max_batch_size": recipe.compile.max_batch_size,
                    "max_num_tokens": recipe.compile.max_num_tokens},
         "serve": recipe.serve.model_dump(),

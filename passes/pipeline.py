@@ -43,7 +43,7 @@ def histogram(model: ir.Model) -> dict[str, int]:
 
 
 def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | None = None,
-          block_size: int | None = None, target: str = "ort", kv_write: str = "runtime") -> PassReport:
+          block_size: int | None = None, target: str = "ort", kv_write: str = "graph") -> PassReport:
     """Fuse (switches ``fusions``), page the KV cache when ``block_size`` is given, lower to ``target``,
     and save ``out_path`` with its weights in ``out_path.name + '.data'`` beside it."""
     if target != "ort":

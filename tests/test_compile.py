@@ -41,8 +41,9 @@ def test_manifest_contents(bundle: Path) -> None:
     assert m["model"]["config"]["num_hidden_layers"] == 2
     assert m["kv"]["block_size"] == 64 and m["kv"]["num_layers"] == 2  # the ort default, measured
     names = [i["name"] for i in m["abi"]["inputs"]]
-    assert names[:6] == ["input_ids", "position_ids", "block_tables", "query_index", "token_index", "logits_indices"]
-    assert [o["name"] for o in m["abi"]["outputs"]][:3] == ["logits", "key_new.0", "value_new.0"]
+    assert names[:7] == ["input_ids", "position_ids", "slot_mapping", "block_tables", "query_index", "token_index",
+                         "logits_indices"]
+    assert [o["name"] for o in m["abi"]["outputs"]][:3] == ["logits", "key_cache_out.0", "value_cache_out.0"]
     assert m["passes"]["fusion_counts"] == {"rms_norm": 5, "add_rms_norm": 4, "rotary": 4, "qkv_merge": 2,
                                             "gate_up_swiglu": 2, "attention": 2}
     assert set(m["files"]) >= {"export/model.onnx", "export/model.onnx.data", "ort/step.onnx", "ort/step.onnx.data"}

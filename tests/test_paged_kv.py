@@ -41,12 +41,11 @@ def test_abi_inputs_and_outputs(tiny) -> None:  # noqa: ANN001
     _, path, report = tiny
     model = onnx.load(str(path), load_external_data=False)
     names = [i.name for i in model.graph.input]
-    step_inputs = [n for n in STEP_INPUTS if n != "slot_mapping"]  # the runtime stores the rows: host-side only
-    assert names[:len(step_inputs)] == step_inputs
+    assert names[:len(STEP_INPUTS)] == list(STEP_INPUTS)
     layers = report.layout.num_layers
-    assert names[len(step_inputs):] == [f"{k}_cache.{i}" for i in range(layers) for k in ("key", "value")]
+    assert names[len(STEP_INPUTS):] == [f"{k}_cache.{i}" for i in range(layers) for k in ("key", "value")]
     outs = [o.name for o in model.graph.output]
-    assert outs == ["logits"] + [f"{k}_new.{i}" for i in range(layers) for k in ("key", "value")]
+    assert outs == ["logits"] + [f"{k}_cache_out.{i}" for i in range(layers) for k in ("key", "value")]
     assert report.layout.block_size == BLOCK and report.layout.kv_heads == 2 and report.layout.head_dim == 16
 
 
