@@ -82,7 +82,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.budget
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefill_pending = len(decoding) < len(self.running) or bool(self.waiting) or bool(self.swapped)
+        room = len(self.running) < self.max_num_seqs  # waiting/swapped work can only start with a free seat
+        prefill_pending = len(decoding) < len(self.running) or (room and bool(self.waiting or self.swapped))
         decode_step = bool(decoding) and not (prefill_pending and self._last_was_decode)
         self._last_was_decode = decode_step
         i = 0
