@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SMOLLM2_RECIPE, TINY_HF_CONFIGS, export_tiny
+from helpers import SMOLLM2_RECIPE, TINY_HF_CONFIGS, compile_bundle, export_tiny
 
 
 @pytest.fixture(scope="session")
@@ -35,20 +35,7 @@ def smollm2_export(smollm2_cache: Path) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_bundle(smollm2_cache: Path, smollm2_export: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The SmolLM2 ort bundle, compiled once per session (the export stage comes from ``smollm2_export``)."""
-    from omforge.compile.compiler import compile_recipe
-    from omforge.recipe import load_recipe
-
-    old = os.environ.get("OMFORGE_CACHE_DIR")
-    os.environ["OMFORGE_CACHE_DIR"] = str(smollm2_cache)
-    try:
-        out = tmp_path_factory.mktemp("smollm2-bundle") / "bundle"
-        compile_recipe(load_recipe(SMOLLM2_RECIPE), out, quiet=True)
-    finally:
-        if old is None:
-            os.environ.pop("OMFORGE_CACHE_DIR")
-        else:
-            os.environ["OMFORGE_CACHE_DIR"] = old
-    return out
+    return compile_bundle(SMOLLM2_RECIPE, tmp_path_factory.mktemp("smollm2-bundle") / "bundle", smollm2_cache)
 
 
 @pytest.fixture(scope="session")

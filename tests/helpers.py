@@ -208,3 +208,23 @@ def assert_same_logits(unfused: ir.Model, fused: ir.Model, feeds: dict[str, np.n
     assert out.shape == ref.shape
     diff = float(np.abs(out - ref).max())
     assert diff <= FUSED_TOL, f"max abs diff {diff:.3g} > {FUSED_TOL}"
+
+
+def compile_bundle(recipe: Path, out: Path, cache: Path) -> Path:
+    """``omforge compile`` of ``recipe`` into ``out`` with the stage cache at ``cache`` (the process's
+    ``OMFORGE_CACHE_DIR`` is restored afterwards, so module- and session-scoped fixtures can use it)."""
+    import os
+
+    from omforge.compile.compiler import compile_recipe
+    from omforge.recipe import load_recipe
+
+    old = os.environ.get("OMFORGE_CACHE_DIR")
+    os.environ["OMFORGE_CACHE_DIR"] = str(cache)
+    try:
+        compile_recipe(load_recipe(recipe), out, quiet=True)
+    finally:
+        if old is None:
+            os.environ.pop("OMFORGE_CACHE_DIR")
+        else:
+            os.environ["OMFORGE_CACHE_DIR"] = old
+    return out

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import TINY_RECIPE
+from helpers import TINY_RECIPE, compile_bundle
 from omforge.cli import main
 from omforge.compile.bundle import SCHEMA_VERSION, BundleError, load_manifest
 from omforge.compile.compiler import compile_recipe
@@ -23,16 +23,8 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import os
-
     root = tmp_path_factory.mktemp("bundle")
-    old = os.environ.get("OMFORGE_CACHE_DIR")
-    os.environ["OMFORGE_CACHE_DIR"] = str(root / "cache")
-    try:
-        compile_recipe(load_recipe(TINY_RECIPE), root / "b", quiet=True)
-    finally:
-        os.environ.pop("OMFORGE_CACHE_DIR") if old is None else os.environ.__setitem__("OMFORGE_CACHE_DIR", old)
-    return root / "b"
+    return compile_bundle(TINY_RECIPE, root / "b", root / "cache")
 
 
 def test_manifest_contents(bundle: Path) -> None:

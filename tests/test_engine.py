@@ -3,14 +3,13 @@ admission errors, and a fuzz of arrivals, cancellations and preemptions with the
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from helpers import TINY_RECIPE
+from helpers import TINY_RECIPE, compile_bundle
 from omforge.runtime.engine import LLMEngine, RequestRejected
 from omforge.runtime.llm import LLM
 from omforge.runtime.sampling_params import SamplingParams
@@ -20,20 +19,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def tiny_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from omforge.compile.compiler import compile_recipe
-    from omforge.recipe import load_recipe
-
     root = tmp_path_factory.mktemp("tiny-engine")
-    old = os.environ.get("OMFORGE_CACHE_DIR")
-    os.environ["OMFORGE_CACHE_DIR"] = str(root / "cache")
-    try:
-        text = TINY_RECIPE.read_text().replace("compile:\n", "compile:\n  kv_block_size: 4\n")
-        recipe = root / "tiny.yaml"
-        recipe.write_text(text)
-        compile_recipe(load_recipe(recipe), root / "bundle", quiet=True)
-    finally:
-        os.environ.pop("OMFORGE_CACHE_DIR") if old is None else os.environ.__setitem__("OMFORGE_CACHE_DIR", old)
-    return root / "bundle"
+    recipe = root / "tiny.yaml"  # small blocks so short prompts cross many block boundaries
+    recipe.write_text(TINY_RECIPE.read_text().replace("compile:\n", "compile:\n  kv_block_size: 4\n"))
+    return compile_bundle(recipe, root / "bundle", root / "cache")
 
 
 def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
