@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import sys
 import time
@@ -19,10 +18,6 @@ from omforge.errors import OmforgeError
 
 EXIT_USAGE = 2
 EXIT_ATC_LEFT = 3  # compile --target ascend finished everything but the ATC step (no atc on PATH)
-
-
-def _cache_root() -> Path:
-    return Path(os.environ.get("OMFORGE_CACHE_DIR", Path.home() / ".cache" / "omforge")) / "exports"
 
 
 def _peak_rss_mb() -> float:
@@ -50,10 +45,11 @@ def _load_exported(target: str):  # noqa: ANN202 - ExportedModel (imported lazil
     if path.is_dir():
         return ExportedModel(path)
     if path.suffix in (".yaml", ".yml"):
+        from omforge.compile.cache import cache_root
         from omforge.export.onnx_export import cached_export
         from omforge.recipe import load_recipe
 
-        return ExportedModel(cached_export(load_recipe(path), _cache_root()))
+        return ExportedModel(cached_export(load_recipe(path), cache_root() / "exports"))
     raise OmforgeError(f"{target}: expected a recipe (.yaml) or an export directory")
 
 

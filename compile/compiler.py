@@ -81,7 +81,7 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
     """Compile ``recipe`` into the bundle ``out`` (replaced). Raises OmforgeError subclasses on user errors;
     on the ascend target without ``atc`` the bundle is complete up to the ATC step and
     :class:`omforge.compile.atc.AtcMissing` is raised after it is written."""
-    from omforge.export.onnx_export import cached_export, recipe_digest
+    from omforge.export.onnx_export import cached_export, cached_export_dir, is_exported, recipe_digest
 
     target = target or recipe.compile.target
     if target not in DEFAULT_BLOCK_SIZE:
@@ -94,8 +94,7 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
     root = cache_root()
 
     digest = recipe_digest(recipe)
-    export_dir = root / "exports" / f"{recipe.model.name}-{digest}"
-    cached["export"] = (export_dir / "export.json").is_file()
+    cached["export"] = is_exported(cached_export_dir(recipe, root / "exports"))
     with progress.stage("export", cached["export"]):
         export_dir = cached_export(recipe, root / "exports", quiet=quiet)
     export_meta = json.loads((export_dir / "export.json").read_text())

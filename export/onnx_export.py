@@ -187,11 +187,19 @@ def _strip_torch_metadata(graph) -> None:  # noqa: ANN001
             node.metadata_props["omforge.scope"] = scope
 
 
+def cached_export_dir(recipe: Recipe, cache_root: Path) -> Path:
+    """Where :func:`cached_export` keeps the export of ``recipe``: ``cache_root/<name>-<digest>``."""
+    return cache_root / f"{recipe.model.name}-{recipe_digest(recipe)}"
+
+
+def is_exported(out: Path) -> bool:
+    return (out / "export.json").is_file() and (out / "model.onnx").is_file()
+
+
 def cached_export(recipe: Recipe, cache_root: Path, quiet: bool = False) -> Path:
     """The export for ``recipe`` under ``cache_root/<name>-<digest>``, made once and reused while the digest holds."""
-    out = cache_root / f"{recipe.model.name}-{recipe_digest(recipe)}"
-    meta = out / "export.json"
-    if meta.is_file() and (out / "model.onnx").is_file():
+    out = cached_export_dir(recipe, cache_root)
+    if is_exported(out):
         return out
     export_recipe(recipe, out, quiet=quiet)
     return out

@@ -40,6 +40,41 @@ def causal_attention(op, q, k, v, scale: float, q_heads: int, kv_heads: int, hea
     return op.MatMul(probs, v)
 
 
+def token_major(op, x):  # noqa: ANN001, ANN201 - [1, H, T, D] -> [T, H, D]
+    return op.Transpose(op.Squeeze(x, op.Constant(value_ints=[0])), perm=[1, 0, 2])
+
+
+def _gather_blocks(op, pool, block_tables, *, block_size: int, kv_heads: int, head_dim: int):  # noqa: ANN001, ANN202
+    """Each sequence's blocks of ``pool [S, kv, D]`` in table order: the context ``[B, M * bs, kv * D]``."""
+    rows = op.Reshape(pool, op.Constant(value_ints=[-1, block_size * kv_heads * head_dim]))
+    return op.Reshape(op.Gather(rows, block_tables, axis=0), op.Constant(value_ints=[0, -1, kv_heads * head_dim]))
+
+
+def _attend_over_context(op, q, k_ctx, v_ctx, query_index, token_index, position_ids, *, scale: float,  # noqa: ANN001, ANN202
+                         q_heads: int, kv_heads: int, head_dim: int, attend):
+    """Queries gathered into ``[B, Q, Hq * D]``, a key hidden from a query when its position in the context
+    exceeds the query's (``hide [B, 1, Q, C]``), attention (``attend`` or plain ops), rows back to
+    ``[1, Hq, T, D]``."""
+    zero = op.Constant(value_ints=[0])
+    q_pad = op.Gather(op.Reshape(token_major(op, q), op.Constant(value_ints=[0, -1])), query_index, axis=0)
+    q_pos = op.Gather(op.Squeeze(position_ids, zero), query_index, axis=0)
+    ctx_len = op.Gather(op.Shape(k_ctx), op.Constant(value_int=1), axis=0)
+    key_pos = op.Unsqueeze(op.Range(op.Constant(value_int=0), ctx_len, op.Constant(value_int=1)),
+                           op.Constant(value_ints=[0, 1, 2]))
+    hide = op.Greater(key_pos, op.Unsqueeze(q_pos, op.Constant(value_ints=[1, 3])))  # [B, 1, Q, C]
+    if attend is None:
+        def heads(x, n):  # noqa: ANN001, ANN202 - [B, S, n*D] -> [B, n, S, D]
+            return op.Transpose(op.Reshape(x, op.Constant(value_ints=[0, 0, n, head_dim])), perm=[0, 2, 1, 3])
+
+        o4 = causal_attention(op, heads(q_pad, q_heads), heads(k_ctx, kv_heads), heads(v_ctx, kv_heads), scale,
+                              q_heads, kv_heads, head_dim, mask=hide)
+        o_pad = op.Transpose(o4, perm=[0, 2, 1, 3])
+    else:
+        o_pad = attend(op, q_pad, k_ctx, v_ctx, hide)
+    rows = op.Reshape(o_pad, op.Constant(value_ints=[-1, q_heads, head_dim]))  # [B*Q, Hq, D]
+    return op.Unsqueeze(op.Transpose(op.Gather(rows, token_index, axis=0), perm=[1, 0, 2]), zero)
+
+
 def paged_attention(op, q, k, v, key_cache, value_cache, slot_mapping, block_tables, query_index, token_index,  # noqa: ANN001, ANN201
                     position_ids, *, scale: float, q_heads: int, kv_heads: int, block_size: int, attend=None,
                     contiguous: bool = False):
@@ -56,48 +91,19 @@ def paged_attention(op, q, k, v, key_cache, value_cache, slot_mapping, block_tab
     slots ``[b*C, (b+1)*C)`` of a pool of exactly ``B*C`` slots, so the context is a reshape, not a gather.
     """
     head_dim = q.shape[-1] if q.shape is not None else None
-    zero, one = op.Constant(value_ints=[0]), op.Constant(value_ints=[1])
-    tok_major = [1, 0, 2]
-
-    def tokens(x):  # noqa: ANN001, ANN202 - [1, H, T, D] -> [T, H, D]
-        return op.Transpose(op.Squeeze(x, zero), perm=tok_major)
-
-    slots = op.Unsqueeze(slot_mapping, one)
-    k_out = op.ScatterND(key_cache, slots, tokens(k))
-    v_out = op.ScatterND(value_cache, slots, tokens(v))
-    block_row = op.Constant(value_ints=[-1, block_size * kv_heads * head_dim])
-    ctx_shape = op.Constant(value_ints=[0, -1, kv_heads * head_dim])
+    slots = op.Unsqueeze(slot_mapping, op.Constant(value_ints=[1]))
+    k_out = op.ScatterND(key_cache, slots, token_major(op, k))
+    v_out = op.ScatterND(value_cache, slots, token_major(op, v))
 
     def context(pool):  # noqa: ANN001, ANN202 - [S, kv, D] -> [B, M*bs, kv*D]
         if contiguous:
             batch = op.Gather(op.Shape(block_tables), op.Constant(value_ints=[0]), axis=0)
             return op.Reshape(pool, op.Concat(batch, op.Constant(value_ints=[-1, kv_heads * head_dim]), axis=0))
-        return op.Reshape(op.Gather(op.Reshape(pool, block_row), block_tables, axis=0), ctx_shape)
+        return _gather_blocks(op, pool, block_tables, block_size=block_size, kv_heads=kv_heads, head_dim=head_dim)
 
-    k_ctx, v_ctx = context(k_out), context(v_out)
-    q_rows = op.Reshape(tokens(q), op.Constant(value_ints=[0, -1]))  # [T, Hq*D]
-    q_pad = op.Gather(q_rows, query_index, axis=0)  # [B, Q, Hq*D]
-    q_pos = op.Gather(op.Squeeze(position_ids, zero), query_index, axis=0)
-    ctx_len = op.Gather(op.Shape(k_ctx), op.Constant(value_int=1), axis=0)
-    key_pos = op.Unsqueeze(op.Range(op.Constant(value_int=0), ctx_len, op.Constant(value_int=1)),
-                           op.Constant(value_ints=[0, 1, 2]))
-    hide = op.Greater(key_pos, op.Unsqueeze(q_pos, op.Constant(value_ints=[1, 3])))  # [B, 1, Q, C]
-    if attend is None:
-        def heads(x, n):  # noqa: ANN001, ANN202 - [B, S, n*D] -> [B, n, S, D]
-            return op.Transpose(op.Reshape(x, op.Constant(value_ints=[0, 0, n, head_dim])), perm=[0, 2, 1, 3])
-
-        o4 = causal_attention(op, heads(q_pad, q_heads), heads(k_ctx, kv_heads), heads(v_ctx, kv_heads), scale,
-                              q_heads, kv_heads, head_dim, mask=hide)
-        o_pad = op.Transpose(o4, perm=[0, 2, 1, 3])
-    else:
-        o_pad = attend(op, q_pad, k_ctx, v_ctx, hide)
-    rows = op.Reshape(o_pad, op.Constant(value_ints=[-1, q_heads, head_dim]))  # [B*Q, Hq, D]
-    out = op.Unsqueeze(op.Transpose(op.Gather(rows, token_index, axis=0), perm=tok_major), zero)
+    out = _attend_over_context(op, q, context(k_out), context(v_out), query_index, token_index, position_ids,
+                               scale=scale, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, attend=attend)
     return out, k_out, v_out
-
-
-def _tokens(op, x):  # noqa: ANN001, ANN202 - [1, H, T, D] -> [T, H, D]
-    return op.Transpose(op.Squeeze(x, op.Constant(value_ints=[0])), perm=[1, 0, 2])
 
 
 def paged_attention_new_rows(op, q, k, v, key_cache, value_cache, block_tables, query_index, token_index,  # noqa: ANN001, ANN201
@@ -112,39 +118,20 @@ def paged_attention_new_rows(op, q, k, v, key_cache, value_cache, block_tables, 
     :func:`paged_attention`'s (``attend`` as there).
     """
     head_dim = q.shape[-1]
-    zero, one = op.Constant(value_ints=[0]), op.Constant(value_ints=[1])
-    k_new, v_new = _tokens(op, k), _tokens(op, v)
-    pos = op.Squeeze(position_ids, zero)
+    one = op.Constant(value_ints=[1])
+    k_new, v_new = token_major(op, k), token_major(op, v)
+    pos = op.Squeeze(position_ids, op.Constant(value_ints=[0]))
     seq = op.Div(token_index, op.Gather(op.Shape(query_index), op.Constant(value_int=1), axis=0))
     at = op.Concat(op.Unsqueeze(seq, one), op.Unsqueeze(pos, one), axis=1)  # [T, 2]: (sequence, position)
-    block_row = op.Constant(value_ints=[-1, block_size * kv_heads * head_dim])
-    row_shape = op.Constant(value_ints=[0, -1])
-    ctx_shape = op.Constant(value_ints=[0, -1, kv_heads * head_dim])
 
     def context(pool, new):  # noqa: ANN001, ANN202 - [S, kv, D] pool + [T, kv, D] rows -> [B, M*bs, kv*D]
-        gathered = op.Reshape(op.Gather(op.Reshape(pool, block_row), block_tables, axis=0), ctx_shape)
-        return op.ScatterND(gathered, at, op.Reshape(new, row_shape))
+        gathered = _gather_blocks(op, pool, block_tables, block_size=block_size, kv_heads=kv_heads, head_dim=head_dim)
+        return op.ScatterND(gathered, at, op.Reshape(new, op.Constant(value_ints=[0, -1])))
 
-    def heads(x, n):  # noqa: ANN001, ANN202 - [B, S, n*D] -> [B, n, S, D]
-        return op.Transpose(op.Reshape(x, op.Constant(value_ints=[0, 0, n, head_dim])), perm=[0, 2, 1, 3])
-
-    k_ctx, v_ctx = context(key_cache, k_new), context(value_cache, v_new)
-    q_pad = op.Gather(op.Reshape(_tokens(op, q), row_shape), query_index, axis=0)  # [B, Q, Hq*D]
-    q_pos = op.Gather(pos, query_index, axis=0)
-    ctx_len = op.Gather(op.Shape(k_ctx), op.Constant(value_int=1), axis=0)
-    key_pos = op.Unsqueeze(op.Range(op.Constant(value_int=0), ctx_len, op.Constant(value_int=1)),
-                           op.Constant(value_ints=[0, 1, 2]))
-    hide = op.Greater(key_pos, op.Unsqueeze(q_pos, op.Constant(value_ints=[1, 3])))  # [B, 1, Q, C]
-    if attend is None:
-        o4 = causal_attention(op, heads(q_pad, q_heads), heads(k_ctx, kv_heads), heads(v_ctx, kv_heads),
-                              scale, q_heads, kv_heads, head_dim, mask=hide)
-        o_pad = op.Transpose(o4, perm=[0, 2, 1, 3])
-    else:
-        o_pad = attend(op, q_pad, k_ctx, v_ctx, hide)
-    rows = op.Reshape(o_pad, op.Constant(value_ints=[-1, q_heads, head_dim]))
-    out = op.Unsqueeze(op.Transpose(op.Gather(rows, token_index, axis=0), perm=[1, 0, 2]), zero)
+    out = _attend_over_context(op, q, context(key_cache, k_new), context(value_cache, v_new), query_index,
+                               token_index, position_ids, scale=scale, q_heads=q_heads, kv_heads=kv_heads,
+                               head_dim=head_dim, attend=attend)
     return out, k_new, v_new
-
 
 
 class DecomposeRMSNorm(pattern.RewriteRuleClassBase):

@@ -62,7 +62,6 @@ exact numerics); ``"cann"`` needs no plugin build and records the mismatch in
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -71,6 +70,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from omforge.passes import decompose, ops
+from omforge.passes.paged_kv import new_rows_as_outputs
 
 CANN_RMSNORM_EPS = 1e-6
 """The epsilon CANN's NPURmsNorm/NPUAddRmsNorm plugins hard-code (reference/ascend.md §2.2)."""
@@ -84,7 +84,6 @@ DEFAULT_RMSNORM_PLUGIN = "omforge"  # CANN's fixed epsilon moves SmolLM2's logit
 
 _NORM_OPS = {"cann": ("NPURmsNorm", "NPUAddRmsNorm"), "omforge": ("OmRmsNorm", "OmAddRmsNorm")}
 _INT32_MAX = 2**31 - 1
-_CACHE_OUT = re.compile(r"(key|value)_cache_out\.(\d+)")
 
 
 @dataclass(frozen=True)
@@ -209,10 +208,6 @@ class NPUPromptFlashAttention(decompose.DecomposeAttention):
             next_tokens=0, sparse_mode=0, inner_precise=0)
 
 
-def _tokens(op, x):  # noqa: ANN001, ANN202 - [1, H, T, D] -> [T, H, D]
-    return op.Transpose(op.Squeeze(x, op.Constant(value_ints=[0])), perm=[1, 0, 2])
-
-
 class PagedAttentionNewRows(decompose.DecomposePagedAttention):
     """PagedAttention → (o, new K rows, new V rows): plain ops, or our ``PagedAttention`` op when ``plugin``."""
 
@@ -226,7 +221,7 @@ class PagedAttentionNewRows(decompose.DecomposePagedAttention):
             return decompose.paged_attention_new_rows(op, q, k, v, kc, vc, tables, qidx, tidx, pos, **a)
         out = op.PagedAttention(q, k, v, kc, vc, tables, qidx, tidx, pos, scale_value=a["scale"],
                                 num_heads=a["q_heads"], num_key_value_heads=a["kv_heads"], block_size=a["block_size"])
-        return out, _tokens(op, k), _tokens(op, v)
+        return out, decompose.token_major(op, k), decompose.token_major(op, v)
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -273,7 +268,9 @@ def lower(model: ir.Model, *, rmsnorm_plugin: Literal["cann", "omforge"] = DEFAU
     result = AscendLowering(opset=opset, lowered=dict(neutral), options=dict(
         rmsnorm_plugin=rmsnorm_plugin, attention=attention, paged_attention=paged_attention, plain=plain))
     if neutral.get("PagedAttention"):
-        _new_rows_as_outputs(model.graph, result)
+        renamed, removed = new_rows_as_outputs(model.graph)
+        result.new_kv_outputs += renamed
+        result.removed_inputs += removed
     result.custom_ops = _custom_ops(model.graph, opset)
     if rmsnorm_plugin == "cann" and any(abs(e - CANN_RMSNORM_EPS) > 1e-12 for e in epsilons):
         result.epsilon_note = (
@@ -281,22 +278,6 @@ def lower(model: ir.Model, *, rmsnorm_plugin: Literal["cann", "omforge"] = DEFAU
             f"{', '.join(f'{e:g}' for e in epsilons)}. Measured on SmolLM2-135M (1e-5 vs 1e-6): max |dlogits| 0.0122 "
             "on a 64-token prompt, greedy 32 tokens unchanged on 3 prompts. rmsnorm_plugin='omforge' is exact.")
     return result
-
-
-def _new_rows_as_outputs(graph: ir.Graph, result: AscendLowering) -> None:
-    """The rewrite left the new rows under the old pool outputs' names: rename them and drop ``slot_mapping``."""
-    for value in graph.outputs:
-        m = _CACHE_OUT.fullmatch(value.name or "")
-        if m is None:
-            continue
-        kind, layer = m.groups()
-        value.name = f"{kind}_new.{layer}"
-        value.shape = ir.Shape(["num_tokens", *value.shape[1:]])
-        result.new_kv_outputs.append(value.name)
-    for value in list(graph.inputs):
-        if value.name == "slot_mapping" and not value.uses():
-            graph.inputs.remove(value)
-            result.removed_inputs.append(value.name)
 
 
 def _custom_ops(graph: ir.Graph, opset: int) -> dict[str, CustomOp]:

@@ -18,6 +18,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from omforge.passes import decompose, ops
+from omforge.passes.paged_kv import new_rows_as_outputs
 
 ORT_OPSET = 23
 MS_DOMAIN = "com.microsoft"
@@ -80,20 +81,6 @@ class LowerPagedAttentionNewRows(LowerPagedAttention):
                                                   attend=self.attend(node))
 
 
-def new_rows_as_outputs(graph: ir.Graph) -> None:
-    """Name the out-of-place outputs ``key_new.N`` / ``value_new.N`` ``[num_tokens, kv, D]``; drop the then
-    unused ``slot_mapping`` input (the runtime still uses it on the host)."""
-    for value in graph.outputs:
-        for kind in ("key", "value"):
-            prefix = f"{kind}_cache_out."
-            if value.name and value.name.startswith(prefix):
-                value.name = f"{kind}_new.{value.name[len(prefix):]}"
-                value.shape = ir.Shape(["num_tokens", *value.shape[1:]])
-    for value in list(graph.inputs):
-        if value.name == "slot_mapping" and not value.uses():
-            graph.inputs.remove(value)
-
-
 _COMMON = [
     LowerAddRMSNorm.rule("ort_add_rms_norm"),
     LowerRMSNorm.rule("ort_rms_norm"),
@@ -119,7 +106,7 @@ def lower(model: ir.Model, kv_write: str = "graph") -> int:
     model.opset_imports[""] = max(model.opset_imports.get("", 18), ORT_OPSET)
     count = (RULES_RUNTIME_WRITE if kv_write == "runtime" else RULES).apply_to_model(model)
     if kv_write == "runtime":
-        new_rows_as_outputs(model.graph)
+        new_rows_as_outputs(model.graph)  # the rows are outputs; slot_mapping is host-side only
     left = [n.op_type for n in model.graph if n.domain == ops.DOMAIN]
     if left:
         raise RuntimeError(f"ORT lowering left neutral ops: {sorted(set(left))}")

@@ -27,6 +27,7 @@ Invariant: a key at position ``j`` is visible to a query at position ``p`` of th
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import onnx_ir as ir
@@ -118,3 +119,23 @@ def _logits_only_where_needed(graph: ir.Graph, logits_indices: ir.Value) -> None
     graph.insert_before(head, gather)
     head.replace_input_with(0, gather.outputs[0])
     logits.shape = ir.Shape([1, "num_logits", logits.shape[-1] if logits.shape else None])
+
+
+def new_rows_as_outputs(graph: ir.Graph) -> tuple[list[str], list[str]]:
+    """After an out-of-place lowering (the rewrite left the step's new rows under the pool outputs' names):
+    rename ``key_cache_out.N`` / ``value_cache_out.N`` to ``key_new.N`` / ``value_new.N`` ``[num_tokens, kv, D]``
+    and drop the then unused ``slot_mapping`` input (the runtime still uses it on the host). Returns the new
+    output names and the removed inputs."""
+    renamed, removed = [], []
+    for value in graph.outputs:
+        m = re.fullmatch(r"(key|value)_cache_out\.(\d+)", value.name or "")
+        if m is None:
+            continue
+        value.name = f"{m[1]}_new.{m[2]}"
+        value.shape = ir.Shape(["num_tokens", *value.shape[1:]])
+        renamed.append(value.name)
+    for value in list(graph.inputs):
+        if value.name == "slot_mapping" and not value.uses():
+            graph.inputs.remove(value)
+            removed.append(value.name)
+    return renamed, removed

@@ -50,11 +50,8 @@ class OrtExecutor:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks ``src → dst`` in every layer's K and V pool (copy-on-write of a shared block)."""
-        if not pairs:
-            return
-        src, dst = (np.fromiter(col, np.int64, len(pairs)) for col in zip(*pairs))
-        for pool in (*self.key_pools, *self.value_pools):
-            pool[dst] = pool[src]
+        pools = (self.key_pools, self.value_pools)
+        self._swap(pairs, pools, pools)
 
     def allocate_host(self, num_host_blocks: int) -> None:
         """The host swap tier: pools of ``num_host_blocks`` blocks per layer, K and V."""
