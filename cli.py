@@ -153,6 +153,25 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from omforge.serve.server import ServeOptions, serve
+
+    if not (Path(args.bundle) / "manifest.json").is_file():
+        raise OmforgeError(f"{args.bundle}: not a bundle (no manifest.json); build one with omforge compile RECIPE")
+    options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key or os.environ.get("OMFORGE_API_KEY"),
+                           served_model_name=args.served_model_name, max_waiting_requests=args.max_waiting_requests,
+                           max_queue_delay_us=args.max_queue_delay_us, drain_timeout=args.drain_timeout,
+                           log_level=args.log_level)
+    engine_options = {k: getattr(args, k) for k in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
+                                                     "max_model_len", "threads", "preemption_mode")
+                      if getattr(args, k) is not None}
+    if args.enable_prefix_caching is not None:
+        engine_options["enable_prefix_caching"] = args.enable_prefix_caching
+    return serve(args.bundle, options, **engine_options)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omforge", description="Compile Llama-family LLMs to fused, paged-KV "
                                 "ONNX Runtime / Ascend OM artifacts and serve them.")
@@ -169,6 +188,28 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="the whole manifest as JSON")
     i.add_argument("--no-verify", action="store_true", help="skip re-hashing the files (sizes are still checked)")
     i.set_defaults(func=cmd_inspect)
+
+    s = sub.add_parser("serve", help="serve a bundle over an OpenAI-compatible HTTP API (completions, chat, "
+                       "streaming, /metrics)")
+    s.add_argument("bundle", help="a bundle directory (omforge compile's output)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    s.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 (default $OMFORGE_API_KEY, or none)")
+    s.add_argument("--served-model-name", help="the model id clients send (default the recipe's model name)")
+    s.add_argument("--max-num-seqs", type=int, help="override serve.max_num_seqs")
+    s.add_argument("--max-num-batched-tokens", type=int, help="override serve.max_num_batched_tokens")
+    s.add_argument("--max-model-len", type=int, help="override serve.max_model_len")
+    s.add_argument("--num-kv-blocks", type=int, help="override serve.num_kv_blocks")
+    s.add_argument("--max-waiting-requests", type=int, help="override serve.max_waiting_requests (beyond: 429)")
+    s.add_argument("--max-queue-delay-us", type=int, help="override serve.max_queue_delay_us")
+    s.add_argument("--preemption-mode", choices=["recompute", "swap"], help="override serve.preemption_mode")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="override serve.enable_prefix_caching")
+    s.add_argument("--threads", type=int, help="onnxruntime intra-op threads (default: all cores)")
+    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get to finish "
+                   "after SIGTERM (default 30)")
+    s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(func=cmd_serve)
 
     e = sub.add_parser("export", help="recipe → unfused ONNX graph (primitive ops, external weights)")
     e.add_argument("recipe", help="recipe file, e.g. models/smollm2-135m.yaml")

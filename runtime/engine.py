@@ -23,7 +23,7 @@ from omforge.runtime.kv_cache_manager import KVCacheManager
 from omforge.runtime.ort_executor import OrtExecutor
 from omforge.runtime.request import Request, Status
 from omforge.runtime.sampler import Sampler
-from omforge.runtime.sampling_params import SamplingParams
+from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
 from omforge.runtime.scheduler import ScheduledRequest, Scheduler
 from omforge.runtime.step import SeqWork, build_step
 from omforge.runtime.tokenizer import TextTokenizer
@@ -116,32 +116,43 @@ class LLMEngine:
 
     # --- requests -----------------------------------------------------------------------------------------
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> list[Request]:
-        """Queue a request (``n`` sequences for ``params.n > 1``). Raises :class:`RequestRejected` when it can
-        never run, :class:`omforge.runtime.sampling_params.SamplingParamsError` for bad parameters."""
-        params = params or SamplingParams()
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> SamplingParams:
+        """The admission check, pure (reads only limits fixed at load, so the server may call it from any thread):
+        raises :class:`RequestRejected` naming the limit, or :class:`SamplingParamsError` naming the parameter;
+        returns ``params`` with ``max_tokens`` resolved (None → the room left in the context)."""
         params.validate()
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestRejected("this bundle has no tokenizer: give prompt token ids")
-            ids, text = self.tokenizer.encode(prompt), prompt
-        else:
-            ids, text = list(prompt), None
+        ids = prompt_token_ids
         if not ids:
             raise RequestRejected("the prompt is empty")
-        if any(not 0 <= t < self.config["vocab_size"] for t in ids):
-            raise RequestRejected(f"prompt token ids must be in [0, {self.config['vocab_size']})")
+        vocab = self.config["vocab_size"]
+        if any(not 0 <= t < vocab for t in ids):
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias):
+            raise SamplingParamsError(f"logit_bias keys must be token ids below the vocabulary size {vocab}")
         room = self.max_model_len - len(ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else room
-        if max_tokens > room:
+        if max_tokens > room or room < 1:
             raise RequestRejected(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
                                   f"context of {self.max_model_len} tokens")
         need = -(-(len(ids) + max_tokens) // self.block_size)
         if need > self.kv.pool.num_blocks:
             raise RequestRejected(f"prompt + max_tokens needs {need} KV blocks but the pool has "
                                   f"{self.kv.pool.num_blocks}; it could never run")
-        params = replace(params, max_tokens=max_tokens)
+        return replace(params, max_tokens=max_tokens)
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> list[Request]:
+        """Queue a request (``n`` sequences for ``params.n > 1``, ids ``{request_id}-{i}``). Raises
+        :class:`RequestRejected` when it can never run, :class:`SamplingParamsError` for bad parameters.
+        ``arrival_time`` (``time.monotonic()``) is when the request reached the server, for TTFT; default now."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestRejected("this bundle has no tokenizer: give prompt token ids")
+            ids, text = self.tokenizer.encode(prompt), prompt
+        else:
+            ids, text = list(prompt), None
+        params = self.check_request(ids, params)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise RequestRejected(f"request id '{rid}' is already in use")
@@ -149,6 +160,8 @@ class LLMEngine:
         for i in range(params.n):
             req = Request(f"{rid}-{i}" if params.n > 1 else rid, ids, params, prompt=text, index=i,
                           generator=params.make_generator(i))
+            if arrival_time is not None:
+                req.arrival_time = arrival_time
             if self.tokenizer is not None:
                 req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
             reqs.append(req)
@@ -157,12 +170,14 @@ class LLMEngine:
             self.scheduler.add(req)
         return reqs
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request now and free its blocks (a client that went away)."""
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks (a client that went away); False if it was not in flight."""
         req = self.requests.pop(request_id, None)
-        if req is not None and not req.finished:
-            self.scheduler.remove(req)
-            req.status, req.finish_reason = Status.FINISHED, "abort"
+        if req is None or req.finished:
+            return False
+        self.scheduler.remove(req)
+        req.status, req.finish_reason = Status.FINISHED, "abort"
+        return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -234,6 +249,7 @@ class LLMEngine:
                 if req.detokenizer is not None:
                     new_text += req.detokenizer.flush()  # held-back text that can no longer become a stop string
                 self.scheduler.remove(req)
+                self.requests.pop(req.request_id, None)  # a long-running server must not keep finished requests
                 self.stats.finished += 1
             outputs.append(self._output(req, new_text, [token]))
         return outputs

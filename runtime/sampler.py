@@ -77,7 +77,8 @@ class Sampler:
     def process_logits(self, logits: np.ndarray, params: Sequence[SamplingParams],
                        output_token_ids: Sequence[Sequence[int]],
                        prompt_token_ids: Sequence[Sequence[int]]) -> np.ndarray:
-        """Repetition penalty (prompt + output), frequency/presence penalties (output), the min_tokens mask.
+        """Logit bias, repetition penalty (prompt + output), frequency/presence penalties (output), the min_tokens
+        mask.
 
         Touches only the (row, token) pairs that occur, never a dense ``[R, V]`` mask. Returns a float32 copy
         when anything applies, else ``logits`` itself (as float32), so an all-default batch copies nothing.
@@ -89,10 +90,15 @@ class Sampler:
         rep_rows = np.flatnonzero(rep != 1.0)
         fp_rows = np.flatnonzero((freq != 0.0) | (pres != 0.0))
         min_rows = [r for r, p in enumerate(params) if len(output_token_ids[r]) < p.min_tokens]
-        if not (rep_rows.size or fp_rows.size or min_rows):
+        bias_rows = [r for r, p in enumerate(params) if p.logit_bias]
+        if not (rep_rows.size or fp_rows.size or min_rows or bias_rows):
             return np.asarray(logits, dtype=np.float32)
         out = np.array(logits, dtype=np.float32, order="C")
         flat = out.reshape(-1)
+        for r in bias_rows:  # token ids beyond the vocabulary are rejected at admission (LLMEngine.check_request)
+            bias = params[r].logit_bias
+            flat[np.fromiter(bias, dtype=np.int64, count=len(bias)) + r * V] += np.fromiter(
+                bias.values(), dtype=np.float32, count=len(bias))
         if rep_rows.size:  # vLLM: logit > 0 → logit / p, else logit * p, once per distinct token seen
             keys = np.concatenate([_flat_keys(V, rep_rows, prompt_token_ids),
                                    _flat_keys(V, rep_rows, output_token_ids)])

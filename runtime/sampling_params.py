@@ -29,7 +29,8 @@ class SamplingParams:
     ``top_k`` 0 or -1 is off; ``logprobs`` is the number of top alternatives to return per token (0: only the
     chosen token's logprob, None: none). ``stop`` strings end the output before the match (not included);
     ``stop_token_ids`` end it after the token, like EOS. ``seed`` makes this request's sampling reproducible
-    regardless of what else is batched with it (see :meth:`make_generator`).
+    regardless of what else is batched with it (see :meth:`make_generator`). ``logit_bias`` maps token ids to a
+    value in [-100, 100] added to their logits before any penalty or truncation (OpenAI's semantics; -100 bans).
     """
 
     n: int = 1
@@ -48,6 +49,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI accepts one string or a list
@@ -93,6 +95,12 @@ class SamplingParams:
                 raise SamplingParamsError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if not isinstance(self.logit_bias, dict):
+            raise SamplingParamsError(f"logit_bias must map token ids to values, got {self.logit_bias!r}")
+        for token, bias in self.logit_bias.items():
+            if not _is_int(token) or token < 0:
+                raise SamplingParamsError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+            _real(f"logit_bias[{token}]", bias, -100.0, 100.0)
 
 
 def _is_int(value: object) -> bool:

@@ -1,0 +1,280 @@
+"""The HTTP API: OpenAI's ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``, plus ``/health``
+and ``/metrics``. Routing, parsing, auth and streaming only; the model runs on the engine thread
+(:mod:`omforge.serve.async_engine`), bodies are built by :mod:`omforge.serve.responses`.
+
+Every error is OpenAI's JSON shape with the matching status: 400 malformed JSON / invalid parameter (``param``
+names it) / context exceeded, 401 missing or wrong key, 404 unknown model or route, 429 queue full (with
+``Retry-After``), 503 shutting down or engine failed. Tokenization and chat-template rendering run in a worker
+thread so a long prompt never stalls the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from omforge.runtime.engine import RequestOutput, RequestRejected
+from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
+from omforge.runtime.tokenizer import ChatTemplateError
+from omforge.serve.async_engine import AsyncEngine, EngineUnavailable, Overloaded, RequestGroup
+from omforge.serve.metrics import ServerMetrics
+from omforge.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from omforge.serve.responses import SSE_DONE, ResponseBuilder, sse, token_text_fn, usage
+
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait; the queue moves every engine step
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    model_name: str
+    api_key: str | None
+    max_model_len: int
+    created: int
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="omforge", docs_url=None, redoc_url=None, openapi_url=None)
+    tokenizer = state.engine.engine.tokenizer
+    token_text = token_text_fn(tokenizer) if tokenizer is not None else (lambda i: str(i))
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    def authorize(request: Request) -> None:
+        if state.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, key = given.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip(), state.api_key):
+            raise APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
+                           code="invalid_api_key")
+
+    async def parse(request: Request, schema: type[BaseModel]) -> Any:
+        authorize(request)
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        try:
+            body = schema.model_validate(data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            param = ".".join(str(p) for p in err["loc"] if not isinstance(p, int) or err["loc"][0] == "messages")
+            what = ("unrecognized request argument" if err["type"] == "extra_forbidden" else
+                    "missing required argument" if err["type"] == "missing" else err["msg"])
+            raise APIError(400, f"{param}: {what}", param=param) from None
+        if body.model is not None and body.model != state.model_name:
+            raise APIError(404, f"the model '{body.model}' does not exist; this server serves "
+                           f"'{state.model_name}'", param="model", code="model_not_found")
+        body.check_supported()
+        return body
+
+    def check(ids: list[int], params: SamplingParams, length_param: str) -> SamplingParams:
+        try:
+            return state.engine.check(ids, params)
+        except SamplingParamsError as exc:
+            state.metrics.rejected("invalid_parameter")
+            raise APIError(400, str(exc), param=str(exc).split()[0].split("[")[0]) from None
+        except RequestRejected as exc:
+            state.metrics.rejected("too_long")
+            raise APIError(400, str(exc), param=length_param, code="context_length_exceeded") from None
+
+    def submit(prompts: list[tuple[list[int], SamplingParams]], request_id: str, arrival: float) -> RequestGroup:
+        try:
+            return state.engine.submit(prompts, request_id, arrival)
+        except Overloaded as exc:
+            raise APIError(429, str(exc), type="server_overloaded", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineUnavailable as exc:
+            raise APIError(503, str(exc), type="server_error", code="unavailable",
+                           headers={"Retry-After": str(5 * RETRY_AFTER_S)}) from None
+
+    # --- endpoints ----------------------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine.healthy and not state.engine.draining:
+            return JSONResponse({"status": "ok"})
+        reason = "draining" if state.engine.draining else f"engine failed: {state.engine.failure}"
+        return JSONResponse({"status": reason}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        authorize(request)
+        return JSONResponse({"object": "list", "data": [
+            {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "omforge",
+             "max_model_len": state.max_model_len}]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        body: CompletionRequest = await parse(request, CompletionRequest)
+        prompts = body.prompts()
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        if any(t is not None for t in texts) and tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send prompt token ids", param="prompt")
+        ids = await asyncio.to_thread(
+            lambda: [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts])
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        checked = [(i, check(i, params, "max_tokens" if body.max_tokens else "prompt")) for i in ids]
+        rid = state.engine.new_request_id("cmpl")
+        builder = ResponseBuilder("completion", rid, state.model_name, token_text, body.logprobs is not None)
+        echo = []
+        if body.echo:
+            echo = [t if t is not None else (tokenizer.decode(i) if tokenizer else "") for t, i in zip(texts, ids)]
+        group = submit(checked, rid, arrival)
+        run = _Run(group, [len(i) for i in ids], params.n, echo)
+        if body.stream:
+            return _sse(request, _stream(state.engine, run, builder, body.include_usage))
+        return JSONResponse(await _until_done_or_disconnect(request, _collect(state.engine, run, builder)))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer and no chat template", param="messages")
+        conversation = body.conversation()
+
+        def render() -> list[int]:
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=body.add_generation_prompt,
+                                                 **(body.chat_template_kwargs or {}))
+            return tokenizer.encode(text, add_special_tokens=False)
+
+        try:
+            ids = await asyncio.to_thread(render)
+        except ChatTemplateError as exc:
+            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+        params = body.sampling_params(body.max_new_tokens(), body.num_logprobs())
+        checked = check(ids, params, "max_completion_tokens" if body.max_new_tokens() else "messages")
+        rid = state.engine.new_request_id("chatcmpl")
+        builder = ResponseBuilder("chat", rid, state.model_name, token_text, bool(body.logprobs))
+        group = submit([(ids, checked)], rid, arrival)
+        run = _Run(group, [len(ids)], params.n, [])
+        if body.stream:
+            return _sse(request, _stream(state.engine, run, builder, body.include_usage))
+        return JSONResponse(await _until_done_or_disconnect(request, _collect(state.engine, run, builder)))
+
+    return app
+
+
+@dataclass
+class _Run:
+    """A submitted request as the response sees it: choice ``index = prompt * n + sequence``."""
+
+    group: RequestGroup
+    prompt_lens: list[int]
+    n: int
+    echo: list[str]  # completions with echo: the prompt text per prompt
+
+    def choice(self, out: RequestOutput) -> tuple[int, int]:
+        prompt = self.group.prompt_of.get(out.request_id, 0)
+        return prompt, prompt * self.n + out.index
+
+    def usage(self, finals: dict[int, RequestOutput]) -> dict:
+        cached = [0] * len(self.prompt_lens)
+        for out in finals.values():
+            p, _ = self.choice(out)
+            cached[p] = max(cached[p], out.num_cached_tokens)
+        return usage(sum(self.prompt_lens), sum(len(o.token_ids) for o in finals.values()), sum(cached))
+
+
+async def _collect(engine: AsyncEngine, run: _Run, builder: ResponseBuilder) -> dict:
+    finals: dict[int, RequestOutput] = {}
+    async for outs in engine.outputs(run.group):
+        for out in outs:
+            finals[run.choice(out)[1]] = out
+    choices = []
+    for index in sorted(finals):
+        out = finals[index]
+        prompt, _ = run.choice(out)
+        prefix = run.echo[prompt] if run.echo else ""
+        choices.append((index, prefix + out.text, out))
+    return builder.full(choices, run.usage(finals))
+
+
+async def _stream(engine: AsyncEngine, run: _Run, builder: ResponseBuilder, include_usage: bool) -> AsyncIterator[str]:
+    """SSE chunks: (chat) a role chunk per choice, then one chunk per choice per step that adds text or ends it,
+    the usage chunk when asked, ``[DONE]``. An engine error mid-stream is sent as an error event."""
+    finals: dict[int, RequestOutput] = {}
+    num_choices = len(run.prompt_lens) * run.n
+    if builder.kind == "chat":
+        for index in range(num_choices):
+            yield builder.chunk(index, "", None, None, role=True)
+    for prompt, text in enumerate(run.echo):
+        for index in range(prompt * run.n, (prompt + 1) * run.n):
+            builder.start_offset(index, len(text))
+            yield builder.chunk(index, text, None, None)
+    try:
+        async for outs in engine.outputs(run.group):
+            for out in outs:
+                _, index = run.choice(out)
+                finals[index] = out
+                new_lp = out.logprobs[len(out.logprobs) - len(out.new_token_ids):] if builder.want_logprobs else None
+                if out.new_text or out.finished or new_lp:
+                    yield builder.chunk(index, out.new_text, new_lp, out.finish_reason if out.finished else None)
+    except EngineUnavailable as exc:
+        yield sse(APIError(503, str(exc), type="server_error").body())
+        yield SSE_DONE
+        return
+    if include_usage:
+        yield builder.usage_chunk(run.usage(finals))
+    yield SSE_DONE
+
+
+def _sse(request: Request, chunks: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _until_done_or_disconnect(request: Request, work: Any) -> dict:
+    """Await ``work`` unless the client disconnects first; then cancel it (which aborts the request)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            try:
+                return task.result()
+            except EngineUnavailable as exc:
+                raise APIError(503, str(exc), type="server_error") from None
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise APIError(499, "the client closed the connection")
+    finally:
+        watcher.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,247 @@
+"""The engine loop on its own thread, and the asyncio face the HTTP handlers use.
+
+The HTTP event loop never runs the model: ``LLMEngine.step()`` runs on one engine thread (onnxruntime and numpy
+release the GIL while they compute, so the event loop keeps answering). Handlers talk to that thread through a
+command queue (add, abort) and get each request's outputs back on an ``asyncio.Queue``, fed once per step with
+``loop.call_soon_threadsafe``.
+
+Invariants:
+- Only the engine thread touches the ``LLMEngine`` after :meth:`AsyncEngine.start` (``check_request`` aside,
+  which reads limits fixed at load); only the event loop touches the streams and the in-flight count.
+- ``num_in_flight`` counts sequences submitted and not yet finished or aborted; a submission that would take it
+  past ``max_num_seqs + max_waiting_requests`` is refused with :class:`Overloaded` (429), never queued without
+  bound.
+- A stream whose consumer stops early (client gone) aborts its request; the engine thread frees its blocks
+  before its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Sequence
+
+from omforge.errors import OmforgeError
+from omforge.runtime.engine import LLMEngine, RequestOutput
+from omforge.runtime.sampling_params import SamplingParams
+
+log = logging.getLogger("omforge.serve")
+
+
+class Overloaded(OmforgeError):
+    """The queue is full: the request was not accepted (answer 429 with Retry-After)."""
+
+
+class EngineUnavailable(OmforgeError):
+    """The engine is shutting down or has failed (answer 503)."""
+
+
+@dataclass
+class RequestGroup:
+    """One HTTP request: one engine request per prompt (``n`` sequences each), all feeding one queue.
+
+    ``prompt_of`` maps each sequence id to the index of its prompt; ``unfinished`` holds the sequence ids that
+    have not finished yet (the group is done when it is empty)."""
+
+    prompt_of: dict[str, int]
+    unfinished: set[str]
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+class AsyncEngine:
+    """``group = engine.submit(...)``; ``async for outputs in engine.outputs(group): …`` — one list of
+    :class:`RequestOutput` per step.
+
+    ``max_queue_delay_s``: when the engine is idle and a request arrives, wait this long for more before the
+    first step, so requests sent together are prefilled together (the recipe's ``max_queue_delay_us``).
+    """
+
+    def __init__(self, engine: LLMEngine, *, max_waiting_requests: int, max_queue_delay_s: float = 0.002,
+                 metrics: "object | None" = None):
+        self.engine = engine
+        self.capacity = engine.scheduler.max_num_seqs + max_waiting_requests
+        self.max_queue_delay_s = max_queue_delay_s
+        self.metrics = metrics  # omforge.serve.metrics.ServerMetrics, updated from the engine thread
+        self.num_in_flight = 0
+        self.failure: BaseException | None = None
+        self.draining = False
+        self._groups: dict[str, RequestGroup] = {}  # unfinished sequence id → its group (event loop only)
+        self._cmds: deque[tuple] = deque()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume the outputs."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="omforge-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread (after the HTTP server drained); anything still running is dropped."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def healthy(self) -> bool:
+        return self.failure is None and self._thread is not None and self._thread.is_alive()
+
+    # --- requests (event loop) ----------------------------------------------------------------------------
+
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> SamplingParams:
+        """The engine's admission check (raises RequestRejected / SamplingParamsError); see LLMEngine."""
+        return self.engine.check_request(prompt_token_ids, params)
+
+    def submit(self, prompts: list[tuple[list[int], SamplingParams]], request_id: str,
+               arrival_time: float | None = None) -> RequestGroup:
+        """Queue one request per (prompt token ids, checked params) as a group, all or none. Raises
+        :class:`Overloaded` when the group would exceed the capacity, :class:`EngineUnavailable` when draining or
+        failed. Consume the group with :meth:`outputs` (which aborts what is left if the consumer stops)."""
+        if self.failure is not None or not self.healthy:
+            raise EngineUnavailable(f"the engine is not running: {self.failure or 'stopped'}")
+        if self.draining:
+            raise EngineUnavailable("the server is shutting down")
+        num_seqs = sum(p.n for _, p in prompts)
+        if self.num_in_flight + num_seqs > self.capacity:
+            if self.metrics is not None:
+                self.metrics.rejected("queue_full")
+            raise Overloaded(f"the server is at capacity ({self.num_in_flight} sequences running or waiting, "
+                             f"limit {self.capacity}); retry later")
+        group = RequestGroup({}, set())
+        arrival = arrival_time or time.monotonic()
+        for i, (ids, params) in enumerate(prompts):
+            rid = f"{request_id}-p{i}" if len(prompts) > 1 else request_id
+            for sid in _seq_ids(rid, params.n):
+                group.prompt_of[sid] = i
+                group.unfinished.add(sid)
+                self._groups[sid] = group
+            self._send(("add", ids, params, rid, arrival))
+        self.num_in_flight += num_seqs
+        return group
+
+    async def outputs(self, group: RequestGroup) -> AsyncIterator[list[RequestOutput]]:
+        """Yield the group's outputs, one list per engine step, until every sequence finished. Leaving early
+        (an exception, a cancelled task: the client disconnected) aborts the unfinished sequences at once."""
+        try:
+            while group.unfinished:
+                item = await group.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if group.unfinished:
+                self._send(("abort", list(group.unfinished)))
+                self._retire(list(group.unfinished))
+
+    def _retire(self, seq_ids: list[str]) -> None:
+        for sid in seq_ids:
+            group = self._groups.pop(sid, None)
+            if group is not None:
+                self.num_in_flight -= 1
+                group.unfinished.discard(sid)
+
+    def _send(self, cmd: tuple) -> None:
+        with self._cv:
+            self._cmds.append(cmd)
+            self._cv.notify()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """On the event loop: route one step's outputs to their groups (one list per group per step)."""
+        per_group: dict[int, tuple[RequestGroup, list[RequestOutput]]] = {}
+        for out in outputs:
+            group = self._groups.get(out.request_id)
+            if group is not None:  # None: aborted meanwhile
+                per_group.setdefault(id(group), (group, []))[1].append(out)
+        for group, outs in per_group.values():
+            self._retire([o.request_id for o in outs if o.finished])
+            group.queue.put_nowait(outs)
+
+    def _fail(self, seq_ids: list[str], error: BaseException) -> None:
+        """On the event loop: end these sequences' groups with ``error`` (a refused add, a failed engine)."""
+        for sid in seq_ids:
+            group = self._groups.get(sid)
+            if group is not None:
+                self._retire(list(group.unfinished))
+                group.queue.put_nowait(error)
+
+    # --- the engine thread --------------------------------------------------------------------------------
+
+    def _take_commands(self, block: bool) -> list[tuple]:
+        with self._cv:
+            while block and not self._cmds and not self._stop:
+                self._cv.wait()
+            cmds = list(self._cmds)
+            self._cmds.clear()
+            return cmds
+
+    def _apply(self, cmds: list[tuple]) -> bool:
+        """Apply add/abort commands on the engine thread; True when a request was added."""
+        added = False
+        for cmd in cmds:
+            if cmd[0] == "abort":
+                aborted = sum(self.engine.abort(sid) for sid in cmd[1])
+                if self.metrics is not None and aborted:
+                    self.metrics.aborted(aborted)
+                continue
+            _, ids, params, request_id, arrival = cmd
+            try:
+                self.engine.add_request(ids, params, request_id, arrival_time=arrival)
+                added = True
+            except Exception as exc:  # noqa: BLE001 - the handler checked already; anything left goes to it
+                self._call_soon(self._fail, _seq_ids(request_id, params.n), exc)
+        return added
+
+    def _call_soon(self, fn, *args) -> None:  # noqa: ANN001
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop closed under us (shutdown)
+            pass
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                cmds = self._take_commands(block=not engine.has_unfinished())
+                if self._stop:
+                    return
+                was_idle = not engine.has_unfinished()
+                if self._apply(cmds) and was_idle and self.max_queue_delay_s > 0:
+                    time.sleep(self.max_queue_delay_s)  # batch-fill wait: let the requests sent together join
+                    self._apply(self._take_commands(block=False))
+                if engine.has_unfinished():
+                    outputs = engine.step()
+                    if outputs:
+                        self._call_soon(self._deliver, outputs)
+                    if self.metrics is not None:
+                        self.metrics.after_step(engine, outputs, len(self._cmds))
+                elif self.metrics is not None:
+                    self.metrics.after_step(engine, [], len(self._cmds))
+        except BaseException as exc:  # noqa: BLE001 - a failed step fails every request; /health turns 503
+            self.failure = exc
+            log.error("engine thread failed:\n%s", traceback.format_exc())
+            self._call_soon(self._fail_all, EngineUnavailable(f"the engine failed: {type(exc).__name__}: {exc}"))
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._fail(list(self._groups), error)
+
+
+def _seq_ids(request_id: str, n: int) -> list[str]:
+    """The engine's ids for the ``n`` sequences of a request (see LLMEngine.add_request)."""
+    return [f"{request_id}-{i}" for i in range(n)] if n > 1 else [request_id]

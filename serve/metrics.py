@@ -1,0 +1,111 @@
+"""Prometheus metrics at ``/metrics``, named as vLLM names them (``vllm:`` → ``omforge:``), so existing
+dashboards and alerts carry over by changing the prefix.
+
+All updates come from the engine thread after each step (prometheus_client's metrics are thread-safe); gauges
+describe the state after the latest step. Counters that mirror :class:`EngineStats` totals are advanced by the
+difference since the previous step, so they never go backwards.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+from omforge.runtime.engine import LLMEngine, RequestOutput
+
+PREFIX = "omforge:"
+# vLLM's buckets (seconds), so the quantiles read the same way.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+disable_created_metrics()  # no *_created series (process-wide; vLLM does the same)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        labels = ["model_name"]
+        self.model = model_name
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            c = Counter(PREFIX + name, doc, labels + list(extra), registry=r)
+            return c if extra else c.labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Sequences in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be admitted.")
+        self.swapped = gauge("num_requests_swapped", "Sequences preempted to the host swap tier.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks held by requests (1 = full).")
+        self.kv_used_blocks = gauge("kv_cache_used_blocks", "KV blocks held by requests (refcount > 0).")
+        self.kv_total_blocks = gauge("kv_cache_total_blocks", "KV blocks in the pool.")
+        self.hit_rate = gauge("prefix_cache_hit_rate", "Prefix-cache hits / queries (blocks), since start.")
+        self.prefix_queries = counter("prefix_cache_queries", "Blocks looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Blocks found in the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Sequences preempted (swap or recompute).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced a first token.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.success = counter("request_success", "Finished requests (sequences) by finish reason.",
+                               ("finished_reason",))
+        self.failures = counter("request_rejected", "Requests refused before running, by reason.", ("reason",))
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", E2E_BUCKETS)
+        self.req_prompt = histogram("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
+        self.req_generation = histogram("request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS)
+        self.step_seconds = histogram("step_duration_seconds", "One engine step (schedule + execute + sample).",
+                                      ITL_BUCKETS)
+        self._last = {"prompt": 0, "gen": 0, "pre": 0, "q": 0, "h": 0, "steps": 0}
+
+    def after_step(self, engine: LLMEngine, outputs: list[RequestOutput], pending_adds: int) -> None:
+        sched, st, kv = engine.scheduler, engine.stats, engine.kv.stats()
+        self.running.set(len(sched.running))
+        self.waiting.set(len(sched.waiting) + pending_adds)
+        self.swapped.set(len(sched.swapped))
+        self.kv_usage.set(kv.usage)
+        self.kv_used_blocks.set(kv.num_used)
+        self.kv_total_blocks.set(kv.num_blocks)
+        self.hit_rate.set(kv.hit_rate)
+        last = self._last
+        for key, value, metric in (("prompt", st.prompt_tokens, self.prompt_tokens),
+                                   ("gen", st.generation_tokens, self.generation_tokens),
+                                   ("pre", st.preemptions, self.preemptions),
+                                   ("q", kv.prefix_queries, self.prefix_queries),
+                                   ("h", kv.prefix_hits, self.prefix_hits)):
+            if value > last[key]:
+                metric.inc(value - last[key])
+            last[key] = value  # the KV manager is replaced by reset_prefix_cache: restart from its count
+        if st.steps > last["steps"] and st.step_times:
+            self.step_seconds.observe(st.step_times[-1])
+            last["steps"] = st.steps
+        for out in outputs:
+            if out.finished:
+                self._finished(out)
+
+    def _finished(self, out: RequestOutput) -> None:
+        self.success.labels(self.model, out.finish_reason or "stop").inc()
+        if out.ttft is not None:
+            self.ttft.observe(out.ttft)
+        for gap in out.inter_token_latencies:
+            self.itl.observe(gap)
+        if out.token_times:
+            self.e2e.observe(out.token_times[-1] - out.arrival_time)
+        self.req_prompt.observe(len(out.prompt_token_ids))
+        self.req_generation.observe(len(out.token_ids))
+
+    def aborted(self, num_seqs: int) -> None:
+        self.success.labels(self.model, "abort").inc(num_seqs)
+
+    def rejected(self, reason: str) -> None:
+        self.failures.labels(self.model, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,183 @@
+"""The OpenAI request schemas the server accepts, their mapping onto :class:`SamplingParams`, and the API error.
+
+Parameter names, defaults and ranges are OpenAI's (plus vLLM's extras: ``top_k``, ``min_p``, ``min_tokens``,
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``), so existing clients work
+unchanged. Unknown fields are a 400 naming the field, as OpenAI answers "Unrecognized request argument";
+fields OpenAI has and we do not implement (tools, non-text response formats, ``suffix``, ``best_of`` > n) are a
+400 saying so, never silently ignored. Ranges live in :meth:`SamplingParams.validate`, not here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from omforge.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Common(BaseModel):
+    """Fields both endpoints share. ``None`` means "the default" everywhere, as OpenAI clients send null."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The engine's parameters; raises :class:`APIError` 400 for a malformed ``logit_bias`` key."""
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        d = SamplingParams()
+        return SamplingParams(
+            n=_or(self.n, 1), max_tokens=max_tokens, min_tokens=_or(self.min_tokens, 0),
+            temperature=_or(self.temperature, 1.0), top_p=_or(self.top_p, 1.0), top_k=_or(self.top_k, 0),
+            min_p=_or(self.min_p, 0.0), seed=self.seed, presence_penalty=_or(self.presence_penalty, 0.0),
+            frequency_penalty=_or(self.frequency_penalty, 0.0),
+            repetition_penalty=_or(self.repetition_penalty, 1.0),
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=_or(self.ignore_eos, False),
+            logprobs=logprobs, skip_special_tokens=_or(self.skip_special_tokens, d.skip_special_tokens),
+            logit_bias=bias)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions``: ``prompt`` is a string, a list of strings, token ids or a list of token-id lists."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request, a string or token ids; raises :class:`APIError` for an empty one."""
+        p = self.prompt
+        items: list[str | list[int]] = [p] if isinstance(p, str) else (
+            [p] if p and isinstance(p[0], int) else list(p))  # type: ignore[list-item]
+        if not items or any(len(x) == 0 for x in items):
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        return items
+
+    def check_supported(self) -> None:
+        if self.suffix:
+            raise APIError(400, "suffix (insertion) is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != _or(self.n, 1):
+            raise APIError(400, "best_of other than n is not supported", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+                           param="logprobs")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, … pass through to the template
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Common):
+    """``POST /v1/chat/completions``; the prompt is the bundle's chat template rendered over ``messages``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens; both accepted
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    # vLLM's extras for the template
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        if self.tools and self.tool_choice != "none":
+            raise APIError(400, "tools (function calling) are not supported", param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError(400, f"response_format {self.response_format.get('type')!r} is not supported; only "
+                           "'text'", param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                           param="top_logprobs")
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as the template expects them: text parts joined, other part types rejected."""
+        out = []
+        for i, m in enumerate(self.messages):
+            msg = m.model_dump(exclude_none=True)
+            if isinstance(m.content, list):
+                texts = []
+                for part in m.content:
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise APIError(400, f"messages[{i}].content: only text parts are supported, got "
+                                       f"{part.get('type')!r}", param=f"messages[{i}].content")
+                    texts.append(part["text"])
+                msg["content"] = "\n".join(texts)
+            out.append(msg)
+        return out
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+

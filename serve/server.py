@@ -1,0 +1,99 @@
+"""``omforge serve BUNDLE``: load the bundle, start the engine thread, run uvicorn on one bound socket.
+
+Startup prints one line with the URL and what was loaded (tests and scripts read the URL from it, so
+``--port 0`` works). SIGTERM / Ctrl-C: the listening socket closes, ``/health`` turns 503, running requests
+finish within ``drain_timeout`` seconds (then they are cancelled, which aborts them), the engine thread stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import uvicorn
+
+from omforge.runtime.engine import LLMEngine
+from omforge.serve.api import ServerState, build_app
+from omforge.serve.async_engine import AsyncEngine
+from omforge.serve.metrics import ServerMetrics
+
+log = logging.getLogger("omforge.serve")
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_waiting_requests: int | None = None  # None: the bundle's serve.max_waiting_requests
+    max_queue_delay_us: int | None = None  # None: the bundle's serve.max_queue_delay_us
+    drain_timeout: float = 30.0
+    log_level: str = "warning"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server that marks the engine draining as soon as the signal arrives (``/health`` → 503) and
+    exits 0 after a SIGTERM drain."""
+
+    engine: AsyncEngine
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.engine.draining:
+            self.engine.draining = True
+            print(f"omforge serve: shutting down, draining {self.engine.num_in_flight} sequence(s) "
+                  f"(at most {self.config.timeout_graceful_shutdown:g}s)", file=sys.stderr, flush=True)
+        super().handle_exit(sig, frame)
+        captured = getattr(self, "_captured_signals", None)
+        if sig == signal.SIGTERM and captured and captured[-1] == sig:
+            captured.pop()  # a drained shutdown exits 0; uvicorn would re-raise SIGTERM and die by it
+
+
+def serve(bundle: str | Path, options: ServeOptions, **engine_options: Any) -> int:
+    t0 = time.perf_counter()
+    engine = LLMEngine(bundle, **engine_options)
+    serve_cfg = engine.manifest["serve"]
+    name = options.served_model_name or engine.manifest["model"]["name"]
+    metrics = ServerMetrics(name)
+    delay_us = options.max_queue_delay_us if options.max_queue_delay_us is not None else serve_cfg["max_queue_delay_us"]
+    waiting = options.max_waiting_requests if options.max_waiting_requests is not None else serve_cfg["max_waiting_requests"]
+    async_engine = AsyncEngine(engine, max_waiting_requests=waiting, max_queue_delay_s=delay_us / 1e6, metrics=metrics)
+    state = ServerState(async_engine, metrics, name, options.api_key, engine.max_model_len, int(time.time()))
+    app = build_app(state)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Any) -> AsyncIterator[None]:
+        async_engine.start()
+        yield
+        async_engine.draining = True
+        async_engine.stop()
+
+    app.router.lifespan_context = lifespan
+    sock = socket.socket(socket.AF_INET6 if ":" in options.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((options.host, options.port))
+    host, port = sock.getsockname()[:2]
+    kv = engine.kv.stats()
+    print(f"omforge serve: {name} ({engine.manifest['target']}, {engine.config['num_hidden_layers']} layers) from "
+          f"{bundle}, {kv.num_blocks} KV blocks of {engine.block_size} tokens, max_num_seqs "
+          f"{engine.scheduler.max_num_seqs}, context {engine.max_model_len}, loaded in "
+          f"{time.perf_counter() - t0:.1f}s", flush=True)
+    print(f"omforge serve: listening on http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
+          f"{' (API key required)' if options.api_key else ''}", flush=True)
+    config = uvicorn.Config(app, log_level=options.log_level, timeout_graceful_shutdown=options.drain_timeout,
+                            access_log=False, lifespan="on", timeout_keep_alive=30)
+    server = _Server(config)
+    server.engine = async_engine
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run(sockets=[sock])
+    print(f"omforge serve: stopped ({engine.stats.finished} sequences finished, "
+          f"{engine.stats.generation_tokens} tokens generated)", flush=True)
+    return 0
+
