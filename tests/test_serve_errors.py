@@ -1,0 +1,161 @@
+"""`omforge serve`: every refusal is OpenAI's error shape with the right status, seen through the official
+client (which raises the matching exception class) or raw HTTP where the client cannot send the mistake."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import openai
+import pytest
+
+from server_process import ServerProcess
+
+KEY = "sk-test-errors"
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_bundle: Path):  # noqa: ANN201
+    srv = ServerProcess(smollm2_bundle, "--num-kv-blocks", "64", "--max-model-len", "1024", api_key=KEY)
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess):  # noqa: ANN201
+    return server.client()
+
+
+def raw_post(url: str, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, Any, dict]:
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    conn.request("POST", path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    return resp.status, resp.headers, json.loads(data)  # headers: case-insensitive
+
+
+def assert_openai_error(body: dict) -> dict:
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    return body["error"]
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b"\xff\xfe"])
+def test_malformed_json_is_400(server: ServerProcess, body: bytes) -> None:
+    status, _, data = raw_post(server.url, "/v1/completions", body, {"Authorization": f"Bearer {KEY}"})
+    assert status == 400
+    assert "JSON" in assert_openai_error(data)["message"]
+
+
+def test_unknown_model_is_404(client) -> None:  # noqa: ANN001
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found" and "gpt-4o" in e.value.body["message"]
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(temperature=3.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(n=0), "n"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(presence_penalty=-2.5), "presence_penalty"),
+    (dict(frequency_penalty=9), "frequency_penalty"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(seed="abc"), "seed"),
+    (dict(extra_body={"top_k": -2}), "top_k"),
+    (dict(extra_body={"min_p": 1.5}), "min_p"),
+    (dict(extra_body={"min_tokens": 9, "max_tokens": 4}), "min_tokens"),
+    (dict(logit_bias={"1": 500}), "logit_bias"),
+    (dict(logit_bias={"99999999": 1}), "logit_bias"),
+    (dict(extra_body={"frobnicate": True}), "frobnicate"),
+    (dict(stop=[""]), "stop"),
+    (dict(suffix="tail"), "suffix"),
+])
+def test_invalid_parameter_is_400_naming_it(client, kwargs: dict, param: str) -> None:  # noqa: ANN001
+    kwargs = {"max_tokens": 4, **kwargs}
+    extra = kwargs.pop("extra_body", {})
+    if "max_tokens" in extra:
+        kwargs["max_tokens"] = extra.pop("max_tokens")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smollm2-135m", prompt="hi", extra_body=extra or None, **kwargs)
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == param, e.value.body
+    assert param.split("[")[0] in e.value.body["message"]
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(messages=[]), "messages"),
+    (dict(messages=[{"content": "no role"}]), "messages.0.role"),
+    (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     "messages[0].content"),
+    (dict(messages=[{"role": "user", "content": "hi"}], top_logprobs=3), "top_logprobs"),
+    (dict(messages=[{"role": "user", "content": "hi"}], response_format={"type": "json_object"}), "response_format"),
+    (dict(messages=[{"role": "user", "content": "hi"}],
+          tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+])
+def test_invalid_chat_request_is_400_naming_it(client, kwargs: dict, param: str) -> None:  # noqa: ANN001
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2-135m", max_tokens=4, **kwargs)
+    assert e.value.body["param"] == param, e.value.body
+
+
+def test_prompt_plus_max_tokens_beyond_the_context_is_400(client) -> None:  # noqa: ANN001
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smollm2-135m", prompt="hi", max_tokens=1024)
+    assert e.value.body["code"] == "context_length_exceeded" and "1024" in e.value.body["message"]
+    long_prompt = " hello" * 1100
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": long_prompt}])
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "messages"
+
+
+def test_missing_or_wrong_key_is_401(server: ServerProcess) -> None:
+    with pytest.raises(openai.AuthenticationError) as e:
+        server.client(api_key="wrong-key").models.list()
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    for headers in ({}, {"Authorization": "Basic " + KEY}, {"Authorization": "Bearer"}):
+        status, _, body = raw_post(server.url, "/v1/chat/completions", b'{"messages": []}', headers)
+        assert status == 401 and assert_openai_error(body)["code"] == "invalid_api_key"
+    assert server.get("/health")[0] == 200  # health and metrics stay open for probes
+
+
+def test_unknown_route_is_404_in_openai_shape(server: ServerProcess) -> None:
+    status, _, body = raw_post(server.url, "/v1/embeddings", b"{}", {"Authorization": f"Bearer {KEY}"})
+    assert status == 404
+    assert_openai_error(body)
+
+
+def test_full_queue_is_429_with_retry_after(smollm2_bundle: Path) -> None:
+    """One running + one waiting fill this server; the third request is refused at once, nothing is lost."""
+    srv = ServerProcess(smollm2_bundle, "--num-kv-blocks", "32", "--max-num-seqs", "1", "--max-waiting-requests", "1")
+    try:
+        client = srv.client()
+        results: dict[str, object] = {}
+
+        def long_request(name: str) -> None:
+            r = client.completions.create(model="smollm2-135m", prompt="Once upon a time", max_tokens=48,
+                                          temperature=0.0, extra_body={"ignore_eos": True})
+            results[name] = r.usage.completion_tokens
+
+        threads = [threading.Thread(target=long_request, args=(name,)) for name in ("a", "b")]
+        threads[0].start()
+        srv.wait_for_metric("omforge:num_requests_running", lambda v: v == 1)
+        threads[1].start()
+        srv.wait_for_metric("omforge:num_requests_waiting", lambda v: v == 1)
+        status, headers, body = raw_post(srv.url, "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}')
+        assert status == 429
+        assert int(headers["Retry-After"]) >= 1
+        assert assert_openai_error(body)["code"] == "queue_full"
+        for t in threads:
+            t.join(120)
+        assert results == {"a": 48, "b": 48}  # the two admitted requests are unharmed
+        assert srv.metrics()["omforge:request_rejected_total{reason=queue_full}"] == 1
+        assert srv.stop() == 0
+    finally:
+        srv.kill()

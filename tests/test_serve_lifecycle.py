@@ -1,0 +1,142 @@
+"""`omforge serve` under load and at the edges of a request's life: 32 concurrent streams, clients that go away
+(their blocks freed at once), metrics that move, and a SIGTERM that drains running requests."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from server_process import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_bundle: Path):  # noqa: ANN201
+    srv = ServerProcess(smollm2_bundle, "--num-kv-blocks", "256")
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def test_32_concurrent_streams_all_complete_with_correct_usage(server: ServerProcess) -> None:
+    before = server.metrics()
+
+    async def one(client, i: int) -> tuple[str, int, int, int]:  # noqa: ANN001
+        stream = await client.completions.create(
+            model="smollm2-135m", prompt=f"Request {i}: the number {i} in words is", max_tokens=16 + i % 5,
+            temperature=0.0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        text, usage, pieces = "", None, 0
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                pieces += bool(chunk.choices[0].text)
+            if chunk.usage:
+                usage = chunk.usage
+        return text, usage.completion_tokens, usage.prompt_tokens, pieces
+
+    async def main() -> list:
+        client = server.async_client()
+        async with client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(32))), 600)
+
+    results = asyncio.run(main())
+    for i, (text, completion_tokens, prompt_tokens, pieces) in enumerate(results):
+        assert completion_tokens == 16 + i % 5, i
+        assert text and pieces >= completion_tokens // 2, (i, text)
+        assert prompt_tokens > 8
+    after = server.metrics()
+    assert after["omforge:generation_tokens_total"] - before["omforge:generation_tokens_total"] == sum(
+        16 + i % 5 for i in range(32))
+    assert after["omforge:request_success_total{finished_reason=length}"] - before.get(
+        "omforge:request_success_total{finished_reason=length}", 0) == 32
+    # they ran batched: far fewer steps than 32 requests one after another would take
+    steps = after["omforge:step_duration_seconds_count"] - before["omforge:step_duration_seconds_count"]
+    assert steps < 32 * 16 / 4, steps
+
+
+def test_metrics_move_with_a_request(server: ServerProcess) -> None:
+    before = server.metrics()
+    server.client().completions.create(model="smollm2-135m", prompt="Hello", max_tokens=5, temperature=0.0,
+                                       extra_body={"ignore_eos": True})
+    after = server.metrics()
+    for name in ("omforge:time_to_first_token_seconds_count", "omforge:e2e_request_latency_seconds_count",
+                 "omforge:request_prompt_tokens_count"):
+        assert after[name] == before.get(name, 0) + 1, name
+    assert after["omforge:inter_token_latency_seconds_count"] == before.get(
+        "omforge:inter_token_latency_seconds_count", 0) + 4
+    assert after["omforge:generation_tokens_total"] == before["omforge:generation_tokens_total"] + 5
+    assert after["omforge:prompt_tokens_total"] > before["omforge:prompt_tokens_total"]
+    for name in ("omforge:num_requests_running", "omforge:num_requests_waiting", "omforge:kv_cache_usage_perc",
+                 "omforge:prefix_cache_hit_rate", "omforge:num_preemptions_total", "omforge:prefix_cache_hits_total"):
+        assert name in after, name
+    assert after["omforge:kv_cache_total_blocks"] == 256
+
+
+def test_stream_disconnect_aborts_and_frees_blocks(server: ServerProcess) -> None:
+    aborted = server.metrics().get("omforge:request_success_total{finished_reason=abort}", 0)
+    client = server.client()
+    stream = client.completions.create(model="smollm2-135m", prompt="Write a very long story:", max_tokens=1500,
+                                       temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    assert server.metrics()["omforge:kv_cache_used_blocks"] >= 1  # it is running and holds its blocks
+    stream.close()  # the client goes away mid-stream
+    server.wait_for_metric("omforge:kv_cache_used_blocks", lambda v: v == 0, timeout=10)
+    assert server.metrics()["omforge:num_requests_running"] == 0
+    server.wait_for_metric("omforge:request_success_total{finished_reason=abort}", lambda v: v == aborted + 1)
+
+
+def test_non_stream_disconnect_aborts_and_frees_blocks(server: ServerProcess) -> None:
+    aborted = server.metrics().get("omforge:request_success_total{finished_reason=abort}", 0)
+    host, port = server.url.removeprefix("http://").split(":")
+    body = b'{"prompt": "Tell me everything:", "max_tokens": 1500, "ignore_eos": true, "temperature": 0}'
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    server.wait_for_metric("omforge:kv_cache_used_blocks", lambda v: v >= 1)
+    sock.close()
+    server.wait_for_metric("omforge:kv_cache_used_blocks", lambda v: v == 0, timeout=10)
+    server.wait_for_metric("omforge:request_success_total{finished_reason=abort}", lambda v: v == aborted + 1)
+    # and the server still serves
+    r = server.client().completions.create(model="smollm2-135m", prompt="Hi", max_tokens=3)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_sigterm_drains_running_requests(smollm2_bundle: Path) -> None:
+    srv = ServerProcess(smollm2_bundle, "--num-kv-blocks", "32", "--drain-timeout", "120")
+    try:
+        stream = srv.client().completions.create(model="smollm2-135m", prompt="Once upon a time", max_tokens=40,
+                                                 temperature=0.0, stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        first = next(chunks)
+        srv.proc.send_signal(signal.SIGTERM)
+        rest = list(chunks)  # the running request finishes although the server is shutting down
+        assert rest[-1].usage.completion_tokens == 40
+        assert [c.choices[0].finish_reason for c in [first, *rest] if c.choices][-1] == "length"
+        assert srv.proc.wait(60) == 0
+        log = srv.log()
+        assert "shutting down, draining 1 sequence(s)" in log and "stopped" in log
+    finally:
+        srv.kill()
+
+
+def test_drain_timeout_bounds_the_shutdown(smollm2_bundle: Path) -> None:
+    srv = ServerProcess(smollm2_bundle, "--num-kv-blocks", "64", "--drain-timeout", "2")
+    try:
+        stream = srv.client().completions.create(model="smollm2-135m", prompt="Go on forever:", max_tokens=1900,
+                                                 temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(60) == 0
+        assert time.monotonic() - t0 < 20  # 2 s of drain, then the unfinished request is cancelled
+        with pytest.raises(Exception):  # noqa: B017, PT011 - the stream was cut: a transport error
+            for _ in stream:
+                pass
+    finally:
+        srv.kill()
