@@ -135,7 +135,15 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        arrival = time.monotonic()
+        with state.engine.arriving():
+            return await _completions(request, time.monotonic())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        with state.engine.arriving():
+            return await _chat_completions(request, time.monotonic())
+
+    async def _completions(request: Request, arrival: float) -> Response:
         body: CompletionRequest = await parse(request, CompletionRequest)
         prompts = body.prompts()
         texts = [p if isinstance(p, str) else None for p in prompts]
@@ -156,9 +164,7 @@ def build_app(state: ServerState) -> FastAPI:
             return _sse(request, _stream(state.engine, run, builder, body.include_usage))
         return JSONResponse(await _until_done_or_disconnect(request, _collect(state.engine, run, builder)))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        arrival = time.monotonic()
+    async def _chat_completions(request: Request, arrival: float) -> Response:
         body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer and no chat template", param="messages")
