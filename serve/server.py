@@ -79,6 +79,7 @@ def serve(bundle: str | Path, options: ServeOptions, **engine_options: Any) -> i
     sock = socket.socket(socket.AF_INET6 if ":" in options.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((options.host, options.port))
+    sock.listen(2048)  # before the URL is printed: a client that connects at once waits in the backlog
     host, port = sock.getsockname()[:2]
     kv = engine.kv.stats()
     print(f"omforge serve: {name} ({engine.manifest['target']}, {engine.config['num_hidden_layers']} layers) from "
