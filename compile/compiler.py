@@ -156,6 +156,7 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
         "buckets": plan.to_dict(),
         "passes": {k: report[k] for k in ("fusion_counts", "num_nodes", "op_histogram")},
         "graphs": {"unfused": "export/model.onnx", "step": f"{target}/{report['graph']}"},
+        **({"ascend": ascend_section(recipe, plan, built=atc_missing is None)} if target == "ascend" else {}),
         "toolchain": tool_versions(),
         "timings": progress.timings,
         "files": file_entries(out, files),
@@ -165,6 +166,16 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
     if atc_missing is not None:
         raise atc_missing
     return result
+
+
+def ascend_section(recipe: Recipe, plan: bucket_planner.BucketPlan, built: bool) -> dict[str, Any]:
+    """What the ACL executor needs beyond the ABI: the OM file of each profile, the pool size compiled into them
+    (``num_slots``, a static dim of every cache input) and whether ATC ran."""
+    from omforge.compile import ascend
+
+    return {"models": {p.name: f"ascend/om/{p.name}.om" for p in plan.profiles},
+            "num_slots": ascend.num_slots(recipe, plan.block_size), "soc_version": recipe.compile.soc_version,
+            "precision_mode": recipe.compile.precision_mode, "atc": "done" if built else "left"}
 
 
 def _run_passes(export_dir: Path, stage: Stage, recipe: Recipe, target: str, block_size: int) -> None:

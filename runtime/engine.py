@@ -25,7 +25,7 @@ from omforge.runtime.request import Request, Status
 from omforge.runtime.sampler import Sampler
 from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
 from omforge.runtime.scheduler import ScheduledRequest, Scheduler
-from omforge.runtime.step import SeqWork, build_step
+from omforge.runtime.step import SeqWork
 from omforge.runtime.tokenizer import TextTokenizer
 
 DEFAULT_KV_CACHE_BYTES = 2 << 30  # the pool size when the recipe gives no serve.num_kv_blocks
@@ -82,11 +82,11 @@ class LLMEngine:
     def __init__(self, bundle: str | Path, *, num_kv_blocks: int | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool | None = None,
                  preemption_mode: str | None = None, swap_space_gb: float | None = None,
-                 max_model_len: int | None = None, threads: int | None = None):
+                 max_model_len: int | None = None, threads: int | None = None, acl_module: object = None):
         bundle = Path(bundle)
         self.manifest = m = load_manifest(bundle)
-        if m["target"] != "ort":
-            raise BundleError(f"{bundle}: a '{m['target']}' bundle needs its own executor; this engine runs 'ort' bundles")
+        if m["target"] not in ("ort", "ascend"):
+            raise BundleError(f"{bundle}: unknown target '{m['target']}' (this engine runs 'ort' and 'ascend' bundles)")
         serve = m["serve"]
         self.config = m["model"]["config"]
         self.layout = PagedLayout(**{k: m["kv"][k] for k in ("num_layers", "kv_heads", "head_dim", "block_size")})
@@ -100,8 +100,20 @@ class LLMEngine:
         swap_gb = serve["swap_space_gb"] if swap_space_gb is None else swap_space_gb
         mode = preemption_mode or serve["preemption_mode"]
         host_blocks = int(swap_gb * (1 << 30) // bytes_per_block) if mode == "swap" else 0
-        self.executor = OrtExecutor(bundle / m["graphs"]["step"], self.layout, num_blocks=blocks, threads=threads,
-                                    num_host_blocks=host_blocks)
+        self.max_prompt_len: int | None = None  # ascend: the fixed gears bound the prompt (acl_plan.max_prompt_len)
+        if m["target"] == "ascend":
+            from omforge.runtime.acl_executor import AclExecutor
+
+            self.executor = AclExecutor(bundle, m, acl=acl_module, num_host_blocks=host_blocks)
+            if num_kv_blocks and num_kv_blocks != self.executor.num_blocks:
+                self.executor.close()
+                raise BundleError(f"num_kv_blocks is compiled into the OM models ({self.executor.num_blocks} "
+                                  f"blocks); recompile with serve.num_kv_blocks: {num_kv_blocks} to change it")
+            blocks = self.executor.num_blocks
+            self.max_prompt_len = self.executor.max_prompt_len
+        else:
+            self.executor = OrtExecutor(bundle / m["graphs"]["step"], self.layout, num_blocks=blocks,
+                                        threads=threads, num_host_blocks=host_blocks)
         caching = serve["enable_prefix_caching"] if enable_prefix_caching is None else enable_prefix_caching
         self.kv = KVCacheManager(blocks, self.block_size, enable_prefix_caching=caching, num_host_blocks=host_blocks)
         self.scheduler = Scheduler(self.kv, max_num_seqs or serve["max_num_seqs"],
@@ -129,6 +141,9 @@ class LLMEngine:
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
         if any(t >= vocab for t in params.logit_bias):
             raise SamplingParamsError(f"logit_bias keys must be token ids below the vocabulary size {vocab}")
+        if self.max_prompt_len is not None and len(ids) > self.max_prompt_len:
+            raise RequestRejected(f"the prompt ({len(ids)} tokens) is longer than this ascend bundle's gears admit "
+                                  f"({self.max_prompt_len} tokens: a padded prefill chunk must end inside the context)")
         room = self.max_model_len - len(ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         if max_tokens > room or room < 1:
@@ -204,7 +219,7 @@ class LLMEngine:
         self.executor.copy_blocks(plan.block_copies)
         work = [SeqWork(s.request.all_token_ids[s.start:s.start + s.num_new_tokens], s.start,
                         self.kv.block_table(s.request.request_id), needs_logits=s.samples) for s in plan.scheduled]
-        logits = self.executor.run(build_step(work, self.block_size))
+        logits = self.executor.execute(work)
         now = time.monotonic()
         sampling = [s for s in plan.scheduled if s.samples]
         for s in plan.scheduled:

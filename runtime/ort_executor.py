@@ -15,6 +15,7 @@ import numpy as np
 import onnxruntime as ort
 
 from omforge.passes.paged_kv import PagedLayout
+from omforge.runtime.step import SeqWork, build_step
 
 
 class OrtExecutor:
@@ -75,6 +76,13 @@ class OrtExecutor:
         for srcs, dsts in zip(src_pools, dst_pools):
             for s_pool, d_pool in zip(srcs, dsts):
                 d_pool[dst] = s_pool[src]
+
+    def execute(self, work: list[SeqWork]) -> np.ndarray:
+        """Run one scheduler step; returns logits ``[items needing logits, vocab]`` (the executor interface)."""
+        return self.run(build_step(work, self.layout.block_size))
+
+    def close(self) -> None:
+        """Nothing to release by hand (the session and pools are freed with the object); the executor interface."""
 
     def run(self, step: dict[str, np.ndarray]) -> np.ndarray:
         """Execute one step; returns logits ``[num_logits, vocab]`` (the pools are updated in place)."""

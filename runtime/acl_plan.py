@@ -1,0 +1,282 @@
+"""The ACL executor's logic, as plain Python: which compiled model and gear each part of a step runs on, the padded
+inputs of each execution, the dims list that selects the gear, the device-copy plan for the new K/V rows, and the
+check of a loaded model's description against the bundle. No ``acl`` here (that is :mod:`omforge.runtime.acl_api`),
+so all of it is unit-tested on any machine.
+
+An ascend bundle has two gear models (:mod:`omforge.compile.buckets`): ``prefill`` (one sequence's chunk,
+``num_tokens × max_blocks`` gears) and ``decode`` (one token per sequence, ``num_seqs × max_blocks`` gears). The
+scheduler's steps mix prefill chunks of several sequences and decodes, so :func:`plan_runs` splits a step into
+executions, in order:
+
+- every single-token item (decodes, and a chunk of one token) goes to ``decode`` runs of at most the largest
+  ``num_seqs`` gear, padded with dummy sequences (token 0 at position 0 over block 0; their rows are never copied);
+- every longer chunk goes to ``prefill`` runs, one sequence each, split into pieces whose *padded* end stays inside
+  the context: the step graph scatters every token's new K/V row into the gathered context at its position, so the
+  padding tokens (positions after the chunk) need room there too — ``start + gear ≤ min(max_blocks gear ×
+  block_size, max_seq_len)``. Hence the longest prompt an ascend bundle admits: :func:`max_prompt_len`.
+
+Invariants: each real token is computed exactly once, pieces of one sequence run in order (each piece's rows are in
+the pool before the next runs), every run's dims equal one compiled gear, and the logits come back in the order of
+the step's items that need them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from omforge.compile.buckets import STEP_DIMS, BucketError, BucketPlan, Choice, Profile, pick
+from omforge.errors import OmforgeError
+from omforge.runtime.step import SeqWork
+
+DYNAMIC_INPUT = "ascend_mbatch_shape_data"
+"""The input ATC adds to a gear model (ACL_DYNAMIC_TENSOR_NAME, reference/ascend.md §3.4): allocated, never written."""
+
+ACL_DTYPES: dict[int, np.dtype] = {0: np.dtype(np.float32), 1: np.dtype(np.float16), 2: np.dtype(np.int8),
+                                   3: np.dtype(np.int32), 4: np.dtype(np.uint8), 9: np.dtype(np.int64),
+                                   12: np.dtype(np.bool_)}
+"""aclDataType codes (reference §3.1) we can hold in numpy (27 bfloat16 has no numpy dtype)."""
+
+STEP_GRAPH_INPUTS = ("input_ids", "position_ids", "block_tables", "query_index", "token_index", "logits_indices")
+"""The ascend step graph's step inputs (the ABI less ``slot_mapping``: the runtime places the new rows itself)."""
+
+
+class AclModelMismatch(OmforgeError):
+    """A loaded OM's description disagrees with the bundle's manifest (wrong file, stale build)."""
+
+
+# --- the model description ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorDesc:
+    name: str
+    size: int  # bytes of the largest gear (acl.mdl.get_input_size_by_index)
+    dims: tuple[int, ...]  # -1 where a gear sets the value
+    dtype: int  # aclDataType
+
+
+@dataclass(frozen=True)
+class ModelDesc:
+    """What ``acl.mdl.get_desc`` tells about one loaded model (built by :func:`acl_api.AclRuntime.describe`)."""
+
+    inputs: tuple[TensorDesc, ...]
+    outputs: tuple[TensorDesc, ...]
+    gears: tuple[tuple[int, ...], ...]  # per gear, the dims list set_input_dynamic_dims takes
+    dynamic_index: int | None  # index of DYNAMIC_INPUT
+
+    def input(self, name: str) -> TensorDesc:
+        return next(t for t in self.inputs if t.name == name)
+
+
+def resolved_dims(profile: Profile, gear: Sequence[int], dims: Sequence[int | str], num_slots: int) -> list[int]:
+    """One input's dims on ``gear``: a step dim becomes its gear or constant value, ``num_slots`` the pool size."""
+    padded = dict(zip(STEP_DIMS, profile.padded(gear)))
+    return [d if isinstance(d, int) else num_slots if d == "num_slots" else padded[d] for d in dims]
+
+
+def gear_dims(profile: Profile, gear: Sequence[int], inputs: Sequence[tuple[str, Sequence[int | str]]],
+              num_slots: int) -> list[int]:
+    """The ``dims`` of ``acl.mdl.set_input_dynamic_dims`` for ``gear``: every dim of every data input in graph order,
+    static ones included (reference §3.4), the gear's values where ATC compiled ``-1``.
+    [unverified: whether the list is all inputs' dims, as the reference reads the docs, or only the -1 dims]"""
+    return [v for name, dims in inputs for v in resolved_dims(profile, gear, dims, num_slots)]
+
+
+def check_desc(model: str, desc: ModelDesc, profile: Profile, inputs: Sequence[tuple[str, Sequence[int | str]]],
+               outputs: Sequence[tuple[str, Sequence[int | str]]], num_slots: int) -> None:
+    """Raise :class:`AclModelMismatch` naming the first difference between an OM and the manifest: input and output
+    names in order, the gear count and every gear's dims, the pool inputs' sizes."""
+    where = f"OM model '{model}'"
+    names = [t.name for t in desc.inputs if t.name != DYNAMIC_INPUT]
+    if names != [n for n, _ in inputs]:
+        raise AclModelMismatch(f"{where}: inputs {names} differ from the manifest's {[n for n, _ in inputs]}")
+    if desc.dynamic_index is None:
+        raise AclModelMismatch(f"{where}: no {DYNAMIC_INPUT} input: it was not compiled with gears (--dynamic_dims)")
+    out_names = [t.name for t in desc.outputs]
+    if out_names != [n for n, _ in outputs]:
+        raise AclModelMismatch(f"{where}: outputs {out_names} differ from the manifest's {[n for n, _ in outputs]}")
+    want = [tuple(gear_dims(profile, g, inputs, num_slots)) for g in profile.gears or ()]
+    if len(desc.gears) != len(want):
+        raise AclModelMismatch(f"{where}: {len(desc.gears)} gears compiled, the manifest has {len(want)}")
+    missing = [g for g in want if g not in set(desc.gears)]
+    if missing:
+        raise AclModelMismatch(f"{where}: the manifest's gear dims {list(missing[0])} are not among the compiled gears")
+    for name, dims in inputs:
+        if "num_slots" in dims:
+            t = desc.input(name)
+            dtype = ACL_DTYPES.get(t.dtype)
+            expect = int(np.prod(resolved_dims(profile, profile.gears[0], dims, num_slots))) * (
+                dtype.itemsize if dtype is not None else 0)
+            if t.size != expect:
+                raise AclModelMismatch(f"{where}: input '{name}' holds {t.size} bytes, the manifest's pool of "
+                                       f"{num_slots} slots needs {expect}")
+
+
+# --- splitting a step into executions -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Tokens ``start .. start + count - 1`` of item ``item`` (index into the step's work list)."""
+
+    item: int
+    start: int
+    count: int
+    logits: bool  # this piece ends the item and the item needs logits
+
+
+@dataclass(frozen=True)
+class Run:
+    """One execution of one compiled model on one gear."""
+
+    choice: Choice
+    pieces: tuple[Piece, ...]
+
+
+def max_prompt_len(plan: BucketPlan) -> int:
+    """The longest prompt whose prefill always fits: a last piece of one token at position ``p`` pads to the
+    smallest chunk gear ``g0``, so ``p + g0 ≤ max_seq_len``."""
+    g0 = min(g[0] for g in plan.profile("prefill").gears or ())
+    return plan.max_seq_len - g0 + 1
+
+
+def plan_runs(work: Sequence[SeqWork], plan: BucketPlan) -> list[Run]:
+    """Split a step into gear executions (see the module docstring). Raises :class:`BucketError` for an item no
+    gear can take (the engine's admission keeps prompts within :func:`max_prompt_len`)."""
+    bs = plan.block_size
+    decode = plan.profile("decode")
+    max_batch = decode.largest("num_seqs")
+    singles = [i for i, w in enumerate(work) if len(w.token_ids) == 1]
+    runs: list[Run] = []
+    for at in range(0, len(singles), max_batch):
+        group = singles[at:at + max_batch]
+        blocks = max(-(-(work[i].start + 1) // bs) for i in group)
+        choice = pick(_only(plan, "decode"), num_tokens=len(group), num_seqs=len(group), max_query_len=1,
+                      num_logits=len(group), max_blocks=blocks)
+        runs.append(Run(choice, tuple(Piece(i, work[i].start, 1, work[i].needs_logits) for i in group)))
+    prefill = _only(plan, "prefill")
+    chunk_gears = sorted({g[0] for g in plan.profile("prefill").gears or ()})
+    for i, w in enumerate(work):
+        start, left = w.start, len(w.token_ids)
+        if left == 1:
+            continue
+        while left > 0:
+            count, choice = _prefill_piece(prefill, chunk_gears, start, left, bs)
+            left -= count
+            runs.append(Run(choice, (Piece(i, start, count, w.needs_logits and left == 0),)))
+            start += count
+    return runs
+
+
+def _prefill_piece(plan: BucketPlan, chunk_gears: list[int], start: int, left: int, bs: int) -> tuple[int, Choice]:
+    """The longest piece (≤ ``left`` tokens from ``start``) that fits a gear with its padding inside the context."""
+    for gear in sorted(chunk_gears, reverse=True):  # the largest piece first
+        count = min(left, gear)
+        g = next(c for c in chunk_gears if c >= count)  # padded to the smallest chunk gear that holds it
+        end = start + g
+        if end > plan.max_seq_len:
+            continue
+        try:
+            return count, pick(plan, num_tokens=g, num_seqs=1, max_query_len=g, num_logits=1, max_blocks=-(-end // bs))
+        except BucketError:
+            continue
+    raise BucketError(f"no prefill gear takes a chunk at position {start} ({left} tokens left): with the smallest "
+                      f"chunk gear {chunk_gears[0]} the padded chunk would end past the context "
+                      f"({plan.max_seq_len}); prompts up to {plan.max_seq_len - chunk_gears[0] + 1} tokens fit")
+
+
+def _only(plan: BucketPlan, name: str) -> BucketPlan:
+    """The plan restricted to one profile (so :func:`pick` cannot choose the other model)."""
+    return BucketPlan(plan.target, plan.block_size, plan.max_batch_size, plan.max_seq_len, plan.max_num_tokens,
+                      (plan.profile(name),))
+
+
+# --- the inputs of one run, and where its new rows go ------------------------------------------------------
+
+
+@dataclass
+class PackedRun:
+    inputs: dict[str, np.ndarray]  # the step graph's inputs at the gear's shapes (int64; cast to the desc's dtype)
+    slots: np.ndarray  # [rows] pool slot of each real token's new row, in model-row order (rows 0..n-1)
+    logit_rows: list[tuple[int, int]] = field(default_factory=list)  # (row in the model's logits, item)
+
+
+def pack_run(run: Run, work: Sequence[SeqWork], block_size: int) -> PackedRun:
+    """The padded inputs of ``run``: real tokens first (model rows ``0..n-1``), padding after them.
+
+    prefill: one sequence; padding tokens continue the positions after the chunk (masked from the real queries by
+    position, their rows never copied); the block table is padded with its first block.
+    decode: one token per sequence; padding sequences hold token 0 at position 0 over block 0.
+    """
+    c, bs = run.choice, block_size
+    T, B, Q, M = c.num_tokens, c.num_seqs, c.max_query_len, c.max_blocks
+    ids = np.zeros(T, np.int64)
+    pos = np.zeros(T, np.int64)
+    tables = np.zeros((B, M), np.int64)
+    slots, logit_rows = [], []
+    if c.model == "prefill":
+        (p,) = run.pieces
+        w = work[p.item]
+        n, offset = p.count, p.start - w.start
+        ids[:n] = np.asarray(w.token_ids[offset:offset + n], np.int64)
+        pos[:] = p.start + np.arange(T)
+        need = -(-(p.start + n) // bs)
+        table = np.asarray(w.block_table[:need], np.int64)
+        tables[0, :need], tables[0, need:] = table, table[0]
+        slots = [table[q // bs] * bs + q % bs for q in range(p.start, p.start + n)]
+        if p.logits:
+            logit_rows.append((0, p.item))
+        query_index = np.arange(T, dtype=np.int64)[None, :]
+        token_index = np.arange(T, dtype=np.int64)
+        logits_indices = np.array([n - 1], np.int64)
+    else:
+        for b, p in enumerate(run.pieces):
+            w = work[p.item]
+            ids[b] = w.token_ids[p.start - w.start]
+            pos[b] = p.start
+            need = -(-(p.start + 1) // bs)
+            table = np.asarray(w.block_table[:need], np.int64)
+            tables[b, :need], tables[b, need:] = table, table[0]
+            slots.append(table[p.start // bs] * bs + p.start % bs)
+            if p.logits:
+                logit_rows.append((b, p.item))
+        query_index = np.arange(B, dtype=np.int64)[:, None]
+        token_index = np.arange(T, dtype=np.int64)
+        logits_indices = np.arange(B, dtype=np.int64)
+    assert query_index.shape == (B, Q)
+    inputs = {"input_ids": ids[None, :], "position_ids": pos[None, :], "block_tables": tables,
+              "query_index": query_index, "token_index": token_index, "logits_indices": logits_indices}
+    return PackedRun(inputs, np.asarray(slots, np.int64), logit_rows)
+
+
+@dataclass(frozen=True)
+class CopyRun:
+    """``rows`` consecutive new rows from model row ``src_row`` to pool slots ``dst_slot …``: one device copy."""
+
+    src_row: int
+    dst_slot: int
+    rows: int
+
+
+def slot_copy_plan(slots: Sequence[int] | np.ndarray) -> list[CopyRun]:
+    """Coalesce the new rows' copies: row ``t`` goes to ``slots[t]``; rows whose slots are consecutive (a prefill
+    chunk within a block, always) become one copy. Invariant: the runs cover rows ``0..len-1`` once, in order."""
+    out: list[CopyRun] = []
+    for t, s in enumerate(int(x) for x in slots):
+        last = out[-1] if out else None
+        if last is not None and last.dst_slot + last.rows == s:
+            out[-1] = CopyRun(last.src_row, last.dst_slot, last.rows + 1)
+        else:
+            out.append(CopyRun(t, s, 1))
+    return out
+
+
+def as_dtype(array: np.ndarray, acl_dtype: int, name: str) -> np.ndarray:
+    """``array`` in the model's input dtype, C-contiguous (indices may be compiled as int32, reference §5)."""
+    dtype = ACL_DTYPES.get(acl_dtype)
+    if dtype is None:
+        raise AclModelMismatch(f"input '{name}': aclDataType {acl_dtype} has no host dtype here")
+    return np.ascontiguousarray(array, dtype=dtype)

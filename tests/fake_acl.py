@@ -1,0 +1,386 @@
+"""FAKE pyACL, for tests only — not Ascend, not a simulator of NPU numerics.
+
+``FakeAcl`` offers the part of the ``acl`` module omforge calls (reference/ascend.md §3), with the checks a real
+runtime makes that catch executor bugs: memory is host ``bytearray``s behind integer "pointers"; copies check their
+kind (host/device), bounds and ``dst_max``; a double free or a leak shows in :attr:`FakeAcl.live`; a model executes
+only with dims equal to one compiled gear and output buffers large enough. A "model" is a ``.om`` file holding a
+JSON pointer (written by :func:`write_fake_oms`) to the plain-op twin of the bundle's ascend step graph
+(``lower_ascend.lower(plain=True)``), which runs on onnxruntime: the numerics are the ORT lowering's, so an engine
+on this fake must produce the ORT engine's tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ERR_PARAM = 100000
+SPACE = 1 << 40  # each allocation owns [base, base + SPACE)
+_ACL_OF_NP = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.int32): 3, np.dtype(np.int64): 9}
+_NP_OF_ONNX = {1: np.float32, 10: np.float16, 6: np.int32, 7: np.int64}
+
+
+class FakeAcl:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.mem: dict[int, tuple[bytearray, str]] = {}  # base -> (buffer, "device" | "host" | "host-bytes")
+        self._next = 1
+        self.initialized = False
+        self.device: int | None = None
+        self.rt, self.mdl, self.util = _Rt(self), _Mdl(self), _Util(self)
+
+    # -- memory model --
+    def alloc(self, size: int, kind: str, data: bytes | None = None) -> int:
+        base = self._next * SPACE
+        self._next += 1
+        self.mem[base] = (bytearray(data) if data is not None else bytearray(size), kind)
+        return base
+
+    def resolve(self, ptr: int, count: int) -> tuple[bytearray, int, str]:
+        base = ptr - ptr % SPACE
+        if base not in self.mem:
+            raise _Fail(f"pointer {ptr:#x} was not allocated")
+        buf, kind = self.mem[base]
+        off = ptr - base
+        if off + count > len(buf):
+            raise _Fail(f"{count} bytes at offset {off} overrun a {len(buf)}-byte allocation")
+        return buf, off, kind
+
+    @property
+    def live(self) -> list[str]:
+        """Allocations not freed (bytes_to_ptr staging excluded: the real one is the caller's bytes object)."""
+        return [f"{kind} {len(buf)} bytes" for buf, kind in self.mem.values() if kind != "host-bytes"]
+
+    # -- top-level acl.* --
+    def init(self, *_: Any) -> int:
+        self.calls.append("init")
+        self.initialized = True
+        return 0
+
+    def finalize(self) -> int:
+        self.calls.append("finalize")
+        self.initialized = False
+        return 0
+
+    def create_data_buffer(self, ptr: int, size: int) -> tuple[str, int, int]:
+        self.resolve(ptr, size)
+        return ("databuf", ptr, size)
+
+    def destroy_data_buffer(self, buf: Any) -> int:
+        self.calls.append("destroy_data_buffer")
+        return 0
+
+
+class _Fail(Exception):
+    pass
+
+
+def _guard(fn):  # noqa: ANN001, ANN202 - a failed check becomes the ACL parameter error code, as the real API returns
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except _Fail as e:
+            args[0].acl.calls.append(f"FAILED {fn.__name__}: {e}")
+            return ERR_PARAM if fn.__name__ in _BARE_RET else (None, ERR_PARAM)
+    return wrapped
+
+
+_BARE_RET = {"set_device", "reset_device", "destroy_context", "set_context", "destroy_stream", "free", "free_host",
+             "memcpy", "memset", "unload", "get_desc", "destroy_desc", "destroy_dataset", "set_input_dynamic_dims",
+             "execute"}
+
+
+class _Rt:
+    def __init__(self, acl: FakeAcl):
+        self.acl = acl
+
+    @_guard
+    def set_device(self, dev: int) -> int:
+        if not self.acl.initialized:
+            raise _Fail("acl.init first")
+        self.acl.device = dev
+        self.acl.calls.append("set_device")
+        return 0
+
+    @_guard
+    def reset_device(self, dev: int) -> int:
+        self.acl.calls.append("reset_device")
+        self.acl.device = None
+        return 0
+
+    def create_context(self, dev: int) -> tuple[str, int]:
+        self.acl.calls.append("create_context")
+        return ("ctx", 0) if self.acl.device == dev else (None, ERR_PARAM)
+
+    @_guard
+    def destroy_context(self, ctx: Any) -> int:
+        self.acl.calls.append("destroy_context")
+        return 0
+
+    @_guard
+    def set_context(self, ctx: Any) -> int:
+        if ctx != "ctx":
+            raise _Fail("unknown context")
+        return 0
+
+    def create_stream(self) -> tuple[str, int]:
+        self.acl.calls.append("create_stream")
+        return "stream", 0
+
+    @_guard
+    def destroy_stream(self, stream: Any) -> int:
+        self.acl.calls.append("destroy_stream")
+        return 0
+
+    @_guard
+    def malloc(self, size: int, policy: int) -> tuple[int, int]:
+        if self.acl.device is None:
+            raise _Fail("no device set")
+        return self.acl.alloc(size, "device"), 0
+
+    @_guard
+    def malloc_host(self, size: int) -> tuple[int, int]:
+        return self.acl.alloc(size, "host"), 0
+
+    @_guard
+    def free(self, ptr: int) -> int:
+        if self.acl.mem.get(ptr, (None, None))[1] != "device":
+            raise _Fail("free of a pointer that is not a live device allocation (double free?)")
+        del self.acl.mem[ptr]
+        self.acl.calls.append("free")
+        return 0
+
+    @_guard
+    def free_host(self, ptr: int) -> int:
+        if self.acl.mem.get(ptr, (None, None))[1] != "host":
+            raise _Fail("free_host of a pointer that is not a live host allocation")
+        del self.acl.mem[ptr]
+        self.acl.calls.append("free_host")
+        return 0
+
+    @_guard
+    def memset(self, ptr: int, max_size: int, value: int, count: int) -> int:
+        buf, off, _ = self.acl.resolve(ptr, count)
+        buf[off:off + count] = bytes([value]) * count
+        return 0
+
+    @_guard
+    def memcpy(self, dst: int, dst_max: int, src: int, count: int, kind: int) -> int:
+        if count > dst_max:
+            raise _Fail(f"count {count} > dst_max {dst_max}")
+        dbuf, doff, dkind = self.acl.resolve(dst, count)
+        sbuf, soff, skind = self.acl.resolve(src, count)
+        want = {1: ("host", "device"), 2: ("device", "host"), 3: ("device", "device")}.get(kind)
+        if want is None or (skind.split("-")[0], dkind) != want:
+            raise _Fail(f"memcpy kind {kind} from {skind} to {dkind} memory")
+        dbuf[doff:doff + count] = sbuf[soff:soff + count]
+        if skind == "host-bytes":
+            del self.acl.mem[src - src % SPACE]  # the staging copy of a bytes object, used once
+        return 0
+
+
+class _Util:
+    def __init__(self, acl: FakeAcl):
+        self.acl = acl
+
+    def bytes_to_ptr(self, data: bytes) -> int:
+        return self.acl.alloc(len(data), "host-bytes", data)
+
+    def ptr_to_bytes(self, ptr: int, size: int) -> bytes:
+        buf, off, kind = self.acl.resolve(ptr, size)
+        assert kind == "host", "ptr_to_bytes of device memory"
+        return bytes(buf[off:off + size])
+
+
+class _Model:
+    """A loaded fake OM: its ORT session, its inputs with dims per gear, and the gear dims lists."""
+
+    def __init__(self, spec: dict[str, Any]):
+        import onnx
+        import onnxruntime as ort
+
+        graph = onnx.load(spec["onnx"], load_external_data=False).graph
+        weights = {t.name for t in graph.initializer}
+        profile = spec["profile"]  # {"dims": [...], "shape": {step dim: const | gear dim}, "gears": [[...]]}
+        self.session = ort.InferenceSession(spec["onnx"], providers=["CPUExecutionProvider"])
+
+        def dims_of(value: Any, gear: list[int] | None) -> list[int]:
+            out = []
+            for d in value.type.tensor_type.shape.dim:
+                if d.HasField("dim_value"):
+                    out.append(d.dim_value)
+                elif d.dim_param == "num_slots":
+                    out.append(spec["num_slots"])
+                else:
+                    to = profile["shape"][d.dim_param]
+                    out.append(to if isinstance(to, int) else (-1 if gear is None else gear[profile["dims"].index(to)]))
+            return out
+
+        self.inputs = [(v.name, _NP_OF_ONNX[v.type.tensor_type.elem_type], v) for v in graph.input if v.name not in weights]
+        self.outputs = [(v.name, _NP_OF_ONNX[v.type.tensor_type.elem_type], v) for v in graph.output]
+        gears = profile["gears"]
+        self.gear_dims = [[x for _, _, v in self.inputs for x in dims_of(v, g)] for g in gears]
+        self.in_dims = {n: [dims_of(v, g) for g in gears] for n, _, v in self.inputs}
+        self.out_dims = {n: [dims_of(v, g) for g in gears] for n, _, v in self.outputs}
+        self.compiled = {n: dims_of(v, None) for n, _, v in self.inputs + self.outputs}
+        self.dtypes = {n: np.dtype(t) for n, t, _ in self.inputs + self.outputs}
+
+    def size(self, name: str, dims_per_gear: dict[str, list[list[int]]]) -> int:
+        return max(int(np.prod(d)) for d in dims_per_gear[name]) * self.dtypes[name].itemsize
+
+
+class _Desc:
+    model: _Model | None = None
+
+
+class _Mdl:
+    def __init__(self, acl: FakeAcl):
+        self.acl = acl
+        self.models: dict[int, _Model] = {}
+
+    def load_from_file(self, path: str) -> tuple[int, int]:
+        try:
+            spec = json.loads(Path(path).read_text())
+        except (OSError, ValueError):
+            return None, ERR_PARAM  # not a (fake) OM: the real call fails with a parameter error too
+        if not isinstance(spec, dict) or spec.get("fake_om") is not True:
+            return None, ERR_PARAM
+        model_id = len(self.models) + 1
+        self.models[model_id] = _Model(spec)
+        self.acl.calls.append(f"load {Path(path).name}")
+        return model_id, 0
+
+    @_guard
+    def unload(self, model_id: int) -> int:
+        if self.models.pop(model_id, None) is None:
+            raise _Fail("unload of an unknown model")
+        self.acl.calls.append("unload")
+        return 0
+
+    def create_desc(self) -> _Desc:
+        return _Desc()
+
+    @_guard
+    def get_desc(self, desc: _Desc, model_id: int) -> int:
+        desc.model = self.models[model_id]
+        return 0
+
+    @_guard
+    def destroy_desc(self, desc: _Desc) -> int:
+        self.acl.calls.append("destroy_desc")
+        return 0
+
+    # inputs: the data inputs, then the dynamic-dims input (as ATC appends it)
+    def _in(self, desc: _Desc) -> list[str]:
+        return [n for n, _, _ in desc.model.inputs] + ["ascend_mbatch_shape_data"]
+
+    def get_num_inputs(self, desc: _Desc) -> int:
+        return len(self._in(desc))
+
+    def get_num_outputs(self, desc: _Desc) -> int:
+        return len(desc.model.outputs)
+
+    def get_input_name_by_index(self, desc: _Desc, i: int) -> str:
+        return self._in(desc)[i]
+
+    def get_output_name_by_index(self, desc: _Desc, i: int) -> str:
+        return desc.model.outputs[i][0]
+
+    def get_input_dims(self, desc: _Desc, i: int) -> tuple[dict, int]:
+        name = self._in(desc)[i]
+        dims = desc.model.compiled.get(name, [len(desc.model.gear_dims[0])])
+        return {"name": name, "dimCount": len(dims), "dims": dims}, 0
+
+    def get_output_dims(self, desc: _Desc, i: int) -> tuple[dict, int]:
+        name = desc.model.outputs[i][0]
+        return {"name": name, "dimCount": len(desc.model.compiled[name]), "dims": desc.model.compiled[name]}, 0
+
+    def get_input_size_by_index(self, desc: _Desc, i: int) -> int:
+        name = self._in(desc)[i]
+        if name == "ascend_mbatch_shape_data":
+            return 8 * len(desc.model.gear_dims[0])
+        return desc.model.size(name, desc.model.in_dims)
+
+    def get_output_size_by_index(self, desc: _Desc, i: int) -> int:
+        return desc.model.size(desc.model.outputs[i][0], desc.model.out_dims)
+
+    def get_input_data_type(self, desc: _Desc, i: int) -> int:
+        name = self._in(desc)[i]
+        return 9 if name == "ascend_mbatch_shape_data" else _ACL_OF_NP[desc.model.dtypes[name]]
+
+    def get_output_data_type(self, desc: _Desc, i: int) -> int:
+        return _ACL_OF_NP[desc.model.dtypes[desc.model.outputs[i][0]]]
+
+    def get_input_index_by_name(self, desc: _Desc, name: str) -> tuple[int, int]:
+        names = self._in(desc)
+        return (names.index(name), 0) if name in names else (-1, ERR_PARAM)
+
+    def get_input_dynamic_gear_count(self, desc: _Desc, index: int) -> tuple[int, int]:
+        return len(desc.model.gear_dims), 0
+
+    def get_input_dynamic_dims(self, desc: _Desc, index: int, count: int) -> tuple[list[dict], int]:
+        return [{"dimCount": len(g), "dims": list(g)} for g in desc.model.gear_dims[:count]], 0
+
+    def create_dataset(self) -> dict:
+        return {"buffers": [], "dims": None}
+
+    def add_dataset_buffer(self, dataset: dict, buf: Any) -> tuple[dict, int]:
+        dataset["buffers"].append(buf)
+        return dataset, 0
+
+    @_guard
+    def destroy_dataset(self, dataset: dict) -> int:
+        self.acl.calls.append("destroy_dataset")
+        return 0
+
+    @_guard
+    def set_input_dynamic_dims(self, model_id: int, dataset: dict, index: int, dims: dict) -> int:
+        model = self.models[model_id]
+        if dims["dims"] not in model.gear_dims or dims["dimCount"] != len(dims["dims"]):
+            raise _Fail(f"dims {dims['dims']} are not a compiled gear")
+        if index != len(model.inputs):
+            raise _Fail(f"index {index} is not the dynamic-dims input")
+        dataset["dims"] = model.gear_dims.index(dims["dims"])
+        return 0
+
+    @_guard
+    def execute(self, model_id: int, inputs: dict, outputs: dict) -> int:
+        model = self.models[model_id]
+        gear = inputs["dims"]
+        if gear is None:
+            raise _Fail("execute before set_input_dynamic_dims")
+        if len(inputs["buffers"]) != len(model.inputs) + 1 or len(outputs["buffers"]) != len(model.outputs):
+            raise _Fail("dataset sizes differ from the model's inputs/outputs")
+        feeds = {}
+        for (name, dtype, _), (_, ptr, size) in zip(model.inputs, inputs["buffers"]):
+            dims = model.in_dims[name][gear]
+            count = int(np.prod(dims)) * np.dtype(dtype).itemsize
+            if count > size:
+                raise _Fail(f"input {name} buffer of {size} bytes < {count}")
+            buf, off, _ = self.acl.resolve(ptr, count)
+            feeds[name] = np.frombuffer(buf, dtype, int(np.prod(dims)), off).reshape(dims)
+        results = model.session.run([n for n, _, _ in model.outputs], feeds)
+        for (name, _, _), (_, ptr, size), value in zip(model.outputs, outputs["buffers"], results):
+            if list(value.shape) != model.out_dims[name][gear]:
+                raise _Fail(f"output {name} has shape {value.shape}, the gear says {model.out_dims[name][gear]}")
+            data = np.ascontiguousarray(value).tobytes()
+            if len(data) > size:
+                raise _Fail(f"output {name} needs {len(data)} bytes, its buffer has {size}")
+            buf, off, _ = self.acl.resolve(ptr, len(data))
+            buf[off:off + len(data)] = data
+        self.acl.calls.append("execute")
+        return 0
+
+
+def write_fake_oms(bundle: Path, plain_onnx: Path) -> None:
+    """Write ``bundle/ascend/om/<profile>.om`` as FAKE pointers to ``plain_onnx`` (for :class:`FakeAcl` only)."""
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    for profile in manifest["buckets"]["profiles"]:
+        path = bundle / manifest["ascend"]["models"][profile["name"]]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"fake_om": True, "note": "FAKE OM for tests/fake_acl.py, not an ATC output",
+                                    "onnx": str(plain_onnx), "profile": profile,
+                                    "num_slots": manifest["ascend"]["num_slots"]}))

@@ -1,0 +1,181 @@
+"""The ACL executor's pure logic (runtime/acl_plan.py): splitting scheduler steps into gear runs, padding them, the
+dims that select a gear, the coalesced slot-copy plan, and the description check. No acl needed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from helpers import SMOLLM2_RECIPE
+from omforge.compile.buckets import BucketError, plan
+from omforge.recipe import load_recipe
+from omforge.runtime.acl_plan import (DYNAMIC_INPUT, AclModelMismatch, ModelDesc, TensorDesc, check_desc, gear_dims,
+                                      max_prompt_len, pack_run, plan_runs, slot_copy_plan)
+from omforge.runtime.step import SeqWork, build_step
+
+BS = 128
+PLAN = plan(load_recipe(SMOLLM2_RECIPE).compile, target="ascend", block_size=BS)
+MAX_LEN = PLAN.max_seq_len
+MAX_PROMPT = max_prompt_len(PLAN)
+NUM_SLOTS = 64 * 16 * BS
+# the ascend step graph's data inputs as the manifest's ABI lists them (SmolLM2: 30 layers, 3 KV heads, 64 dims)
+INPUTS = [("input_ids", [1, "num_tokens"]), ("position_ids", [1, "num_tokens"]),
+          ("block_tables", ["num_seqs", "max_blocks"]), ("query_index", ["num_seqs", "max_query_len"]),
+          ("token_index", ["num_tokens"]), ("logits_indices", ["num_logits"])] + [
+    (f"{k}_cache.{i}", ["num_slots", 3, 64]) for i in range(2) for k in ("key", "value")]
+OUTPUTS = [("logits", [1, "num_logits", 49152])] + [(f"{k}_new.{i}", ["num_tokens", 3, 64]) for i in range(2)
+                                                   for k in ("key", "value")]
+
+
+def table_for(rng: np.random.Generator, tokens: int) -> list[int]:
+    """A random block table (distinct blocks in random order) long enough for ``tokens``."""
+    return [int(b) for b in rng.permutation(NUM_SLOTS // BS)[: -(-tokens // BS)]]
+
+
+@st.composite
+def steps(draw) -> list[SeqWork]:  # noqa: ANN001
+    """Any step the scheduler can make: decodes anywhere in the context, prefill chunks of prompts that the
+    engine admits (≤ max_prompt_len), mixed, up to 80 items (more than the largest decode gear)."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    work = []
+    for _ in range(draw(st.integers(1, 80))):
+        if draw(st.booleans()):
+            start = draw(st.integers(0, MAX_LEN - 1))
+            work.append(SeqWork([int(rng.integers(49152))], start, table_for(rng, start + 1), draw(st.booleans())))
+        else:
+            prompt = draw(st.integers(2, MAX_PROMPT))
+            start = draw(st.integers(0, prompt - 2))
+            n = draw(st.integers(2, prompt - start))
+            work.append(SeqWork(rng.integers(49152, size=n).tolist(), start, table_for(rng, start + n),
+                                draw(st.booleans())))
+    return work
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps())
+def test_every_scheduler_step_splits_into_compiled_gears(work: list[SeqWork]) -> None:
+    runs = plan_runs(work, PLAN)
+    covered: dict[int, list[tuple[int, int]]] = {}
+    for run in runs:
+        c = run.choice
+        profile = PLAN.profile(c.model)
+        assert c.gear in profile.gears
+        assert (c.num_tokens, c.num_seqs, c.max_query_len, c.num_logits, c.max_blocks) == profile.padded(c.gear)
+        if c.model == "prefill":
+            (p,) = run.pieces
+            assert p.count <= c.num_tokens and p.start + c.num_tokens <= min(c.max_blocks * BS, MAX_LEN)
+        else:
+            assert len(run.pieces) <= c.num_seqs
+            assert all(p.count == 1 and -(-(p.start + 1) // BS) <= c.max_blocks for p in run.pieces)
+        for p in run.pieces:
+            covered.setdefault(p.item, []).append((p.start, p.count))
+    for i, w in enumerate(work):  # every token once, pieces of one item in order
+        pieces = covered[i]
+        assert pieces[0][0] == w.start and sum(n for _, n in pieces) == len(w.token_ids)
+        assert all(a + n == b for (a, n), (b, _) in zip(pieces, pieces[1:]))
+    logits = [p.item for r in runs for p in r.pieces if p.logits]
+    assert sorted(logits) == [i for i, w in enumerate(work) if w.needs_logits]
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps())
+def test_packed_runs_put_each_row_at_the_slot_the_ort_abi_would(work: list[SeqWork]) -> None:
+    """Cross-check with build_step (the ORT path): the slots the executor copies rows to are slot_mapping's."""
+    reference = build_step(work, BS)["slot_mapping"]
+    starts = np.concatenate(([0], np.cumsum([len(w.token_ids) for w in work])[:-1]))
+    for run in plan_runs(work, PLAN):
+        packed = pack_run(run, work, BS)
+        c = run.choice
+        assert packed.inputs["input_ids"].shape == (1, c.num_tokens)
+        assert packed.inputs["block_tables"].shape == (c.num_seqs, c.max_blocks)
+        assert packed.inputs["query_index"].shape == (c.num_seqs, c.max_query_len)
+        assert packed.inputs["logits_indices"].shape == (c.num_logits,)
+        expect = np.concatenate([reference[starts[p.item] + p.start - work[p.item].start:][:p.count]
+                                 for p in run.pieces])
+        np.testing.assert_array_equal(packed.slots, expect)
+        real = sum(p.count for p in run.pieces)
+        ids = np.concatenate([np.asarray(work[p.item].token_ids)[p.start - work[p.item].start:][:p.count]
+                              for p in run.pieces])
+        np.testing.assert_array_equal(packed.inputs["input_ids"][0, :real], ids)
+        assert int(packed.inputs["block_tables"].max()) < NUM_SLOTS // BS
+
+
+def test_a_prompt_beyond_max_prompt_len_cannot_be_prefilled() -> None:
+    rng = np.random.default_rng(0)
+    # the last token of the longest admitted prompt still fits (padded to the smallest chunk gear)
+    ok = SeqWork([1], MAX_PROMPT - 1, table_for(rng, MAX_PROMPT))
+    ok2 = SeqWork([1, 2], MAX_PROMPT - 2, table_for(rng, MAX_PROMPT))
+    assert plan_runs([ok2], PLAN) and plan_runs([ok], PLAN)
+    with pytest.raises(BucketError, match="prompts up to"):
+        plan_runs([SeqWork([1, 2], MAX_PROMPT, table_for(rng, MAX_PROMPT + 2))], PLAN)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=64), st.integers(0, 2**32 - 1))
+def test_slot_copy_plan_coalesces_consecutive_slots(chunk_lens: list[int], seed: int) -> None:
+    """Rows of chunks laid into random block tables: one copy per run of consecutive slots, every row once."""
+    rng = np.random.default_rng(seed)
+    slots = []
+    for n in chunk_lens:
+        table = table_for(rng, 600)
+        start = int(rng.integers(0, 100))
+        slots += [table[q // BS] * BS + q % BS for q in range(start, start + n)]
+    plan_ = slot_copy_plan(slots)
+    rows = [r for c in plan_ for r in range(c.src_row, c.src_row + c.rows)]
+    assert rows == list(range(len(slots)))
+    for c in plan_:
+        assert slots[c.src_row:c.src_row + c.rows] == list(range(c.dst_slot, c.dst_slot + c.rows))
+    for a, b in zip(plan_, plan_[1:]):  # maximal: two neighbouring copies could not be one
+        assert a.dst_slot + a.rows != b.dst_slot
+    breaks = sum(1 for x, y in zip(slots, slots[1:]) if y != x + 1)
+    assert len(plan_) == breaks + 1 if slots else not plan_
+
+
+def test_slot_copy_plan_of_a_prefill_chunk_is_one_copy_per_block() -> None:
+    table = [7, 3, 9]
+    slots = [table[q // BS] * BS + q % BS for q in range(100, 300)]
+    assert [(c.dst_slot, c.rows) for c in slot_copy_plan(slots)] == [(7 * BS + 100, 28), (3 * BS, 128), (9 * BS, 44)]
+
+
+def _desc(profile_name: str, **changes: object) -> ModelDesc:
+    profile = PLAN.profile(profile_name)
+    inputs = tuple(TensorDesc(n, 4 * 3 * 64 * NUM_SLOTS if "cache" in n else 64, tuple(-1 for _ in d), 0 if "cache" in n else 9)
+                   for n, d in INPUTS) + (TensorDesc(DYNAMIC_INPUT, 8, (1,), 9),)
+    outputs = tuple(TensorDesc(n, 64, (), 0) for n, _ in OUTPUTS)
+    gears = tuple(tuple(gear_dims(profile, g, INPUTS, NUM_SLOTS)) for g in profile.gears)
+    fields = {"inputs": inputs, "outputs": outputs, "gears": gears, "dynamic_index": len(inputs) - 1, **changes}
+    return ModelDesc(**fields)
+
+
+def test_check_desc_accepts_the_matching_model_and_names_each_mismatch() -> None:
+    for name in ("prefill", "decode"):
+        check_desc(name, _desc(name), PLAN.profile(name), INPUTS, OUTPUTS, NUM_SLOTS)
+    good = _desc("decode")
+    cases = {
+        "inputs": good.__class__(good.inputs[1:], good.outputs, good.gears, good.dynamic_index),
+        "no ascend_mbatch_shape_data": _desc("decode", dynamic_index=None),
+        "outputs": _desc("decode", outputs=good.outputs[:-1]),
+        "gears compiled": _desc("decode", gears=good.gears[:-1]),
+        "not among the compiled gears": _desc("decode", gears=good.gears[:-1] + ((1, 2, 3),)),
+        "slots needs": _desc("decode", inputs=tuple(TensorDesc(t.name, 99, t.dims, t.dtype) if "cache" in t.name
+                                                       else t for t in good.inputs)),
+    }
+    for message, desc in cases.items():
+        with pytest.raises(AclModelMismatch, match=message):
+            check_desc("decode", desc, PLAN.profile("decode"), INPUTS, OUTPUTS, NUM_SLOTS)
+
+
+def test_gear_dims_agree_with_the_atc_command() -> None:
+    """The dims set at run time carry, at ATC's -1 positions, exactly the values of ATC's --dynamic_dims."""
+    for name in ("prefill", "decode"):
+        profile = PLAN.profile(name)
+        shape = profile.input_shape_string(INPUTS, {"num_slots": NUM_SLOTS})
+        minus = [i for i, v in enumerate(v for part in shape.split(";") for v in part.split(":")[1].split(","))
+                 if v == "-1"]
+        atc_gears = [[int(v) for v in g.split(",")] for g in profile.dynamic_dims_string(INPUTS).split(";")]
+        for gear, atc in zip(profile.gears, atc_gears):
+            dims = gear_dims(profile, gear, INPUTS, NUM_SLOTS)
+            assert len(dims) == sum(len(d) for _, d in INPUTS)
+            assert [dims[i] for i in minus] == atc
