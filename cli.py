@@ -172,6 +172,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args.bundle, options, **engine_options)
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from omforge.doctor import gather, render
+
+    report = gather()
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omforge", description="Compile Llama-family LLMs to fused, paged-KV "
                                 "ONNX Runtime / Ascend OM artifacts and serve them.")
@@ -210,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "after SIGTERM (default 30)")
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=cmd_serve)
+
+    dr = sub.add_parser("doctor", help="what this machine has (packages, providers, CANN, pyACL, NPUs) and which "
+                        "targets it can compile and run")
+    dr.add_argument("--json", action="store_true", help="the report as one JSON object")
+    dr.set_defaults(func=cmd_doctor)
 
     e = sub.add_parser("export", help="recipe → unfused ONNX graph (primitive ops, external weights)")
     e.add_argument("recipe", help="recipe file, e.g. models/smollm2-135m.yaml")

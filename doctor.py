@@ -1,0 +1,128 @@
+"""``omforge doctor``: what this machine has, and which targets it can compile and run.
+
+Looks without changing anything and without importing heavy packages (versions come from package metadata; torch
+is not imported): Python, the packages omforge uses, onnxruntime's execution providers, the CANN toolkit (``atc``
+on PATH and the toolkit version, ``ASCEND_OPP_PATH``, whether ``set_env.sh`` was sourced), pyACL, visible NPUs,
+torch / torch_npu. Always exits 0: it reports, it does not judge the machine.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+PACKAGES = ("omforge", "numpy", "onnx", "onnxruntime", "onnxscript", "onnx-ir", "onnxsim", "tokenizers", "jinja2",
+            "pydantic", "fastapi", "uvicorn", "prometheus-client", "torch", "torch-npu", "transformers", "gguf",
+            "safetensors")
+EXPORT_NEEDS = ("torch", "onnxscript", "onnx-ir", "onnx", "gguf", "safetensors")
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cann_version(env: dict[str, str]) -> str | None:
+    """The toolkit version from its version files (the toolkit root is what set_env.sh exports).
+    [unverified: file names differ across CANN releases; both seen layouts are tried]"""
+    roots = [env.get(k) for k in ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")] + ["/usr/local/Ascend/ascend-toolkit/latest"]
+    for root in filter(None, roots):
+        for name in ("version.cfg", "compiler/version.info", "runtime/version.info"):
+            path = Path(root) / name
+            if path.is_file():
+                for line in path.read_text(errors="replace").splitlines():
+                    key, _, value = line.partition("=")
+                    if key.strip().lower() in ("version", "runtime_running_version") and value.strip():
+                        return value.strip().strip("[]").split(":")[-1]
+    return None
+
+
+def _acl() -> tuple[bool, str, int | None]:
+    """(pyACL importable, what happened, number of NPUs it sees or None)."""
+    if importlib.util.find_spec("acl") is None:
+        return False, "not installed (no module named 'acl')", None
+    try:
+        import acl  # noqa: PLC0415 - only here: the import needs CANN's libraries
+    except Exception as e:  # noqa: BLE001 - a broken install raises anything from its C extension
+        return False, f"import failed: {type(e).__name__}: {e}", None
+    try:
+        count, ret = acl.rt.get_device_count()
+        return True, "imports", count if ret == 0 else None
+    except Exception as e:  # noqa: BLE001
+        return True, f"imports; device count failed: {e}", None
+
+
+def gather(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Everything the doctor reports, JSON-ready."""
+    env = dict(os.environ if env is None else env)
+    packages = {name: _version(name) for name in PACKAGES}
+    try:
+        import onnxruntime as ort
+
+        providers = list(ort.get_available_providers())
+    except Exception as e:  # noqa: BLE001
+        providers = [f"(onnxruntime unusable: {e})"]
+    atc = shutil.which("atc", path=env.get("PATH"))
+    acl_ok, acl_note, acl_devices = _acl()
+    davinci = sorted(p for p in glob.glob("/dev/davinci*") if p.removeprefix("/dev/davinci").isdigit())
+    npus = acl_devices if acl_devices is not None else len(davinci)
+    sourced = bool(env.get("ASCEND_OPP_PATH") and (env.get("ASCEND_TOOLKIT_HOME") or env.get("ASCEND_HOME_PATH")))
+    can_export = all(packages[p] for p in EXPORT_NEEDS)
+    ort_cpu = "CPUExecutionProvider" in providers
+    targets = {
+        "ort": {"compile": can_export, "run": ort_cpu,
+                "why": "onnxruntime CPU" if ort_cpu else "onnxruntime has no CPU provider"},
+        "ort-cuda": {"compile": can_export, "run": "CUDAExecutionProvider" in providers,
+                     "why": "CUDAExecutionProvider available" if "CUDAExecutionProvider" in providers
+                     else "no CUDAExecutionProvider (onnxruntime-gpu and a GPU)"},
+        "ascend": {"compile": can_export and atc is not None, "run": acl_ok and npus > 0,
+                   "why": "; ".join(filter(None, [
+                       None if atc else "no atc on PATH: compile stops before the OM step (exit 3)",
+                       None if acl_ok else f"pyACL {acl_note}",
+                       None if npus else "no NPU visible"])) or "atc, pyACL and an NPU present"},
+    }
+    if not can_export:
+        missing = [p for p in EXPORT_NEEDS if not packages[p]]
+        for t in targets.values():
+            t["why"] += f"; export needs {', '.join(missing)}"
+    return {
+        "python": {"version": platform.python_version(), "executable": sys.executable},
+        "platform": platform.platform(),
+        "packages": packages,
+        "onnxruntime_providers": providers,
+        "cann": {"atc": atc, "version": _cann_version(env), "ASCEND_OPP_PATH": env.get("ASCEND_OPP_PATH"),
+                 "set_env_sourced": sourced},
+        "pyacl": {"importable": acl_ok, "note": acl_note},
+        "npus": {"count": npus, "devices": davinci, "npu_smi": shutil.which("npu-smi", path=env.get("PATH"))},
+        "targets": targets,
+    }
+
+
+def render(report: dict[str, Any]) -> str:
+    """The report as two readable tables: what is here, and target × compile / run."""
+    rows = [("python", f"{report['python']['version']} ({report['python']['executable']})")]
+    rows += [(f"  {k}", v or "-") for k, v in report["packages"].items()]
+    rows.append(("onnxruntime providers", ", ".join(report["onnxruntime_providers"])))
+    c = report["cann"]
+    rows += [("CANN atc", c["atc"] or "not on PATH"), ("CANN version", c["version"] or "-"),
+             ("ASCEND_OPP_PATH", c["ASCEND_OPP_PATH"] or "not set"),
+             ("set_env.sh sourced", "yes" if c["set_env_sourced"] else "no"),
+             ("pyACL (import acl)", report["pyacl"]["note"]),
+             ("NPUs visible", str(report["npus"]["count"]))]
+    width = max(len(k) for k, _ in rows)
+    lines = ["omforge doctor", ""] + [f"{k:<{width}}  {v}" for k, v in rows] + ["", f"{'target':<9} {'compile':<8} "
+                                                                                 f"{'run':<4} why"]
+    for name, t in report["targets"].items():
+        lines.append(f"{name:<9} {'yes' if t['compile'] else 'no':<8} {'yes' if t['run'] else 'no':<4} {t['why']}")
+    runs = [n for n, t in report["targets"].items() if t["run"]]
+    lines += ["", f"this machine runs: {', '.join(runs) if runs else 'no target'}"]
+    return "\n".join(lines)

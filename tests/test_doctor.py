@@ -1,0 +1,53 @@
+"""`omforge doctor`: a correct picture of this machine (only the ort target runs here), as a table and as JSON,
+and what it reports when a CANN toolkit is (partly) present."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import onnxruntime as ort
+
+
+def doctor(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "omforge", "doctor", *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_doctor_says_only_ort_runs_here() -> None:
+    r = doctor("--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["packages"]["onnxruntime"] == ort.__version__
+    assert report["onnxruntime_providers"] == ort.get_available_providers()
+    t = report["targets"]
+    assert t["ort"] == {"compile": True, "run": True, "why": "onnxruntime CPU"}
+    assert t["ascend"]["run"] is False and "pyACL" in t["ascend"]["why"]
+    assert t["ort-cuda"]["run"] == ("CUDAExecutionProvider" in ort.get_available_providers())
+    assert report["pyacl"]["importable"] is False and report["npus"]["count"] == 0
+    table = doctor()
+    assert table.returncode == 0
+    assert "this machine runs: ort" in table.stdout.splitlines()[-1]
+    assert any(line.split()[:3] == ["ascend", "no", "no"] for line in table.stdout.splitlines())
+
+
+def test_doctor_reports_a_toolkit_on_path(tmp_path: Path) -> None:
+    """A FAKE `atc` script and toolkit folder (just files): doctor finds them; running still needs pyACL + NPU."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    atc = bin_dir / "atc"
+    atc.write_text("#!/bin/sh\necho fake atc\n")
+    atc.chmod(0o755)
+    home = tmp_path / "ascend-toolkit" / "latest"
+    home.mkdir(parents=True)
+    (home / "version.cfg").write_text("# fake toolkit for the doctor test\nversion=8.0.RC3\n")
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "ASCEND_TOOLKIT_HOME": str(home),
+           "ASCEND_OPP_PATH": str(home / "opp")}
+    report = json.loads(doctor("--json", env=env).stdout)
+    assert report["cann"] == {"atc": str(atc), "version": "8.0.RC3", "ASCEND_OPP_PATH": str(home / "opp"),
+                              "set_env_sourced": True}
+    assert report["targets"]["ascend"]["compile"] is True
+    assert report["targets"]["ascend"]["run"] is False
