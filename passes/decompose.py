@@ -50,11 +50,11 @@ def _gather_blocks(op, pool, block_tables, *, block_size: int, kv_heads: int, he
     return op.Reshape(op.Gather(rows, block_tables, axis=0), op.Constant(value_ints=[0, -1, kv_heads * head_dim]))
 
 
-def _attend_over_context(op, q, k_ctx, v_ctx, query_index, token_index, position_ids, *, scale: float,  # noqa: ANN001, ANN202
-                         q_heads: int, kv_heads: int, head_dim: int, attend):
+def _attend_rows(op, q, k_ctx, v_ctx, query_index, position_ids, *, scale: float, q_heads: int,  # noqa: ANN001, ANN202
+                 kv_heads: int, head_dim: int, attend):
     """Queries gathered into ``[B, Q, Hq * D]``, a key hidden from a query when its position in the context
-    exceeds the query's (``hide [B, 1, Q, C]``), attention (``attend`` or plain ops), rows back to
-    ``[1, Hq, T, D]``."""
+    exceeds the query's (``hide [B, 1, Q, C]``), attention (``attend`` or plain ops): the padded output rows
+    ``[B * Q, Hq, D]``."""
     zero = op.Constant(value_ints=[0])
     q_pad = op.Gather(op.Reshape(token_major(op, q), op.Constant(value_ints=[0, -1])), query_index, axis=0)
     q_pos = op.Gather(op.Squeeze(position_ids, zero), query_index, axis=0)
@@ -71,13 +71,24 @@ def _attend_over_context(op, q, k_ctx, v_ctx, query_index, token_index, position
         o_pad = op.Transpose(o4, perm=[0, 2, 1, 3])
     else:
         o_pad = attend(op, q_pad, k_ctx, v_ctx, hide)
-    rows = op.Reshape(o_pad, op.Constant(value_ints=[-1, q_heads, head_dim]))  # [B*Q, Hq, D]
-    return op.Unsqueeze(op.Transpose(op.Gather(rows, token_index, axis=0), perm=[1, 0, 2]), zero)
+    return op.Reshape(o_pad, op.Constant(value_ints=[-1, q_heads, head_dim]))  # [B*Q, Hq, D]
+
+
+def _rows_to_tokens(op, rows, token_index):  # noqa: ANN001, ANN202 - [R, Hq, D] rows -> [1, Hq, T, D]
+    return op.Unsqueeze(op.Transpose(op.Gather(rows, token_index, axis=0), perm=[1, 0, 2]), op.Constant(value_ints=[0]))
+
+
+def _attend_over_context(op, q, k_ctx, v_ctx, query_index, token_index, position_ids, *, scale: float,  # noqa: ANN001, ANN202
+                         q_heads: int, kv_heads: int, head_dim: int, attend):
+    """:func:`_attend_rows`, then the rows back to token order ``[1, Hq, T, D]``."""
+    rows = _attend_rows(op, q, k_ctx, v_ctx, query_index, position_ids, scale=scale, q_heads=q_heads,
+                        kv_heads=kv_heads, head_dim=head_dim, attend=attend)
+    return _rows_to_tokens(op, rows, token_index)
 
 
 def paged_attention(op, q, k, v, key_cache, value_cache, slot_mapping, block_tables, query_index, token_index,  # noqa: ANN001, ANN201
                     position_ids, *, scale: float, q_heads: int, kv_heads: int, block_size: int, attend=None,
-                    contiguous: bool = False):
+                    contiguous: bool = False, decode_group=None):
     """The step ABI's paged attention in plain ops (see :mod:`omforge.passes.paged_kv`).
 
     ScatterND writes the new K/V rows at their slots (its output is the updated pool; bound to the input's
@@ -89,6 +100,11 @@ def paged_attention(op, q, k, v, key_cache, value_cache, slot_mapping, block_tab
 
     ``contiguous=True`` is the contiguous-cache baseline the benchmarks compare against: sequence ``b`` owns
     slots ``[b*C, (b+1)*C)`` of a pool of exactly ``B*C`` slots, so the context is a reshape, not a gather.
+
+    ``decode_group = (decode_block_tables [Bd, Md], decode_query_index [Bd, 1])``: a second group of sequences
+    with one query each, attended separately (its own gathered context, no padding to the first group's longest
+    query), so decodes can share a step with prefill chunks at the cost of their own work only. ``token_index``
+    then indexes the concatenated rows ``[B * Q + Bd]`` (first group, then the decode group).
     """
     head_dim = q.shape[-1] if q.shape is not None else None
     slots = op.Unsqueeze(slot_mapping, op.Constant(value_ints=[1]))
@@ -101,9 +117,15 @@ def paged_attention(op, q, k, v, key_cache, value_cache, slot_mapping, block_tab
             return op.Reshape(pool, op.Concat(batch, op.Constant(value_ints=[-1, kv_heads * head_dim]), axis=0))
         return _gather_blocks(op, pool, block_tables, block_size=block_size, kv_heads=kv_heads, head_dim=head_dim)
 
-    out = _attend_over_context(op, q, context(k_out), context(v_out), query_index, token_index, position_ids,
-                               scale=scale, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, attend=attend)
-    return out, k_out, v_out
+    common = dict(scale=scale, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, attend=attend)
+    rows = _attend_rows(op, q, context(k_out), context(v_out), query_index, position_ids, **common)
+    if decode_group is not None:
+        tables, qidx = decode_group
+        gather = dict(block_size=block_size, kv_heads=kv_heads, head_dim=head_dim)
+        rows_d = _attend_rows(op, q, _gather_blocks(op, k_out, tables, **gather), _gather_blocks(op, v_out, tables, **gather),
+                              qidx, position_ids, **common)
+        rows = op.Concat(rows, rows_d, axis=0)
+    return _rows_to_tokens(op, rows, token_index), k_out, v_out
 
 
 def paged_attention_new_rows(op, q, k, v, key_cache, value_cache, block_tables, query_index, token_index,  # noqa: ANN001, ANN201

@@ -6,7 +6,9 @@
   SwiGLU      → plain ops (ORT has no CPU SwiGLU kernel)
   Attention   → Attention (opset 23), ``is_causal``, GQA through ``q_num_heads``/``kv_num_heads``
   PagedAttention → ScatterND KV write + Gather of the block table + Attention (opset 23, 3-D BSH inputs, so the
-                   gathered context needs no transpose) with a boolean mask; plain ops when the attention switch is off
+                   gathered context needs no transpose) with a boolean mask; plain ops when the attention switch is off;
+                   twice per layer: the step's main group and its decode group (inputs ``decode_block_tables``,
+                   ``decode_query_index``), so decodes ride along with prefill chunks without being padded to them
 
 After lowering the default-domain opset is 23: the exported ops keep their semantics there (the changes
 from 18 to 23 only widen type lists).
@@ -18,7 +20,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from omforge.passes import decompose, ops
-from omforge.passes.paged_kv import new_rows_as_outputs
+from omforge.passes.paged_kv import add_decode_group_inputs, new_rows_as_outputs
 
 ORT_OPSET = 23
 MS_DOMAIN = "com.microsoft"
@@ -55,7 +57,18 @@ class LowerAttention(decompose.DecomposeAttention):
 
 class LowerPagedAttention(decompose.DecomposePagedAttention):
     """Paged attention with the KV write in the graph (``kv_write="graph"``, the default): ScatterND into the pool (bound in
-    place by IOBinding), block gather, then the fused ``Attention`` with a boolean mask."""
+    place by IOBinding), block gather, then the fused ``Attention`` with a boolean mask — once for the step's main
+    group and once for its decode group (``decode_group``: the graph inputs :data:`DECODE_GROUP_INPUTS`)."""
+
+    def __init__(self, name: str, decode_group: tuple[ir.Value, ir.Value] | None = None):
+        super().__init__(name)
+        self.decode_group = decode_group
+
+    def rewrite(self, op, q, k, v, kc, vc, slots, tables, qidx, tidx, pos, o, **_):  # noqa: ANN001, ANN201
+        node = o.producer()
+        a = {name: node.attributes[name].value for name in ("scale", "q_heads", "kv_heads", "block_size")}
+        return decompose.paged_attention(op, q, k, v, kc, vc, slots, tables, qidx, tidx, pos, **a,
+                                         attend=self.attend(node), decode_group=self.decode_group)
 
     def attend(self, node: ir.Node):  # noqa: ANN201
         a = node.attributes
@@ -104,7 +117,13 @@ def lower(model: ir.Model, kv_write: str = "graph") -> int:
     if kv_write not in KV_WRITES:
         raise ValueError(f"kv_write={kv_write!r} is not one of {KV_WRITES}")
     model.opset_imports[""] = max(model.opset_imports.get("", 18), ORT_OPSET)
-    count = (RULES_RUNTIME_WRITE if kv_write == "runtime" else RULES).apply_to_model(model)
+    paged = any(n.op_type == "PagedAttention" and n.domain == ops.DOMAIN for n in model.graph)
+    if kv_write == "graph" and paged:  # a decode group of its own: decodes share steps with prefill, unpadded
+        group = add_decode_group_inputs(model.graph)
+        rules = pattern.RewriteRuleSet([LowerPagedAttention.rule("ort_paged_attention", group), *_COMMON])
+    else:
+        rules = RULES_RUNTIME_WRITE if kv_write == "runtime" else RULES
+    count = rules.apply_to_model(model)
     if kv_write == "runtime":
         new_rows_as_outputs(model.graph)  # the rows are outputs; slot_mapping is host-side only
     left = [n.op_type for n in model.graph if n.domain == ops.DOMAIN]

@@ -42,6 +42,10 @@ block-table Gather is the paged overhead; smaller blocks also cost more rows to 
 
 STEP_INPUTS = ("input_ids", "position_ids", "slot_mapping", "block_tables", "query_index", "token_index",
                "logits_indices")
+DECODE_GROUP_INPUTS = ("decode_block_tables", "decode_query_index")
+"""The ORT lowering's second group (``lower_ort``): ``decode_block_tables [Bd, Md]`` and ``decode_query_index
+[Bd, 1]`` — sequences with one query each, attended apart from the main group; ``token_index`` then indexes the
+rows ``[B * Q + Bd]`` (main group first). A step without such a split sends a group of one unreferenced row."""
 
 
 @dataclass(frozen=True)
@@ -139,3 +143,15 @@ def new_rows_as_outputs(graph: ir.Graph) -> tuple[list[str], list[str]]:
             graph.inputs.remove(value)
             removed.append(value.name)
     return renamed, removed
+
+
+def add_decode_group_inputs(graph: ir.Graph) -> tuple[ir.Value, ir.Value]:
+    """Add the graph inputs :data:`DECODE_GROUP_INPUTS` (once) and return them."""
+    have = {v.name: v for v in graph.inputs}
+    if DECODE_GROUP_INPUTS[0] in have:
+        return have[DECODE_GROUP_INPUTS[0]], have[DECODE_GROUP_INPUTS[1]]
+    tables = _input(DECODE_GROUP_INPUTS[0], ["num_decodes", "max_decode_blocks"])
+    qidx = _input(DECODE_GROUP_INPUTS[1], ["num_decodes", 1])
+    graph.inputs.extend([tables, qidx])
+    return tables, qidx
+

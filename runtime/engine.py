@@ -117,7 +117,8 @@ class LLMEngine:
         caching = serve["enable_prefix_caching"] if enable_prefix_caching is None else enable_prefix_caching
         self.kv = KVCacheManager(blocks, self.block_size, enable_prefix_caching=caching, num_host_blocks=host_blocks)
         self.scheduler = Scheduler(self.kv, max_num_seqs or serve["max_num_seqs"],
-                                   max_num_batched_tokens or serve["max_num_batched_tokens"], mode)
+                                   max_num_batched_tokens or serve["max_num_batched_tokens"], mode,
+                                   mixed_steps=getattr(self.executor, "mixed_steps", False))
         tok = m["tokenizer"]
         self.tokenizer = TextTokenizer(bundle / tok["file"], tok) if tok.get("file") else None
         self.eos_token_ids = tuple(self.config["eos_token_ids"])

@@ -33,6 +33,7 @@ class OrtExecutor:
         self.binding = self.session.io_binding()
         self.binding.bind_output("logits")  # first, so it stays output 0 when re-bound each run
         self.input_names = {i.name for i in self.session.get_inputs()}
+        self.mixed_steps = "decode_query_index" in self.input_names  # decodes can share a step with prefill
         outputs = [o.name for o in self.session.get_outputs()]
         self.runtime_write = "key_new.0" in outputs
         self._new_rows = [f"{kind}_new.{layer}" for layer in range(layout.num_layers) for kind in ("key", "value")]
@@ -79,7 +80,7 @@ class OrtExecutor:
 
     def execute(self, work: list[SeqWork]) -> np.ndarray:
         """Run one scheduler step; returns logits ``[items needing logits, vocab]`` (the executor interface)."""
-        return self.run(build_step(work, self.layout.block_size))
+        return self.run(build_step(work, self.layout.block_size, split_decodes=self.mixed_steps))
 
     def close(self) -> None:
         """Nothing to release by hand (the session and pools are freed with the object); the executor interface."""

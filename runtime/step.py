@@ -23,32 +23,57 @@ class SeqWork:
     needs_logits: bool = True
 
 
-def build_step(work: Sequence[SeqWork], block_size: int, max_blocks: int | None = None) -> dict[str, np.ndarray]:
-    """Pack ``work`` into the step inputs. ``max_blocks`` pads the block tables to a fixed width (a bucket)."""
+def build_step(work: Sequence[SeqWork], block_size: int, max_blocks: int | None = None,
+               split_decodes: bool = False) -> dict[str, np.ndarray]:
+    """Pack ``work`` into the step inputs. ``max_blocks`` pads the block tables to a fixed width (a bucket).
+
+    ``split_decodes`` (graphs with a decode group, ``paged_kv.DECODE_GROUP_INPUTS``): when the step has both
+    single-token items and longer chunks, the single-token ones form the decode group — attended apart, not padded
+    to the longest chunk — and ``token_index`` indexes the rows ``[B * Q + Bd]``. Otherwise (and always without
+    ``split_decodes``) every item is in the main group and the decode group is one unreferenced row.
+    """
     if not work:
         raise ValueError("a step needs at least one sequence")
     lens = np.array([len(w.token_ids) for w in work], dtype=np.int64)
     if (lens < 1).any():
         raise ValueError("every sequence in a step brings at least one token")
-    total, q_max = int(lens.sum()), int(lens.max())
     need_blocks = [-(-(w.start + n) // block_size) for w, n in zip(work, lens)]
     for w, need in zip(work, need_blocks):
         if len(w.block_table) < need:
             raise ValueError(f"block table of {len(w.block_table)} blocks cannot hold {w.start + len(w.token_ids)} tokens")
-    width = max(max(need_blocks), max_blocks or 0)
-    tables = np.empty((len(work), width), dtype=np.int64)
-    for b, (w, need) in enumerate(zip(work, need_blocks)):
-        row = np.asarray(w.block_table[:need], dtype=np.int64)
-        tables[b, :need] = row
-        tables[b, need:] = row[0]
+    single = lens == 1
+    split = split_decodes and single.any() and not single.all()
+    main = np.flatnonzero(~single) if split else np.arange(len(work))
+    dec = np.flatnonzero(single) if split else np.empty(0, np.int64)
+    total = int(lens.sum())
     starts = np.concatenate(([0], np.cumsum(lens)[:-1]))
+    q_max = int(lens[main].max())
     ids = np.concatenate([np.asarray(w.token_ids, dtype=np.int64) for w in work])
     seq_of = np.repeat(np.arange(len(work)), lens)
     offset = np.arange(total) - starts[seq_of]
     positions = np.repeat([w.start for w in work], lens) + offset
-    slots = tables[seq_of, positions // block_size] * block_size + positions % block_size
+
+    def tables_of(items: np.ndarray, width: int) -> np.ndarray:
+        out = np.empty((len(items), width), dtype=np.int64)
+        for r, b in enumerate(items):
+            row = np.asarray(work[b].block_table[:need_blocks[b]], dtype=np.int64)
+            out[r, :len(row)] = row
+            out[r, len(row):] = row[0]
+        return out
+
+    tables = tables_of(main, max(max(need_blocks[b] for b in main), max_blocks or 0))
+    all_tables = tables_of(np.arange(len(work)), max(need_blocks))
+    slots = all_tables[seq_of, positions // block_size] * block_size + positions % block_size
     # padded query rows point at the sequence's last token: a valid, unmasked position (no NaN rows)
-    qi = np.minimum(np.arange(q_max)[None, :], lens[:, None] - 1) + starts[:, None]
+    m_starts, m_lens = starts[main], lens[main]
+    qi = np.minimum(np.arange(q_max)[None, :], m_lens[:, None] - 1) + m_starts[:, None]
+    row_of_seq = np.empty(len(work), dtype=np.int64)  # first padded row of each item in [B * Q + Bd]
+    row_of_seq[main] = np.arange(len(main)) * q_max
+    row_of_seq[dec] = len(main) * q_max + np.arange(len(dec))
+    if split:
+        d_tables, d_qidx = tables_of(dec, max(need_blocks[b] for b in dec)), starts[dec][:, None]
+    else:  # one unreferenced row: the first token over its own first block
+        d_tables, d_qidx = all_tables[:1, :1], np.zeros((1, 1), dtype=np.int64)
     logits_rows = [int(s + n - 1) for s, n, w in zip(starts, lens, work) if w.needs_logits]
     return {
         "input_ids": ids[None, :],
@@ -56,6 +81,8 @@ def build_step(work: Sequence[SeqWork], block_size: int, max_blocks: int | None 
         "slot_mapping": slots.astype(np.int64),
         "block_tables": tables,
         "query_index": qi.astype(np.int64),
-        "token_index": (seq_of * q_max + offset).astype(np.int64),
+        "token_index": (row_of_seq[seq_of] + offset).astype(np.int64),
         "logits_indices": np.asarray(logits_rows, dtype=np.int64),
+        "decode_block_tables": d_tables,
+        "decode_query_index": d_qidx.astype(np.int64),
     }

@@ -10,7 +10,7 @@ import pytest
 
 from helpers import TINY_RECIPE
 from omforge.export.onnx_export import export_recipe
-from omforge.passes.paged_kv import STEP_INPUTS
+from omforge.passes.paged_kv import DECODE_GROUP_INPUTS, STEP_INPUTS
 from omforge.passes.pipeline import build
 from omforge.recipe import load_recipe
 from omforge.runtime.full_recompute import ExportedModel
@@ -43,7 +43,8 @@ def test_abi_inputs_and_outputs(tiny) -> None:  # noqa: ANN001
     names = [i.name for i in model.graph.input]
     assert names[:len(STEP_INPUTS)] == list(STEP_INPUTS)
     layers = report.layout.num_layers
-    assert names[len(STEP_INPUTS):] == [f"{k}_cache.{i}" for i in range(layers) for k in ("key", "value")]
+    assert names[len(STEP_INPUTS):] == [f"{k}_cache.{i}" for i in range(layers) for k in ("key", "value")] + list(
+        DECODE_GROUP_INPUTS)
     outs = [o.name for o in model.graph.output]
     assert outs == ["logits"] + [f"{k}_cache_out.{i}" for i in range(layers) for k in ("key", "value")]
     assert report.layout.block_size == BLOCK and report.layout.kv_heads == 2 and report.layout.head_dim == 16
@@ -72,18 +73,41 @@ def test_chunked_prefill_equals_one_shot(tiny) -> None:  # noqa: ANN001
         np.testing.assert_allclose(logits[0], last_logits(ref, ids[:hi]), atol=1e-5)
 
 
-def test_mixed_step_of_prefill_chunks_and_decodes(tiny) -> None:  # noqa: ANN001
-    """One execution carries a decode, a prefill chunk and a whole prompt of three sequences."""
+@pytest.mark.parametrize("split_decodes", [False, True])
+def test_mixed_step_of_prefill_chunks_and_decodes(tiny, split_decodes: bool) -> None:  # noqa: ANN001
+    """One execution carries a decode, a prefill chunk and a whole prompt of three sequences; with
+    ``split_decodes`` the decode is attended in the decode group (unpadded), with the same logits."""
     ref = tiny[0]
     ex = fresh(tiny)
     rng = np.random.default_rng(2)
     a, b, c = ([int(t) for t in rng.integers(3, 256, n)] for n in (12, 17, 9))
     ta, tb, tc = [3, 4, 5, 6], [10, 11, 12, 13, 14], [20, 21, 22]
     ex.run(build_step([SeqWork(a[:11], 0, ta), SeqWork(b[:6], 0, tb)], BLOCK))
-    step = build_step([SeqWork(a[11:], 11, ta), SeqWork(b[6:], 6, tb), SeqWork(c, 0, tc)], BLOCK)
+    step = build_step([SeqWork(a[11:], 11, ta), SeqWork(b[6:], 6, tb), SeqWork(c, 0, tc)], BLOCK,
+                      split_decodes=split_decodes)
+    assert step["query_index"].shape == ((2, 11) if split_decodes else (3, 11))
     logits = ex.run(step)
     assert logits.shape == (3, 256)
     for row, seq in enumerate((a, b, c)):
+        np.testing.assert_allclose(logits[row], last_logits(ref, seq), atol=1e-5)
+
+
+def test_decode_group_of_several_decodes_beside_a_chunk(tiny) -> None:  # noqa: ANN001
+    """Four decodes at different context lengths in the decode group, a 20-token chunk in the main group."""
+    ref = tiny[0]
+    ex = fresh(tiny)
+    rng = np.random.default_rng(3)
+    seqs = [[int(t) for t in rng.integers(3, 256, n)] for n in (3, 40, 9, 70)]
+    ids = iter(range(1, 64))
+    tables = [[next(ids) for _ in range(-(-len(s) // BLOCK))] for s in seqs]
+    ex.run(build_step([SeqWork(s[:-1], 0, t) for s, t in zip(seqs, tables)], BLOCK))
+    chunk = [int(t) for t in rng.integers(3, 256, 20)]
+    work = [SeqWork(s[-1:], len(s) - 1, t) for s, t in zip(seqs, tables)] + [
+        SeqWork(chunk, 0, [next(ids) for _ in range(-(-20 // BLOCK))])]
+    step = build_step(work[:2] + work[4:] + work[2:4], BLOCK, split_decodes=True)  # the chunk between decodes
+    assert step["decode_query_index"].shape == (4, 1) and step["query_index"].shape == (1, 20)
+    logits = ex.run(step)
+    for row, seq in enumerate(seqs[:2] + [chunk] + seqs[2:]):
         np.testing.assert_allclose(logits[row], last_logits(ref, seq), atol=1e-5)
 
 
