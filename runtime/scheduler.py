@@ -11,10 +11,12 @@ Policy only; allocation is the KV cache manager's. Every step:
      interleaved with the running decodes). Prefix-cache hits skip the cached part of the prompt.
 With ``mixed_steps`` (executors whose graph has a decode group: the ORT step graph, ``paged_kv.DECODE_GROUP_INPUTS``)
 every step carries the running decodes and fills the rest of the budget with prefill chunks, vLLM's chunked
-prefill: the decodes are attended apart from the chunks, so they cost their own work only. Measured
-(benchmarks/bench_serve.sh, SmolLM2, same session, against the alternation below): concurrency 32 214 vs 183
-output tok/s, TTFT p99 5.6 vs 6.7 s, inter-token p99 0.74 vs 0.92 s; Poisson 2 req/s inter-token p99 0.42 vs
-0.52 s; concurrency 8 inter-token p99 0.18 vs 0.08 s (bursts of arrivals now share steps with the decodes).
+prefill: the decodes are attended apart from the chunks, so they cost their own work only. Measured against the
+alternation below (benchmarks/bench_serve.sh levels, SmolLM2, runs interleaved old/new/old/new on a noisy machine):
+concurrency 32 output tok/s 179.8 / 175.5 vs 173.9 / 173.4, inter-token p99 0.86 / 0.83 vs 1.11 / 0.93 s, TTFT
+p99 unchanged (6.9 / 6.5 vs 6.9 / 6.9 s); Poisson 2 req/s inter-token p99 0.42 vs 0.52 s (one pair); but
+concurrency 8 inter-token p99 0.29 / 0.25 vs 0.09 / 0.09 s: a burst of arrivals (clients whose requests ended in
+the same step) now stalls the running decodes for its prefill steps instead of alternating with them.
 Without it (graphs that pad every sequence's queries to the step's longest: the runtime-write ORT graph) a step
 carries either decodes or prefill work, and the two kinds alternate while both are pending: a 512-token chunk in a
 step with 16 decodes would cost 17 × 512 query rows of attention. Measured (benchmarks/bench_chunked.py,
