@@ -54,9 +54,10 @@ def _acl() -> tuple[bool, str, int | None]:
         import acl  # noqa: PLC0415 - only here: the import needs CANN's libraries
     except Exception as e:  # noqa: BLE001 - a broken install raises anything from its C extension
         return False, f"import failed: {type(e).__name__}: {e}", None
+    from omforge.runtime.acl_api import device_count  # every acl call lives in acl_api
+
     try:
-        count, ret = acl.rt.get_device_count()
-        return True, "imports", count if ret == 0 else None
+        return True, "imports", device_count(acl)
     except Exception as e:  # noqa: BLE001
         return True, f"imports; device count failed: {e}", None
 

@@ -67,6 +67,12 @@ def import_acl() -> Any:
                              "an Ascend NPU (omforge doctor shows what this machine has)") from None
 
 
+def device_count(acl: Any) -> int | None:
+    """NPUs pyACL sees (``acl.rt.get_device_count``), or None when the call fails (for omforge doctor)."""
+    count, ret = acl.rt.get_device_count()
+    return count if ret == ACL_SUCCESS else None
+
+
 class AclRuntime:
     """Checked wrappers over one ``acl`` module (the real one, or a fake in tests)."""
 

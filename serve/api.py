@@ -215,9 +215,12 @@ class _Run:
 
 async def _collect(engine: AsyncEngine, run: _Run, builder: ResponseBuilder) -> dict:
     finals: dict[int, RequestOutput] = {}
-    async for outs in engine.outputs(run.group):
-        for out in outs:
-            finals[run.choice(out)[1]] = out
+    try:
+        async for outs in engine.outputs(run.group):
+            for out in outs:
+                finals[run.choice(out)[1]] = out
+    finally:  # cancelled (client gone), even before the first output: abort what is left
+        engine.cancel(run.group)
     choices = []
     for index in sorted(finals):
         out = finals[index]
@@ -232,14 +235,14 @@ async def _stream(engine: AsyncEngine, run: _Run, builder: ResponseBuilder, incl
     the usage chunk when asked, ``[DONE]``. An engine error mid-stream is sent as an error event."""
     finals: dict[int, RequestOutput] = {}
     num_choices = len(run.prompt_lens) * run.n
-    if builder.kind == "chat":
-        for index in range(num_choices):
-            yield builder.chunk(index, "", None, None, role=True)
-    for prompt, text in enumerate(run.echo):
-        for index in range(prompt * run.n, (prompt + 1) * run.n):
-            builder.start_offset(index, len(text))
-            yield builder.chunk(index, text, None, None)
     try:
+        if builder.kind == "chat":
+            for index in range(num_choices):
+                yield builder.chunk(index, "", None, None, role=True)
+        for prompt, text in enumerate(run.echo):
+            for index in range(prompt * run.n, (prompt + 1) * run.n):
+                builder.start_offset(index, len(text))
+                yield builder.chunk(index, text, None, None)
         async for outs in engine.outputs(run.group):
             for out in outs:
                 _, index = run.choice(out)
@@ -251,6 +254,8 @@ async def _stream(engine: AsyncEngine, run: _Run, builder: ResponseBuilder, incl
         yield sse(APIError(503, str(exc), type="server_error").body())
         yield SSE_DONE
         return
+    finally:  # closed early (the client went away, even before the first output): abort what is left, now
+        engine.cancel(run.group)
     if include_usage:
         yield builder.usage_chunk(run.usage(finals))
     yield SSE_DONE

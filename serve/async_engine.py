@@ -150,9 +150,14 @@ class AsyncEngine:
                     raise item
                 yield item
         finally:
-            if group.unfinished:
-                self._send(("abort", list(group.unfinished)))
-                self._retire(list(group.unfinished))
+            self.cancel(group)
+
+    def cancel(self, group: RequestGroup) -> None:
+        """Abort the group's unfinished sequences (the engine frees their blocks before its next step); a no-op
+        once all finished. Safe to call more than once, and for a group whose outputs were never consumed."""
+        if group.unfinished:
+            self._send(("abort", list(group.unfinished)))
+            self._retire(list(group.unfinished))
 
     def _retire(self, seq_ids: list[str]) -> None:
         for sid in seq_ids:

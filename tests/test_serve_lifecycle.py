@@ -140,3 +140,16 @@ def test_drain_timeout_bounds_the_shutdown(smollm2_bundle: Path) -> None:
                 pass
     finally:
         srv.kill()
+
+
+def test_chat_stream_closed_after_the_role_chunk_aborts(server: ServerProcess) -> None:
+    """The client leaves after the first chunk (the role, sent before any token): the request still stops."""
+    aborted = server.metrics().get("omforge:request_success_total{finished_reason=abort}", 0)
+    stream = server.client().chat.completions.create(model="smollm2-135m", max_tokens=1500, temperature=0.0,
+                                                     messages=[{"role": "user", "content": "Write forever."}],
+                                                     stream=True, extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    assert first.choices[0].delta.role == "assistant"
+    stream.close()
+    server.wait_for_metric("omforge:request_success_total{finished_reason=abort}", lambda v: v == aborted + 1)
+    server.wait_for_metric("omforge:kv_cache_used_blocks", lambda v: v == 0, timeout=10)
