@@ -161,7 +161,7 @@ def build_app(state: ServerState) -> FastAPI:
         group = submit(checked, rid, arrival)
         run = _Run(group, [len(i) for i in ids], params.n, echo)
         if body.stream:
-            return _sse(request, _stream(state.engine, run, builder, body.include_usage))
+            return _sse(_stream(state.engine, run, builder, body.include_usage))
         return JSONResponse(await _until_done_or_disconnect(request, _collect(state.engine, run, builder)))
 
     async def _chat_completions(request: Request, arrival: float) -> Response:
@@ -186,7 +186,7 @@ def build_app(state: ServerState) -> FastAPI:
         group = submit([(ids, checked)], rid, arrival)
         run = _Run(group, [len(ids)], params.n, [])
         if body.stream:
-            return _sse(request, _stream(state.engine, run, builder, body.include_usage))
+            return _sse(_stream(state.engine, run, builder, body.include_usage))
         return JSONResponse(await _until_done_or_disconnect(request, _collect(state.engine, run, builder)))
 
     return app
@@ -261,7 +261,7 @@ async def _stream(engine: AsyncEngine, run: _Run, builder: ResponseBuilder, incl
     yield SSE_DONE
 
 
-def _sse(request: Request, chunks: AsyncIterator[str]) -> StreamingResponse:
+def _sse(chunks: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(chunks, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
