@@ -53,16 +53,14 @@ def build_step(work: Sequence[SeqWork], block_size: int, max_blocks: int | None 
     offset = np.arange(total) - starts[seq_of]
     positions = np.repeat([w.start for w in work], lens) + offset
 
-    def tables_of(items: np.ndarray, width: int) -> np.ndarray:
-        out = np.empty((len(items), width), dtype=np.int64)
-        for r, b in enumerate(items):
-            row = np.asarray(work[b].block_table[:need_blocks[b]], dtype=np.int64)
-            out[r, :len(row)] = row
-            out[r, len(row):] = row[0]
-        return out
-
-    tables = tables_of(main, max(max(need_blocks[b] for b in main), max_blocks or 0))
-    all_tables = tables_of(np.arange(len(work)), max(need_blocks))
+    need = np.asarray(need_blocks, dtype=np.int64)
+    width = max(int(need.max()), max_blocks or 0)
+    all_tables = np.empty((len(work), width), dtype=np.int64)  # every item's table, padded with its first block
+    for b, w in enumerate(work):
+        row = np.asarray(w.block_table[:need_blocks[b]], dtype=np.int64)
+        all_tables[b, :len(row)] = row
+        all_tables[b, len(row):] = row[0]
+    tables = all_tables[main, :max(int(need[main].max()), max_blocks or 0)]
     slots = all_tables[seq_of, positions // block_size] * block_size + positions % block_size
     # padded query rows point at the sequence's last token: a valid, unmasked position (no NaN rows)
     m_starts, m_lens = starts[main], lens[main]
@@ -71,7 +69,7 @@ def build_step(work: Sequence[SeqWork], block_size: int, max_blocks: int | None 
     row_of_seq[main] = np.arange(len(main)) * q_max
     row_of_seq[dec] = len(main) * q_max + np.arange(len(dec))
     if split:
-        d_tables, d_qidx = tables_of(dec, max(need_blocks[b] for b in dec)), starts[dec][:, None]
+        d_tables, d_qidx = all_tables[dec, :int(need[dec].max())], starts[dec][:, None]
     else:  # one unreferenced row: the first token over its own first block
         d_tables, d_qidx = all_tables[:1, :1], np.zeros((1, 1), dtype=np.int64)
     logits_rows = [int(s + n - 1) for s, n, w in zip(starts, lens, work) if w.needs_logits]
