@@ -21,7 +21,7 @@ from omforge.passes.paged_kv import PagedLayout
 from omforge.runtime.detokenizer import IncrementalDetokenizer
 from omforge.runtime.kv_cache_manager import KVCacheManager
 from omforge.runtime.ort_executor import OrtExecutor
-from omforge.runtime.request import Request, Status
+from omforge.runtime.request import Request, Status, seq_ids
 from omforge.runtime.sampler import Sampler
 from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
 from omforge.runtime.scheduler import ScheduledRequest, Scheduler
@@ -173,9 +173,8 @@ class LLMEngine:
         if rid in self.requests:
             raise RequestRejected(f"request id '{rid}' is already in use")
         reqs = []
-        for i in range(params.n):
-            req = Request(f"{rid}-{i}" if params.n > 1 else rid, ids, params, prompt=text, index=i,
-                          generator=params.make_generator(i))
+        for i, sid in enumerate(seq_ids(rid, params.n)):
+            req = Request(sid, ids, params, prompt=text, index=i, generator=params.make_generator(i))
             if arrival_time is not None:
                 req.arrival_time = arrival_time
             if self.tokenizer is not None:

@@ -55,3 +55,9 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+
+def seq_ids(request_id: str, n: int) -> list[str]:
+    """The ids of the ``n`` sequences of a request: ``{request_id}-{i}``, or the request id itself when n is 1."""
+    return [f"{request_id}-{i}" for i in range(n)] if n > 1 else [request_id]
+

@@ -153,16 +153,10 @@ def build_app(state: ServerState) -> FastAPI:
             lambda: [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts])
         params = body.sampling_params(body.max_tokens, body.logprobs)
         checked = [(i, check(i, params, "max_tokens" if body.max_tokens else "prompt")) for i in ids]
-        rid = state.engine.new_request_id("cmpl")
-        builder = ResponseBuilder("completion", rid, state.model_name, token_text, body.logprobs is not None)
         echo = []
         if body.echo:
             echo = [t if t is not None else (tokenizer.decode(i) if tokenizer else "") for t, i in zip(texts, ids)]
-        group = submit(checked, rid, arrival)
-        run = _Run(group, [len(i) for i in ids], params.n, echo)
-        if body.stream:
-            return _sse(_stream(state.engine, run, builder, body.include_usage))
-        return JSONResponse(await _until_done_or_disconnect(request, _collect(state.engine, run, builder)))
+        return await respond(request, body, "completion", checked, echo, body.logprobs is not None, arrival)
 
     async def _chat_completions(request: Request, arrival: float) -> Response:
         body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
@@ -181,10 +175,14 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
         params = body.sampling_params(body.max_new_tokens(), body.num_logprobs())
         checked = check(ids, params, "max_completion_tokens" if body.max_new_tokens() else "messages")
-        rid = state.engine.new_request_id("chatcmpl")
-        builder = ResponseBuilder("chat", rid, state.model_name, token_text, bool(body.logprobs))
-        group = submit([(ids, checked)], rid, arrival)
-        run = _Run(group, [len(ids)], params.n, [])
+        return await respond(request, body, "chat", [(ids, checked)], [], bool(body.logprobs), arrival)
+
+    async def respond(request: Request, body: Any, kind: str, prompts: list[tuple[list[int], SamplingParams]],
+                      echo: list[str], want_logprobs: bool, arrival: float) -> Response:
+        """Submit the checked prompts and answer: an SSE stream, or the whole body once done (or the client gone)."""
+        rid = state.engine.new_request_id("chatcmpl" if kind == "chat" else "cmpl")
+        builder = ResponseBuilder(kind, rid, state.model_name, token_text, want_logprobs)
+        run = _Run(submit(prompts, rid, arrival), [len(ids) for ids, _ in prompts], prompts[0][1].n, echo)
         if body.stream:
             return _sse(_stream(state.engine, run, builder, body.include_usage))
         return JSONResponse(await _until_done_or_disconnect(request, _collect(state.engine, run, builder)))

@@ -30,6 +30,7 @@ from typing import AsyncIterator, Iterator, Sequence
 
 from omforge.errors import OmforgeError
 from omforge.runtime.engine import LLMEngine, RequestOutput
+from omforge.runtime.request import seq_ids
 from omforge.runtime.sampling_params import SamplingParams
 
 log = logging.getLogger("omforge.serve")
@@ -132,7 +133,7 @@ class AsyncEngine:
         arrival = arrival_time or time.monotonic()
         for i, (ids, params) in enumerate(prompts):
             rid = f"{request_id}-p{i}" if len(prompts) > 1 else request_id
-            for sid in _seq_ids(rid, params.n):
+            for sid in seq_ids(rid, params.n):
                 group.prompt_of[sid] = i
                 group.unfinished.add(sid)
                 self._groups[sid] = group
@@ -159,8 +160,8 @@ class AsyncEngine:
             self._send(("abort", list(group.unfinished)))
             self._retire(list(group.unfinished))
 
-    def _retire(self, seq_ids: list[str]) -> None:
-        for sid in seq_ids:
+    def _retire(self, ids: list[str]) -> None:
+        for sid in ids:
             group = self._groups.pop(sid, None)
             if group is not None:
                 self.num_in_flight -= 1
@@ -182,9 +183,9 @@ class AsyncEngine:
             self._retire([o.request_id for o in outs if o.finished])
             group.queue.put_nowait(outs)
 
-    def _fail(self, seq_ids: list[str], error: BaseException) -> None:
+    def _fail(self, ids: list[str], error: BaseException) -> None:
         """On the event loop: end these sequences' groups with ``error`` (a refused add, a failed engine)."""
-        for sid in seq_ids:
+        for sid in ids:
             group = self._groups.get(sid)
             if group is not None:
                 self._retire(list(group.unfinished))
@@ -214,7 +215,7 @@ class AsyncEngine:
                 self.engine.add_request(ids, params, request_id, arrival_time=arrival)
                 added = True
             except Exception as exc:  # noqa: BLE001 - the handler checked already; anything left goes to it
-                self._call_soon(self._fail, _seq_ids(request_id, params.n), exc)
+                self._call_soon(self._fail, seq_ids(request_id, params.n), exc)
         return added
 
     def _call_soon(self, fn, *args) -> None:  # noqa: ANN001
@@ -234,14 +235,11 @@ class AsyncEngine:
                 was_idle = not engine.has_unfinished()
                 if self._apply(cmds) and was_idle and self.max_queue_delay_s > 0:
                     self._fill_batch()
-                if engine.has_unfinished():
-                    outputs = engine.step()
-                    if outputs:
-                        self._call_soon(self._deliver, outputs)
-                    if self.metrics is not None:
-                        self.metrics.after_step(engine, outputs, len(self._cmds))
-                elif self.metrics is not None:
-                    self.metrics.after_step(engine, [], len(self._cmds))
+                outputs = engine.step() if engine.has_unfinished() else []
+                if outputs:
+                    self._call_soon(self._deliver, outputs)
+                if self.metrics is not None:
+                    self.metrics.after_step(engine, outputs, len(self._cmds))
         except BaseException as exc:  # noqa: BLE001 - a failed step fails every request; /health turns 503
             self.failure = exc
             log.error("engine thread failed:\n%s", traceback.format_exc())
@@ -270,7 +268,3 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException) -> None:
         self._fail(list(self._groups), error)
 
-
-def _seq_ids(request_id: str, n: int) -> list[str]:
-    """The engine's ids for the ``n`` sequences of a request (see LLMEngine.add_request)."""
-    return [f"{request_id}-{i}" for i in range(n)] if n > 1 else [request_id]
