@@ -29,11 +29,14 @@ from omforge.passes.pipeline import histogram, interface
 from omforge.recipe import Recipe
 
 
-def lower_step_graph(export_dir: Path, out: Path, recipe: Recipe, block_size: int) -> dict[str, Any]:
+def lower_step_graph(export_dir: Path, out: Path, recipe: Recipe, block_size: int,
+                     plain: bool = False) -> dict[str, Any]:
+    """``plain``: every op as standard ONNX with the lowering's numerics (``lower_ascend.lower(plain=True)``), a
+    graph any ONNX runtime can run — what the tests' fake pyACL executes in place of the OMs."""
     model = ir.load(export_dir / "model.onnx")
     counts = manager.run_fusions(model, recipe.compile.fusions)
     layout = insert_paged_kv(model, block_size)
-    lowering = lower_ascend.lower(model)
+    lowering = lower_ascend.lower(model, plain=plain)
     manager.cleanup(model)
     ir.save(model, out / "step.onnx", external_data="step.onnx.data")
     simplified = _onnxsim(out / "step.onnx")

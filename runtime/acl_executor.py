@@ -85,6 +85,7 @@ class AclExecutor:
         self.num_slots = int(asc["num_slots"])
         self.num_blocks = self.num_slots // self.layout.block_size
         self.max_prompt_len = max_prompt_len(self.plan)
+        self.mixed_steps = False  # the scheduler need not separate decodes: plan_runs splits every step itself
         self.vocab = int(manifest["model"]["config"]["vocab_size"])
         abi = manifest["abi"]
         self.inputs = [(t["name"], t["shape"]) for t in abi["inputs"]]

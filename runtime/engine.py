@@ -118,7 +118,7 @@ class LLMEngine:
         self.kv = KVCacheManager(blocks, self.block_size, enable_prefix_caching=caching, num_host_blocks=host_blocks)
         self.scheduler = Scheduler(self.kv, max_num_seqs or serve["max_num_seqs"],
                                    max_num_batched_tokens or serve["max_num_batched_tokens"], mode,
-                                   mixed_steps=getattr(self.executor, "mixed_steps", False))
+                                   mixed_steps=self.executor.mixed_steps)
         tok = m["tokenizer"]
         self.tokenizer = TextTokenizer(bundle / tok["file"], tok) if tok.get("file") else None
         self.eos_token_ids = tuple(self.config["eos_token_ids"])

@@ -2,9 +2,9 @@
 
 Each layer's pool is a numpy array ``[num_blocks, block_size, kv_heads, head_dim]`` whose slot view is bound
 (zero-copy) as the ``key_cache.N`` input. Who writes the step's new rows depends on the graph
-(``lower_ort.lower(kv_write=…)``): with ``key_new.N`` outputs (the default) the executor stores them at
-``slot_mapping`` after the run; with ``key_cache_out.N`` outputs the same buffer is bound as that output and
-the in-graph ScatterND writes in place. Either way no step copies a pool: cost follows the work.
+(``lower_ort.lower(kv_write=…)``): with ``key_cache_out.N`` outputs (the default) the same buffer is bound as
+that output and the in-graph ScatterND writes in place; with ``key_new.N`` outputs the executor stores them at
+``slot_mapping`` after the run. Either way no step copies a pool: cost follows the work.
 """
 
 from __future__ import annotations

@@ -23,43 +23,16 @@ from omforge.runtime.acl_api import AclError, AclParameterError, AclResourceErro
 HAS_ACL = importlib.util.find_spec("acl") is not None
 
 
-def compile_ascend(recipe: Path, out: Path, cache: Path) -> Path:
-    """``omforge compile --target ascend``: without atc it stops before the OM step, everything else written."""
-    import os
-
-    from omforge.compile.atc import AtcMissing
-    from omforge.compile.compiler import compile_recipe
-    from omforge.recipe import load_recipe
-
-    old = os.environ.get("OMFORGE_CACHE_DIR")
-    os.environ["OMFORGE_CACHE_DIR"] = str(cache)
-    try:
-        compile_recipe(load_recipe(recipe), out, target="ascend", quiet=True)
-    except AtcMissing:
-        pass
-    finally:
-        os.environ.pop("OMFORGE_CACHE_DIR") if old is None else os.environ.__setitem__("OMFORGE_CACHE_DIR", old)
-    return out
-
-
 def plain_twin(bundle: Path, out: Path) -> Path:
-    """The ascend step graph with every op lowered to standard ONNX (``lower_ascend.lower(plain=True)``, our
-    RMSNorm epsilon): what the fake's "OM" runs."""
-    import onnx_ir as ir
-
-    from omforge.passes import lower_ascend, manager
-    from omforge.passes.paged_kv import insert_paged_kv
+    """The ascend step graph with every op lowered to standard ONNX (``lower_step_graph(plain=True)``, our RMSNorm
+    epsilon): what the fake's "OM" runs."""
+    from omforge.compile.ascend import lower_step_graph
     from omforge.recipe import load_recipe
 
     manifest = json.loads((bundle / "manifest.json").read_text())
-    model = ir.load(bundle / "export" / "model.onnx")
-    manager.run_fusions(model, load_recipe(TINY_RECIPE).compile.fusions)
-    insert_paged_kv(model, manifest["kv"]["block_size"])
-    lower_ascend.lower(model, plain=True)
-    manager.cleanup(model)
     out.mkdir(parents=True, exist_ok=True)
-    ir.save(model, out / "plain.onnx", external_data="plain.onnx.data")
-    return out / "plain.onnx"
+    lower_step_graph(bundle / "export", out, load_recipe(TINY_RECIPE), manifest["kv"]["block_size"], plain=True)
+    return out / "step.onnx"
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +40,7 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(the tiny ascend bundle with FAKE OM files, the tiny ort bundle), one stage cache."""
     root = tmp_path_factory.mktemp("acl")
     cache = root / "cache"
-    asc = compile_ascend(TINY_RECIPE, root / "ascend", cache)
+    asc = compile_bundle(TINY_RECIPE, root / "ascend", cache, target="ascend")
     write_fake_oms(asc, plain_twin(asc, root / "plain"))
     return asc, compile_bundle(TINY_RECIPE, root / "ort", cache)
 
