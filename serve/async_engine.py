@@ -236,10 +236,10 @@ class AsyncEngine:
                 if self._apply(cmds) and was_idle and self.max_queue_delay_s > 0:
                     self._fill_batch()
                 outputs = engine.step() if engine.has_unfinished() else []
+                if self.metrics is not None:  # before delivery: a client that has its answer sees it counted
+                    self.metrics.after_step(engine, outputs, len(self._cmds))
                 if outputs:
                     self._call_soon(self._deliver, outputs)
-                if self.metrics is not None:
-                    self.metrics.after_step(engine, outputs, len(self._cmds))
         except BaseException as exc:  # noqa: BLE001 - a failed step fails every request; /health turns 503
             self.failure = exc
             log.error("engine thread failed:\n%s", traceback.format_exc())
