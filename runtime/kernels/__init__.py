@@ -1,0 +1,89 @@
+"""omforge's native CPU kernels for ONNX Runtime: a custom-op library, domain :data:`DOMAIN`.
+
+The library (``_omforge_kernels*.so`` beside this file, built from the C++ sources here by the normal
+install) registers ``PagedAttention`` (fp32 KV pools) and ``PagedAttentionBF16`` (bf16 pools); their contract
+is at the top of ``custom_op.cpp``. It receives ORT's API table at registration and declares the few ABI
+facts it uses itself (``ort_abi.h``), so it needs no ORT headers and loads on any ORT >= 1.17.
+
+Nothing here is required: :func:`status` says whether the library is usable in this process and why not;
+compile then falls back to the plain-op lowering, and a bundle that needs the library fails to load with
+one clear line. ``OMFORGE_KERNELS=0`` disables the library (tests of the fallback); ``OMFORGE_KERNELS_ISA``
+(``avx512``, ``avx2``, ``generic``) forces a slower code path than the CPU allows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DOMAIN = "omforge.kernels"
+ABI_VERSION = 1
+"""The op contract version this Python side speaks; the library reports its own (must match)."""
+MIN_ORT = (1, 17)
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    """Whether the library can be used here; ``reason`` says why not when ``available`` is False."""
+
+    available: bool
+    path: str | None = None
+    abi: int | None = None
+    isa: str | None = None
+    reason: str = ""
+
+    def manifest_entry(self) -> dict:
+        return {"name": Path(self.path).name.split(".")[0] if self.path else None, "domain": DOMAIN,
+                "abi": self.abi, "isa": self.isa}
+
+
+def library_path() -> Path | None:
+    """The built library: ``$OMFORGE_KERNELS_LIBRARY`` or the ``_omforge_kernels*.so`` beside this file."""
+    override = os.environ.get("OMFORGE_KERNELS_LIBRARY")
+    if override:
+        return Path(override) if Path(override).is_file() else None
+    found = sorted(Path(__file__).parent.glob("_omforge_kernels*.so"))
+    return found[0] if found else None
+
+
+def _ort_version() -> tuple[int, int]:
+    import onnxruntime as ort
+
+    major, minor = ort.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+@functools.lru_cache(maxsize=None)
+def status() -> KernelStatus:
+    """Probe the library once per process (its ISA choice is fixed at load)."""
+    if os.environ.get("OMFORGE_KERNELS", "1") == "0":
+        return KernelStatus(False, reason="disabled by OMFORGE_KERNELS=0")
+    path = library_path()
+    if path is None:
+        return KernelStatus(False, reason="the kernel library was not built (no C++ compiler at install time, or "
+                                          "not an x86-64/GCC platform); reinstall omforge with g++ available")
+    if _ort_version() < MIN_ORT:
+        return KernelStatus(False, str(path), reason=f"onnxruntime {'.'.join(map(str, _ort_version()))} is older "
+                                                     f"than {'.'.join(map(str, MIN_ORT))}")
+    try:
+        lib = ctypes.CDLL(str(path))
+        lib.omforge_kernels_info.restype = ctypes.c_char_p
+        fields = dict(kv.split("=", 1) for kv in lib.omforge_kernels_info().decode().split())
+    except (OSError, AttributeError) as e:
+        return KernelStatus(False, str(path), reason=f"cannot load {path.name}: {e}")
+    abi = int(fields["abi"])
+    if abi != ABI_VERSION:
+        return KernelStatus(False, str(path), abi, fields.get("isa"),
+                            reason=f"{path.name} speaks kernel ABI {abi}, this omforge {ABI_VERSION}; reinstall omforge")
+    return KernelStatus(True, str(path), abi, fields["isa"])
+
+
+def register(options) -> None:  # noqa: ANN001 - onnxruntime.SessionOptions
+    """Register the library's ops with ``options``; raises RuntimeError naming the reason if unavailable."""
+    s = status()
+    if not s.available:
+        raise RuntimeError(f"omforge kernel library unavailable: {s.reason}")
+    options.register_custom_ops_library(s.path)

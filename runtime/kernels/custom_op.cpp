@@ -1,0 +1,351 @@
+// The omforge kernel library: registers the custom-op domain `omforge.kernels` with ONNX Runtime
+// (entry point RegisterCustomOps) and implements its PagedAttention ops on the CPU EP.
+//
+// PagedAttention (fp32 pools) / PagedAttentionBF16 (bf16 pools), the ORT CPU lowering of the step ABI's
+// paged attention (see passes/paged_kv.py for the ABI):
+//   inputs   0 q [1, Hq, T, D] or [1, T, Hq*D] float    1 k, 2 v: [1, Hkv, T, D] or [1, T, Hkv*D] float
+//            3 key_cache, 4 value_cache [S, Hkv, D]    5 slot_mapping [T]   6 block_tables [B, M]
+//            7 query_index [B, Q]   8 token_index [T]   9 position_ids [1, T]
+//            10 decode_block_tables [Bd, Md]   11 decode_query_index [Bd, 1]   (all index inputs int64)
+//   outputs  0 o (q's shape)   1 key_cache_out, 2 value_cache_out (the pools with this step's rows written)
+//   attrs    scale (float), q_heads, kv_heads, block_size, window (0: none)
+// Contract: the step's new K/V rows are written at slot_mapping first (in place when the output is bound to
+// the input's buffer; otherwise the pool is copied once, then written), then every referenced query row
+// attends to the keys of its sequence at positions <= its own (and > position - window). A row (b, i) of the
+// main group is referenced iff token_index[query_index[b, i]] == b * Q + i; a decode-group row d iff
+// token_index[decode_query_index[d]] == B * Q + d (the ABI's padding rows are skipped).
+#include <atomic>
+#include <cstdlib>
+#include <new>
+#include <string>
+
+#include "ort_abi.h"
+#include "paged_attention.h"
+
+#define OMF_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace omf {
+namespace {
+
+constexpr int kAbiVersion = 1;  // bump when the op's inputs, outputs or attributes change
+constexpr const char* kDomain = "omforge.kernels";
+
+ort::Api g_api;
+
+struct Isa {
+  const char* name;
+  AttendFn fn;
+};
+
+Isa choose_isa() {
+  const char* want = std::getenv("OMFORGE_KERNELS_ISA");  // force a slower path (tests exercise each)
+  std::string w = want ? want : "";
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  const bool has512 = __builtin_cpu_supports("avx512f");
+  const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (has512 && (w.empty() || w == "avx512")) return {"avx512", &avx512::attend};
+  if (has2 && (w.empty() || w == "avx512" || w == "avx2")) return {"avx2", &avx2::attend};
+#endif
+  return {"generic", &generic::attend};
+}
+
+const Isa& isa() {
+  static const Isa chosen = choose_isa();
+  return chosen;
+}
+
+struct Tensor {
+  const OrtValue* value = nullptr;
+  int type = 0;
+  std::vector<int64_t> dims;
+  void* data = nullptr;
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int64_t d : dims) n *= d;
+    return n;
+  }
+};
+
+OrtStatus* describe(const OrtValue* v, Tensor& t) {
+  t.value = v;
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  if (OrtStatus* s = g_api.GetTensorTypeAndShape(v, &info)) return s;
+  size_t n = 0;
+  OrtStatus* s = g_api.GetTensorElementType(info, &t.type);
+  if (!s) s = g_api.GetDimensionsCount(info, &n);
+  if (!s) {
+    t.dims.resize(n);
+    s = g_api.GetDimensions(info, t.dims.data(), n);
+  }
+  g_api.ReleaseTensorTypeAndShapeInfo(info);
+  if (!s) s = g_api.GetTensorMutableData(const_cast<OrtValue*>(v), &t.data);
+  return s;
+}
+
+OrtStatus* fail(const std::string& msg) { return g_api.CreateStatus(kOrtInvalidArgument, ("PagedAttention: " + msg).c_str()); }
+
+struct Kernel {
+  KvType kv_type;
+  int64_t q_heads = 0, kv_heads = 0, block_size = 0, window = 0;
+  float scale = 0.0f;
+};
+
+struct Run {
+  const PagedProblem* problem;
+  std::atomic<const char*> error{nullptr};
+};
+
+void run_item(void* data, size_t i) {
+  Run* run = static_cast<Run*>(data);
+  const char* err = nullptr;
+  if (!isa().fn(*run->problem, i, &err)) run->error.store(err);
+}
+
+// Per-token strides of a [1, H, T, D] or [1, T, H*D] activation; false when the shape is neither.
+bool activation_layout(const Tensor& t, int64_t heads, int64_t& tokens, int64_t& head_dim, int64_t& tok_stride,
+                       int64_t& head_stride) {
+  if (t.dims.size() == 4 && t.dims[0] == 1 && t.dims[1] == heads) {
+    tokens = t.dims[2], head_dim = t.dims[3], tok_stride = head_dim, head_stride = tokens * head_dim;
+    return true;
+  }
+  if (t.dims.size() == 3 && t.dims[0] == 1 && heads > 0 && t.dims[2] % heads == 0) {
+    tokens = t.dims[1], head_dim = t.dims[2] / heads, tok_stride = t.dims[2], head_stride = head_dim;
+    return true;
+  }
+  return false;
+}
+
+uint16_t to_bf16(float f) {  // round to nearest even; NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+OrtStatus* compute(const Kernel& K, OrtKernelContext* ctx) {
+  size_t nin = 0;
+  if (OrtStatus* s = g_api.KernelContext_GetInputCount(ctx, &nin)) return s;
+  if (nin != 12) return fail("expected 12 inputs, got " + std::to_string(nin));
+  Tensor in[12];
+  for (size_t i = 0; i < 12; ++i) {
+    const OrtValue* v = nullptr;
+    if (OrtStatus* s = g_api.KernelContext_GetInput(ctx, i, &v)) return s;
+    if (OrtStatus* s = describe(v, in[i])) return s;
+  }
+  const Tensor &q = in[0], &k = in[1], &v = in[2], &kc = in[3], &vc = in[4], &slots = in[5], &tables = in[6],
+               &qidx = in[7], &tidx = in[8], &pos = in[9], &dtables = in[10], &dqidx = in[11];
+  const int want_kv = K.kv_type == KvType::kBfloat16 ? kBfloat16 : kFloat;
+  if (q.type != kFloat || k.type != kFloat || v.type != kFloat) return fail("q, k and v must be float32");
+  if (kc.type != want_kv || vc.type != want_kv) return fail("the KV pools have the wrong element type");
+  for (int i = 5; i < 12; ++i)
+    if (in[i].type != kInt64) return fail("input " + std::to_string(i) + " must be int64");
+  int64_t T = 0, D = 0, qts = 0, qhs = 0, Tk = 0, Dk = 0, kts = 0, khs = 0, Tv = 0, Dv = 0, vts = 0, vhs = 0;
+  if (!activation_layout(q, K.q_heads, T, D, qts, qhs)) return fail("q must be [1, q_heads, T, D] or [1, T, q_heads*D]");
+  if (!activation_layout(k, K.kv_heads, Tk, Dk, kts, khs) || !activation_layout(v, K.kv_heads, Tv, Dv, vts, vhs) ||
+      Tk != T || Tv != T || Dk != D || Dv != D)
+    return fail("k and v must be [1, kv_heads, T, D] or [1, T, kv_heads*D] matching q");
+  if (D != 64 && D != 128) return fail("head_dim must be 64 or 128, got " + std::to_string(D));
+  if (kc.dims.size() != 3 || kc.dims[1] != K.kv_heads || kc.dims[2] != D || vc.dims != kc.dims)
+    return fail("the KV pools must be [num_slots, kv_heads, head_dim]");
+  const int64_t S = kc.dims[0];
+  if (S % K.block_size != 0) return fail("the pool's slot count is not a multiple of block_size");
+  if (slots.numel() != T || tidx.numel() != T || pos.numel() != T)
+    return fail("slot_mapping, token_index and position_ids must have one entry per token");
+  if (tables.dims.size() != 2 || qidx.dims.size() != 2 || qidx.dims[0] != tables.dims[0] || dtables.dims.size() != 2 ||
+      dqidx.dims.size() != 2 || dqidx.dims[0] != dtables.dims[0])
+    return fail("block_tables/query_index (and their decode-group twins) must be 2-D with one row per sequence");
+
+  OrtValue* outs[3];
+  if (OrtStatus* s = g_api.KernelContext_GetOutput(ctx, 0, q.dims.data(), q.dims.size(), &outs[0])) return s;
+  if (OrtStatus* s = g_api.KernelContext_GetOutput(ctx, 1, kc.dims.data(), kc.dims.size(), &outs[1])) return s;
+  if (OrtStatus* s = g_api.KernelContext_GetOutput(ctx, 2, vc.dims.data(), vc.dims.size(), &outs[2])) return s;
+  void* out_data[3];
+  for (int i = 0; i < 3; ++i)
+    if (OrtStatus* s = g_api.GetTensorMutableData(outs[i], &out_data[i])) return s;
+
+  // 1. the step's rows into the pools (the output pools; copied from the inputs first unless aliased)
+  const size_t elem = K.kv_type == KvType::kBfloat16 ? 2 : 4;
+  const size_t pool_bytes = static_cast<size_t>(S) * K.kv_heads * D * elem;
+  if (out_data[1] != kc.data) std::memcpy(out_data[1], kc.data, pool_bytes);
+  if (out_data[2] != vc.data) std::memcpy(out_data[2], vc.data, pool_bytes);
+  const int64_t* slot = static_cast<const int64_t*>(slots.data);
+  for (int64_t t = 0; t < T; ++t) {
+    if (slot[t] < 0 || slot[t] >= S) return fail("slot_mapping holds a slot outside the pool");
+    for (int64_t g = 0; g < K.kv_heads; ++g) {
+      const float* ks = static_cast<const float*>(k.data) + t * kts + g * khs;
+      const float* vs = static_cast<const float*>(v.data) + t * vts + g * vhs;
+      const int64_t at = (slot[t] * K.kv_heads + g) * D;
+      if (K.kv_type == KvType::kFloat32) {
+        std::memcpy(static_cast<float*>(out_data[1]) + at, ks, D * sizeof(float));
+        std::memcpy(static_cast<float*>(out_data[2]) + at, vs, D * sizeof(float));
+      } else {
+        uint16_t* kd = static_cast<uint16_t*>(out_data[1]) + at;
+        uint16_t* vd = static_cast<uint16_t*>(out_data[2]) + at;
+        for (int64_t d = 0; d < D; ++d) kd[d] = to_bf16(ks[d]), vd[d] = to_bf16(vs[d]);
+      }
+    }
+  }
+
+  // 2. work items: each referenced query row, grouped by sequence, chunks of <= kMaxItemTokens
+  const int64_t B = tables.dims[0], M = tables.dims[1], Q = qidx.dims[1], Bd = dtables.dims[0], Md = dtables.dims[1];
+  const int64_t* tix = static_cast<const int64_t*>(tidx.data);
+  std::vector<int32_t> tokens;
+  std::vector<WorkItem> items;
+  tokens.reserve(T);
+  auto add_rows = [&](const int64_t* rows, int64_t n, int64_t first_row, const int64_t* table, int64_t width) -> bool {
+    int32_t start = static_cast<int32_t>(tokens.size());
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = rows[i];
+      if (t < 0 || t >= T) return false;
+      if (tix[t] != first_row + i) continue;  // a padding row
+      tokens.push_back(static_cast<int32_t>(t));
+      if (static_cast<int32_t>(tokens.size()) - start == kMaxItemTokens) {
+        items.push_back({table, width, start, kMaxItemTokens});
+        start = static_cast<int32_t>(tokens.size());
+      }
+    }
+    if (static_cast<int32_t>(tokens.size()) > start)
+      items.push_back({table, width, start, static_cast<int32_t>(tokens.size()) - start});
+    return true;
+  };
+  const int64_t* tb = static_cast<const int64_t*>(tables.data);
+  const int64_t* qi = static_cast<const int64_t*>(qidx.data);
+  for (int64_t b = 0; b < B; ++b)
+    if (!add_rows(qi + b * Q, Q, b * Q, tb + b * M, M)) return fail("query_index holds a token outside the step");
+  const int64_t* dtb = static_cast<const int64_t*>(dtables.data);
+  const int64_t* dqi = static_cast<const int64_t*>(dqidx.data);
+  for (int64_t d = 0; d < Bd; ++d)
+    if (!add_rows(dqi + d, 1, B * Q + d, dtb + d * Md, Md)) return fail("decode_query_index holds a token outside the step");
+
+  // 3. attention, items spread over ORT's intra-op threads
+  PagedProblem P{};
+  P.q = static_cast<const float*>(q.data), P.q_tok_stride = qts, P.q_head_stride = qhs;
+  P.o = static_cast<float*>(out_data[0]), P.o_tok_stride = qts, P.o_head_stride = qhs;
+  P.key_pool = out_data[1], P.value_pool = out_data[2], P.kv_type = K.kv_type, P.num_slots = S;
+  P.q_heads = static_cast<int>(K.q_heads), P.kv_heads = static_cast<int>(K.kv_heads), P.head_dim = static_cast<int>(D);
+  P.block_size = static_cast<int>(K.block_size), P.scale = K.scale, P.window = K.window;
+  P.positions = static_cast<const int64_t*>(pos.data), P.tokens = tokens.data();
+  P.items = items.data(), P.num_items = items.size();
+  // rows no item references (there are none in a well-formed step) read as zeros, never as garbage
+  std::memset(P.o, 0, static_cast<size_t>(T) * K.q_heads * D * sizeof(float));
+  Run run;
+  run.problem = &P;
+  if (items.size() == 1) {
+    run_item(&run, 0);
+  } else if (!items.empty()) {
+    if (OrtStatus* s = g_api.KernelContext_ParallelFor(ctx, &run_item, items.size(), 0, &run)) return s;
+  }
+  if (const char* err = run.error.load()) return g_api.CreateStatus(kOrtInvalidArgument, err);
+  return nullptr;
+}
+
+// ---- the OrtCustomOp tables ----
+
+struct Op {
+  OrtCustomOp base;  // first member: ORT's OrtCustomOp* is a pointer to this
+  const char* name;
+  KvType kv_type;
+};
+
+const Op* as_op(const OrtCustomOp* op) { return reinterpret_cast<const Op*>(op); }
+
+OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo* info, void** out) {
+  Kernel* k = new (std::nothrow) Kernel{};
+  if (!k) return g_api.CreateStatus(kOrtFail, "PagedAttention: out of memory");
+  k->kv_type = as_op(op)->kv_type;
+  OrtStatus* s = g_api.KernelInfoGetAttribute_int64(info, "q_heads", &k->q_heads);
+  if (!s) s = g_api.KernelInfoGetAttribute_int64(info, "kv_heads", &k->kv_heads);
+  if (!s) s = g_api.KernelInfoGetAttribute_int64(info, "block_size", &k->block_size);
+  if (!s) s = g_api.KernelInfoGetAttribute_float(info, "scale", &k->scale);
+  if (!s) {
+    OrtStatus* w = g_api.KernelInfoGetAttribute_int64(info, "window", &k->window);
+    if (w) g_api.ReleaseStatus(w), k->window = 0;  // optional
+  }
+  if (!s && (k->q_heads <= 0 || k->kv_heads <= 0 || k->q_heads % k->kv_heads != 0))
+    s = g_api.CreateStatus(kOrtInvalidArgument, "PagedAttention: q_heads must be a positive multiple of kv_heads");
+  if (!s && k->block_size <= 0) s = g_api.CreateStatus(kOrtInvalidArgument, "PagedAttention: block_size must be positive");
+  if (!s && k->window < 0) s = g_api.CreateStatus(kOrtInvalidArgument, "PagedAttention: window must be >= 0");
+  if (s) {
+    delete k;
+    return s;
+  }
+  *out = k;
+  return nullptr;
+}
+
+OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
+  try {
+    return compute(*static_cast<Kernel*>(kernel), ctx);
+  } catch (const std::bad_alloc&) {
+    return g_api.CreateStatus(kOrtFail, "PagedAttention: out of memory");
+  }
+}
+
+void kernel_destroy(void* kernel) { delete static_cast<Kernel*>(kernel); }
+const char* op_name(const OrtCustomOp* op) { return as_op(op)->name; }
+const char* op_ep(const OrtCustomOp*) { return "CPUExecutionProvider"; }
+size_t input_count(const OrtCustomOp*) { return 12; }
+size_t output_count(const OrtCustomOp*) { return 3; }
+int input_type(const OrtCustomOp* op, size_t i) {
+  if (i <= 2) return kFloat;
+  if (i <= 4) return as_op(op)->kv_type == KvType::kBfloat16 ? kBfloat16 : kFloat;
+  return kInt64;
+}
+int output_type(const OrtCustomOp* op, size_t i) { return i == 0 ? kFloat : input_type(op, 3); }
+int required(const OrtCustomOp*, size_t) { return 0; }
+int mem_default(const OrtCustomOp*, size_t) { return 0; }
+int one(const OrtCustomOp*) { return 1; }
+
+Op make_op(const char* name, KvType kv) {
+  Op op{};
+  OrtCustomOp& b = op.base;
+  b.version = ort::kApiVersion;
+  b.CreateKernel = nullptr;  // the V2 entry points are used (ORT >= 1.16 prefers them when set)
+  b.GetName = op_name;
+  b.GetExecutionProviderType = op_ep;
+  b.GetInputType = input_type;
+  b.GetInputTypeCount = input_count;
+  b.GetOutputType = output_type;
+  b.GetOutputTypeCount = output_count;
+  b.KernelCompute = nullptr;
+  b.KernelDestroy = kernel_destroy;
+  b.GetInputCharacteristic = required;
+  b.GetOutputCharacteristic = required;
+  b.GetInputMemoryType = mem_default;
+  b.GetVariadicInputMinArity = one;
+  b.GetVariadicInputHomogeneity = one;
+  b.GetVariadicOutputMinArity = one;
+  b.GetVariadicOutputHomogeneity = one;
+  b.CreateKernelV2 = create_kernel;
+  b.KernelComputeV2 = kernel_compute;
+  b.InferOutputShapeFn = nullptr;
+  b.GetStartVersion = one;
+  b.GetEndVersion = nullptr;  // no upper bound
+  op.name = name;
+  op.kv_type = kv;
+  return op;
+}
+
+Op g_ops[] = {make_op("PagedAttention", KvType::kFloat32), make_op("PagedAttentionBF16", KvType::kBfloat16)};
+
+}  // namespace
+}  // namespace omf
+
+OMF_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
+  const OrtApi* api = base->GetApi(omf::ort::kApiVersion);
+  if (!api) return nullptr;  // ORT < 1.17: nothing registered; the loader reports it (see kernels/__init__.py)
+  omf::g_api.table = reinterpret_cast<const void* const*>(api);
+  OrtCustomOpDomain* domain = nullptr;  // intentionally never released: sessions may outlive any scope here
+  if (OrtStatus* s = omf::g_api.CreateCustomOpDomain(omf::kDomain, &domain)) return s;
+  for (auto& op : omf::g_ops)
+    if (OrtStatus* s = omf::g_api.CustomOpDomain_Add(domain, &op.base)) return s;
+  return omf::g_api.AddCustomOpDomain(options, domain);
+}
+
+// "abi=<n> isa=<path> domain=<domain>": what `omforge doctor` and the manifest report.
+OMF_EXPORT const char* omforge_kernels_info() {
+  static std::string info = "abi=" + std::to_string(omf::kAbiVersion) + " isa=" + omf::isa().name + " domain=" + omf::kDomain;
+  return info.c_str();
+}

@@ -1,0 +1,73 @@
+// PagedAttention, AVX2 + FMA path (chosen at run time when the CPU has it but not AVX-512F).
+#if defined(__x86_64__) && defined(__GNUC__)
+// Standard and project headers come before the target pragma: template code they define (std::vector, ...)
+// is then compiled for the baseline ISA, so no AVX instruction can leak into code shared with other paths.
+#include <immintrin.h>
+
+#include "paged_attention.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+namespace omf::avx2 {
+
+struct Vec {
+  using V = __m256;
+  static constexpr int W = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static float hsum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static float hmax(V v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static V exp(V x) {  // as the AVX-512 path; 2^n built in the exponent bits (n >= -126 after the clamp)
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    const V n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    V r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    V y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  }
+  static V load_kv(const float* p) { return _mm256_loadu_ps(p); }
+  static V load_kv(const uint16_t* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  static float kv_scalar(float x) { return x; }
+  static float kv_scalar(uint16_t x) {
+    uint32_t u = static_cast<uint32_t>(x) << 16;
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+  }
+};
+
+#include "paged_attention_impl.h"
+
+}  // namespace omf::avx2
+
+#pragma GCC pop_options
+#endif

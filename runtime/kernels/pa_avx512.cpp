@@ -1,0 +1,62 @@
+// PagedAttention, AVX-512F path (chosen at run time when the CPU has it; see custom_op.cpp).
+#if defined(__x86_64__) && defined(__GNUC__)
+// Standard and project headers come before the target pragma: template code they define (std::vector, ...)
+// is then compiled for the baseline ISA, so no AVX instruction can leak into code shared with other paths.
+#include <immintrin.h>
+
+#include "paged_attention.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma")
+
+namespace omf::avx512 {
+
+struct Vec {
+  using V = __m512;
+  static constexpr int W = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static float hsum(V v) { return _mm512_reduce_add_ps(v); }
+  static float hmax(V v) { return _mm512_reduce_max_ps(v); }
+  static V exp(V x) {  // Cephes-style: 2^n * p(r), r = x - n ln2; |rel err| < 2e-7 on [-87, 0]
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    V r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    V y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+  }
+  static V load_kv(const float* p) { return _mm512_loadu_ps(p); }
+  static V load_kv(const uint16_t* p) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+  static float kv_scalar(float x) { return x; }
+  static float kv_scalar(uint16_t x) {
+    uint32_t u = static_cast<uint32_t>(x) << 16;
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+  }
+};
+
+#include "paged_attention_impl.h"
+
+}  // namespace omf::avx512
+
+#pragma GCC pop_options
+#endif

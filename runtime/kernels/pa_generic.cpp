@@ -1,0 +1,37 @@
+// PagedAttention, portable path: GCC/Clang vector extensions (4 lanes), any architecture.
+#include <cmath>
+#include <cstring>
+
+#include "paged_attention.h"
+
+namespace omf::generic {
+
+struct Vec {
+  typedef float V __attribute__((vector_size(16)));
+  static constexpr int W = 4;
+  static V zero() { return V{0, 0, 0, 0}; }
+  static V set1(float x) { return V{x, x, x, x}; }
+  static V load(const float* p) { V v; std::memcpy(&v, p, sizeof v); return v; }
+  static void store(float* p, V v) { std::memcpy(p, &v, sizeof v); }
+  static V fma(V a, V b, V c) { return a * b + c; }
+  static V add(V a, V b) { return a + b; }
+  static V sub(V a, V b) { return a - b; }
+  static V mul(V a, V b) { return a * b; }
+  static V max(V a, V b) { return V{std::fmax(a[0], b[0]), std::fmax(a[1], b[1]), std::fmax(a[2], b[2]), std::fmax(a[3], b[3])}; }
+  static float hsum(V v) { return (v[0] + v[1]) + (v[2] + v[3]); }
+  static float hmax(V v) { return std::fmax(std::fmax(v[0], v[1]), std::fmax(v[2], v[3])); }
+  static V exp(V x) { return V{std::exp(x[0]), std::exp(x[1]), std::exp(x[2]), std::exp(x[3])}; }
+  static V load_kv(const float* p) { return load(p); }
+  static V load_kv(const uint16_t* p) { return V{kv_scalar(p[0]), kv_scalar(p[1]), kv_scalar(p[2]), kv_scalar(p[3])}; }
+  static float kv_scalar(float x) { return x; }
+  static float kv_scalar(uint16_t x) {
+    uint32_t u = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+
+#include "paged_attention_impl.h"
+
+}  // namespace omf::generic

@@ -1,0 +1,54 @@
+// omforge.kernels PagedAttention: the problem description shared by the ORT glue (custom_op.cpp) and the
+// per-ISA kernels (paged_attention_impl.h instantiated by pa_*.cpp).
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace omf {
+
+// One work item: query tokens of one sequence that share a block-table row, attended together.
+struct WorkItem {
+  const int64_t* table;  // the sequence's block-table row
+  int64_t table_len;     // its width (blocks beyond the last visible position are never read)
+  int32_t first;         // index into PagedProblem::tokens of the item's first token
+  int32_t count;         // number of tokens (<= kMaxItemTokens)
+};
+
+constexpr int kMaxItemTokens = 32;
+
+// Element type of the KV pools.
+enum class KvType { kFloat32 = 0, kBfloat16 = 1 };
+
+struct PagedProblem {
+  // q [.., Hq, D] and o: token t, head h at base + t * tok_stride + h * head_stride (floats).
+  const float* q;
+  int64_t q_tok_stride, q_head_stride;
+  float* o;
+  int64_t o_tok_stride, o_head_stride;
+  // the pools, [num_slots, kv_heads, head_dim] of kv_type (read after this step's rows are written)
+  const void* key_pool;
+  const void* value_pool;
+  KvType kv_type;
+  int64_t num_slots;
+  int q_heads, kv_heads, head_dim, block_size;
+  float scale;
+  int64_t window;             // > 0: a key at position j is visible to a query at p iff p - window < j <= p
+  const int64_t* positions;   // [T]
+  const int32_t* tokens;      // token ids (indices into T) of all work items, item after item
+  const WorkItem* items;
+  size_t num_items;
+};
+
+// Attention for items [begin, end). Returns false (and sets *error) on an out-of-range block id.
+using AttendFn = bool (*)(const PagedProblem&, size_t item, const char** error);
+
+namespace avx512 { bool attend(const PagedProblem&, size_t item, const char** error); }
+namespace avx2 { bool attend(const PagedProblem&, size_t item, const char** error); }
+namespace generic { bool attend(const PagedProblem&, size_t item, const char** error); }
+
+}  // namespace omf

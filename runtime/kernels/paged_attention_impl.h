@@ -1,0 +1,283 @@
+// The PagedAttention kernel, written once over an ISA traits struct `Vec` (defined by the including
+// pa_<isa>.cpp inside namespace omf::<isa>, before this header is included there).
+//
+// Vec: W lanes; V zero(); V set1(float); V load(const float*); void store(float*, V); V fma(a, b, c) = a*b+c;
+// V max(V, V); float hsum(V); float hmax(V); V exp(V) (exp of every lane; inputs <= 0 here);
+// V load_kv(const float*) and V load_kv(const uint16_t*) (bf16 widened to fp32). It is included inside a
+// namespace, so it includes nothing itself (paged_attention.h brings the standard headers).
+//
+// Algorithm (one work item = one sequence's query tokens, <= kMaxItemTokens): online softmax over the
+// sequence's blocks in order; a block no query of the item can see is never touched; within a block, keys
+// hidden from a query (position after it, or outside the sliding window) score -inf. Two shapes:
+//  - few query rows (decodes): "row" path, every slot row of a block read whole (all KV heads at once):
+//    dot products per (row, head), P·V accumulated per head; the next block's rows prefetched;
+//  - many rows (prefill chunks): "tile" path, per KV head: the block's keys transposed once to [D][n],
+//    scores by a broadcast-FMA tile of 4 query rows x up to 4 vectors of keys, P·V by a register tile.
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Scratch {
+  std::vector<float> q, s, acc, m, l, kt;
+  std::vector<int64_t> pos;
+  std::vector<const float*> qrow;
+};
+
+static Scratch& scratch() {
+  static thread_local Scratch s;
+  return s;
+}
+
+static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+template <typename KV>
+static inline const KV* kv_row(const void* pool, int64_t slot, int kv_heads, int D) {
+  return static_cast<const KV*>(pool) + slot * static_cast<int64_t>(kv_heads) * D;
+}
+
+template <int D, typename KV>
+static inline float dot(const float* q, const KV* k) {
+  constexpr int NV = D / Vec::W;
+  typename Vec::V a0 = Vec::zero(), a1 = Vec::zero();
+  for (int i = 0; i < NV; i += 2) {
+    a0 = Vec::fma(Vec::load(q + i * Vec::W), Vec::load_kv(k + i * Vec::W), a0);
+    if (i + 1 < NV) a1 = Vec::fma(Vec::load(q + (i + 1) * Vec::W), Vec::load_kv(k + (i + 1) * Vec::W), a1);
+  }
+  return Vec::hsum(Vec::add(a0, a1));
+}
+
+// acc[D] += p * v[D]
+template <int D, typename KV>
+static inline void axpy(float* acc, float p, const KV* v) {
+  constexpr int NV = D / Vec::W;
+  const typename Vec::V pb = Vec::set1(p);
+  for (int i = 0; i < NV; ++i) Vec::store(acc + i * Vec::W, Vec::fma(pb, Vec::load_kv(v + i * Vec::W), Vec::load(acc + i * Vec::W)));
+}
+
+static inline void prefetch_row(const void* p, size_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
+// Online-softmax update of one row over scores s[0..np) (np a multiple of W, -inf where hidden):
+// s becomes the probabilities relative to the new running max; returns the factor the row's
+// accumulator must be multiplied by (0 when the row had seen nothing yet).
+static inline float softmax_update(float* s, int64_t np, float& m, float& l) {
+  typename Vec::V vm = Vec::set1(kNegInf);
+  for (int64_t j = 0; j < np; j += Vec::W) vm = Vec::max(vm, Vec::load(s + j));
+  const float bm = Vec::hmax(vm);
+  if (bm == kNegInf) {  // nothing visible to this row in this block
+    std::fill(s, s + np, 0.0f);
+    return 1.0f;
+  }
+  const float mn = std::max(m, bm);
+  const float corr = (m == kNegInf) ? 0.0f : std::exp(m - mn);
+  const typename Vec::V vmn = Vec::set1(mn);
+  typename Vec::V sum = Vec::zero();
+  for (int64_t j = 0; j < np; j += Vec::W) {
+    typename Vec::V p = Vec::exp(Vec::sub(Vec::load(s + j), vmn));
+    Vec::store(s + j, p);
+    sum = Vec::add(sum, p);
+  }
+  l = l * corr + Vec::hsum(sum);
+  m = mn;
+  return corr;
+}
+
+static inline bool visible(int64_t key, int64_t query, int64_t window) {
+  return key <= query && (window <= 0 || key > query - window);
+}
+
+template <int D>
+static inline void scale_row(float* acc, float c) {
+  const typename Vec::V vc = Vec::set1(c);
+  for (int i = 0; i < D; i += Vec::W) Vec::store(acc + i, Vec::mul(Vec::load(acc + i), vc));
+}
+
+// Scores tile: S[r][c*W..] = sum_d Q[r][d] * Kt[d][c*W..] for RT rows x CT vectors of keys.
+template <int D, int RT, int CT>
+static inline void score_tile(const float* Q, const float* Kt, int64_t ldk, float* S, int64_t lds) {
+  typename Vec::V acc[RT][CT];
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < CT; ++c) acc[r][c] = Vec::zero();
+  for (int d = 0; d < D; ++d) {
+    typename Vec::V k[CT];
+    for (int c = 0; c < CT; ++c) k[c] = Vec::load(Kt + d * ldk + c * Vec::W);
+    for (int r = 0; r < RT; ++r) {
+      const typename Vec::V qb = Vec::set1(Q[r * D + d]);
+      for (int c = 0; c < CT; ++c) acc[r][c] = Vec::fma(qb, k[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < CT; ++c) Vec::store(S + r * lds + c * Vec::W, acc[r][c]);
+}
+
+// P·V tile: Acc[r][:] += sum_j P[r][j] * V[j][:] for RT rows; V rows of head g at vbase + slot * row_stride.
+template <int D, int RT, typename KV>
+static inline void pv_tile(const float* P, int64_t ldp, const KV* const* vrows, int64_t n, float* Acc) {
+  constexpr int NV = D / Vec::W;
+  typename Vec::V acc[RT][NV];
+  for (int r = 0; r < RT; ++r)
+    for (int i = 0; i < NV; ++i) acc[r][i] = Vec::load(Acc + r * D + i * Vec::W);
+  for (int64_t j = 0; j < n; ++j) {
+    typename Vec::V v[NV];
+    for (int i = 0; i < NV; ++i) v[i] = Vec::load_kv(vrows[j] + i * Vec::W);
+    for (int r = 0; r < RT; ++r) {
+      const typename Vec::V pb = Vec::set1(P[r * ldp + j]);
+      for (int i = 0; i < NV; ++i) acc[r][i] = Vec::fma(pb, v[i], acc[r][i]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int i = 0; i < NV; ++i) Vec::store(Acc + r * D + i * Vec::W, acc[r][i]);
+}
+
+template <int D>
+static inline void score_cols(const float* Q, const float* Kt, int64_t ldk, float* S, int64_t lds, int64_t nvec) {
+  constexpr int RT = 4;
+  int64_t c = 0;
+  for (; c + 4 <= nvec; c += 4) score_tile<D, RT, 4>(Q, Kt + c * Vec::W, ldk, S + c * Vec::W, lds);
+  switch (nvec - c) {
+    case 3: score_tile<D, RT, 3>(Q, Kt + c * Vec::W, ldk, S + c * Vec::W, lds); break;
+    case 2: score_tile<D, RT, 2>(Q, Kt + c * Vec::W, ldk, S + c * Vec::W, lds); break;
+    case 1: score_tile<D, RT, 1>(Q, Kt + c * Vec::W, ldk, S + c * Vec::W, lds); break;
+    default: break;
+  }
+}
+
+template <int D, typename KV>
+static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, const char** error) {
+  const int Hq = P.q_heads, Hkv = P.kv_heads, G = Hq / Hkv, bs = P.block_size;
+  const int64_t row_stride = static_cast<int64_t>(Hkv) * D;  // elements per slot row
+  const int64_t num_blocks = P.num_slots / bs;
+  Scratch& S = scratch();
+  const int ntok = it.count;
+  const int32_t* toks = P.tokens + it.first;
+  int64_t pmax = -1, pmin = std::numeric_limits<int64_t>::max();
+  for (int i = 0; i < ntok; ++i) {
+    pmax = std::max(pmax, P.positions[toks[i]]);
+    pmin = std::min(pmin, P.positions[toks[i]]);
+  }
+  const int64_t lo_key = P.window > 0 ? std::max<int64_t>(0, pmin - P.window + 1) : 0;
+  const int64_t first_block = lo_key / bs, last_block = pmax / bs;
+  if (last_block >= it.table_len) {
+    *error = "PagedAttention: a position lies beyond its sequence's block table";
+    return false;
+  }
+  for (int64_t b = first_block; b <= last_block; ++b)
+    if (it.table[b] < 0 || it.table[b] >= num_blocks) {
+      *error = "PagedAttention: block id out of range of the KV pool";
+      return false;
+    }
+  const int64_t np_max = round_up(bs, Vec::W);
+  // Row layout: row r = token i * Hq + head h (row path) or, per KV head, i * G + hh (tile path).
+  const bool row_path = ntok * G <= 8;
+  const int nrows = ntok * Hq;
+  const int nrows_pad = static_cast<int>(round_up(ntok * G, 4)) * Hkv;  // tile path pads each head's rows to 4
+  S.q.assign(static_cast<size_t>(std::max(nrows, nrows_pad)) * D, 0.0f);
+  S.acc.assign(static_cast<size_t>(std::max(nrows, nrows_pad)) * D, 0.0f);
+  S.m.assign(std::max(nrows, nrows_pad), kNegInf);
+  S.l.assign(std::max(nrows, nrows_pad), 0.0f);
+  S.s.assign(static_cast<size_t>(std::max(nrows, nrows_pad)) * np_max, kNegInf);
+  S.pos.assign(std::max(nrows, nrows_pad), -1);
+  const int rows_per_head = static_cast<int>(round_up(ntok * G, 4));
+  auto row_of = [&](int i, int h) -> int {
+    return row_path ? i * Hq + h : (h / G) * rows_per_head + i * G + h % G;
+  };
+  for (int i = 0; i < ntok; ++i) {
+    const float* q = P.q + toks[i] * P.q_tok_stride;
+    for (int h = 0; h < Hq; ++h) {
+      const int r = row_of(i, h);
+      const float* qh = q + h * P.q_head_stride;
+      for (int d = 0; d < D; ++d) S.q[static_cast<size_t>(r) * D + d] = qh[d] * P.scale;
+      S.pos[r] = P.positions[toks[i]];
+    }
+  }
+  const KV* kpool = static_cast<const KV*>(P.key_pool);
+  const KV* vpool = static_cast<const KV*>(P.value_pool);
+  std::vector<const KV*> vrows(bs);
+
+  for (int64_t b = first_block; b <= last_block; ++b) {
+    const int64_t base = it.table[b] * bs, j0 = b * bs;
+    const int64_t n = std::min<int64_t>(bs, pmax + 1 - j0);  // keys of this block any query can see
+    const int64_t np = round_up(n, Vec::W);
+    const int64_t next_base = b < last_block ? it.table[b + 1] * bs : -1;
+    if (row_path) {
+      for (int64_t j = 0; j < n; ++j) {
+        const KV* krow = kpool + (base + j) * row_stride;
+        if (next_base >= 0) prefetch_row(kpool + (next_base + j) * row_stride, row_stride * sizeof(KV));
+        for (int i = 0; i < ntok; ++i)
+          for (int h = 0; h < Hq; ++h) {
+            const int r = i * Hq + h;
+            S.s[r * np_max + j] = visible(j0 + j, S.pos[r], P.window)
+                                      ? dot<D>(&S.q[static_cast<size_t>(r) * D], krow + (h / G) * D)
+                                      : kNegInf;
+          }
+      }
+      for (int r = 0; r < nrows; ++r) {
+        float* s = &S.s[r * np_max];
+        std::fill(s + n, s + np, kNegInf);
+        const float corr = softmax_update(s, np, S.m[r], S.l[r]);
+        if (corr != 1.0f) scale_row<D>(&S.acc[static_cast<size_t>(r) * D], corr);
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const KV* vrow = vpool + (base + j) * row_stride;
+        if (next_base >= 0) prefetch_row(vpool + (next_base + j) * row_stride, row_stride * sizeof(KV));
+        for (int r = 0; r < nrows; ++r) {
+          const float p = S.s[r * np_max + j];
+          if (p != 0.0f) axpy<D>(&S.acc[static_cast<size_t>(r) * D], p, vrow + (r % Hq / G) * D);
+        }
+      }
+      continue;
+    }
+    // tile path, one KV head at a time
+    S.kt.resize(static_cast<size_t>(D) * np);
+    for (int g = 0; g < Hkv; ++g) {
+      float* kt = S.kt.data();
+      for (int64_t j = 0; j < n; ++j) {
+        const KV* k = kpool + (base + j) * row_stride + g * D;
+        for (int d = 0; d < D; ++d) kt[d * np + j] = static_cast<float>(Vec::kv_scalar(k[d]));
+      }
+      for (int d = 0; d < D; ++d)
+        for (int64_t j = n; j < np; ++j) kt[d * np + j] = 0.0f;
+      const int r0 = g * rows_per_head;
+      float* sg = &S.s[static_cast<size_t>(r0) * np_max];
+      for (int r = 0; r < rows_per_head; r += 4)
+        score_cols<D>(&S.q[static_cast<size_t>(r0 + r) * D], kt, np, sg + r * np_max, np_max, np / Vec::W);
+      for (int r = 0; r < rows_per_head; ++r) {
+        float* s = sg + r * np_max;
+        const int64_t p = S.pos[r0 + r];
+        if (p < 0) {  // padding row
+          std::fill(s, s + np, 0.0f);
+          continue;
+        }
+        if (p < j0 + np - 1 || P.window > 0)
+          for (int64_t j = 0; j < np; ++j)
+            if (j >= n || !visible(j0 + j, p, P.window)) s[j] = kNegInf;
+        const float corr = softmax_update(s, np, S.m[r0 + r], S.l[r0 + r]);
+        if (corr != 1.0f) scale_row<D>(&S.acc[static_cast<size_t>(r0 + r) * D], corr);
+      }
+      for (int64_t j = 0; j < n; ++j) vrows[j] = vpool + (base + j) * row_stride + g * D;
+      constexpr int RP = D >= 128 ? 2 : 4;
+      for (int r = 0; r < rows_per_head; r += RP)
+        pv_tile<D, RP, KV>(sg + r * np_max, np_max, vrows.data(), n, &S.acc[static_cast<size_t>(r0 + r) * D]);
+    }
+  }
+  for (int i = 0; i < ntok; ++i) {
+    float* o = P.o + toks[i] * P.o_tok_stride;
+    for (int h = 0; h < Hq; ++h) {
+      const int r = row_of(i, h);
+      const float inv = S.l[r] > 0.0f ? 1.0f / S.l[r] : 0.0f;
+      float* oh = o + h * P.o_head_stride;
+      for (int d = 0; d < D; ++d) oh[d] = S.acc[static_cast<size_t>(r) * D + d] * inv;
+    }
+  }
+  return true;
+}
+
+bool attend(const omf::PagedProblem& P, size_t item, const char** error) {
+  const omf::WorkItem& it = P.items[item];
+  const bool bf16 = P.kv_type == omf::KvType::kBfloat16;
+  switch (P.head_dim) {
+    case 64: return bf16 ? attend_item<64, uint16_t>(P, it, error) : attend_item<64, float>(P, it, error);
+    case 128: return bf16 ? attend_item<128, uint16_t>(P, it, error) : attend_item<128, float>(P, it, error);
+    default: *error = "PagedAttention: head_dim must be 64 or 128"; return false;
+  }
+}

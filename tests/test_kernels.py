@@ -1,0 +1,190 @@
+"""The native PagedAttention kernel (runtime/kernels) against a float64 numpy reference: decode, prefill,
+chunk continuation, mixed steps, GQA groups, head sizes, block sizes, shared prefix blocks, sliding windows,
+every ISA path this CPU can run, in-place and unaliased pool writes, and its errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from kernel_reference import kernel_model, paged_attention_reference
+from omforge.runtime import kernels
+from omforge.runtime.step import SeqWork, build_step
+
+pytestmark = pytest.mark.skipif(not kernels.status().available, reason=f"kernel library: {kernels.status().reason}")
+
+
+def make_step(rng: np.random.Generator, seqs: list[tuple[int, int]], block_size: int, num_blocks: int,
+              shared_prefix_blocks: int = 0, split_decodes: bool = True) -> dict[str, np.ndarray]:
+    """Step inputs for sequences ``(cached tokens, new tokens)``, each with blocks of its own except the first
+    ``shared_prefix_blocks``, which every sequence shares (their tokens must all be cached)."""
+    free = list(rng.permutation(num_blocks))
+    shared = [int(free.pop()) for _ in range(shared_prefix_blocks)]
+    work = []
+    for start, n in seqs:
+        need = -(-(start + n) // block_size)
+        assert start >= shared_prefix_blocks * block_size
+        table = shared + [int(free.pop()) for _ in range(need - len(shared))]
+        work.append(SeqWork(list(rng.integers(0, 100, n)), start, table))
+    return build_step(work, block_size, split_decodes=split_decodes)
+
+
+def run_case(rng, seqs, *, q_heads=9, kv_heads=3, head_dim=64, block_size=16, num_blocks=64, window=0,  # noqa: ANN001
+             shared_prefix_blocks=0, in_place=True, token_major=False, split_decodes=True) -> None:
+    step = make_step(rng, seqs, block_size, num_blocks, shared_prefix_blocks, split_decodes)
+    T = step["input_ids"].shape[1]
+    scale = head_dim ** -0.5
+    f = {k: step[k] for k in ("slot_mapping", "block_tables", "query_index", "token_index", "position_ids",
+                              "decode_block_tables", "decode_query_index")}
+    f["q"] = rng.standard_normal((T, q_heads, head_dim), dtype=np.float32)
+    f["k"] = rng.standard_normal((T, kv_heads, head_dim), dtype=np.float32)
+    f["v"] = rng.standard_normal((T, kv_heads, head_dim), dtype=np.float32)
+    pools = [rng.standard_normal((num_blocks * block_size, kv_heads, head_dim), dtype=np.float32) for _ in range(2)]
+    f["key_cache"], f["value_cache"] = pools
+    want_o, want_k, want_v = paged_attention_reference(f, q_heads=q_heads, kv_heads=kv_heads, block_size=block_size,
+                                                       scale=scale, window=window)
+    model = kernel_model(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, scale=scale,
+                         window=window, token_major=token_major)
+    o, k_out, v_out = run_kernel(model, f, pools, in_place, token_major)
+    np.testing.assert_allclose(o, want_o, atol=2e-5, rtol=1e-4)
+    np.testing.assert_array_equal(k_out, want_k.astype(np.float32))
+    np.testing.assert_array_equal(v_out, want_v.astype(np.float32))
+
+
+def session(model) -> ort.InferenceSession:  # noqa: ANN001
+    opts = ort.SessionOptions()
+    kernels.register(opts)
+    opts.intra_op_num_threads = 2
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def run_kernel(model, f, pools, in_place: bool, token_major: bool):  # noqa: ANN001, ANN201
+    """Run the node; with ``in_place`` the pool outputs are bound to the input buffers (as the executor does)."""
+    sess = session(model)
+    T = f["q"].shape[0]
+    feeds = dict(f)
+    for name in ("q", "k", "v"):
+        feeds[name] = (f[name].reshape(1, T, -1) if token_major else f[name].transpose(1, 0, 2)[None]).copy()
+    if not in_place:
+        o, k_out, v_out = sess.run(None, feeds)
+        assert not np.shares_memory(k_out, pools[0])
+        np.testing.assert_array_equal(pools[0], f["key_cache"])  # the inputs are untouched
+    else:
+        binding = sess.io_binding()
+        binding.bind_output("o")  # first: output 0
+        for name, value in feeds.items():
+            if name in ("key_cache", "value_cache"):
+                continue
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        for name, out, pool in (("key_cache", "key_cache_out", pools[0]), ("value_cache", "value_cache_out", pools[1])):
+            value = ort.OrtValue.ortvalue_from_numpy(pool)
+            binding.bind_ortvalue_input(name, value)
+            binding.bind_ortvalue_output(out, value)
+        sess.run_with_iobinding(binding)
+        o = binding.get_outputs()[0].numpy()
+        k_out, v_out = pools  # written in place
+    o = o.reshape(T, -1, f["q"].shape[2]) if token_major else o[0].transpose(1, 0, 2)
+    return o, k_out, v_out
+
+
+@pytest.mark.parametrize("seqs", [
+    [(0, 1)],                                    # first decode
+    [(37, 1), (100, 1), (15, 1)],                # decodes crossing blocks
+    [(0, 50)],                                   # prefill, several items of 32 tokens
+    [(48, 20)],                                  # chunk continuing after cached blocks
+    [(30, 40), (70, 1), (5, 1), (0, 3)],         # mixed: chunks + decodes (decode group)
+], ids=["decode-first", "decode", "prefill", "chunk", "mixed"])
+def test_step_shapes(seqs) -> None:  # noqa: ANN001
+    run_case(np.random.default_rng(0), seqs)
+
+
+@pytest.mark.parametrize("q_heads, kv_heads", [(4, 4), (9, 3), (16, 2)], ids=["group1", "group3", "group8"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gqa_and_head_dim(q_heads: int, kv_heads: int, head_dim: int) -> None:
+    run_case(np.random.default_rng(1), [(20, 1), (3, 9), (33, 1)], q_heads=q_heads, kv_heads=kv_heads,
+             head_dim=head_dim)
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 128])
+def test_block_sizes(block_size: int) -> None:
+    run_case(np.random.default_rng(2), [(block_size - 1, 3), (2 * block_size + 5, 1), (0, 40)],
+             block_size=block_size, num_blocks=12)
+
+
+def test_shared_prefix_blocks() -> None:
+    run_case(np.random.default_rng(3), [(40, 5), (33, 1), (64, 1)], shared_prefix_blocks=2)
+
+
+def test_without_decode_split_and_token_major() -> None:
+    rng = np.random.default_rng(4)
+    run_case(rng, [(30, 40), (70, 1)], split_decodes=False)
+    run_case(rng, [(30, 40), (70, 1)], token_major=True)
+
+
+def test_unaliased_pools_are_copied_then_written() -> None:
+    run_case(np.random.default_rng(5), [(10, 6), (40, 1)], in_place=False)
+
+
+@pytest.mark.parametrize("window", [1, 7, 40])
+def test_sliding_window(window: int) -> None:
+    run_case(np.random.default_rng(6), [(50, 1), (20, 30), (90, 1)], window=window)
+
+
+ISAS = ["generic"] + [isa for isa in ("avx2", "avx512") if isa != "generic"]
+
+
+@pytest.mark.parametrize("isa", ["avx2", "generic"])
+def test_slower_isa_paths(isa: str, tmp_path) -> None:  # noqa: ANN001
+    """The AVX2 and portable paths, forced in a child process (the ISA is fixed when the library loads)."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np, test_kernels as t; from omforge.runtime import kernels; "
+            f"assert kernels.status().isa == {isa!r}, kernels.status(); "
+            "t.run_case(np.random.default_rng(7), [(30, 40), (70, 1), (5, 1)]); "
+            "t.run_case(np.random.default_rng(8), [(3, 9), (33, 1)], q_heads=16, kv_heads=2, head_dim=128, window=5)")
+    import os
+    env = {**os.environ, "OMFORGE_KERNELS_ISA": isa}
+    tests_dir = str(__import__("pathlib").Path(__file__).parent)
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=tests_dir, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("attrs, message", [
+    ({"q_heads": 8, "kv_heads": 3}, "q_heads must be a positive multiple of kv_heads"),
+    ({"block_size": 0}, "block_size must be positive"),
+    ({"window": -1}, "window must be >= 0"),
+])
+def test_bad_attribute_is_an_ort_error(attrs: dict, message: str) -> None:
+    model = kernel_model(q_heads=9, kv_heads=3, head_dim=64, block_size=16, scale=0.125, attrs=attrs)
+    with pytest.raises(Exception, match=message):
+        session(model)
+
+
+def test_bad_inputs_are_ort_errors() -> None:
+    rng = np.random.default_rng(9)
+    step = make_step(rng, [(5, 3)], 16, 4)
+    model = kernel_model(q_heads=9, kv_heads=3, head_dim=64, block_size=16, scale=0.125)
+    sess = session(model)
+    feeds = {k: step[k] for k in ("slot_mapping", "block_tables", "query_index", "token_index", "position_ids",
+                                  "decode_block_tables", "decode_query_index")}
+    feeds.update(q=np.zeros((1, 9, 3, 64), np.float32), k=np.zeros((1, 3, 3, 64), np.float32),
+                 v=np.zeros((1, 3, 3, 64), np.float32), key_cache=np.zeros((64, 3, 64), np.float32),
+                 value_cache=np.zeros((64, 3, 64), np.float32))
+    sess.run(None, feeds)  # well-formed
+    with pytest.raises(Exception, match="slot outside the pool"):
+        sess.run(None, {**feeds, "slot_mapping": feeds["slot_mapping"] + 1000})
+    with pytest.raises(Exception, match="block id out of range"):
+        sess.run(None, {**feeds, "block_tables": feeds["block_tables"] + 50})
+    with pytest.raises(Exception, match="head_dim must be 64 or 128"):
+        bad = kernel_model(q_heads=9, kv_heads=3, head_dim=32, block_size=16, scale=0.125)
+        session(bad).run(None, {**feeds, "q": np.zeros((1, 9, 3, 32), np.float32), "k": np.zeros((1, 3, 3, 32), np.float32),
+                                "v": np.zeros((1, 3, 3, 32), np.float32), "key_cache": np.zeros((64, 3, 32), np.float32),
+                                "value_cache": np.zeros((64, 3, 32), np.float32)})
+
+
+def test_status_reports_the_isa() -> None:
+    s = kernels.status()
+    assert s.abi == kernels.ABI_VERSION and s.isa in ("avx512", "avx2", "generic")
+    assert s.manifest_entry()["domain"] == kernels.DOMAIN
