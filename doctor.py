@@ -91,6 +91,16 @@ def gather(env: dict[str, str] | None = None) -> dict[str, Any]:
                        None if acl_ok else f"pyACL {acl_note}",
                        None if npus else "no NPU visible"])) or "atc, pyACL and an NPU present"},
     }
+    try:
+        from omforge.runtime import kernels
+
+        k = kernels.status()
+        kernel_report = {"built": kernels.library_path() is not None, "available": k.available, "isa": k.isa,
+                         "abi": k.abi, "path": k.path, "reason": k.reason or None,
+                         "ort_paged_attention": "kernel" if k.available else "plain"}
+    except Exception as e:  # noqa: BLE001 - the doctor always answers
+        kernel_report = {"built": False, "available": False, "isa": None, "abi": None, "path": None,
+                         "reason": f"{type(e).__name__}: {e}", "ort_paged_attention": "plain"}
     if not can_export:
         missing = [p for p in EXPORT_NEEDS if not packages[p]]
         for t in targets.values():
@@ -104,6 +114,7 @@ def gather(env: dict[str, str] | None = None) -> dict[str, Any]:
                  "set_env_sourced": sourced},
         "pyacl": {"importable": acl_ok, "note": acl_note},
         "npus": {"count": npus, "devices": davinci, "npu_smi": shutil.which("npu-smi", path=env.get("PATH"))},
+        "kernels": kernel_report,
         "targets": targets,
     }
 
@@ -119,6 +130,10 @@ def render(report: dict[str, Any]) -> str:
              ("set_env.sh sourced", "yes" if c["set_env_sourced"] else "no"),
              ("pyACL (import acl)", report["pyacl"]["note"]),
              ("NPUs visible", str(report["npus"]["count"]))]
+    k = report["kernels"]
+    rows.append(("CPU kernel library", f"available, ISA path {k['isa']}, ABI {k['abi']} ({k['path']})" if k["available"]
+                 else f"{'built but ' if k['built'] else ''}unavailable: {k['reason']}"))
+    rows.append(("ort paged attention", f"{k['ort_paged_attention']} lowering for bundles compiled here"))
     width = max(len(k) for k, _ in rows)
     lines = ["omforge doctor", ""] + [f"{k:<{width}}  {v}" for k, v in rows] + ["", f"{'target':<9} {'compile':<8} "
                                                                                  f"{'run':<4} why"]

@@ -80,6 +80,9 @@ def describe(manifest: dict[str, Any]) -> str:
         f"{kv['bytes_per_token']} bytes per token",
         f"  limits     max_seq_len {manifest['limits']['max_seq_len']}, max_batch_size "
         f"{manifest['limits']['max_batch_size']}, max_num_tokens {manifest['limits']['max_num_tokens']}",
+        f"  attention  paged attention lowered to {manifest.get('paged_attention', 'plain')}"
+        + (f" (needs kernel library {manifest['kernels']['domain']} ABI {manifest['kernels']['abi']}, "
+           f"compiled with ISA path {manifest['kernels']['isa']})" if manifest.get("kernels") else ""),
         f"  fusions    " + ", ".join(f"{k} {v}" for k, v in manifest["passes"]["fusion_counts"].items()),
         f"  graphs     " + ", ".join(f"{k}: {v}" for k, v in manifest["graphs"].items()),
         f"  tokenizer  {manifest['tokenizer'].get('file')}, chat template "

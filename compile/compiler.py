@@ -24,6 +24,7 @@ from omforge.compile.cache import Stage, cache_root, copy_into, stage_key
 from omforge.errors import OmforgeError
 from omforge.passes.paged_kv import DEFAULT_BLOCK_SIZE
 from omforge.recipe import Recipe
+from omforge.runtime import kernels
 
 TOOLS = ("onnx", "onnxruntime", "onnxscript", "onnx-ir", "onnxsim", "torch")
 
@@ -100,8 +101,10 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
     export_meta = json.loads((export_dir / "export.json").read_text())
 
     plan = bucket_planner.plan(recipe.compile, target=target, block_size=block_size)
+    kernel = kernel_lowering(target, quiet)
     passes_key = stage_key("passes", {
         "export": digest, "fusions": recipe.compile.fusions, "block_size": block_size, "target": target,
+        "paged_attention": f"kernel-abi{kernels.ABI_VERSION}" if kernel else "plain",
         "passes_source": _source_digest(Path(__file__).resolve().parent.parent / "passes"),
         "tools": tool_versions(),
     })
@@ -109,7 +112,7 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
     cached["passes"] = passes.done
     with progress.stage(f"passes + lowering ({target})", passes.done):
         if not passes.done:
-            _run_passes(export_dir, passes, recipe, target, block_size)
+            _run_passes(export_dir, passes, recipe, target, block_size, kernel)
     report = passes.info()
 
     with progress.stage("bundle"):
@@ -146,6 +149,8 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
         "tokenizer": {**export_meta["tokenizer"], "file": "tokenizer.json" if export_meta["tokenizer"].get("file") else None},
         "target": target,
         "abi": report["abi"],
+        "paged_attention": report.get("paged_attention") or "plain",
+        "kernels": kernels.status().manifest_entry() if report.get("paged_attention") == "kernel" else None,
         "kv": {**layout, "dtype": "float32", "layout": "[num_blocks, block_size, kv_heads, head_dim] per layer, K and V",
                "bytes_per_token": 2 * layout["num_layers"] * layout["kv_heads"] * layout["head_dim"] * 4,
                "write": "in place: bind key_cache_out.N to key_cache.N's buffer" if target == "ort"
@@ -178,15 +183,33 @@ def ascend_section(recipe: Recipe, plan: bucket_planner.BucketPlan, built: bool)
             "precision_mode": recipe.compile.precision_mode, "atc": "done" if built else "left"}
 
 
-def _run_passes(export_dir: Path, stage: Stage, recipe: Recipe, target: str, block_size: int) -> None:
+def kernel_lowering(target: str, quiet: bool = False) -> bool:
+    """Whether the ort step graph uses omforge's CPU kernel for paged attention: when the kernel library is
+    usable in this process; otherwise the plain-op lowering, said once per process."""
+    if target != "ort":
+        return False
+    status = kernels.status()
+    if not status.available and not quiet and not _said_fallback:
+        print(f"[compile] omforge kernel library unavailable ({status.reason}): paged attention uses the plain-op "
+              "lowering (slower)", file=sys.stderr, flush=True)
+        _said_fallback.append(True)
+    return status.available
+
+
+_said_fallback: list[bool] = []
+
+
+def _run_passes(export_dir: Path, stage: Stage, recipe: Recipe, target: str, block_size: int, kernel: bool) -> None:
     from dataclasses import asdict
 
     from omforge.passes.pipeline import build
 
     out = stage.begin()
     if target == "ort":
-        report = build(export_dir, out / "step.onnx", fusions=recipe.compile.fusions, block_size=block_size)
-        stage.finish({**report.to_dict(), "abi": report.extra["abi"], "graph": "step.onnx"})
+        report = build(export_dir, out / "step.onnx", fusions=recipe.compile.fusions, block_size=block_size,
+                       kernel=kernel)
+        stage.finish({**report.to_dict(), "abi": report.extra["abi"], "graph": "step.onnx",
+                      "paged_attention": report.extra["paged_attention"]})
         return
     from omforge.compile import ascend
 

@@ -5,10 +5,14 @@
   Rotary      → RotaryEmbedding (opset 23) on 4-D [B, H, S, D] with cos/sin caches [B, S, D/2] (no position ids)
   SwiGLU      → plain ops (ORT has no CPU SwiGLU kernel)
   Attention   → Attention (opset 23), ``is_causal``, GQA through ``q_num_heads``/``kv_num_heads``
-  PagedAttention → ScatterND KV write + Gather of the block table + Attention (opset 23, 3-D BSH inputs, so the
-                   gathered context needs no transpose) with a boolean mask; plain ops when the attention switch is off;
-                   twice per layer: the step's main group and its decode group (inputs ``decode_block_tables``,
-                   ``decode_query_index``), so decodes ride along with prefill chunks without being padded to them
+  PagedAttention → with ``kernel=True``: ``omforge.kernels.PagedAttention``, omforge's own CPU kernel
+                   (runtime/kernels): one node per layer that writes the step's K/V rows in place and attends
+                   straight from the pools through the block tables (main and decode group in one call).
+                   Otherwise (the plain lowering, any ORT): ScatterND KV write + Gather of the block table +
+                   Attention (opset 23, 3-D BSH inputs, so the gathered context needs no transpose) with a boolean
+                   mask; plain ops when the attention switch is off; twice per layer: the step's main group and its
+                   decode group (inputs ``decode_block_tables``, ``decode_query_index``), so decodes ride along with
+                   prefill chunks without being padded to them
 
 After lowering the default-domain opset is 23: the exported ops keep their semantics there (the changes
 from 18 to 23 only widen type lists).
@@ -21,6 +25,7 @@ from onnxscript.rewriter import pattern
 
 from omforge.passes import decompose, ops
 from omforge.passes.paged_kv import add_decode_group_inputs, new_rows_as_outputs
+from omforge.runtime.kernels import DOMAIN as KERNEL_DOMAIN, HEAD_DIMS
 
 ORT_OPSET = 23
 MS_DOMAIN = "com.microsoft"
@@ -82,6 +87,22 @@ class LowerPagedAttention(decompose.DecomposePagedAttention):
         return fused
 
 
+class LowerPagedAttentionKernel(LowerPagedAttention):
+    """Paged attention as the native kernel (``omforge.kernels.PagedAttention``, contract in
+    runtime/kernels/custom_op.cpp): the same step inputs plus the decode group, the pools written in place."""
+
+    def rewrite(self, op, q, k, v, kc, vc, slots, tables, qidx, tidx, pos, o, **_):  # noqa: ANN001, ANN201
+        node = o.producer()
+        if o.shape[-1] not in HEAD_DIMS or not node.attributes["fused_attention"].value:
+            # no kernel for this head size, or the recipe switched the attention fusion off: the plain lowering
+            return super().rewrite(op, q, k, v, kc, vc, slots, tables, qidx, tidx, pos, o)
+        a = {name: node.attributes[name].value for name in ("scale", "q_heads", "kv_heads", "block_size")}
+        window = node.attributes["window"].value if "window" in node.attributes else 0
+        d_tables, d_qidx = self.decode_group
+        return op.PagedAttention(q, k, v, kc, vc, slots, tables, qidx, tidx, pos, d_tables, d_qidx, **a,
+                                 window=window, _domain=KERNEL_DOMAIN, _outputs=3)
+
+
 class LowerPagedAttentionNewRows(LowerPagedAttention):
     """Paged attention with the KV write left to the runtime (``kv_write="runtime"``): the pools are
     read-only inputs, the step's new rows are outputs (``key_new.N``) that the executor stores at
@@ -107,20 +128,27 @@ RULES_RUNTIME_WRITE = pattern.RewriteRuleSet([LowerPagedAttentionNewRows.rule("o
 KV_WRITES = ("runtime", "graph")
 
 
-def lower(model: ir.Model, kv_write: str = "graph") -> int:
+def lower(model: ir.Model, kv_write: str = "graph", kernel: bool = False) -> int:
     """Lower every neutral op in ``model`` in place; returns the number of ops lowered. ``kv_write`` says who
     writes the new K/V rows of a step graph: the graph itself (default: ScatterND into the pool the executor
     binds in place) or the runtime (the graph returns the rows; attention sees them through a scatter into the
     gathered context). Measured on SmolLM2 (benchmarks/bench_passes.py pool, batch 16, context 512, block 64):
     graph 110.6 ms vs runtime 151.0 ms per decode step, both flat from 1k to 8k blocks; offline short-chat 16:
-    184 vs 130 tok/s."""
+    184 vs 130 tok/s. ``kernel`` (with ``kv_write="graph"``) lowers paged attention to omforge's CPU kernel
+    instead of plain ops; the session must then register the kernel library (runtime/kernels)."""
     if kv_write not in KV_WRITES:
         raise ValueError(f"kv_write={kv_write!r} is not one of {KV_WRITES}")
+    if kernel and kv_write != "graph":
+        raise ValueError("the kernel lowering writes the pools in the graph (kv_write='graph')")
     model.opset_imports[""] = max(model.opset_imports.get("", 18), ORT_OPSET)
     paged = any(n.op_type == "PagedAttention" and n.domain == ops.DOMAIN for n in model.graph)
     if kv_write == "graph" and paged:  # a decode group of its own: decodes share steps with prefill, unpadded
         group = add_decode_group_inputs(model.graph)
-        rules = pattern.RewriteRuleSet([LowerPagedAttention.rule("ort_paged_attention", group), *_COMMON])
+        paged_rule = (LowerPagedAttentionKernel.rule("ort_paged_attention_kernel", group) if kernel
+                      else LowerPagedAttention.rule("ort_paged_attention", group))
+        rules = pattern.RewriteRuleSet([paged_rule, *_COMMON])
+        if kernel:
+            model.opset_imports[KERNEL_DOMAIN] = 1
     else:
         rules = RULES_RUNTIME_WRITE if kv_write == "runtime" else RULES
     count = rules.apply_to_model(model)

@@ -12,6 +12,7 @@ import onnx_ir as ir
 
 from omforge.passes import lower_ort, manager
 from omforge.passes.paged_kv import PagedLayout, insert_paged_kv
+from omforge.runtime import kernels
 
 
 @dataclass
@@ -43,19 +44,24 @@ def histogram(model: ir.Model) -> dict[str, int]:
 
 
 def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | None = None,
-          block_size: int | None = None, target: str = "ort", kv_write: str = "graph") -> PassReport:
+          block_size: int | None = None, target: str = "ort", kv_write: str = "graph",
+          kernel: bool | None = None) -> PassReport:
     """Fuse (switches ``fusions``), page the KV cache when ``block_size`` is given, lower to ``target``,
-    and save ``out_path`` with its weights in ``out_path.name + '.data'`` beside it."""
+    and save ``out_path`` with its weights in ``out_path.name + '.data'`` beside it. ``kernel``: lower paged
+    attention to omforge's CPU kernel (None: when the kernel library is usable here and ``kv_write="graph"``)."""
     if target != "ort":
         raise ValueError(f"target '{target}' is not lowered here yet")
     model = ir.load(export_dir / "model.onnx")
     counts = manager.run_fusions(model, fusions)
     layout = insert_paged_kv(model, block_size) if block_size else None
-    lower_ort.lower(model, kv_write=kv_write)
+    if kernel is None:
+        kernel = kv_write == "graph" and kernels.status().available
+    lower_ort.lower(model, kv_write=kv_write, kernel=kernel)
     manager.cleanup(model)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     ir.save(model, out_path, external_data=out_path.name + ".data")
     report = PassReport(counts, len(list(model.graph)), histogram(model), layout,
-                        {"abi": interface(model), "kv_write": kv_write if layout else None})
+                        {"abi": interface(model), "kv_write": kv_write if layout else None,
+                         "paged_attention": ("kernel" if kernel else "plain") if layout else None})
     out_path.with_suffix(".json").write_text(json.dumps(report.to_dict(), indent=2))
     return report

@@ -19,6 +19,7 @@ from omforge.compile.bundle import BundleError, load_manifest
 from omforge.errors import OmforgeError
 from omforge.passes.paged_kv import PagedLayout
 from omforge.runtime.detokenizer import IncrementalDetokenizer
+from omforge.runtime import kernels
 from omforge.runtime.kv_cache_manager import KVCacheManager
 from omforge.runtime.ort_executor import OrtExecutor
 from omforge.runtime.request import Request, Status, seq_ids
@@ -112,6 +113,9 @@ class LLMEngine:
             blocks = self.executor.num_blocks
             self.max_prompt_len = self.executor.max_prompt_len
         else:
+            if m.get("kernels") and not kernels.status().available:
+                raise BundleError(f"{bundle}: compiled for omforge's CPU kernel library (paged attention), which is "
+                                  f"unavailable here: {kernels.status().reason}; or recompile the bundle on this machine")
             self.executor = OrtExecutor(bundle / m["graphs"]["step"], self.layout, num_blocks=blocks,
                                         threads=threads, num_host_blocks=host_blocks)
         caching = serve["enable_prefix_caching"] if enable_prefix_caching is None else enable_prefix_caching

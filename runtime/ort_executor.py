@@ -4,7 +4,8 @@ Each layer's pool is a numpy array ``[num_blocks, block_size, kv_heads, head_dim
 (zero-copy) as the ``key_cache.N`` input. Who writes the step's new rows depends on the graph
 (``lower_ort.lower(kv_write=…)``): with ``key_cache_out.N`` outputs (the default) the same buffer is bound as
 that output and the in-graph ScatterND writes in place; with ``key_new.N`` outputs the executor stores them at
-``slot_mapping`` after the run. Either way no step copies a pool: cost follows the work.
+``slot_mapping`` after the run. Either way no step copies a pool: cost follows the work. A graph lowered to omforge's CPU kernel
+(``omforge.kernels.PagedAttention``) needs the kernel library, registered here whenever it is usable.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 import onnxruntime as ort
 
 from omforge.passes.paged_kv import PagedLayout
+from omforge.runtime import kernels
 from omforge.runtime.step import SeqWork, build_step
 
 
@@ -24,6 +26,8 @@ class OrtExecutor:
         opts = ort.SessionOptions()
         if threads:
             opts.intra_op_num_threads = threads
+        if kernels.status().available:
+            kernels.register(opts)
         self.layout, self.num_blocks = layout, num_blocks
         self.session = ort.InferenceSession(str(model_path), opts, providers=providers or ["CPUExecutionProvider"])
         shape = (num_blocks, layout.block_size, layout.kv_heads, layout.head_dim)

@@ -13,12 +13,51 @@ INPUTS = ("q", "k", "v", "key_cache", "value_cache", "slot_mapping", "block_tabl
           "position_ids", "decode_block_tables", "decode_query_index")
 
 
+KV_ONNX_TYPES = {"float32": TensorProto.FLOAT, "bfloat16": TensorProto.BFLOAT16, "int8": TensorProto.INT8}
+KV_OPS = {"float32": "PagedAttention", "bfloat16": "PagedAttentionBF16", "int8": "PagedAttentionInt8"}
+
+
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 → bfloat16 bits (uint16), round to nearest even (as the kernel's write)."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def from_bf16(b: np.ndarray) -> np.ndarray:
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def quantize_int8(x: np.ndarray) -> np.ndarray:
+    """``[..., D]`` float32 → ``[..., D + 4]`` int8: symmetric per row, the float32 scale in the last 4 bytes."""
+    x = np.asarray(x, np.float32)
+    scale = (np.abs(x).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(scale > 0, np.clip(np.rint(x / scale), -127, 127), 0).astype(np.int8)
+    return np.concatenate([q, np.ascontiguousarray(scale).view(np.int8)], axis=-1)
+
+
+def dequantize_int8(p: np.ndarray) -> np.ndarray:
+    scale = np.ascontiguousarray(p[..., -4:]).view(np.float32)
+    return p[..., :-4].astype(np.float32) * scale
+
+
+ENCODE = {"float32": lambda x: np.asarray(x, np.float32), "bfloat16": to_bf16, "int8": quantize_int8}
+DECODE = {"float32": lambda p: p, "bfloat16": from_bf16, "int8": dequantize_int8}
+
+
 def paged_attention_reference(f: dict[str, np.ndarray], *, q_heads: int, kv_heads: int, block_size: int,
-                              scale: float, window: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(o [T, Hq, D], key_pool, value_pool)`` in float64, activations given token-major ``[T, H, D]``."""
-    q, k, v = (f[n].astype(np.float64) for n in ("q", "k", "v"))
-    kc, vc = f["key_cache"].astype(np.float64).copy(), f["value_cache"].astype(np.float64).copy()
-    kc[f["slot_mapping"]], vc[f["slot_mapping"]] = k, v
+                              scale: float, window: int = 0, kv_dtype: str = "float32"
+                              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(o [T, Hq, D] float64, key_pool, value_pool)`` with the pools encoded as ``kv_dtype`` (the new rows
+    written as the kernel writes them), activations given token-major ``[T, H, D]``; attention over the
+    pools as stored (decoded), in float64."""
+    q = f["q"].astype(np.float64)
+    pools = []
+    for name, new in (("key_cache", f["k"]), ("value_cache", f["v"])):
+        pool = f[name].copy()
+        pool[f["slot_mapping"]] = ENCODE[kv_dtype](new)
+        pools.append(pool)
+    kc, vc = (DECODE[kv_dtype](p).astype(np.float64) for p in pools)
     pos, tidx = f["position_ids"][0], f["token_index"]
     out = np.zeros_like(q)
     group = q_heads // kv_heads
@@ -38,19 +77,20 @@ def paged_attention_reference(f: dict[str, np.ndarray], *, q_heads: int, kv_head
             s = kc[slots, h // group] @ q[t, h] * scale
             w = np.exp(s - s.max())
             out[t, h] = (w / w.sum()) @ vc[slots, h // group]
-    return out, kc, vc
+    return out, pools[0], pools[1]
 
 
 def kernel_model(*, q_heads: int, kv_heads: int, head_dim: int, block_size: int, scale: float, window: int = 0,
-                 token_major: bool = False, kv_type: int = TensorProto.FLOAT, op_type: str = "PagedAttention",
-                 attrs: dict | None = None) -> onnx.ModelProto:
+                 token_major: bool = False, kv_dtype: str = "float32", attrs: dict | None = None) -> onnx.ModelProto:
     """One PagedAttention node; q/k/v ``[1, H, T, D]`` (or ``[1, T, H*D]`` with ``token_major``)."""
     def act(name: str, heads: int):  # noqa: ANN202
         shape = [1, "T", heads * head_dim] if token_major else [1, heads, "T", head_dim]
         return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
 
+    kv_type, op_type = KV_ONNX_TYPES[kv_dtype], KV_OPS[kv_dtype]
+    row = head_dim + 4 if kv_dtype == "int8" else head_dim
     ints = {n: helper.make_tensor_value_info(n, TensorProto.INT64, None) for n in INPUTS[5:]}
-    pools = [helper.make_tensor_value_info(n, kv_type, ["S", kv_heads, head_dim]) for n in INPUTS[3:5]]
+    pools = [helper.make_tensor_value_info(n, kv_type, ["S", kv_heads, row]) for n in INPUTS[3:5]]
     inputs = [act("q", q_heads), act("k", kv_heads), act("v", kv_heads), *pools, *ints.values()]
     attributes = dict(scale=scale, q_heads=q_heads, kv_heads=kv_heads, block_size=block_size, window=window)
     attributes.update(attrs or {})

@@ -8,7 +8,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from kernel_reference import kernel_model, paged_attention_reference
+from kernel_reference import ENCODE, kernel_model, paged_attention_reference
 from omforge.runtime import kernels
 from omforge.runtime.step import SeqWork, build_step
 
@@ -31,7 +31,7 @@ def make_step(rng: np.random.Generator, seqs: list[tuple[int, int]], block_size:
 
 
 def run_case(rng, seqs, *, q_heads=9, kv_heads=3, head_dim=64, block_size=16, num_blocks=64, window=0,  # noqa: ANN001
-             shared_prefix_blocks=0, in_place=True, token_major=False, split_decodes=True) -> None:
+             shared_prefix_blocks=0, in_place=True, token_major=False, split_decodes=True, kv_dtype="float32") -> None:
     step = make_step(rng, seqs, block_size, num_blocks, shared_prefix_blocks, split_decodes)
     T = step["input_ids"].shape[1]
     scale = head_dim ** -0.5
@@ -40,16 +40,17 @@ def run_case(rng, seqs, *, q_heads=9, kv_heads=3, head_dim=64, block_size=16, nu
     f["q"] = rng.standard_normal((T, q_heads, head_dim), dtype=np.float32)
     f["k"] = rng.standard_normal((T, kv_heads, head_dim), dtype=np.float32)
     f["v"] = rng.standard_normal((T, kv_heads, head_dim), dtype=np.float32)
-    pools = [rng.standard_normal((num_blocks * block_size, kv_heads, head_dim), dtype=np.float32) for _ in range(2)]
-    f["key_cache"], f["value_cache"] = pools
+    pools = [ENCODE[kv_dtype](rng.standard_normal((num_blocks * block_size, kv_heads, head_dim), dtype=np.float32))
+             for _ in range(2)]
+    f["key_cache"], f["value_cache"] = (p.copy() for p in pools)
     want_o, want_k, want_v = paged_attention_reference(f, q_heads=q_heads, kv_heads=kv_heads, block_size=block_size,
-                                                       scale=scale, window=window)
+                                                       scale=scale, window=window, kv_dtype=kv_dtype)
     model = kernel_model(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, scale=scale,
-                         window=window, token_major=token_major)
-    o, k_out, v_out = run_kernel(model, f, pools, in_place, token_major)
-    np.testing.assert_allclose(o, want_o, atol=2e-5, rtol=1e-4)
-    np.testing.assert_array_equal(k_out, want_k.astype(np.float32))
-    np.testing.assert_array_equal(v_out, want_v.astype(np.float32))
+                         window=window, token_major=token_major, kv_dtype=kv_dtype)
+    o, k_out, v_out = run_kernel(model, f, pools, in_place, token_major, kv_dtype)
+    np.testing.assert_allclose(o, want_o, atol=2e-5, rtol=1e-4)  # against attention over the pools as stored
+    np.testing.assert_array_equal(k_out, want_k)
+    np.testing.assert_array_equal(v_out, want_v)
 
 
 def session(model) -> ort.InferenceSession:  # noqa: ANN001
@@ -59,31 +60,34 @@ def session(model) -> ort.InferenceSession:  # noqa: ANN001
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
-def run_kernel(model, f, pools, in_place: bool, token_major: bool):  # noqa: ANN001, ANN201
+def run_kernel(model, f, pools, in_place: bool, token_major: bool, kv_dtype: str = "float32"):  # noqa: ANN001, ANN201
     """Run the node; with ``in_place`` the pool outputs are bound to the input buffers (as the executor does)."""
     sess = session(model)
     T = f["q"].shape[0]
     feeds = dict(f)
     for name in ("q", "k", "v"):
         feeds[name] = (f[name].reshape(1, T, -1) if token_major else f[name].transpose(1, 0, 2)[None]).copy()
+
+    def value(array: np.ndarray) -> ort.OrtValue:  # numpy has no bfloat16: bind its uint16 bits as bfloat16
+        return (ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array, 16) if kv_dtype == "bfloat16"
+                else ort.OrtValue.ortvalue_from_numpy(array))
+
+    binding = sess.io_binding()
+    binding.bind_output("o")  # first: output 0
+    for name, array in feeds.items():
+        if name not in ("key_cache", "value_cache"):
+            binding.bind_cpu_input(name, np.ascontiguousarray(array))
+    outs = []
+    for name, out, pool in (("key_cache", "key_cache_out", pools[0]), ("value_cache", "value_cache_out", pools[1])):
+        binding.bind_ortvalue_input(name, value(pool))
+        target = pool if in_place else np.full_like(pool, 7)  # in place: the pool itself; else another buffer
+        binding.bind_ortvalue_output(out, value(target))
+        outs.append(target)
+    sess.run_with_iobinding(binding)
+    o = binding.get_outputs()[0].numpy()
+    k_out, v_out = outs
     if not in_place:
-        o, k_out, v_out = sess.run(None, feeds)
-        assert not np.shares_memory(k_out, pools[0])
         np.testing.assert_array_equal(pools[0], f["key_cache"])  # the inputs are untouched
-    else:
-        binding = sess.io_binding()
-        binding.bind_output("o")  # first: output 0
-        for name, value in feeds.items():
-            if name in ("key_cache", "value_cache"):
-                continue
-            binding.bind_cpu_input(name, np.ascontiguousarray(value))
-        for name, out, pool in (("key_cache", "key_cache_out", pools[0]), ("value_cache", "value_cache_out", pools[1])):
-            value = ort.OrtValue.ortvalue_from_numpy(pool)
-            binding.bind_ortvalue_input(name, value)
-            binding.bind_ortvalue_output(out, value)
-        sess.run_with_iobinding(binding)
-        o = binding.get_outputs()[0].numpy()
-        k_out, v_out = pools  # written in place
     o = o.reshape(T, -1, f["q"].shape[2]) if token_major else o[0].transpose(1, 0, 2)
     return o, k_out, v_out
 
@@ -100,16 +104,16 @@ def test_step_shapes(seqs) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("q_heads, kv_heads", [(4, 4), (9, 3), (16, 2)], ids=["group1", "group3", "group8"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [16, 64, 128, 256])
 def test_gqa_and_head_dim(q_heads: int, kv_heads: int, head_dim: int) -> None:
     run_case(np.random.default_rng(1), [(20, 1), (3, 9), (33, 1)], q_heads=q_heads, kv_heads=kv_heads,
              head_dim=head_dim)
 
 
-@pytest.mark.parametrize("block_size", [16, 64, 128])
+@pytest.mark.parametrize("block_size", [4, 16, 64, 128])
 def test_block_sizes(block_size: int) -> None:
     run_case(np.random.default_rng(2), [(block_size - 1, 3), (2 * block_size + 5, 1), (0, 40)],
-             block_size=block_size, num_blocks=12)
+             block_size=block_size, num_blocks=max(12, 160 // block_size))
 
 
 def test_shared_prefix_blocks() -> None:
@@ -124,6 +128,15 @@ def test_without_decode_split_and_token_major() -> None:
 
 def test_unaliased_pools_are_copied_then_written() -> None:
     run_case(np.random.default_rng(5), [(10, 6), (40, 1)], in_place=False)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_reduced_precision_kv(kv_dtype: str, head_dim: int) -> None:
+    """bf16 and int8 pools: rows written exactly as the reference encodes them; attention over the pools as stored."""
+    rng = np.random.default_rng(10)
+    run_case(rng, [(30, 40), (70, 1), (5, 1), (0, 3)], head_dim=head_dim, kv_dtype=kv_dtype)
+    run_case(rng, [(20, 6), (33, 1)], head_dim=head_dim, kv_dtype=kv_dtype, in_place=False)
 
 
 @pytest.mark.parametrize("window", [1, 7, 40])
@@ -143,7 +156,9 @@ def test_slower_isa_paths(isa: str, tmp_path) -> None:  # noqa: ANN001
     code = ("import numpy as np, test_kernels as t; from omforge.runtime import kernels; "
             f"assert kernels.status().isa == {isa!r}, kernels.status(); "
             "t.run_case(np.random.default_rng(7), [(30, 40), (70, 1), (5, 1)]); "
-            "t.run_case(np.random.default_rng(8), [(3, 9), (33, 1)], q_heads=16, kv_heads=2, head_dim=128, window=5)")
+            "t.run_case(np.random.default_rng(8), [(3, 9), (33, 1)], q_heads=16, kv_heads=2, head_dim=128, window=5); "
+            "t.run_case(np.random.default_rng(9), [(30, 40), (70, 1)], kv_dtype='bfloat16'); "
+            "t.run_case(np.random.default_rng(9), [(30, 40), (70, 1)], kv_dtype='int8')")
     import os
     env = {**os.environ, "OMFORGE_KERNELS_ISA": isa}
     tests_dir = str(__import__("pathlib").Path(__file__).parent)
@@ -177,11 +192,11 @@ def test_bad_inputs_are_ort_errors() -> None:
         sess.run(None, {**feeds, "slot_mapping": feeds["slot_mapping"] + 1000})
     with pytest.raises(Exception, match="block id out of range"):
         sess.run(None, {**feeds, "block_tables": feeds["block_tables"] + 50})
-    with pytest.raises(Exception, match="head_dim must be 64 or 128"):
-        bad = kernel_model(q_heads=9, kv_heads=3, head_dim=32, block_size=16, scale=0.125)
-        session(bad).run(None, {**feeds, "q": np.zeros((1, 9, 3, 32), np.float32), "k": np.zeros((1, 3, 3, 32), np.float32),
-                                "v": np.zeros((1, 3, 3, 32), np.float32), "key_cache": np.zeros((64, 3, 32), np.float32),
-                                "value_cache": np.zeros((64, 3, 32), np.float32)})
+    with pytest.raises(Exception, match="head_dim must be one of"):
+        bad = kernel_model(q_heads=9, kv_heads=3, head_dim=48, block_size=16, scale=0.125)
+        session(bad).run(None, {**feeds, "q": np.zeros((1, 9, 3, 48), np.float32), "k": np.zeros((1, 3, 3, 48), np.float32),
+                                "v": np.zeros((1, 3, 3, 48), np.float32), "key_cache": np.zeros((64, 3, 48), np.float32),
+                                "value_cache": np.zeros((64, 3, 48), np.float32)})
 
 
 def test_status_reports_the_isa() -> None:

@@ -23,6 +23,8 @@ DOMAIN = "omforge.kernels"
 ABI_VERSION = 1
 """The op contract version this Python side speaks; the library reports its own (must match)."""
 MIN_ORT = (1, 17)
+HEAD_DIMS = (16, 32, 64, 96, 128, 256)
+"""Head sizes the kernel is instantiated for; the lowering keeps plain ops for any other."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 // The omforge kernel library: registers the custom-op domain `omforge.kernels` with ONNX Runtime
 // (entry point RegisterCustomOps) and implements its PagedAttention ops on the CPU EP.
 //
-// PagedAttention (fp32 pools) / PagedAttentionBF16 (bf16 pools), the ORT CPU lowering of the step ABI's
+// PagedAttention (fp32 pools) / PagedAttentionBF16 (bf16 pools) / PagedAttentionInt8 (int8 pools, each
+// head's row followed by its float32 scale: [S, Hkv, D + 4] int8), the ORT CPU lowering of the step ABI's
 // paged attention (see passes/paged_kv.py for the ABI):
 //   inputs   0 q [1, Hq, T, D] or [1, T, Hq*D] float    1 k, 2 v: [1, Hkv, T, D] or [1, T, Hkv*D] float
 //            3 key_cache, 4 value_cache [S, Hkv, D]    5 slot_mapping [T]   6 block_tables [B, M]
@@ -29,6 +30,7 @@ namespace {
 
 constexpr int kAbiVersion = 1;  // bump when the op's inputs, outputs or attributes change
 constexpr const char* kDomain = "omforge.kernels";
+constexpr int64_t kHeadDims[] = {16, 32, 64, 96, 128, 256};  // the instantiations in paged_attention_impl.h
 
 ort::Api g_api;
 
@@ -124,6 +126,17 @@ uint16_t to_bf16(float f) {  // round to nearest even; NaN stays NaN
   return static_cast<uint16_t>(u >> 16);
 }
 
+// Symmetric int8 of one head's row: scale = max|x| / 127, q = round-half-even(x / scale), the scale stored
+// (4 bytes, native float) right after the D values.
+void quantize_int8(const float* x, int64_t D, int8_t* out) {
+  float amax = 0.0f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const float scale = amax / 127.0f;
+  for (int64_t d = 0; d < D; ++d)
+    out[d] = scale > 0.0f ? static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, std::nearbyint(x[d] / scale)))) : 0;
+  std::memcpy(out + D, &scale, sizeof scale);
+}
+
 OrtStatus* compute(const Kernel& K, OrtKernelContext* ctx) {
   size_t nin = 0;
   if (OrtStatus* s = g_api.KernelContext_GetInputCount(ctx, &nin)) return s;
@@ -136,7 +149,7 @@ OrtStatus* compute(const Kernel& K, OrtKernelContext* ctx) {
   }
   const Tensor &q = in[0], &k = in[1], &v = in[2], &kc = in[3], &vc = in[4], &slots = in[5], &tables = in[6],
                &qidx = in[7], &tidx = in[8], &pos = in[9], &dtables = in[10], &dqidx = in[11];
-  const int want_kv = K.kv_type == KvType::kBfloat16 ? kBfloat16 : kFloat;
+  const int want_kv = K.kv_type == KvType::kBfloat16 ? kBfloat16 : K.kv_type == KvType::kInt8 ? kInt8 : kFloat;
   if (q.type != kFloat || k.type != kFloat || v.type != kFloat) return fail("q, k and v must be float32");
   if (kc.type != want_kv || vc.type != want_kv) return fail("the KV pools have the wrong element type");
   for (int i = 5; i < 12; ++i)
@@ -146,9 +159,12 @@ OrtStatus* compute(const Kernel& K, OrtKernelContext* ctx) {
   if (!activation_layout(k, K.kv_heads, Tk, Dk, kts, khs) || !activation_layout(v, K.kv_heads, Tv, Dv, vts, vhs) ||
       Tk != T || Tv != T || Dk != D || Dv != D)
     return fail("k and v must be [1, kv_heads, T, D] or [1, T, kv_heads*D] matching q");
-  if (D != 64 && D != 128) return fail("head_dim must be 64 or 128, got " + std::to_string(D));
-  if (kc.dims.size() != 3 || kc.dims[1] != K.kv_heads || kc.dims[2] != D || vc.dims != kc.dims)
-    return fail("the KV pools must be [num_slots, kv_heads, head_dim]");
+  if (std::find(std::begin(kHeadDims), std::end(kHeadDims), D) == std::end(kHeadDims))
+    return fail("head_dim must be one of 16, 32, 64, 96, 128, 256, got " + std::to_string(D));
+  const int64_t head_elems = K.kv_type == KvType::kInt8 ? D + 4 : D;  // int8: the row's scale follows it
+  if (kc.dims.size() != 3 || kc.dims[1] != K.kv_heads || kc.dims[2] != head_elems || vc.dims != kc.dims)
+    return fail(K.kv_type == KvType::kInt8 ? "the int8 KV pools must be [num_slots, kv_heads, head_dim + 4]"
+                                           : "the KV pools must be [num_slots, kv_heads, head_dim]");
   const int64_t S = kc.dims[0];
   if (S % K.block_size != 0) return fail("the pool's slot count is not a multiple of block_size");
   if (slots.numel() != T || tidx.numel() != T || pos.numel() != T)
@@ -166,8 +182,8 @@ OrtStatus* compute(const Kernel& K, OrtKernelContext* ctx) {
     if (OrtStatus* s = g_api.GetTensorMutableData(outs[i], &out_data[i])) return s;
 
   // 1. the step's rows into the pools (the output pools; copied from the inputs first unless aliased)
-  const size_t elem = K.kv_type == KvType::kBfloat16 ? 2 : 4;
-  const size_t pool_bytes = static_cast<size_t>(S) * K.kv_heads * D * elem;
+  const size_t elem = K.kv_type == KvType::kFloat32 ? 4 : K.kv_type == KvType::kBfloat16 ? 2 : 1;
+  const size_t pool_bytes = static_cast<size_t>(S) * K.kv_heads * head_elems * elem;
   if (out_data[1] != kc.data) std::memcpy(out_data[1], kc.data, pool_bytes);
   if (out_data[2] != vc.data) std::memcpy(out_data[2], vc.data, pool_bytes);
   const int64_t* slot = static_cast<const int64_t*>(slots.data);
@@ -176,14 +192,17 @@ OrtStatus* compute(const Kernel& K, OrtKernelContext* ctx) {
     for (int64_t g = 0; g < K.kv_heads; ++g) {
       const float* ks = static_cast<const float*>(k.data) + t * kts + g * khs;
       const float* vs = static_cast<const float*>(v.data) + t * vts + g * vhs;
-      const int64_t at = (slot[t] * K.kv_heads + g) * D;
+      const int64_t at = (slot[t] * K.kv_heads + g) * head_elems;
       if (K.kv_type == KvType::kFloat32) {
         std::memcpy(static_cast<float*>(out_data[1]) + at, ks, D * sizeof(float));
         std::memcpy(static_cast<float*>(out_data[2]) + at, vs, D * sizeof(float));
-      } else {
+      } else if (K.kv_type == KvType::kBfloat16) {
         uint16_t* kd = static_cast<uint16_t*>(out_data[1]) + at;
         uint16_t* vd = static_cast<uint16_t*>(out_data[2]) + at;
         for (int64_t d = 0; d < D; ++d) kd[d] = to_bf16(ks[d]), vd[d] = to_bf16(vs[d]);
+      } else {
+        quantize_int8(ks, D, static_cast<int8_t*>(out_data[1]) + at);
+        quantize_int8(vs, D, static_cast<int8_t*>(out_data[2]) + at);
       }
     }
   }
@@ -290,7 +309,13 @@ size_t input_count(const OrtCustomOp*) { return 12; }
 size_t output_count(const OrtCustomOp*) { return 3; }
 int input_type(const OrtCustomOp* op, size_t i) {
   if (i <= 2) return kFloat;
-  if (i <= 4) return as_op(op)->kv_type == KvType::kBfloat16 ? kBfloat16 : kFloat;
+  if (i <= 4) {
+    switch (as_op(op)->kv_type) {
+      case KvType::kBfloat16: return kBfloat16;
+      case KvType::kInt8: return kInt8;
+      default: return kFloat;
+    }
+  }
   return kInt64;
 }
 int output_type(const OrtCustomOp* op, size_t i) { return i == 0 ? kFloat : input_type(op, 3); }
@@ -328,7 +353,8 @@ Op make_op(const char* name, KvType kv) {
   return op;
 }
 
-Op g_ops[] = {make_op("PagedAttention", KvType::kFloat32), make_op("PagedAttentionBF16", KvType::kBfloat16)};
+Op g_ops[] = {make_op("PagedAttention", KvType::kFloat32), make_op("PagedAttentionBF16", KvType::kBfloat16),
+              make_op("PagedAttentionInt8", KvType::kInt8)};
 
 }  // namespace
 }  // namespace omf

@@ -56,6 +56,10 @@ struct Vec {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
+  static V load_kv(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static float kv_scalar(int8_t x) { return static_cast<float>(x); }
   static float kv_scalar(float x) { return x; }
   static float kv_scalar(uint16_t x) {
     uint32_t u = static_cast<uint32_t>(x) << 16;

@@ -45,6 +45,10 @@ struct Vec {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
   }
+  static V load_kv(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static float kv_scalar(int8_t x) { return static_cast<float>(x); }
   static float kv_scalar(float x) { return x; }
   static float kv_scalar(uint16_t x) {
     uint32_t u = static_cast<uint32_t>(x) << 16;

@@ -23,6 +23,8 @@ struct Vec {
   static V exp(V x) { return V{std::exp(x[0]), std::exp(x[1]), std::exp(x[2]), std::exp(x[3])}; }
   static V load_kv(const float* p) { return load(p); }
   static V load_kv(const uint16_t* p) { return V{kv_scalar(p[0]), kv_scalar(p[1]), kv_scalar(p[2]), kv_scalar(p[3])}; }
+  static V load_kv(const int8_t* p) { return V{float(p[0]), float(p[1]), float(p[2]), float(p[3])}; }
+  static float kv_scalar(int8_t x) { return static_cast<float>(x); }
   static float kv_scalar(float x) { return x; }
   static float kv_scalar(uint16_t x) {
     uint32_t u = static_cast<uint32_t>(x) << 16;

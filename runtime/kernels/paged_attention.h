@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace omf {
@@ -21,8 +22,9 @@ struct WorkItem {
 
 constexpr int kMaxItemTokens = 32;
 
-// Element type of the KV pools.
-enum class KvType { kFloat32 = 0, kBfloat16 = 1 };
+// Element type of the KV pools. int8 (symmetric, per token and KV head): each head's row is D int8 values
+// followed by its float32 scale (4 bytes), so a pool is [num_slots, kv_heads, D + 4] int8.
+enum class KvType { kFloat32 = 0, kBfloat16 = 1, kInt8 = 2 };
 
 struct PagedProblem {
   // q [.., Hq, D] and o: token t, head h at base + t * tok_stride + h * head_stride (floats).

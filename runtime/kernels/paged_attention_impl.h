@@ -3,7 +3,8 @@
 //
 // Vec: W lanes; V zero(); V set1(float); V load(const float*); void store(float*, V); V fma(a, b, c) = a*b+c;
 // V max(V, V); float hsum(V); float hmax(V); V exp(V) (exp of every lane; inputs <= 0 here);
-// V load_kv(const float*) and V load_kv(const uint16_t*) (bf16 widened to fp32). It is included inside a
+// V load_kv(const float* | const uint16_t* | const int8_t*) (fp32, bf16 widened, int8 converted, unscaled);
+// float kv_scalar(float | uint16_t | int8_t). It is included inside a
 // namespace, so it includes nothing itself (paged_attention.h brings the standard headers).
 //
 // Algorithm (one work item = one sequence's query tokens, <= kMaxItemTokens): online softmax over the
@@ -28,9 +29,19 @@ static Scratch& scratch() {
 
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-template <typename KV>
-static inline const KV* kv_row(const void* pool, int64_t slot, int kv_heads, int D) {
-  return static_cast<const KV*>(pool) + slot * static_cast<int64_t>(kv_heads) * D;
+// A head's row in the pool: D elements, and for int8 the row's float scale in the 4 bytes after them.
+template <typename KV, int D>
+constexpr int64_t head_elems() { return std::is_same<KV, int8_t>::value ? D + 4 : D; }
+
+template <typename KV, int D>
+static inline float row_scale(const KV* head_row) {
+  if constexpr (std::is_same<KV, int8_t>::value) {
+    float s;
+    std::memcpy(&s, head_row + D, sizeof s);
+    return s;
+  } else {
+    return 1.0f;
+  }
 }
 
 template <int D, typename KV>
@@ -145,7 +156,8 @@ static inline void score_cols(const float* Q, const float* Kt, int64_t ldk, floa
 template <int D, typename KV>
 static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, const char** error) {
   const int Hq = P.q_heads, Hkv = P.kv_heads, G = Hq / Hkv, bs = P.block_size;
-  const int64_t row_stride = static_cast<int64_t>(Hkv) * D;  // elements per slot row
+  constexpr int64_t HE = head_elems<KV, D>();
+  const int64_t row_stride = static_cast<int64_t>(Hkv) * HE;  // elements per slot row
   const int64_t num_blocks = P.num_slots / bs;
   Scratch& S = scratch();
   const int ntok = it.count;
@@ -206,8 +218,9 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
         for (int i = 0; i < ntok; ++i)
           for (int h = 0; h < Hq; ++h) {
             const int r = i * Hq + h;
+            const KV* kh = krow + (h / G) * HE;
             S.s[r * np_max + j] = visible(j0 + j, S.pos[r], P.window)
-                                      ? dot<D>(&S.q[static_cast<size_t>(r) * D], krow + (h / G) * D)
+                                      ? dot<D>(&S.q[static_cast<size_t>(r) * D], kh) * row_scale<KV, D>(kh)
                                       : kNegInf;
           }
       }
@@ -222,7 +235,8 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
         if (next_base >= 0) prefetch_row(vpool + (next_base + j) * row_stride, row_stride * sizeof(KV));
         for (int r = 0; r < nrows; ++r) {
           const float p = S.s[r * np_max + j];
-          if (p != 0.0f) axpy<D>(&S.acc[static_cast<size_t>(r) * D], p, vrow + (r % Hq / G) * D);
+          const KV* vh = vrow + (r % Hq / G) * HE;
+          if (p != 0.0f) axpy<D>(&S.acc[static_cast<size_t>(r) * D], p * row_scale<KV, D>(vh), vh);
         }
       }
       continue;
@@ -232,8 +246,9 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
     for (int g = 0; g < Hkv; ++g) {
       float* kt = S.kt.data();
       for (int64_t j = 0; j < n; ++j) {
-        const KV* k = kpool + (base + j) * row_stride + g * D;
-        for (int d = 0; d < D; ++d) kt[d * np + j] = static_cast<float>(Vec::kv_scalar(k[d]));
+        const KV* k = kpool + (base + j) * row_stride + g * HE;
+        const float ks = row_scale<KV, D>(k);
+        for (int d = 0; d < D; ++d) kt[d * np + j] = Vec::kv_scalar(k[d]) * ks;
       }
       for (int d = 0; d < D; ++d)
         for (int64_t j = n; j < np; ++j) kt[d * np + j] = 0.0f;
@@ -248,14 +263,22 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
           std::fill(s, s + np, 0.0f);
           continue;
         }
-        if (p < j0 + np - 1 || P.window > 0)
-          for (int64_t j = 0; j < np; ++j)
-            if (j >= n || !visible(j0 + j, p, P.window)) s[j] = kNegInf;
+        if (p < j0 + n - 1 || P.window > 0) {
+          for (int64_t j = 0; j < n; ++j)
+            if (!visible(j0 + j, p, P.window)) s[j] = kNegInf;
+        }
+        std::fill(s + n, s + np, kNegInf);  // the zero-padded key columns
         const float corr = softmax_update(s, np, S.m[r0 + r], S.l[r0 + r]);
         if (corr != 1.0f) scale_row<D>(&S.acc[static_cast<size_t>(r0 + r) * D], corr);
       }
-      for (int64_t j = 0; j < n; ++j) vrows[j] = vpool + (base + j) * row_stride + g * D;
-      constexpr int RP = D >= 128 ? 2 : 4;
+      for (int64_t j = 0; j < n; ++j) vrows[j] = vpool + (base + j) * row_stride + g * HE;
+      if constexpr (std::is_same<KV, int8_t>::value) {  // fold each value row's scale into its probabilities
+        for (int64_t j = 0; j < n; ++j) {
+          const float vs = row_scale<KV, D>(vrows[j]);
+          for (int r = 0; r < rows_per_head; ++r) sg[r * np_max + j] *= vs;
+        }
+      }
+      constexpr int RP = D > 128 ? 1 : D > 64 ? 2 : 4;
       for (int r = 0; r < rows_per_head; r += RP)
         pv_tile<D, RP, KV>(sg + r * np_max, np_max, vrows.data(), n, &S.acc[static_cast<size_t>(r0 + r) * D]);
     }
@@ -274,10 +297,21 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
 
 bool attend(const omf::PagedProblem& P, size_t item, const char** error) {
   const omf::WorkItem& it = P.items[item];
-  const bool bf16 = P.kv_type == omf::KvType::kBfloat16;
-  switch (P.head_dim) {
-    case 64: return bf16 ? attend_item<64, uint16_t>(P, it, error) : attend_item<64, float>(P, it, error);
-    case 128: return bf16 ? attend_item<128, uint16_t>(P, it, error) : attend_item<128, float>(P, it, error);
-    default: *error = "PagedAttention: head_dim must be 64 or 128"; return false;
+#define OMF_HEAD_DIM(d)                                                         \
+  case d:                                                                       \
+    switch (P.kv_type) {                                                        \
+      case omf::KvType::kBfloat16: return attend_item<d, uint16_t>(P, it, error); \
+      case omf::KvType::kInt8: return attend_item<d, int8_t>(P, it, error);       \
+      default: return attend_item<d, float>(P, it, error);                      \
+    }
+  switch (P.head_dim) {  // keep in step with kHeadDims (custom_op.cpp) and HEAD_DIMS (kernels/__init__.py)
+    OMF_HEAD_DIM(16)
+    OMF_HEAD_DIM(32)
+    OMF_HEAD_DIM(64)
+    OMF_HEAD_DIM(96)
+    OMF_HEAD_DIM(128)
+    OMF_HEAD_DIM(256)
+    default: *error = "PagedAttention: unsupported head_dim"; return false;
   }
+#undef OMF_HEAD_DIM
 }
