@@ -42,23 +42,19 @@ def read_bandwidth_gbs(nbytes: int = 1 << 30, threads: int = 2) -> float:
 
 
 def steps(block_size: int, num_blocks: int) -> dict[str, dict[str, np.ndarray]]:
+    """The benchmarked steps; each on its own (its blocks drawn at random from the whole pool)."""
     rng = np.random.default_rng(0)
-    free = list(rng.permutation(num_blocks))
-
-    def table(tokens: int) -> list[int]:
-        return [int(free.pop()) for _ in range(-(-tokens // block_size))]
-
-    def decodes(batch: int, context: int) -> list[SeqWork]:
-        return [SeqWork([int(rng.integers(3, 1000))], context - 1, table(context)) for _ in range(batch)]
-
+    cases = {"decode b32 c200": [(200, 1)] * 32, "decode b32 c512": [(512, 1)] * 32,
+             "decode b16 c2048": [(2048, 1)] * 16, "prefill 512": [(512, 512)],
+             "mixed 256 + 16 decodes": [(256, 256)] + [(512, 1)] * 16}
     out = {}
-    for name, work in (("decode b32 c200", decodes(32, 200)), ("decode b32 c512", decodes(32, 512)),
-                       ("decode b16 c2048", decodes(16, 2048)),
-                       ("prefill 512", [SeqWork(rng.integers(3, 1000, 512).tolist(), 0, table(512))]),
-                       ("mixed 256 + 16 decodes", [SeqWork(rng.integers(3, 1000, 256).tolist(), 0, table(256)),
-                                                   *decodes(16, 512)])):
+    for name, seqs in cases.items():
+        free = list(rng.permutation(num_blocks))
+        work = []
+        for length, new in seqs:  # a sequence of `length` tokens whose last `new` are this step's
+            table = [int(free.pop()) for _ in range(-(-length // block_size))]
+            work.append(SeqWork(rng.integers(3, 1000, new).tolist(), length - new, table))
         out[name] = build_step(work, block_size, split_decodes=True)
-        free = list(rng.permutation(num_blocks))  # each step on its own: blocks may repeat across steps
     return out
 
 

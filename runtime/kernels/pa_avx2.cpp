@@ -35,6 +35,12 @@ struct Vec {
     s = _mm_max_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  static V reduce_rows(const V* v) {  // 8 vectors -> their 8 sums
+    const V u0 = _mm256_hadd_ps(v[0], v[1]), u1 = _mm256_hadd_ps(v[2], v[3]);
+    const V u2 = _mm256_hadd_ps(v[4], v[5]), u3 = _mm256_hadd_ps(v[6], v[7]);
+    const V w0 = _mm256_hadd_ps(u0, u1), w1 = _mm256_hadd_ps(u2, u3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(w0, w1, 0x20), _mm256_permute2f128_ps(w0, w1, 0x31));
+  }
   static V exp(V x) {  // as the AVX-512 path; 2^n built in the exponent bits (n >= -126 after the clamp)
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
     const V n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),

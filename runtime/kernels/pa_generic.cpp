@@ -20,6 +20,7 @@ struct Vec {
   static V max(V a, V b) { return V{std::fmax(a[0], b[0]), std::fmax(a[1], b[1]), std::fmax(a[2], b[2]), std::fmax(a[3], b[3])}; }
   static float hsum(V v) { return (v[0] + v[1]) + (v[2] + v[3]); }
   static float hmax(V v) { return std::fmax(std::fmax(v[0], v[1]), std::fmax(v[2], v[3])); }
+  static V reduce_rows(const V* v) { return V{hsum(v[0]), hsum(v[1]), hsum(v[2]), hsum(v[3])}; }
   static V exp(V x) { return V{std::exp(x[0]), std::exp(x[1]), std::exp(x[2]), std::exp(x[3])}; }
   static V load_kv(const float* p) { return load(p); }
   static V load_kv(const uint16_t* p) { return V{kv_scalar(p[0]), kv_scalar(p[1]), kv_scalar(p[2]), kv_scalar(p[3])}; }

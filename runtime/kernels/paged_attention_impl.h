@@ -3,6 +3,7 @@
 //
 // Vec: W lanes; V zero(); V set1(float); V load(const float*); void store(float*, V); V fma(a, b, c) = a*b+c;
 // V max(V, V); float hsum(V); float hmax(V); V exp(V) (exp of every lane; inputs <= 0 here);
+// V reduce_rows(const V v[W]) (lane i = the sum of the lanes of v[i]);
 // V load_kv(const float* | const uint16_t* | const int8_t*) (fp32, bf16 widened, int8 converted, unscaled);
 // float kv_scalar(float | uint16_t | int8_t). It is included inside a
 // namespace, so it includes nothing itself (paged_attention.h brings the standard headers).
@@ -17,7 +18,7 @@
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Scratch {
-  std::vector<float> q, s, acc, m, l, kt;
+  std::vector<float> q, s, acc, m, l, kt, scale;
   std::vector<int64_t> pos;
   std::vector<const float*> qrow;
 };
@@ -44,28 +45,38 @@ static inline float row_scale(const KV* head_row) {
   }
 }
 
-template <int D, typename KV>
-static inline float dot(const float* q, const KV* k) {
-  constexpr int NV = D / Vec::W;
-  typename Vec::V a0 = Vec::zero(), a1 = Vec::zero();
-  for (int i = 0; i < NV; i += 2) {
-    a0 = Vec::fma(Vec::load(q + i * Vec::W), Vec::load_kv(k + i * Vec::W), a0);
-    if (i + 1 < NV) a1 = Vec::fma(Vec::load(q + (i + 1) * Vec::W), Vec::load_kv(k + (i + 1) * Vec::W), a1);
-  }
-  return Vec::hsum(Vec::add(a0, a1));
-}
-
-// acc[D] += p * v[D]
-template <int D, typename KV>
-static inline void axpy(float* acc, float p, const KV* v) {
-  constexpr int NV = D / Vec::W;
-  const typename Vec::V pb = Vec::set1(p);
-  for (int i = 0; i < NV; ++i) Vec::store(acc + i * Vec::W, Vec::fma(pb, Vec::load_kv(v + i * Vec::W), Vec::load(acc + i * Vec::W)));
+// int8 pools: the scales of n consecutive slot rows, per head: out[g * ld + j] (resized as needed).
+template <typename KV, int D>
+static inline void gather_scales(const KV* rows, int64_t row_stride, int64_t n, int heads, int64_t HE, int64_t ld,
+                                 std::vector<float>& out) {
+  if (out.size() < static_cast<size_t>(heads * ld)) out.resize(heads * ld);
+  for (int g = 0; g < heads; ++g)
+    for (int64_t j = 0; j < n; ++j) out[g * ld + j] = row_scale<KV, D>(rows + j * row_stride + g * HE);
 }
 
 static inline void prefetch_row(const void* p, size_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
+// Scores of one query row (q scaled, D floats) against m <= W key rows of one head (kbase + j * row_stride):
+// one FMA chain per key row, then the W partial vectors reduced together (Vec::reduce_rows: lane i = the sum
+// of vector i), far fewer shuffles than a horizontal sum per key. Writes s[0 .. W).
+template <int D, typename KV>
+static inline void score_chunk(const float* q, const KV* kbase, int64_t row_stride, int64_t m, float* s) {
+  constexpr int NV = D / Vec::W;
+  typename Vec::V part[Vec::W];
+  for (int jj = 0; jj < Vec::W; ++jj) {
+    if (jj >= m) {
+      part[jj] = Vec::zero();
+      continue;
+    }
+    const KV* k = kbase + jj * row_stride;
+    typename Vec::V a = Vec::mul(Vec::load(q), Vec::load_kv(k));
+    for (int i = 1; i < NV; ++i) a = Vec::fma(Vec::load(q + i * Vec::W), Vec::load_kv(k + i * Vec::W), a);
+    part[jj] = a;
+  }
+  Vec::store(s, Vec::reduce_rows(part));
 }
 
 // Online-softmax update of one row over scores s[0..np) (np a multiple of W, -inf where hidden):
@@ -140,6 +151,20 @@ static inline void pv_tile(const float* P, int64_t ldp, const KV* const* vrows, 
     for (int i = 0; i < NV; ++i) Vec::store(Acc + r * D + i * Vec::W, acc[r][i]);
 }
 
+// P·V for `rows` consecutive rows (P rows ldp apart, accumulators D apart), register tiles of up to RP rows.
+template <int D, typename KV>
+static inline void pv_rows(const float* P, int64_t ldp, const KV* const* vrows, int64_t n, float* Acc, int rows) {
+  constexpr int RP = D > 128 ? 1 : D > 64 ? 2 : 4;
+  int r = 0;
+  for (; r + RP <= rows; r += RP) pv_tile<D, RP, KV>(P + r * ldp, ldp, vrows, n, Acc + r * D);
+  switch (rows - r) {  // the rest in one tile (< RP rows)
+    case 3: if constexpr (RP > 3) pv_tile<D, 3, KV>(P + r * ldp, ldp, vrows, n, Acc + r * D); break;
+    case 2: if constexpr (RP > 2) pv_tile<D, 2, KV>(P + r * ldp, ldp, vrows, n, Acc + r * D); break;
+    case 1: pv_tile<D, 1, KV>(P + r * ldp, ldp, vrows, n, Acc + r * D); break;
+    default: break;
+  }
+}
+
 template <int D>
 static inline void score_cols(const float* Q, const float* Kt, int64_t ldk, float* S, int64_t lds, int64_t nvec) {
   constexpr int RT = 4;
@@ -212,31 +237,50 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
     const int64_t np = round_up(n, Vec::W);
     const int64_t next_base = b < last_block ? it.table[b + 1] * bs : -1;
     if (row_path) {
-      for (int64_t j = 0; j < n; ++j) {
-        const KV* krow = kpool + (base + j) * row_stride;
-        if (next_base >= 0) prefetch_row(kpool + (next_base + j) * row_stride, row_stride * sizeof(KV));
-        for (int i = 0; i < ntok; ++i)
-          for (int h = 0; h < Hq; ++h) {
-            const int r = i * Hq + h;
-            const KV* kh = krow + (h / G) * HE;
-            S.s[r * np_max + j] = visible(j0 + j, S.pos[r], P.window)
-                                      ? dot<D>(&S.q[static_cast<size_t>(r) * D], kh) * row_scale<KV, D>(kh)
-                                      : kNegInf;
-          }
+      // Whole slot rows, W at a time (all heads of a row used while it is in L1; rows read in order), the
+      // same rows of the next block prefetched meanwhile.
+      for (int64_t c = 0; c < n; c += Vec::W) {
+        const int64_t m = std::min<int64_t>(Vec::W, n - c);
+        if (next_base >= 0) prefetch_row(kpool + (next_base + c) * row_stride, m * row_stride * sizeof(KV));
+        const KV* kchunk = kpool + (base + c) * row_stride;
+        for (int r = 0; r < nrows; ++r)
+          score_chunk<D, KV>(&S.q[static_cast<size_t>(r) * D], kchunk + (r % Hq / G) * HE, row_stride, m,
+                             &S.s[r * np_max + c]);
+      }
+      if constexpr (std::is_same<KV, int8_t>::value) {  // each key row's scale, gathered once per head
+        gather_scales<KV, D>(kpool + base * row_stride, row_stride, n, Hkv, HE, np_max, S.scale);
+        for (int r = 0; r < nrows; ++r) {
+          const float* sc = &S.scale[(r % Hq / G) * np_max];
+          for (int64_t j = 0; j < n; ++j) S.s[r * np_max + j] *= sc[j];
+        }
       }
       for (int r = 0; r < nrows; ++r) {
         float* s = &S.s[r * np_max];
+        const int64_t p = S.pos[r];
+        if (p < j0 + n - 1 || P.window > 0)
+          for (int64_t j = 0; j < n; ++j)
+            if (!visible(j0 + j, p, P.window)) s[j] = kNegInf;
         std::fill(s + n, s + np, kNegInf);
         const float corr = softmax_update(s, np, S.m[r], S.l[r]);
         if (corr != 1.0f) scale_row<D>(&S.acc[static_cast<size_t>(r) * D], corr);
       }
-      for (int64_t j = 0; j < n; ++j) {
-        const KV* vrow = vpool + (base + j) * row_stride;
-        if (next_base >= 0) prefetch_row(vpool + (next_base + j) * row_stride, row_stride * sizeof(KV));
+      if constexpr (std::is_same<KV, int8_t>::value) {  // fold each value row's scale into its probabilities
+        gather_scales<KV, D>(vpool + base * row_stride, row_stride, n, Hkv, HE, np_max, S.scale);
         for (int r = 0; r < nrows; ++r) {
-          const float p = S.s[r * np_max + j];
-          const KV* vh = vrow + (r % Hq / G) * HE;
-          if (p != 0.0f) axpy<D>(&S.acc[static_cast<size_t>(r) * D], p * row_scale<KV, D>(vh), vh);
+          const float* sc = &S.scale[(r % Hq / G) * np_max];
+          for (int64_t j = 0; j < n; ++j) S.s[r * np_max + j] *= sc[j];
+        }
+      }
+      // P·V in chunks of W rows: every KV head's group of query rows in registers over the chunk
+      for (int64_t c = 0; c < n; c += Vec::W) {
+        const int64_t m = std::min<int64_t>(Vec::W, n - c);
+        if (next_base >= 0) prefetch_row(vpool + (next_base + c) * row_stride, m * row_stride * sizeof(KV));
+        for (int g = 0; g < Hkv; ++g) {
+          for (int64_t j = 0; j < m; ++j) vrows[j] = vpool + (base + c + j) * row_stride + g * HE;
+          for (int i = 0; i < ntok; ++i) {
+            const int r0 = i * Hq + g * G;
+            pv_rows<D, KV>(&S.s[r0 * np_max + c], np_max, vrows.data(), m, &S.acc[static_cast<size_t>(r0) * D], G);
+          }
         }
       }
       continue;
@@ -278,9 +322,7 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
           for (int r = 0; r < rows_per_head; ++r) sg[r * np_max + j] *= vs;
         }
       }
-      constexpr int RP = D > 128 ? 1 : D > 64 ? 2 : 4;
-      for (int r = 0; r < rows_per_head; r += RP)
-        pv_tile<D, RP, KV>(sg + r * np_max, np_max, vrows.data(), n, &S.acc[static_cast<size_t>(r0 + r) * D]);
+      pv_rows<D, KV>(sg, np_max, vrows.data(), n, &S.acc[static_cast<size_t>(r0) * D], rows_per_head);
     }
   }
   for (int i = 0; i < ntok; ++i) {
