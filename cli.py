@@ -102,7 +102,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from omforge.passes import diff
+    from omforge.passes import bundle_diff, diff
+
+    if args.b and bundle_diff.is_bundle(Path(args.a)) and bundle_diff.is_bundle(Path(args.b)):
+        result = bundle_diff.diff_bundles(Path(args.a), Path(args.b), max_tokens=args.max_tokens)
+        print(json.dumps(result.to_dict(), indent=2) if args.json else bundle_diff.render_text(result))
+        return 0 if result.max_abs <= args.tol else 1
 
     if args.html and not Path(args.html).resolve().parent.is_dir():
         raise OmforgeError(f"{args.html}: its directory does not exist")
@@ -244,7 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("diff", help="fused vs unfused: op histograms, fused regions, numeric drift (exit 1 over --tol)")
     d.add_argument("a", metavar="A", help="the reference ONNX graph, or an export directory (then B is its fused "
                    "graph, built on the fly)")
-    d.add_argument("b", metavar="B", nargs="?", help="the ONNX graph to compare (same inputs and outputs as A)")
+    d.add_argument("b", metavar="B", nargs="?", help="the ONNX graph to compare (same inputs and outputs as A); "
+                   "with two bundles (e.g. float32 vs bfloat16 KV cache): their greedy outputs and logits on 20 chat "
+                   "prompts")
+    d.add_argument("--max-tokens", type=int, default=64, help="two bundles: greedy tokens per prompt (default 64)")
     d.add_argument("--per-fusion", action="store_true", help="export directory only: build a graph per fusion "
                    "and report each one's drift")
     d.add_argument("--seq", type=int, default=32, help="tokens per row of the random input (default 32)")

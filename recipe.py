@@ -88,6 +88,7 @@ class CompileSection(_Section):
     dtype: Literal["float32", "float16"] = "float32"
     opset: int = Field(default=18, ge=14, le=18)
     kv_block_size: int | None = Field(default=None, ge=1, le=1024)
+    kv_cache_dtype: Literal["float32", "bfloat16", "int8"] = "float32"
     max_batch_size: int = Field(default=64, ge=1, le=4096)
     max_seq_len: int = Field(default=2048, ge=16, le=1_048_576)
     max_num_tokens: int = Field(default=2048, ge=1, le=1_048_576)

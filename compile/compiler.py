@@ -22,7 +22,7 @@ from omforge.compile import buckets as bucket_planner
 from omforge.compile.bundle import file_entries, write_manifest
 from omforge.compile.cache import Stage, cache_root, copy_into, stage_key
 from omforge.errors import OmforgeError
-from omforge.passes.paged_kv import DEFAULT_BLOCK_SIZE
+from omforge.passes.paged_kv import DEFAULT_BLOCK_SIZE, PagedLayout
 from omforge.recipe import Recipe
 from omforge.runtime import kernels
 
@@ -88,6 +88,14 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
     if target not in DEFAULT_BLOCK_SIZE:
         raise OmforgeError(f"--target: '{target}' is not a target; choose one of {', '.join(DEFAULT_BLOCK_SIZE)}")
     block_size = recipe.compile.kv_block_size or DEFAULT_BLOCK_SIZE[target]
+    kernel = kernel_lowering(target, quiet)
+    kv_dtype = recipe.compile.kv_cache_dtype
+    if kv_dtype != "float32" and target != "ort":
+        raise OmforgeError(f"{recipe.path}: compile.kv_cache_dtype: {kv_dtype} is not supported for target {target} "
+                           "(allowed: float32)")
+    if kv_dtype != "float32" and not kernel:
+        raise OmforgeError(f"{recipe.path}: compile.kv_cache_dtype: {kv_dtype} needs omforge's CPU kernel library, "
+                           f"unavailable here ({kernels.status().reason}); use float32")
     if out.exists() and not (out / "manifest.json").is_file() and any(out.iterdir()):
         raise OmforgeError(f"-o {out}: exists and is not a bundle; refusing to overwrite it")
     progress = Progress(quiet)
@@ -101,10 +109,9 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
     export_meta = json.loads((export_dir / "export.json").read_text())
 
     plan = bucket_planner.plan(recipe.compile, target=target, block_size=block_size)
-    kernel = kernel_lowering(target, quiet)
     passes_key = stage_key("passes", {
         "export": digest, "fusions": recipe.compile.fusions, "block_size": block_size, "target": target,
-        "paged_attention": f"kernel-abi{kernels.ABI_VERSION}" if kernel else "plain",
+        "paged_attention": f"kernel-abi{kernels.ABI_VERSION}" if kernel else "plain", "kv_cache_dtype": kv_dtype,
         "passes_source": _source_digest(Path(__file__).resolve().parent.parent / "passes"),
         "tools": tool_versions(),
     })
@@ -112,7 +119,7 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
     cached["passes"] = passes.done
     with progress.stage(f"passes + lowering ({target})", passes.done):
         if not passes.done:
-            _run_passes(export_dir, passes, recipe, target, block_size, kernel)
+            _run_passes(export_dir, passes, recipe, target, block_size, kernel, kv_dtype)
     report = passes.info()
 
     with progress.stage("bundle"):
@@ -151,8 +158,11 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
         "abi": report["abi"],
         "paged_attention": report.get("paged_attention") or "plain",
         "kernels": kernels.status().manifest_entry() if report.get("paged_attention") == "kernel" else None,
-        "kv": {**layout, "dtype": "float32", "layout": "[num_blocks, block_size, kv_heads, head_dim] per layer, K and V",
-               "bytes_per_token": 2 * layout["num_layers"] * layout["kv_heads"] * layout["head_dim"] * 4,
+        "kv": {**layout, "dtype": layout.get("kv_dtype", "float32"),
+               "layout": ("[num_blocks, block_size, kv_heads, head_dim + 4] int8 per layer, K and V (each head's row, "
+                          "then its float32 scale)" if layout.get("kv_dtype") == "int8"
+                          else "[num_blocks, block_size, kv_heads, head_dim] per layer, K and V"),
+               "bytes_per_token": PagedLayout(**layout).bytes_per_token,
                "write": "in place: bind key_cache_out.N to key_cache.N's buffer" if target == "ort"
                else "out of place: the graph returns key_new.N; the runtime copies rows to slot_mapping"},
         "limits": {"max_seq_len": recipe.compile.max_seq_len, "max_batch_size": recipe.compile.max_batch_size,
@@ -199,7 +209,8 @@ def kernel_lowering(target: str, quiet: bool = False) -> bool:
 _said_fallback: list[bool] = []
 
 
-def _run_passes(export_dir: Path, stage: Stage, recipe: Recipe, target: str, block_size: int, kernel: bool) -> None:
+def _run_passes(export_dir: Path, stage: Stage, recipe: Recipe, target: str, block_size: int, kernel: bool,
+                kv_dtype: str = "float32") -> None:
     from dataclasses import asdict
 
     from omforge.passes.pipeline import build
@@ -207,7 +218,7 @@ def _run_passes(export_dir: Path, stage: Stage, recipe: Recipe, target: str, blo
     out = stage.begin()
     if target == "ort":
         report = build(export_dir, out / "step.onnx", fusions=recipe.compile.fusions, block_size=block_size,
-                       kernel=kernel)
+                       kernel=kernel, kv_cache_dtype=kv_dtype)
         stage.finish({**report.to_dict(), "abi": report.extra["abi"], "graph": "step.onnx",
                       "paged_attention": report.extra["paged_attention"]})
         return

@@ -20,6 +20,8 @@ from 18 to 23 only widen type lists).
 
 from __future__ import annotations
 
+import re
+
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
@@ -65,9 +67,10 @@ class LowerPagedAttention(decompose.DecomposePagedAttention):
     place by IOBinding), block gather, then the fused ``Attention`` with a boolean mask — once for the step's main
     group and once for its decode group (``decode_group``: the graph inputs :data:`DECODE_GROUP_INPUTS`)."""
 
-    def __init__(self, name: str, decode_group: tuple[ir.Value, ir.Value] | None = None):
+    def __init__(self, name: str, decode_group: tuple[ir.Value, ir.Value] | None = None, kv_dtype: str = "float32"):
         super().__init__(name)
         self.decode_group = decode_group
+        self.kv_dtype = kv_dtype
 
     def rewrite(self, op, q, k, v, kc, vc, slots, tables, qidx, tidx, pos, o, **_):  # noqa: ANN001, ANN201
         node = o.producer()
@@ -99,8 +102,8 @@ class LowerPagedAttentionKernel(LowerPagedAttention):
         a = {name: node.attributes[name].value for name in ("scale", "q_heads", "kv_heads", "block_size")}
         window = node.attributes["window"].value if "window" in node.attributes else 0
         d_tables, d_qidx = self.decode_group
-        return op.PagedAttention(q, k, v, kc, vc, slots, tables, qidx, tidx, pos, d_tables, d_qidx, **a,
-                                 window=window, _domain=KERNEL_DOMAIN, _outputs=3)
+        return getattr(op, KERNEL_OPS[self.kv_dtype])(q, k, v, kc, vc, slots, tables, qidx, tidx, pos, d_tables, d_qidx,
+                                                      **a, window=window, _domain=KERNEL_DOMAIN, _outputs=3)
 
 
 class LowerPagedAttentionNewRows(LowerPagedAttention):
@@ -126,25 +129,32 @@ RULES = pattern.RewriteRuleSet([LowerPagedAttention.rule("ort_paged_attention"),
 RULES_RUNTIME_WRITE = pattern.RewriteRuleSet([LowerPagedAttentionNewRows.rule("ort_paged_attention_new_rows"),
                                               *_COMMON])
 KV_WRITES = ("runtime", "graph")
+KERNEL_OPS = {"float32": "PagedAttention", "bfloat16": "PagedAttentionBF16", "int8": "PagedAttentionInt8"}
+_POOL_TYPES = {"float32": ir.DataType.FLOAT, "bfloat16": ir.DataType.BFLOAT16, "int8": ir.DataType.INT8}
 
 
-def lower(model: ir.Model, kv_write: str = "graph", kernel: bool = False) -> int:
+def lower(model: ir.Model, kv_write: str = "graph", kernel: bool = False, kv_cache_dtype: str = "float32") -> int:
     """Lower every neutral op in ``model`` in place; returns the number of ops lowered. ``kv_write`` says who
     writes the new K/V rows of a step graph: the graph itself (default: ScatterND into the pool the executor
     binds in place) or the runtime (the graph returns the rows; attention sees them through a scatter into the
     gathered context). Measured on SmolLM2 (benchmarks/bench_passes.py pool, batch 16, context 512, block 64):
     graph 110.6 ms vs runtime 151.0 ms per decode step, both flat from 1k to 8k blocks; offline short-chat 16:
     184 vs 130 tok/s. ``kernel`` (with ``kv_write="graph"``) lowers paged attention to omforge's CPU kernel
-    instead of plain ops; the session must then register the kernel library (runtime/kernels)."""
+    instead of plain ops; the session must then register the kernel library (runtime/kernels). ``kv_cache_dtype``
+    other than float32 (the pools' element type, see ``paged_kv.KV_DTYPES``) needs the kernel."""
     if kv_write not in KV_WRITES:
         raise ValueError(f"kv_write={kv_write!r} is not one of {KV_WRITES}")
     if kernel and kv_write != "graph":
         raise ValueError("the kernel lowering writes the pools in the graph (kv_write='graph')")
+    if kv_cache_dtype not in KERNEL_OPS:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of {tuple(KERNEL_OPS)}")
+    if kv_cache_dtype != "float32" and not kernel:
+        raise ValueError(f"a {kv_cache_dtype} KV cache needs the kernel lowering")
     model.opset_imports[""] = max(model.opset_imports.get("", 18), ORT_OPSET)
     paged = any(n.op_type == "PagedAttention" and n.domain == ops.DOMAIN for n in model.graph)
     if kv_write == "graph" and paged:  # a decode group of its own: decodes share steps with prefill, unpadded
         group = add_decode_group_inputs(model.graph)
-        paged_rule = (LowerPagedAttentionKernel.rule("ort_paged_attention_kernel", group) if kernel
+        paged_rule = (LowerPagedAttentionKernel.rule("ort_paged_attention_kernel", group, kv_cache_dtype) if kernel
                       else LowerPagedAttention.rule("ort_paged_attention", group))
         rules = pattern.RewriteRuleSet([paged_rule, *_COMMON])
         if kernel:
@@ -154,8 +164,21 @@ def lower(model: ir.Model, kv_write: str = "graph", kernel: bool = False) -> int
     count = rules.apply_to_model(model)
     if kv_write == "runtime":
         new_rows_as_outputs(model.graph)  # the rows are outputs; slot_mapping is host-side only
+    if kv_cache_dtype != "float32":
+        _retype_pools(model.graph, kv_cache_dtype)
     left = [n.op_type for n in model.graph if n.domain == ops.DOMAIN]
     if left:
         raise RuntimeError(f"ORT lowering left neutral ops: {sorted(set(left))}")
     model.opset_imports.pop(ops.DOMAIN, None)
     return count
+
+
+def _retype_pools(graph: ir.Graph, kv_cache_dtype: str) -> None:
+    """The pools' inputs and outputs to ``kv_cache_dtype`` (int8 rows carry their scale: ``head_dim + 4``)."""
+    for value in [*graph.inputs, *graph.outputs]:
+        if re.fullmatch(r"(key|value)_cache(_out)?\.\d+", value.name or ""):
+            if any(use.op_type not in KERNEL_OPS.values() for use, _ in value.uses()):
+                raise ValueError(f"{value.name}: a {kv_cache_dtype} pool read by plain ops (head size without a kernel?)")
+            *lead, dim = value.shape
+            value.dtype = _POOL_TYPES[kv_cache_dtype]
+            value.shape = ir.Shape([*lead, dim + 4 if kv_cache_dtype == "int8" else dim])

@@ -48,14 +48,33 @@ DECODE_GROUP_INPUTS = ("decode_block_tables", "decode_query_index")
 rows ``[B * Q + Bd]`` (main group first). A step without such a split sends a group of one unreferenced row."""
 
 
+KV_DTYPES = ("float32", "bfloat16", "int8")
+"""KV pool element types (recipe ``compile.kv_cache_dtype``). bfloat16 and int8 need omforge's CPU kernel.
+int8 is symmetric per token and KV head (MindIE's C8): each head's row holds ``head_dim`` int8 values followed
+by its float32 scale (4 bytes), so the pool's last dimension is ``head_dim + 4``."""
+
+
 @dataclass(frozen=True)
 class PagedLayout:
-    """What the runtime needs to allocate and bind the pools."""
+    """What the runtime needs to allocate and bind the pools: per layer, K and V pools
+    ``[num_blocks, block_size, kv_heads, row_elems]`` of ``kv_dtype``."""
 
     num_layers: int
     kv_heads: int
     head_dim: int
     block_size: int
+    kv_dtype: str = "float32"
+
+    @property
+    def row_elems(self) -> int:
+        """Elements of one head's row in the pool (int8: the values, then the scale's 4 bytes)."""
+        return self.head_dim + 4 if self.kv_dtype == "int8" else self.head_dim
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token takes in every layer's K and V pools together."""
+        itemsize = {"float32": 4, "bfloat16": 2, "int8": 1}[self.kv_dtype]
+        return 2 * self.num_layers * self.kv_heads * self.row_elems * itemsize
 
 
 def _input(name: str, dims: list[int | str], dtype: ir.DataType = ir.DataType.INT64) -> ir.Value:

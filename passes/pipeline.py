@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
@@ -45,10 +45,11 @@ def histogram(model: ir.Model) -> dict[str, int]:
 
 def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | None = None,
           block_size: int | None = None, target: str = "ort", kv_write: str = "graph",
-          kernel: bool | None = None) -> PassReport:
+          kernel: bool | None = None, kv_cache_dtype: str = "float32") -> PassReport:
     """Fuse (switches ``fusions``), page the KV cache when ``block_size`` is given, lower to ``target``,
     and save ``out_path`` with its weights in ``out_path.name + '.data'`` beside it. ``kernel``: lower paged
-    attention to omforge's CPU kernel (None: when the kernel library is usable here and ``kv_write="graph"``)."""
+    attention to omforge's CPU kernel (None: when the kernel library is usable here and ``kv_write="graph"``);
+    ``kv_cache_dtype``: the pools' element type (not float32: needs the kernel)."""
     if target != "ort":
         raise ValueError(f"target '{target}' is not lowered here yet")
     model = ir.load(export_dir / "model.onnx")
@@ -56,7 +57,9 @@ def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | Non
     layout = insert_paged_kv(model, block_size) if block_size else None
     if kernel is None:
         kernel = kv_write == "graph" and kernels.status().available
-    lower_ort.lower(model, kv_write=kv_write, kernel=kernel)
+    lower_ort.lower(model, kv_write=kv_write, kernel=kernel, kv_cache_dtype=kv_cache_dtype)
+    if layout is not None:
+        layout = replace(layout, kv_dtype=kv_cache_dtype)
     manager.cleanup(model)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     ir.save(model, out_path, external_data=out_path.name + ".data")

@@ -20,6 +20,10 @@ from omforge.runtime import kernels
 from omforge.runtime.step import SeqWork, build_step
 
 
+BFLOAT16 = 16  # ONNX element type: numpy has no bfloat16, so bf16 pools are uint16 arrays bound with this type
+POOL_NUMPY_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "int8": np.int8}
+
+
 class OrtExecutor:
     def __init__(self, model_path: Path, layout: PagedLayout, num_blocks: int, threads: int | None = None,
                  providers: list[str] | None = None, num_host_blocks: int = 0):
@@ -30,9 +34,10 @@ class OrtExecutor:
             kernels.register(opts)
         self.layout, self.num_blocks = layout, num_blocks
         self.session = ort.InferenceSession(str(model_path), opts, providers=providers or ["CPUExecutionProvider"])
-        shape = (num_blocks, layout.block_size, layout.kv_heads, layout.head_dim)
-        self.key_pools = [np.zeros(shape, np.float32) for _ in range(layout.num_layers)]
-        self.value_pools = [np.zeros(shape, np.float32) for _ in range(layout.num_layers)]
+        shape = (num_blocks, layout.block_size, layout.kv_heads, layout.row_elems)
+        self.pool_dtype = POOL_NUMPY_DTYPES[layout.kv_dtype]
+        self.key_pools = [np.zeros(shape, self.pool_dtype) for _ in range(layout.num_layers)]
+        self.value_pools = [np.zeros(shape, self.pool_dtype) for _ in range(layout.num_layers)]
         self.allocate_host(num_host_blocks)
         self.binding = self.session.io_binding()
         self.binding.bind_output("logits")  # first, so it stays output 0 when re-bound each run
@@ -42,12 +47,13 @@ class OrtExecutor:
         self.runtime_write = "key_new.0" in outputs
         self._new_rows = [f"{kind}_new.{layer}" for layer in range(layout.num_layers) for kind in ("key", "value")]
         self._pool_values = []  # keep the OrtValues alive as long as the binding refers to them
-        slots = (num_blocks * layout.block_size, layout.kv_heads, layout.head_dim)
+        slots = (num_blocks * layout.block_size, layout.kv_heads, layout.row_elems)
         self._slot_views = []
         for layer in range(layout.num_layers):
             for kind, pools in (("key", self.key_pools), ("value", self.value_pools)):
                 view = pools[layer].reshape(slots)
-                value = ort.OrtValue.ortvalue_from_numpy(view)
+                value = (ort.OrtValue.ortvalue_from_numpy_with_onnx_type(view, BFLOAT16)
+                         if layout.kv_dtype == "bfloat16" else ort.OrtValue.ortvalue_from_numpy(view))
                 self.binding.bind_ortvalue_input(f"{kind}_cache.{layer}", value)
                 if not self.runtime_write:
                     self.binding.bind_ortvalue_output(f"{kind}_cache_out.{layer}", value)
@@ -62,8 +68,8 @@ class OrtExecutor:
     def allocate_host(self, num_host_blocks: int) -> None:
         """The host swap tier: pools of ``num_host_blocks`` blocks per layer, K and V."""
         shape = (num_host_blocks, *self.key_pools[0].shape[1:])
-        self.host_keys = [np.zeros(shape, np.float32) for _ in self.key_pools]
-        self.host_values = [np.zeros(shape, np.float32) for _ in self.value_pools]
+        self.host_keys = [np.zeros(shape, self.pool_dtype) for _ in self.key_pools]
+        self.host_values = [np.zeros(shape, self.pool_dtype) for _ in self.value_pools]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks, ``(device, host)`` pairs."""

@@ -100,3 +100,76 @@ def test_smollm2_greedy_chat_tokens_equal_plain_lowering(smollm2_bundle: Path, s
            for p in CHAT_PROMPTS]
     ours = [o.token_ids for o in llm.generate(ids, GREEDY, use_tqdm=False)]
     assert ours == plain_tokens(SMOLLM2_RECIPE, tmp_path / "plain", smollm2_cache, CHAT_PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def tiny_bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny recipe with each KV cache dtype (blocks of 4 tokens: short prompts cross many blocks)."""
+    root = tmp_path_factory.mktemp("kv-dtypes")
+    bundles = {}
+    for dtype in ("float32", "bfloat16", "int8"):
+        recipe = root / f"tiny-{dtype}.yaml"
+        recipe.write_text(TINY_RECIPE.read_text().replace("compile:\n", f"compile:\n  kv_block_size: 4\n"
+                                                                        f"  kv_cache_dtype: {dtype}\n"))
+        bundles[dtype] = compile_bundle(recipe, root / dtype, root / "cache")
+    return bundles
+
+
+@pytest.mark.parametrize("dtype, itemsize, extra", [("bfloat16", 2, 0), ("int8", 1, 4)])
+def test_reduced_precision_kv_bundle(tiny_bundles: dict[str, Path], dtype: str, itemsize: int, extra: int) -> None:
+    m, m32 = (load_manifest(tiny_bundles[d]) for d in (dtype, "float32"))
+    kv = m["kv"]
+    assert kv["dtype"] == dtype and m["abi"]["inputs"][7]["name"] == "key_cache.0"
+    assert m["abi"]["inputs"][7]["dtype"] == dtype and m["abi"]["inputs"][7]["shape"][-1] == kv["head_dim"] + extra
+    assert kv["bytes_per_token"] == m32["kv"]["bytes_per_token"] * itemsize * (kv["head_dim"] + extra) // (
+        4 * kv["head_dim"])
+    llm = LLM(tiny_bundles[dtype], num_kv_blocks=256)
+    assert llm.engine.executor.key_pools[0].dtype.itemsize == itemsize
+    # the pools' dtype follows through swapping: outputs under swap preemption equal those run alone
+    prompts = [[int(t) for t in range(5 + i, 30 + 3 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    alone = [LLM(tiny_bundles[dtype], num_kv_blocks=64).generate([p], params, use_tqdm=False)[0].token_ids
+             for p in prompts]
+    tight = LLM(tiny_bundles[dtype], num_kv_blocks=16, preemption_mode="swap", swap_space_gb=0.01)
+    assert [o.token_ids for o in tight.generate(prompts, params, use_tqdm=False)] == alone
+    assert tight.engine.stats.preemptions > 0
+    # drift against the float32 cache on the same steps (logits of a prefill, then 8 decodes)
+    from omforge.runtime.step import SeqWork
+
+    execs = {d: LLM(tiny_bundles[d], num_kv_blocks=64).engine.executor for d in ("float32", dtype)}
+    ids, table = prompts[0], list(range(40))
+    drift = []
+    for d, ex in execs.items():
+        out = [ex.execute([SeqWork(ids, 0, table)])[0]]
+        for i in range(8):
+            out.append(ex.execute([SeqWork([7 + i], len(ids) + i, table)])[0])
+        drift.append(out)
+    diff = max(float(abs(a - b).max()) for a, b in zip(*drift))
+    scale = max(float(abs(a).max()) for a in drift[0])
+    assert 0 < diff < 0.05 * scale, (diff, scale)  # reduced precision moves the logits, by little
+
+
+def test_reduced_precision_kv_errors(tmp_path: Path) -> None:
+    from omforge.compile.compiler import compile_recipe
+    from omforge.errors import OmforgeError
+    from omforge.recipe import load_recipe
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(TINY_RECIPE.read_text().replace("compile:\n", "compile:\n  kv_cache_dtype: fp8\n"))
+    with pytest.raises(OmforgeError, match="kv_cache_dtype"):
+        load_recipe(recipe)
+    recipe.write_text(TINY_RECIPE.read_text().replace("compile:\n", "compile:\n  kv_cache_dtype: int8\n"))
+    with pytest.raises(OmforgeError, match="kv_cache_dtype: int8 is not supported for target ascend"):
+        compile_recipe(load_recipe(recipe), tmp_path / "out", target="ascend", quiet=True)
+
+
+def test_diff_of_two_bundles_reports_kv_drift(tiny_bundles: dict[str, Path]) -> None:
+    r = subprocess.run([sys.executable, "-m", "omforge", "diff", str(tiny_bundles["float32"]), str(tiny_bundles["int8"]),
+                        "--max-tokens", "8", "--json", "--tol", "100"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["kv_dtypes"] == ["float32", "int8"] and len(d["prompts"]) == 20
+    assert 0 < d["max_abs"] < 100 and all(0 <= p["identical_prefix"] <= 8 for p in d["prompts"])
+    same = subprocess.run([sys.executable, "-m", "omforge", "diff", str(tiny_bundles["float32"]),
+                           str(tiny_bundles["float32"]), "--max-tokens", "4"], capture_output=True, text=True, timeout=600)
+    assert same.returncode == 0 and "identical 4-token outputs: 100% of prompts" in same.stdout, same.stderr
