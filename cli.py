@@ -170,6 +170,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            max_queue_delay_us=args.max_queue_delay_us, drain_timeout=args.drain_timeout,
                            log_level=args.log_level)
     engine_options = {k: getattr(args, k) for k in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
+                                                     "max_prefill_tokens_with_decodes",
                                                      "max_model_len", "threads", "preemption_mode")
                       if getattr(args, k) is not None}
     if args.enable_prefix_caching is not None:
@@ -211,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", help="the model id clients send (default the recipe's model name)")
     s.add_argument("--max-num-seqs", type=int, help="override serve.max_num_seqs")
     s.add_argument("--max-num-batched-tokens", type=int, help="override serve.max_num_batched_tokens")
+    s.add_argument("--max-prefill-tokens-with-decodes", type=int,
+                   help="override serve.max_prefill_tokens_with_decodes (prefill tokens in a step with decodes)")
     s.add_argument("--max-model-len", type=int, help="override serve.max_model_len")
     s.add_argument("--num-kv-blocks", type=int, help="override serve.num_kv_blocks")
     s.add_argument("--max-waiting-requests", type=int, help="override serve.max_waiting_requests (beyond: 429)")

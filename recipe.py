@@ -122,6 +122,7 @@ class ServeSection(_Section):
 
     max_num_seqs: int = Field(default=64, ge=1, le=4096)
     max_num_batched_tokens: int = Field(default=512, ge=16, le=1_048_576)
+    max_prefill_tokens_with_decodes: int | None = Field(default=None, ge=1, le=1_048_576)
     max_model_len: int | None = Field(default=None, ge=16)
     enable_prefix_caching: bool = True
     max_queue_delay_us: int = Field(default=2000, ge=0, le=10_000_000)

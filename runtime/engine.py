@@ -83,7 +83,8 @@ class LLMEngine:
     def __init__(self, bundle: str | Path, *, num_kv_blocks: int | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool | None = None,
                  preemption_mode: str | None = None, swap_space_gb: float | None = None,
-                 max_model_len: int | None = None, threads: int | None = None, acl_module: object = None):
+                 max_model_len: int | None = None, threads: int | None = None, acl_module: object = None,
+                 max_prefill_tokens_with_decodes: int | None = None):
         bundle = Path(bundle)
         self.manifest = m = load_manifest(bundle)
         if m["target"] not in ("ort", "ascend"):
@@ -123,7 +124,9 @@ class LLMEngine:
         self.kv = KVCacheManager(blocks, self.block_size, enable_prefix_caching=caching, num_host_blocks=host_blocks)
         self.scheduler = Scheduler(self.kv, max_num_seqs or serve["max_num_seqs"],
                                    max_num_batched_tokens or serve["max_num_batched_tokens"], mode,
-                                   mixed_steps=self.executor.mixed_steps)
+                                   mixed_steps=self.executor.mixed_steps,
+                                   max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes
+                                   or serve.get("max_prefill_tokens_with_decodes"))
         tok = m["tokenizer"]
         self.tokenizer = TextTokenizer(bundle / tok["file"], tok) if tok.get("file") else None
         self.eos_token_ids = tuple(self.config["eos_token_ids"])

@@ -17,12 +17,16 @@ concurrency 32 output tok/s 179.8 / 175.5 vs 173.9 / 173.4, inter-token p99 0.86
 p99 unchanged (6.9 / 6.5 vs 6.9 / 6.9 s); Poisson 2 req/s inter-token p99 0.42 vs 0.52 s (one pair); but
 concurrency 8 inter-token p99 0.29 / 0.25 vs 0.09 / 0.09 s: a burst of arrivals (clients whose requests ended in
 the same step) now stalls the running decodes for its prefill steps instead of alternating with them.
+``max_prefill_tokens_with_decodes`` (mixed steps only) bounds the prefill tokens of a step that carries running
+decodes, so that a burst of arrivals cannot stall the decodes behind a full-budget prefill (Sarathi-Serve's
+stall-free batching): a decode step with a 512-token chunk costs a 512-token prefill (~300 ms on SmolLM2 here),
+one with a 128-token chunk about a quarter of it. Steps without decodes still take the whole budget.
 Without it (graphs that pad every sequence's queries to the step's longest: the runtime-write ORT graph) a step
 carries either decodes or prefill work, and the two kinds alternate while both are pending: a 512-token chunk in a
 step with 16 decodes would cost 17 × 512 query rows of attention. Measured (benchmarks/bench_chunked.py,
 1,024-token prompt among 16 decodes, budget 512) before that split: TTFT 9.4 s, decode ITL p99 5.9 s.
-Invariants: the scheduled tokens of a step never exceed the budget; at most ``max_num_seqs`` requests are
-RUNNING; a request is in exactly one of waiting / running / swapped until it finishes.
+Invariants: the scheduled tokens of a step never exceed the budget, nor its prefill tokens the decode-step cap;
+at most ``max_num_seqs`` requests are RUNNING; a request is in exactly one of waiting / running / swapped until it finishes.
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 preemption_mode: str = "recompute", mixed_steps: bool = False):
+                 preemption_mode: str = "recompute", mixed_steps: bool = False,
+                 max_prefill_tokens_with_decodes: int | None = None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
@@ -72,6 +77,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._last_was_decode = False
         self.mixed_steps = mixed_steps
+        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -94,13 +100,21 @@ class Scheduler:
         prefill_pending = len(decoding) < len(self.running) or (room and bool(self.waiting or self.swapped))
         decode_step = bool(decoding) and not (prefill_pending and self._last_was_decode) and not self.mixed_steps
         self._last_was_decode = decode_step
+        # prefill tokens this step may take: capped when it carries decodes (mixed steps)
+        prefill = budget
+        if self.mixed_steps and decoding and self.max_prefill_tokens_with_decodes:
+            prefill = self.max_prefill_tokens_with_decodes
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if not self.mixed_steps and (req.num_tokens - req.num_computed_tokens == 1) != decode_step:
+            left = req.num_tokens - req.num_computed_tokens
+            if not self.mixed_steps and (left == 1) != decode_step:
                 i += 1  # not this step's kind: it runs in the next step
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if left > 1 and prefill <= 0:
+                i += 1  # a prefill chunk, and this step's prefill share is spent
+                continue
+            n = min(left, budget, prefill) if left > 1 else 1
             copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
             while copies is None:
                 victim = self.running[-1]
@@ -113,11 +127,13 @@ class Scheduler:
             out.block_copies += copies
             out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
             budget -= n
+            prefill -= n if left > 1 else 0
             i += 1
         if decode_step:
             return out
 
-        while not out.preempted and self.swapped and len(self.running) < self.max_num_seqs and budget > 0:
+        while (not out.preempted and self.swapped and len(self.running) < self.max_num_seqs and budget > 0
+               and prefill > 0):
             req = self.swapped[0]
             pairs = self.kv.swap_in(req.request_id)
             if pairs is None:
@@ -126,21 +142,22 @@ class Scheduler:
             out.swap_in += pairs
             req.status = Status.RUNNING
             self.running.append(req)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, prefill)
             copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
             if copies is None:  # back in, but no room for its next token this step
                 continue
             out.block_copies += copies
             out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
             budget -= n
+            prefill -= n
 
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0 and prefill > 0:
             req = self.waiting[0]
             if req.num_computed_tokens == 0:
                 cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
                 req.num_computed_tokens = cached
                 req.num_cached_tokens = max(req.num_cached_tokens, min(cached, len(req.prompt_token_ids)))
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, prefill)
             copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
             if copies is None:
                 self.kv.free(req.request_id)  # give back the prefix-cache references; retry next step
@@ -152,6 +169,7 @@ class Scheduler:
             out.block_copies += copies
             out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
             budget -= n
+            prefill -= n
         return out
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:

@@ -27,10 +27,10 @@ MODEL = "model:\n  name: t\n  source: random\n  config: {vocab_size: 8}\n"
 
 TOP_KEYS = "model, compile, serve"
 MODEL_KEYS = "name, source, path, package, file, seed, family, config, tokenizer"
-COMPILE_KEYS = ("target, dtype, opset, kv_block_size, max_batch_size, max_seq_len, max_num_tokens, buckets, "
+COMPILE_KEYS = ("target, dtype, opset, kv_block_size, kv_cache_dtype, max_batch_size, max_seq_len, max_num_tokens, buckets, "
                 "fusions, quantization, soc_version, precision_mode")
 BUCKET_KEYS = "prefill_seq_lens, decode_batch_sizes, context_lens"
-SERVE_KEYS = ("max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching, max_queue_delay_us, "
+SERVE_KEYS = ("max_num_seqs, max_num_batched_tokens, max_prefill_tokens_with_decodes, max_model_len, enable_prefix_caching, max_queue_delay_us, "
               "preemption_mode, swap_space_gb, num_kv_blocks, max_waiting_requests")
 
 
