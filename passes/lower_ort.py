@@ -3,7 +3,8 @@
   RMSNorm     → RMSNormalization (opset 23)
   AddRMSNorm  → com.microsoft SkipSimplifiedLayerNormalization (output 3 is the residual sum)
   Rotary      → RotaryEmbedding (opset 23) on 4-D [B, H, S, D] with cos/sin caches [B, S, D/2] (no position ids)
-  SwiGLU      → plain ops (ORT has no CPU SwiGLU kernel)
+  SwiGLU      → with ``kernel=True``: ``omforge.kernels.SwiGLU`` (one pass over gate_up); otherwise plain ops
+                (ORT has no CPU SwiGLU kernel; it fuses the Sigmoid·Mul into QuickGelu, the Split stays)
   Attention   → Attention (opset 23), ``is_causal``, GQA through ``q_num_heads``/``kv_num_heads``
   PagedAttention → with ``kernel=True``: ``omforge.kernels.PagedAttention``, omforge's own CPU kernel
                    (runtime/kernels): one node per layer that writes the step's K/V rows in place and attends
@@ -106,6 +107,13 @@ class LowerPagedAttentionKernel(LowerPagedAttention):
                                                       **a, window=window, _domain=KERNEL_DOMAIN, _outputs=3)
 
 
+class LowerSwiGLUKernel(decompose.DecomposeSwiGLU):
+    """SwiGLU as omforge's kernel: one read of gate_up, one write of the result (no Split copy)."""
+
+    def rewrite(self, op, gate_up, **_):  # noqa: ANN001, ANN201
+        return op.SwiGLU(gate_up, _domain=KERNEL_DOMAIN)
+
+
 class LowerPagedAttentionNewRows(LowerPagedAttention):
     """Paged attention with the KV write left to the runtime (``kv_write="runtime"``): the pools are
     read-only inputs, the step's new rows are outputs (``key_new.N``) that the executor stores at
@@ -156,7 +164,9 @@ def lower(model: ir.Model, kv_write: str = "graph", kernel: bool = False, kv_cac
         group = add_decode_group_inputs(model.graph)
         paged_rule = (LowerPagedAttentionKernel.rule("ort_paged_attention_kernel", group, kv_cache_dtype) if kernel
                       else LowerPagedAttention.rule("ort_paged_attention", group))
-        rules = pattern.RewriteRuleSet([paged_rule, *_COMMON])
+        common = [LowerSwiGLUKernel.rule("ort_swiglu_kernel") if r is decompose.RULES["SwiGLU"] else r
+                  for r in _COMMON] if kernel else _COMMON
+        rules = pattern.RewriteRuleSet([paged_rule, *common])
         if kernel:
             model.opset_imports[KERNEL_DOMAIN] = 1
     else:

@@ -203,3 +203,21 @@ def test_status_reports_the_isa() -> None:
     s = kernels.status()
     assert s.abi == kernels.ABI_VERSION and s.isa in ("avx512", "avx2", "generic")
     assert s.manifest_entry()["domain"] == kernels.DOMAIN
+
+
+@pytest.mark.parametrize("shape", [(1, 7, 64), (1, 300, 3072), (2, 5, 10)])
+def test_swiglu(shape: tuple[int, ...]) -> None:
+    from onnx import TensorProto, helper
+
+    node = helper.make_node("SwiGLU", ["x"], ["y"], domain=kernels.DOMAIN)
+    graph = helper.make_graph([node], "swiglu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(kernels.DOMAIN, 1)],
+                              ir_version=9)
+    x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32) * 6
+    x.flat[:4] = [100.0, -100.0, 0.0, -0.0]  # saturated and zero gates
+    (y,) = session(model).run(None, {"x": x})
+    g, u = x[..., : shape[-1] // 2].astype(np.float64), x[..., shape[-1] // 2:].astype(np.float64)
+    np.testing.assert_allclose(y, g / (1 + np.exp(-g)) * u, rtol=2e-6, atol=1e-6)
+    with pytest.raises(Exception, match="even last dimension"):
+        session(model).run(None, {"x": x[..., :-1].copy()})

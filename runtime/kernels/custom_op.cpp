@@ -1,5 +1,6 @@
 // The omforge kernel library: registers the custom-op domain `omforge.kernels` with ONNX Runtime
-// (entry point RegisterCustomOps) and implements its PagedAttention ops on the CPU EP.
+// (entry point RegisterCustomOps) and implements its ops on the CPU EP: PagedAttention (three KV pool
+// dtypes, below) and SwiGLU (gate_up [..., 2F] -> silu(gate) * up [..., F]).
 //
 // PagedAttention (fp32 pools) / PagedAttentionBF16 (bf16 pools) / PagedAttentionInt8 (int8 pools, each
 // head's row followed by its float32 scale: [S, Hkv, D + 4] int8), the ORT CPU lowering of the step ABI's
@@ -37,6 +38,7 @@ ort::Api g_api;
 struct Isa {
   const char* name;
   AttendFn fn;
+  SwiGluFn swiglu;
 };
 
 Isa choose_isa() {
@@ -46,10 +48,10 @@ Isa choose_isa() {
   __builtin_cpu_init();
   const bool has512 = __builtin_cpu_supports("avx512f");
   const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (has512 && (w.empty() || w == "avx512")) return {"avx512", &avx512::attend};
-  if (has2 && (w.empty() || w == "avx512" || w == "avx2")) return {"avx2", &avx2::attend};
+  if (has512 && (w.empty() || w == "avx512")) return {"avx512", &avx512::attend, &avx512::swiglu};
+  if (has2 && (w.empty() || w == "avx512" || w == "avx2")) return {"avx2", &avx2::attend, &avx2::swiglu};
 #endif
-  return {"generic", &generic::attend};
+  return {"generic", &generic::attend, &generic::swiglu};
 }
 
 const Isa& isa() {
@@ -87,7 +89,10 @@ OrtStatus* describe(const OrtValue* v, Tensor& t) {
 
 OrtStatus* fail(const std::string& msg) { return g_api.CreateStatus(kOrtInvalidArgument, ("PagedAttention: " + msg).c_str()); }
 
+enum class OpKind { kPagedAttention, kSwiGlu };
+
 struct Kernel {
+  OpKind kind = OpKind::kPagedAttention;
   KvType kv_type;
   int64_t q_heads = 0, kv_heads = 0, block_size = 0, window = 0;
   float scale = 0.0f;
@@ -260,11 +265,49 @@ OrtStatus* compute(const Kernel& K, OrtKernelContext* ctx) {
   return nullptr;
 }
 
+struct SwiGluRun {
+  const float* in;
+  float* out;
+  int64_t rows, F, rows_per_item;
+};
+
+void run_swiglu_item(void* data, size_t i) {
+  const SwiGluRun* r = static_cast<const SwiGluRun*>(data);
+  const int64_t first = static_cast<int64_t>(i) * r->rows_per_item;
+  const int64_t n = std::min(r->rows_per_item, r->rows - first);
+  isa().swiglu(r->in + first * 2 * r->F, r->out + first * r->F, n, r->F);
+}
+
+// SwiGLU(gate_up [..., 2F]) -> [..., F]: silu(gate_up[..., :F]) * gate_up[..., F:], rows over ORT's threads.
+OrtStatus* compute_swiglu(OrtKernelContext* ctx) {
+  const OrtValue* v = nullptr;
+  if (OrtStatus* s = g_api.KernelContext_GetInput(ctx, 0, &v)) return s;
+  Tensor x;
+  if (OrtStatus* s = describe(v, x)) return s;
+  if (x.type != kFloat || x.dims.empty() || x.dims.back() % 2 != 0)
+    return g_api.CreateStatus(kOrtInvalidArgument, "SwiGLU: input must be float32 with an even last dimension");
+  std::vector<int64_t> dims = x.dims;
+  const int64_t F = dims.back() / 2;
+  dims.back() = F;
+  OrtValue* out = nullptr;
+  if (OrtStatus* s = g_api.KernelContext_GetOutput(ctx, 0, dims.data(), dims.size(), &out)) return s;
+  void* out_data = nullptr;
+  if (OrtStatus* s = g_api.GetTensorMutableData(out, &out_data)) return s;
+  SwiGluRun run{static_cast<const float*>(x.data), static_cast<float*>(out_data), F ? x.numel() / (2 * F) : 0, F, 0};
+  run.rows_per_item = std::max<int64_t>(1, 16384 / std::max<int64_t>(F, 1));  // ~64 KB of output per item
+  const size_t items = static_cast<size_t>((run.rows + run.rows_per_item - 1) / run.rows_per_item);
+  if (items == 1) run_swiglu_item(&run, 0);
+  else if (items > 1)
+    if (OrtStatus* s = g_api.KernelContext_ParallelFor(ctx, &run_swiglu_item, items, 0, &run)) return s;
+  return nullptr;
+}
+
 // ---- the OrtCustomOp tables ----
 
 struct Op {
   OrtCustomOp base;  // first member: ORT's OrtCustomOp* is a pointer to this
   const char* name;
+  OpKind kind;
   KvType kv_type;
 };
 
@@ -273,7 +316,12 @@ const Op* as_op(const OrtCustomOp* op) { return reinterpret_cast<const Op*>(op);
 OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo* info, void** out) {
   Kernel* k = new (std::nothrow) Kernel{};
   if (!k) return g_api.CreateStatus(kOrtFail, "PagedAttention: out of memory");
+  k->kind = as_op(op)->kind;
   k->kv_type = as_op(op)->kv_type;
+  if (k->kind == OpKind::kSwiGlu) {  // no attributes
+    *out = k;
+    return nullptr;
+  }
   OrtStatus* s = g_api.KernelInfoGetAttribute_int64(info, "q_heads", &k->q_heads);
   if (!s) s = g_api.KernelInfoGetAttribute_int64(info, "kv_heads", &k->kv_heads);
   if (!s) s = g_api.KernelInfoGetAttribute_int64(info, "block_size", &k->block_size);
@@ -296,7 +344,8 @@ OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernelIn
 
 OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
   try {
-    return compute(*static_cast<Kernel*>(kernel), ctx);
+    const Kernel& k = *static_cast<Kernel*>(kernel);
+    return k.kind == OpKind::kSwiGlu ? compute_swiglu(ctx) : compute(k, ctx);
   } catch (const std::bad_alloc&) {
     return g_api.CreateStatus(kOrtFail, "PagedAttention: out of memory");
   }
@@ -305,10 +354,10 @@ OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
 void kernel_destroy(void* kernel) { delete static_cast<Kernel*>(kernel); }
 const char* op_name(const OrtCustomOp* op) { return as_op(op)->name; }
 const char* op_ep(const OrtCustomOp*) { return "CPUExecutionProvider"; }
-size_t input_count(const OrtCustomOp*) { return 12; }
-size_t output_count(const OrtCustomOp*) { return 3; }
+size_t input_count(const OrtCustomOp* op) { return as_op(op)->kind == OpKind::kSwiGlu ? 1 : 12; }
+size_t output_count(const OrtCustomOp* op) { return as_op(op)->kind == OpKind::kSwiGlu ? 1 : 3; }
 int input_type(const OrtCustomOp* op, size_t i) {
-  if (i <= 2) return kFloat;
+  if (i <= 2 || as_op(op)->kind == OpKind::kSwiGlu) return kFloat;
   if (i <= 4) {
     switch (as_op(op)->kv_type) {
       case KvType::kBfloat16: return kBfloat16;
@@ -323,7 +372,7 @@ int required(const OrtCustomOp*, size_t) { return 0; }
 int mem_default(const OrtCustomOp*, size_t) { return 0; }
 int one(const OrtCustomOp*) { return 1; }
 
-Op make_op(const char* name, KvType kv) {
+Op make_op(const char* name, OpKind kind, KvType kv) {
   Op op{};
   OrtCustomOp& b = op.base;
   b.version = ort::kApiVersion;
@@ -349,12 +398,15 @@ Op make_op(const char* name, KvType kv) {
   b.GetStartVersion = one;
   b.GetEndVersion = nullptr;  // no upper bound
   op.name = name;
+  op.kind = kind;
   op.kv_type = kv;
   return op;
 }
 
-Op g_ops[] = {make_op("PagedAttention", KvType::kFloat32), make_op("PagedAttentionBF16", KvType::kBfloat16),
-              make_op("PagedAttentionInt8", KvType::kInt8)};
+Op g_ops[] = {make_op("PagedAttention", OpKind::kPagedAttention, KvType::kFloat32),
+              make_op("PagedAttentionBF16", OpKind::kPagedAttention, KvType::kBfloat16),
+              make_op("PagedAttentionInt8", OpKind::kPagedAttention, KvType::kInt8),
+              make_op("SwiGLU", OpKind::kSwiGlu, KvType::kFloat32)};
 
 }  // namespace
 }  // namespace omf

@@ -21,6 +21,10 @@ struct Vec {
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  static V select_positive(V x, V a, V b) {  // x >= 0 ? a : b, per lane
+    return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
+  }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V max(V a, V b) { return _mm256_max_ps(a, b); }
   static float hsum(V v) {

@@ -21,6 +21,10 @@ struct Vec {
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V div(V a, V b) { return _mm512_div_ps(a, b); }
+  static V select_positive(V x, V a, V b) {  // x >= 0 ? a : b, per lane
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), b, a);
+  }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V max(V a, V b) { return _mm512_max_ps(a, b); }
   static float hsum(V v) { return _mm512_reduce_add_ps(v); }

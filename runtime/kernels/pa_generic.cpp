@@ -16,6 +16,10 @@ struct Vec {
   static V fma(V a, V b, V c) { return a * b + c; }
   static V add(V a, V b) { return a + b; }
   static V sub(V a, V b) { return a - b; }
+  static V div(V a, V b) { return a / b; }
+  static V select_positive(V x, V a, V b) {
+    return V{x[0] >= 0 ? a[0] : b[0], x[1] >= 0 ? a[1] : b[1], x[2] >= 0 ? a[2] : b[2], x[3] >= 0 ? a[3] : b[3]};
+  }
   static V mul(V a, V b) { return a * b; }
   static V max(V a, V b) { return V{std::fmax(a[0], b[0]), std::fmax(a[1], b[1]), std::fmax(a[2], b[2]), std::fmax(a[3], b[3])}; }
   static float hsum(V v) { return (v[0] + v[1]) + (v[2] + v[3]); }

@@ -49,8 +49,20 @@ struct PagedProblem {
 // Attention for items [begin, end). Returns false (and sets *error) on an out-of-range block id.
 using AttendFn = bool (*)(const PagedProblem&, size_t item, const char** error);
 
-namespace avx512 { bool attend(const PagedProblem&, size_t item, const char** error); }
-namespace avx2 { bool attend(const PagedProblem&, size_t item, const char** error); }
-namespace generic { bool attend(const PagedProblem&, size_t item, const char** error); }
+// SwiGLU of `rows` rows: out[r, :F] = silu(in[r, :F]) * in[r, F:2F].
+using SwiGluFn = void (*)(const float* in, float* out, int64_t rows, int64_t F);
+
+namespace avx512 {
+bool attend(const PagedProblem&, size_t item, const char** error);
+void swiglu(const float* in, float* out, int64_t rows, int64_t F);
+}  // namespace avx512
+namespace avx2 {
+bool attend(const PagedProblem&, size_t item, const char** error);
+void swiglu(const float* in, float* out, int64_t rows, int64_t F);
+}  // namespace avx2
+namespace generic {
+bool attend(const PagedProblem&, size_t item, const char** error);
+void swiglu(const float* in, float* out, int64_t rows, int64_t F);
+}  // namespace generic
 
 }  // namespace omf

@@ -357,3 +357,21 @@ bool attend(const omf::PagedProblem& P, size_t item, const char** error) {
   }
 #undef OMF_HEAD_DIM
 }
+
+void swiglu(const float* in, float* out, int64_t rows, int64_t F) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = in + r * 2 * F;
+    const float* up = gate + F;
+    float* o = out + r * F;
+    int64_t i = 0;
+    const typename Vec::V one = Vec::set1(1.0f), zero = Vec::zero();
+    for (; i + Vec::W <= F; i += Vec::W) {  // silu(g) = g / (1 + exp(-g)); exp of -|g| only (no overflow)
+      const typename Vec::V g = Vec::load(gate + i);
+      const typename Vec::V e = Vec::exp(Vec::sub(zero, Vec::max(g, Vec::sub(zero, g))));  // exp(-|g|)
+      const typename Vec::V inv = Vec::div(one, Vec::add(one, e));  // sigmoid(|g|)
+      const typename Vec::V sig = Vec::select_positive(g, inv, Vec::mul(e, inv));  // g < 0: e / (1 + e), no cancellation
+      Vec::store(o + i, Vec::mul(Vec::mul(g, sig), Vec::load(up + i)));
+    }
+    for (; i < F; ++i) o[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+  }
+}
