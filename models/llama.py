@@ -140,6 +140,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = emb.cos(), emb.sin()
         idx = torch.arange(input_ids.shape[1], device=input_ids.device)
         mask = idx[None, :] > idx[:, None]  # True above the diagonal: a future token
+        if self.config.sliding_window:  # and keys that fell out of the window (Mistral): i - j >= window
+            mask = mask | ((idx[:, None] - idx[None, :]) >= self.config.sliding_window)
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask)
         x = self.model.norm(x)

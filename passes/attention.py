@@ -7,8 +7,9 @@ Pattern (the export of :class:`omforge.models.llama.Attention`)::
     o  = MatMul(p, v')
 
 Check: the scale is a constant scalar, the fill is ≤ -1e30 (masked positions get no probability), the mask
-is the causal ``arange[None, :] > arange[:, None]`` over one ``Range``, and the head counts are static with
-``q_heads % kv_heads == 0``.
+is the causal ``arange[None, :] > arange[:, None]`` over one ``Range`` — or that ``Or`` the sliding window's
+``(arange[:, None] - arange[None, :]) >= window`` (Mistral), which becomes the ``window`` attribute — and the
+head counts are static with ``q_heads % kv_heads == 0``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,33 @@ def is_causal_mask(mask: ir.Value) -> bool:
             and axes_c.tolist() == [0] and axes_r.tolist() == [1])
 
 
+def mask_window(mask: ir.Value) -> int | None:
+    """0 for the causal mask, ``W`` for causal ``Or`` a sliding window of ``W`` keys, None for anything else."""
+    if is_causal_mask(mask):
+        return 0
+    node = mask.producer()
+    if node is None or node.op_type != "Or":
+        return None
+    for causal, other in (node.inputs, reversed(node.inputs)):
+        if causal is None or other is None or not is_causal_mask(causal):
+            continue
+        ge = other.producer()
+        if ge is None or ge.op_type != "GreaterOrEqual":
+            continue
+        sub, width = ge.inputs[0].producer(), const_scalar(ge.inputs[1])
+        if sub is None or sub.op_type != "Sub" or width is None or width < 1:
+            continue
+        rows, cols = (i.producer() for i in sub.inputs)
+        r = causal.producer().inputs[0].producer().inputs[0]  # the causal mask's arange
+        if rows is None or cols is None or not rows.op_type == cols.op_type == "Unsqueeze":
+            continue
+        axes = [const_array(u.inputs[1]) for u in (rows, cols)]
+        if (rows.inputs[0] is r and cols.inputs[0] is r and all(a is not None for a in axes)
+                and axes[0].tolist() == [1] and axes[1].tolist() == [0]):
+            return int(width)
+    return None
+
+
 class _AttentionBase(pattern.RewriteRuleClassBase):
     def check(self, context, q, k, scale, mask, fill, **kw) -> pattern.MatchResult:  # noqa: ANN001
         result = pattern.MatchResult()
@@ -41,8 +69,8 @@ class _AttentionBase(pattern.RewriteRuleClassBase):
         f = const_scalar(fill)
         if f is None or f > -1e30:
             return result.fail("masked fill is not a large negative constant", fill)
-        if not is_causal_mask(mask):
-            return result.fail("mask is not the causal arange comparison", mask)
+        if mask_window(mask) is None:
+            return result.fail("mask is not the causal arange comparison (or it and a sliding window)", mask)
         for axes in (kw.get("axes_k"), kw.get("axes_v")):
             if axes is not None and (const_array(axes) is None or const_array(axes).tolist() != [2]):
                 return result.fail("GQA repeat is not an Unsqueeze at axis 2", axes)
@@ -52,9 +80,10 @@ class _AttentionBase(pattern.RewriteRuleClassBase):
             return result.fail("query heads are not a multiple of KV heads", k)
         return result
 
-    def rewrite(self, op, q, k, v, scale, **_):  # noqa: ANN001, ANN201
+    def rewrite(self, op, q, k, v, scale, mask, **_):  # noqa: ANN001, ANN201
+        window = mask_window(mask)
         return op.Attention(q, k, v, scale=float(const_scalar(scale)), q_heads=int(q.shape[1]),
-                            kv_heads=int(k.shape[1]), _domain=ops.DOMAIN)
+                            kv_heads=int(k.shape[1]), **({"window": window} if window else {}), _domain=ops.DOMAIN)
 
 
 class GQAttentionFusion(_AttentionBase):

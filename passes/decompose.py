@@ -21,9 +21,16 @@ def rms_norm(op, x, weight, eps: float):  # noqa: ANN001, ANN201
     return op.Mul(weight, op.Mul(x, inv_rms))
 
 
-def causal_attention(op, q, k, v, scale: float, q_heads: int, kv_heads: int, head_dim: int, mask=None):  # noqa: ANN001, ANN201
+def window_of(node: ir.Node) -> int:
+    """The sliding window of a neutral attention node (0: none)."""
+    return int(node.attributes["window"].value) if "window" in node.attributes else 0
+
+
+def causal_attention(op, q, k, v, scale: float, q_heads: int, kv_heads: int, head_dim: int, mask=None,  # noqa: ANN001, ANN201
+                     window: int = 0):
     """softmax(q·kᵀ·scale masked) · v with KV heads repeated for GQA. ``mask`` (bool, True = hide) defaults
-    to causal over the sequence axis (``q`` and ``k`` of one length)."""
+    to causal over the sequence axis (``q`` and ``k`` of one length), and with ``window`` > 0 also hides keys
+    ``window`` or more positions behind the query."""
     groups = q_heads // kv_heads
     if groups > 1:
         rep = op.Constant(value_ints=[1, 1, groups, 1, 1])
@@ -35,7 +42,10 @@ def causal_attention(op, q, k, v, scale: float, q_heads: int, kv_heads: int, hea
     if mask is None:
         seq = op.Gather(op.Shape(q), op.Constant(value_int=2), axis=0)
         r = op.Range(op.Constant(value_int=0), seq, op.Constant(value_int=1))
-        mask = op.Greater(op.Unsqueeze(r, op.Constant(value_ints=[0])), op.Unsqueeze(r, op.Constant(value_ints=[1])))
+        cols, rows = op.Unsqueeze(r, op.Constant(value_ints=[0])), op.Unsqueeze(r, op.Constant(value_ints=[1]))
+        mask = op.Greater(cols, rows)
+        if window:
+            mask = op.Or(mask, op.GreaterOrEqual(op.Sub(rows, cols), op.Constant(value_int=window)))
     probs = op.Softmax(op.Where(mask, op.Constant(value_float=_NEG_BIG), scores), axis=-1)
     return op.MatMul(probs, v)
 
@@ -51,17 +61,20 @@ def _gather_blocks(op, pool, block_tables, *, block_size: int, kv_heads: int, he
 
 
 def _attend_rows(op, q, k_ctx, v_ctx, query_index, position_ids, *, scale: float, q_heads: int,  # noqa: ANN001, ANN202
-                 kv_heads: int, head_dim: int, attend):
+                 kv_heads: int, head_dim: int, attend, window: int = 0):
     """Queries gathered into ``[B, Q, Hq * D]``, a key hidden from a query when its position in the context
-    exceeds the query's (``hide [B, 1, Q, C]``), attention (``attend`` or plain ops): the padded output rows
-    ``[B * Q, Hq, D]``."""
+    exceeds the query's or lies ``window`` or more behind it (``hide [B, 1, Q, C]``), attention (``attend`` or
+    plain ops): the padded output rows ``[B * Q, Hq, D]``."""
     zero = op.Constant(value_ints=[0])
     q_pad = op.Gather(op.Reshape(token_major(op, q), op.Constant(value_ints=[0, -1])), query_index, axis=0)
     q_pos = op.Gather(op.Squeeze(position_ids, zero), query_index, axis=0)
     ctx_len = op.Gather(op.Shape(k_ctx), op.Constant(value_int=1), axis=0)
     key_pos = op.Unsqueeze(op.Range(op.Constant(value_int=0), ctx_len, op.Constant(value_int=1)),
                            op.Constant(value_ints=[0, 1, 2]))
-    hide = op.Greater(key_pos, op.Unsqueeze(q_pos, op.Constant(value_ints=[1, 3])))  # [B, 1, Q, C]
+    q_pos4 = op.Unsqueeze(q_pos, op.Constant(value_ints=[1, 3]))
+    hide = op.Greater(key_pos, q_pos4)  # [B, 1, Q, C]
+    if window:  # and keys that fell out of the sliding window: j <= p - window
+        hide = op.Or(hide, op.LessOrEqual(key_pos, op.Sub(q_pos4, op.Constant(value_int=window))))
     if attend is None:
         def heads(x, n):  # noqa: ANN001, ANN202 - [B, S, n*D] -> [B, n, S, D]
             return op.Transpose(op.Reshape(x, op.Constant(value_ints=[0, 0, n, head_dim])), perm=[0, 2, 1, 3])
@@ -79,16 +92,16 @@ def _rows_to_tokens(op, rows, token_index):  # noqa: ANN001, ANN202 - [R, Hq, D]
 
 
 def _attend_over_context(op, q, k_ctx, v_ctx, query_index, token_index, position_ids, *, scale: float,  # noqa: ANN001, ANN202
-                         q_heads: int, kv_heads: int, head_dim: int, attend):
+                         q_heads: int, kv_heads: int, head_dim: int, attend, window: int = 0):
     """:func:`_attend_rows`, then the rows back to token order ``[1, Hq, T, D]``."""
     rows = _attend_rows(op, q, k_ctx, v_ctx, query_index, position_ids, scale=scale, q_heads=q_heads,
-                        kv_heads=kv_heads, head_dim=head_dim, attend=attend)
+                        kv_heads=kv_heads, head_dim=head_dim, attend=attend, window=window)
     return _rows_to_tokens(op, rows, token_index)
 
 
 def paged_attention(op, q, k, v, key_cache, value_cache, slot_mapping, block_tables, query_index, token_index,  # noqa: ANN001, ANN201
                     position_ids, *, scale: float, q_heads: int, kv_heads: int, block_size: int, attend=None,
-                    contiguous: bool = False, decode_group=None):
+                    contiguous: bool = False, decode_group=None, window: int = 0):
     """The step ABI's paged attention in plain ops (see :mod:`omforge.passes.paged_kv`).
 
     ScatterND writes the new K/V rows at their slots (its output is the updated pool; bound to the input's
@@ -117,7 +130,7 @@ def paged_attention(op, q, k, v, key_cache, value_cache, slot_mapping, block_tab
             return op.Reshape(pool, op.Concat(batch, op.Constant(value_ints=[-1, kv_heads * head_dim]), axis=0))
         return _gather_blocks(op, pool, block_tables, block_size=block_size, kv_heads=kv_heads, head_dim=head_dim)
 
-    common = dict(scale=scale, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, attend=attend)
+    common = dict(scale=scale, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, attend=attend, window=window)
     rows = _attend_rows(op, q, context(k_out), context(v_out), query_index, position_ids, **common)
     if decode_group is not None:
         tables, qidx = decode_group
@@ -130,7 +143,7 @@ def paged_attention(op, q, k, v, key_cache, value_cache, slot_mapping, block_tab
 
 def paged_attention_new_rows(op, q, k, v, key_cache, value_cache, block_tables, query_index, token_index,  # noqa: ANN001, ANN201
                              position_ids, *, scale: float, q_heads: int, kv_heads: int, block_size: int,
-                             attend=None):
+                             attend=None, window: int = 0):
     """The step ABI's paged attention without writing the pools: returns ``(o, key_new, value_new)``.
 
     Each sequence's blocks are gathered from the pool as it was before this step into ``[B, M * bs, kv * D]``
@@ -152,7 +165,7 @@ def paged_attention_new_rows(op, q, k, v, key_cache, value_cache, block_tables, 
 
     out = _attend_over_context(op, q, context(key_cache, k_new), context(value_cache, v_new), query_index,
                                token_index, position_ids, scale=scale, q_heads=q_heads, kv_heads=kv_heads,
-                               head_dim=head_dim, attend=attend)
+                               head_dim=head_dim, attend=attend, window=window)
     return out, k_new, v_new
 
 
@@ -213,7 +226,8 @@ class DecomposeAttention(pattern.RewriteRuleClassBase):
 
     def rewrite(self, op, q, k, v, o, **_):  # noqa: ANN001, ANN201
         a = o.producer().attributes
-        return causal_attention(op, q, k, v, a["scale"].value, a["q_heads"].value, a["kv_heads"].value, q.shape[-1])
+        return causal_attention(op, q, k, v, a["scale"].value, a["q_heads"].value, a["kv_heads"].value, q.shape[-1],
+                                window=window_of(o.producer()))
 
 
 class DecomposePagedAttention(pattern.RewriteRuleClassBase):
@@ -233,7 +247,8 @@ class DecomposePagedAttention(pattern.RewriteRuleClassBase):
     def rewrite(self, op, q, k, v, kc, vc, slots, tables, qidx, tidx, pos, o, **_):  # noqa: ANN001, ANN201
         node = o.producer()
         a = {name: node.attributes[name].value for name in ("scale", "q_heads", "kv_heads", "block_size")}
-        return paged_attention(op, q, k, v, kc, vc, slots, tables, qidx, tidx, pos, **a, attend=self.attend(node))
+        return paged_attention(op, q, k, v, kc, vc, slots, tables, qidx, tidx, pos, **a, attend=self.attend(node),
+                               window=window_of(node))
 
 
 RULES: dict[str, pattern.RewriteRule] = {

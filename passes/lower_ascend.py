@@ -244,6 +244,9 @@ def lower(model: ir.Model, *, rmsnorm_plugin: Literal["cann", "omforge"] = DEFAU
         raise ValueError(f"ascend lowering: the model imports {sorted(foreign)} / has {len(model.functions)} "
                          "functions; ATC accepts one opset_import (the default domain) and no functions")
     neutral = Counter(n.op_type for n in model.graph if n.domain == ops.DOMAIN)
+    if any(decompose.window_of(n) for n in model.graph if n.domain == ops.DOMAIN):
+        raise ValueError("ascend lowering: sliding-window attention (the model's sliding_window) is not supported "
+                         "on the ascend target yet; compile for ort")
     epsilons = sorted({float(n.attributes["epsilon"].value) for n in model.graph
                        if n.domain == ops.DOMAIN and n.op_type in ("RMSNorm", "AddRMSNorm")})
 

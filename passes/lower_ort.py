@@ -59,6 +59,8 @@ class LowerRotary(decompose.DecomposeRotary):
 class LowerAttention(decompose.DecomposeAttention):
     def rewrite(self, op, q, k, v, o, **_):  # noqa: ANN001, ANN201
         a = o.producer().attributes
+        if decompose.window_of(o.producer()):  # Attention-23's is_causal has no window: the plain ops
+            return super().rewrite(op, q, k, v, o)
         return op.Attention(q, k, v, is_causal=1, scale=a["scale"].value, q_num_heads=a["q_heads"].value,
                             kv_num_heads=a["kv_heads"].value)
 
@@ -77,7 +79,8 @@ class LowerPagedAttention(decompose.DecomposePagedAttention):
         node = o.producer()
         a = {name: node.attributes[name].value for name in ("scale", "q_heads", "kv_heads", "block_size")}
         return decompose.paged_attention(op, q, k, v, kc, vc, slots, tables, qidx, tidx, pos, **a,
-                                         attend=self.attend(node), decode_group=self.decode_group)
+                                         attend=self.attend(node), decode_group=self.decode_group,
+                                         window=decompose.window_of(node))
 
     def attend(self, node: ir.Node):  # noqa: ANN201
         a = node.attributes
@@ -101,7 +104,7 @@ class LowerPagedAttentionKernel(LowerPagedAttention):
             # no kernel for this head size, or the recipe switched the attention fusion off: the plain lowering
             return super().rewrite(op, q, k, v, kc, vc, slots, tables, qidx, tidx, pos, o)
         a = {name: node.attributes[name].value for name in ("scale", "q_heads", "kv_heads", "block_size")}
-        window = node.attributes["window"].value if "window" in node.attributes else 0
+        window = decompose.window_of(node)
         d_tables, d_qidx = self.decode_group
         return getattr(op, KERNEL_OPS[self.kv_dtype])(q, k, v, kc, vc, slots, tables, qidx, tidx, pos, d_tables, d_qidx,
                                                       **a, window=window, _domain=KERNEL_DOMAIN, _outputs=3)
@@ -123,7 +126,7 @@ class LowerPagedAttentionNewRows(LowerPagedAttention):
         node = o.producer()
         a = {name: node.attributes[name].value for name in ("scale", "q_heads", "kv_heads", "block_size")}
         return decompose.paged_attention_new_rows(op, q, k, v, kc, vc, tables, qidx, tidx, pos, **a,
-                                                  attend=self.attend(node))
+                                                  attend=self.attend(node), window=decompose.window_of(node))
 
 
 _COMMON = [

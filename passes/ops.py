@@ -9,10 +9,11 @@ Each op is a contract: its semantics below, a plain-op decomposition in :mod:`om
                                   cos/sin repeat their halves (cat(c, c), as RoPE builds them): kernels that
                                   take a [.., D/2] cache (ORT RotaryEmbedding, CANN) rely on it
   SwiGLU(gate_up) -> y            gate_up [..., 2F]: y = silu(gate_up[..., :F]) · gate_up[..., F:]
-  Attention(q, k, v; scale, q_heads, kv_heads) -> o
-                                  q [B, Hq, S, D], k/v [B, Hkv, S, D], causal over S, GQA by head groups
+  Attention(q, k, v; scale, q_heads, kv_heads[, window]) -> o
+                                  q [B, Hq, S, D], k/v [B, Hkv, S, D], causal over S, GQA by head groups;
+                                  ``window`` W > 0 (sliding window): key j visible to query i iff i - W < j <= i
   PagedAttention(q, k, v, key_cache, value_cache, slot_mapping, block_tables, query_index, token_index,
-                 position_ids; scale, q_heads, kv_heads, block_size, fused_attention)
+                 position_ids; scale, q_heads, kv_heads, block_size, fused_attention[, window])
                  -> (o, key_cache_out, value_cache_out)
                                   see :mod:`omforge.passes.paged_kv` and the step ABI in the README
 """

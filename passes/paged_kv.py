@@ -114,7 +114,8 @@ def insert_paged_kv(model: ir.Model, block_size: int) -> PagedLayout:
         paged = ir.node(
             "PagedAttention", [q, k, v, *caches, step["slot_mapping"], step["block_tables"], step["query_index"],
                                step["token_index"], pos],
-            attributes={**{a: node.attributes[a].value for a in ("scale", "q_heads", "kv_heads")},
+            attributes={**{a: node.attributes[a].value for a in ("scale", "q_heads", "kv_heads", "window")
+                           if a in node.attributes},
                         "block_size": block_size, "fused_attention": int(fused)},
             domain=ops.DOMAIN, num_outputs=3, name=f"paged_attention.{layer}")
         out, k_out, v_out = paged.outputs

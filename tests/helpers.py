@@ -19,14 +19,14 @@ TINY_RECIPE = REPO / "tests" / "recipes" / "tiny-llama.yaml"
 
 # Tiny configs, one per family variant the acceptance names. Values keep every code path live:
 # GQA (4 heads / 2 KV heads), untied and tied embeddings, q/k/v bias, llama3 rope scaling whose
-# bands fall inside the tested positions.
+# bands fall inside the tested positions, a sliding window (Mistral) shorter than the tested sequences.
 TINY_HF_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": dict(model_type="llama", tie_word_embeddings=False, rope_theta=10000.0),
     "llama3": dict(model_type="llama", tie_word_embeddings=True, rope_theta=500000.0,
                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=True, rope_theta=1000000.0),
-    "mistral": dict(model_type="mistral", tie_word_embeddings=False, rope_theta=10000.0, sliding_window=4096),
+    "mistral": dict(model_type="mistral", tie_word_embeddings=False, rope_theta=10000.0, sliding_window=24),
 }
 
 

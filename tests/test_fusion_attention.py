@@ -12,8 +12,8 @@ import pytest
 from onnx import helper
 
 from omforge.passes import attention
-from helpers import (NUM_LAYERS, apply_rules, assert_fuses, assert_no_match, assert_same_logits, fused_ops,
-                     load_export, lowered, make_model, run_model)
+from helpers import (NUM_LAYERS, TINY_HF_CONFIGS, apply_rules, assert_fuses, assert_no_match, assert_same_logits,
+                     fused_ops, load_export, lowered, make_model, run_model)
 
 B, S, D = 2, 6, 8
 NEG = float(np.finfo(np.float32).min)
@@ -137,12 +137,14 @@ def test_repeat_not_at_axis_2_is_not_gqa() -> None:
 
 
 def test_real_exports(tiny_exports: dict[str, Path]) -> None:
-    """Every family: one attention per layer, 4 query heads over 2 KV heads, scale 1/sqrt(16); the same logits."""
+    """Every family: one attention per layer, 4 query heads over 2 KV heads, scale 1/sqrt(16), Mistral's sliding
+    window carried as ``window``; the same logits."""
     for variant, export_dir in tiny_exports.items():
         unfused, model = load_export(export_dir), load_export(export_dir)
         assert attention.RULES.apply_to_model(model) == NUM_LAYERS, variant
         for node in fused_ops(model, "Attention"):
             a = {k: v.value for k, v in node.attributes.items()}
-            assert a == {"scale": pytest.approx(0.25), "q_heads": 4, "kv_heads": 2}
+            window = TINY_HF_CONFIGS[variant].get("sliding_window")
+            assert a == {"scale": pytest.approx(0.25), "q_heads": 4, "kv_heads": 2, **({"window": window} if window else {})}
         assert not [n for n in model.graph if n.op_type in ("Softmax", "Expand")], variant
         assert_same_logits(unfused, model)
