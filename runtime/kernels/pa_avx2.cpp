@@ -45,19 +45,8 @@ struct Vec {
     const V w0 = _mm256_hadd_ps(u0, u1), w1 = _mm256_hadd_ps(u2, u3);
     return _mm256_add_ps(_mm256_permute2f128_ps(w0, w1, 0x20), _mm256_permute2f128_ps(w0, w1, 0x31));
   }
-  static V exp(V x) {  // as the AVX-512 path; 2^n built in the exponent bits (n >= -126 after the clamp)
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-    const V n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    V r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    V y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  static V round_nearest(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V scale_pow2(V y, V n) {  // y * 2^n, 2^n built in the exponent bits (n >= -126 where it is used)
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
   }
@@ -68,14 +57,6 @@ struct Vec {
   }
   static V load_kv(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  }
-  static float kv_scalar(int8_t x) { return static_cast<float>(x); }
-  static float kv_scalar(float x) { return x; }
-  static float kv_scalar(uint16_t x) {
-    uint32_t u = static_cast<uint32_t>(x) << 16;
-    float f;
-    __builtin_memcpy(&f, &u, 4);
-    return f;
   }
 };
 

@@ -25,18 +25,18 @@ struct Vec {
   static float hsum(V v) { return (v[0] + v[1]) + (v[2] + v[3]); }
   static float hmax(V v) { return std::fmax(std::fmax(v[0], v[1]), std::fmax(v[2], v[3])); }
   static V reduce_rows(const V* v) { return V{hsum(v[0]), hsum(v[1]), hsum(v[2]), hsum(v[3])}; }
-  static V exp(V x) { return V{std::exp(x[0]), std::exp(x[1]), std::exp(x[2]), std::exp(x[3])}; }
-  static V load_kv(const float* p) { return load(p); }
-  static V load_kv(const uint16_t* p) { return V{kv_scalar(p[0]), kv_scalar(p[1]), kv_scalar(p[2]), kv_scalar(p[3])}; }
-  static V load_kv(const int8_t* p) { return V{float(p[0]), float(p[1]), float(p[2]), float(p[3])}; }
-  static float kv_scalar(int8_t x) { return static_cast<float>(x); }
-  static float kv_scalar(float x) { return x; }
-  static float kv_scalar(uint16_t x) {
-    uint32_t u = static_cast<uint32_t>(x) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
+  static V round_nearest(V x) {
+    return V{std::nearbyint(x[0]), std::nearbyint(x[1]), std::nearbyint(x[2]), std::nearbyint(x[3])};
   }
+  static V scale_pow2(V y, V n) {
+    return V{std::ldexp(y[0], int(n[0])), std::ldexp(y[1], int(n[1])), std::ldexp(y[2], int(n[2])),
+             std::ldexp(y[3], int(n[3]))};
+  }
+  static V load_kv(const float* p) { return load(p); }
+  static V load_kv(const uint16_t* p) {
+    return V{kv_to_float(p[0]), kv_to_float(p[1]), kv_to_float(p[2]), kv_to_float(p[3])};
+  }
+  static V load_kv(const int8_t* p) { return V{float(p[0]), float(p[1]), float(p[2]), float(p[3])}; }
 };
 
 #include "paged_attention_impl.h"

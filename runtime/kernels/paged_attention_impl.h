@@ -2,10 +2,10 @@
 // pa_<isa>.cpp inside namespace omf::<isa>, before this header is included there).
 //
 // Vec: W lanes; V zero(); V set1(float); V load(const float*); void store(float*, V); V fma(a, b, c) = a*b+c;
-// V max(V, V); float hsum(V); float hmax(V); V exp(V) (exp of every lane; inputs <= 0 here);
+// V max(V, V); float hsum(V); float hmax(V); V round_nearest(V); V scale_pow2(V y, V n) (y * 2^n);
 // V reduce_rows(const V v[W]) (lane i = the sum of the lanes of v[i]);
 // V load_kv(const float* | const uint16_t* | const int8_t*) (fp32, bf16 widened, int8 converted, unscaled);
-// float kv_scalar(float | uint16_t | int8_t). It is included inside a
+// (scalar conversions: omf::kv_to_float). It is included inside a
 // namespace, so it includes nothing itself (paged_attention.h brings the standard headers).
 //
 // Algorithm (one work item = one sequence's query tokens, <= kMaxItemTokens): online softmax over the
@@ -54,6 +54,24 @@ static inline void gather_scales(const KV* rows, int64_t row_stride, int64_t n, 
     for (int64_t j = 0; j < n; ++j) out[g * ld + j] = row_scale<KV, D>(rows + j * row_stride + g * HE);
 }
 
+// exp of every lane (Cephes-style: 2^n * p(r), r = x - n ln2; |rel err| < 2e-7 on [-87, 0]; x clamped at -87.3,
+// where exp underflows to ~1e-38, so 2^n stays a normal number).
+static inline typename Vec::V vexp(typename Vec::V x) {
+  using V = typename Vec::V;
+  x = Vec::max(x, Vec::set1(-87.3f));
+  const V n = Vec::round_nearest(Vec::mul(x, Vec::set1(1.44269504088896341f)));
+  V r = Vec::fma(n, Vec::set1(-0.693359375f), x);
+  r = Vec::fma(n, Vec::set1(2.12194440e-4f), r);
+  V y = Vec::set1(1.9875691500e-4f);
+  y = Vec::fma(y, r, Vec::set1(1.3981999507e-3f));
+  y = Vec::fma(y, r, Vec::set1(8.3334519073e-3f));
+  y = Vec::fma(y, r, Vec::set1(4.1665795894e-2f));
+  y = Vec::fma(y, r, Vec::set1(1.6666665459e-1f));
+  y = Vec::fma(y, r, Vec::set1(5.0000001201e-1f));
+  y = Vec::fma(y, Vec::mul(r, r), Vec::add(r, Vec::set1(1.0f)));
+  return Vec::scale_pow2(y, n);
+}
+
 static inline void prefetch_row(const void* p, size_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
@@ -95,7 +113,7 @@ static inline float softmax_update(float* s, int64_t np, float& m, float& l) {
   const typename Vec::V vmn = Vec::set1(mn);
   typename Vec::V sum = Vec::zero();
   for (int64_t j = 0; j < np; j += Vec::W) {
-    typename Vec::V p = Vec::exp(Vec::sub(Vec::load(s + j), vmn));
+    typename Vec::V p = vexp(Vec::sub(Vec::load(s + j), vmn));
     Vec::store(s + j, p);
     sum = Vec::add(sum, p);
   }
@@ -292,7 +310,7 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
       for (int64_t j = 0; j < n; ++j) {
         const KV* k = kpool + (base + j) * row_stride + g * HE;
         const float ks = row_scale<KV, D>(k);
-        for (int d = 0; d < D; ++d) kt[d * np + j] = Vec::kv_scalar(k[d]) * ks;
+        for (int d = 0; d < D; ++d) kt[d * np + j] = omf::kv_to_float(k[d]) * ks;
       }
       for (int d = 0; d < D; ++d)
         for (int64_t j = n; j < np; ++j) kt[d * np + j] = 0.0f;
@@ -367,7 +385,7 @@ void swiglu(const float* in, float* out, int64_t rows, int64_t F) {
     const typename Vec::V one = Vec::set1(1.0f), zero = Vec::zero();
     for (; i + Vec::W <= F; i += Vec::W) {  // silu(g) = g / (1 + exp(-g)); exp of -|g| only (no overflow)
       const typename Vec::V g = Vec::load(gate + i);
-      const typename Vec::V e = Vec::exp(Vec::sub(zero, Vec::max(g, Vec::sub(zero, g))));  // exp(-|g|)
+      const typename Vec::V e = vexp(Vec::sub(zero, Vec::max(g, Vec::sub(zero, g))));  // exp(-|g|)
       const typename Vec::V inv = Vec::div(one, Vec::add(one, e));  // sigmoid(|g|)
       const typename Vec::V sig = Vec::select_positive(g, inv, Vec::mul(e, inv));  // g < 0: e / (1 + e), no cancellation
       Vec::store(o + i, Vec::mul(Vec::mul(g, sig), Vec::load(up + i)));
