@@ -14,6 +14,7 @@ KERNELS = Extension(
     depends=[f"runtime/kernels/{name}.h" for name in ("ort_abi", "paged_attention", "paged_attention_impl")],
     language="c++",
     extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden", "-Wno-maybe-uninitialized"],
+    extra_link_args=["-s"],  # stripped: the wheel carries ~1 MB instead of ~7
     optional=True,
 )
 

@@ -177,6 +177,24 @@ def test_bad_attribute_is_an_ort_error(attrs: dict, message: str) -> None:
         session(model)
 
 
+def test_window_attribute_is_optional() -> None:
+    """A node without ``window`` (its lookup fails and the status is released) attends over the whole context."""
+    model = kernel_model(q_heads=9, kv_heads=3, head_dim=64, block_size=16, scale=0.125)
+    del model.graph.node[0].attribute[[a.name for a in model.graph.node[0].attribute].index("window")]
+    rng = np.random.default_rng(11)
+    step = make_step(rng, [(40, 1), (0, 5)], 16, 8)
+    f = {k: step[k] for k in ("slot_mapping", "block_tables", "query_index", "token_index", "position_ids",
+                              "decode_block_tables", "decode_query_index")}
+    T = step["input_ids"].shape[1]
+    f.update(q=rng.standard_normal((T, 9, 64), dtype=np.float32), k=rng.standard_normal((T, 3, 64), dtype=np.float32),
+             v=rng.standard_normal((T, 3, 64), dtype=np.float32))
+    pools = [rng.standard_normal((128, 3, 64), dtype=np.float32) for _ in range(2)]
+    f["key_cache"], f["value_cache"] = (p.copy() for p in pools)
+    want, _, _ = paged_attention_reference(f, q_heads=9, kv_heads=3, block_size=16, scale=0.125)
+    o, _, _ = run_kernel(model, f, pools, in_place=True, token_major=False)
+    np.testing.assert_allclose(o, want, atol=2e-5, rtol=1e-4)
+
+
 def test_bad_inputs_are_ort_errors() -> None:
     rng = np.random.default_rng(9)
     step = make_step(rng, [(5, 3)], 16, 4)

@@ -5,7 +5,7 @@
 //  - RegisterCustomOps(OrtSessionOptions*, const OrtApiBase*) is the library's entry point; ORT hands it
 //    the API table of the running ORT, so nothing links against libonnxruntime.
 //  - OrtApi is an array of function pointers whose slots never move (ORT static_asserts it); we call
-//    the slots below by index. A slot used here is exercised by tests/test_kernels.py.
+//    the slots below by index, and only those. Every one is exercised by tests/test_kernels.py.
 //  - OrtCustomOp: its first 22 fields, in order. ORT reads no field newer than `version`, and we set
 //    version = 17 (GetApi(17) exists on every ORT >= 1.17 and returns NULL before).
 #pragma once
@@ -69,8 +69,6 @@ constexpr uint32_t kApiVersion = 17;
 // Slots of the OrtApi table (index = position of the function pointer).
 enum Slot : size_t {
   kCreateStatus = 0,
-  kGetErrorCode = 1,
-  kGetErrorMessage = 2,
   kCreateCustomOpDomain = 26,
   kCustomOpDomain_Add = 27,
   kAddCustomOpDomain = 28,
@@ -86,7 +84,6 @@ enum Slot : size_t {
   kKernelContext_GetOutput = 91,
   kReleaseStatus = 93,
   kReleaseTensorTypeAndShapeInfo = 99,
-  kReleaseCustomOpDomain = 101,
   kKernelContext_ParallelFor = 274,
 };
 
