@@ -130,6 +130,7 @@ class LLMEngine:
         tok = m["tokenizer"]
         self.tokenizer = TextTokenizer(bundle / tok["file"], tok) if tok.get("file") else None
         self.eos_token_ids = tuple(self.config["eos_token_ids"])
+        self.sliding_window: int | None = self.config.get("sliding_window")
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -233,6 +234,8 @@ class LLMEngine:
         for s in plan.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
             self.kv.commit(s.request.request_id, s.request.all_token_ids, s.request.num_computed_tokens)
+            if self.sliding_window:  # blocks no later query can see go back to the pool
+                self.kv.release_out_of_window(s.request.request_id, s.request.num_computed_tokens, self.sliding_window)
         outputs = self._sample(sampling, logits, now) if sampling else []
         decode = sum(1 for s in plan.scheduled if s.start >= len(s.request.prompt_token_ids))
         st = self.stats

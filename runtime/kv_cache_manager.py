@@ -14,6 +14,8 @@ import numpy as np
 from omforge.runtime.block_pool import BlockPool
 
 BlockHash = bytes
+NO_BLOCK = -1
+"""A table entry whose block was released because it fell out of the sliding window (never read again)."""
 
 
 def hash_block_tokens(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
@@ -62,6 +64,10 @@ class KVCacheManager:
     are only computed when caching is on); host blocks are either free or in exactly one swapped table.
     Copies returned by :meth:`allocate_slots`, :meth:`swap_out` and :meth:`swap_in` are correct when performed in
     the order the calls returned them, before the step that follows.
+
+    Sliding windows (:meth:`release_out_of_window`): a leading block no future query of its request can see is
+    released (a hashed one stays cached for other requests) and its table entry becomes :data:`NO_BLOCK`; dead
+    entries hold no reference, are never copied, swapped or written, and keep their hash in the chain.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
@@ -149,7 +155,8 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(len(hashes), num_computed_tokens // bs):
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs]))
-            if self.pool.block_hash(table[i]) is None:  # a forked sibling may have registered it already
+            # a forked sibling may have registered it already; a released block is not registered again
+            if table[i] != NO_BLOCK and self.pool.block_hash(table[i]) is None:
                 self.pool.register(table[i], hashes[-1])
 
     def fork(self, parent_id: str, child_id: str) -> None:
@@ -157,13 +164,13 @@ class KVCacheManager:
         table = self._table(parent_id)
         if child_id in self._tables or child_id in self._host_tables:
             raise ValueError(f"request {child_id!r} already holds blocks")
-        self.pool.incref(table)
+        self.pool.incref(b for b in table if b != NO_BLOCK)
         self._tables[child_id], self._hashes[child_id] = list(table), list(self._hashes[parent_id])
 
     def free(self, req_id: str) -> None:
         """Release the request's blocks, tail first (hashed ones stay cached until evicted); unknown ids are a no-op."""
         if req_id in self._tables:
-            self.pool.decref(reversed(self._tables.pop(req_id)))
+            self.pool.decref(b for b in reversed(self._tables.pop(req_id)) if b != NO_BLOCK)
         self._host_free.extend(self._host_tables.pop(req_id, ()))
         self._hashes.pop(req_id, None)
 
@@ -171,13 +178,14 @@ class KVCacheManager:
         """Move the request to the host tier: returns the ``(device block, host block)`` copies and frees its device
         blocks (shared ones are copied too: the host copy is private). None, with no change, if the host lacks room."""
         table = self._table(req_id)
-        if len(table) > len(self._host_free):
+        live = [b for b in table if b != NO_BLOCK]
+        if len(live) > len(self._host_free):
             return None
-        host = [self._host_free.popleft() for _ in table]
-        self.pool.decref(reversed(table))
+        host = [NO_BLOCK if b == NO_BLOCK else self._host_free.popleft() for b in table]
+        self.pool.decref(reversed(live))
         del self._tables[req_id]
         self._host_tables[req_id] = host
-        return list(zip(table, host))
+        return [(d, h) for d, h in zip(table, host) if d != NO_BLOCK]
 
     def swap_in(self, req_id: str) -> list[tuple[int, int]] | None:
         """Bring a swapped-out request back: returns the ``(host block, device block)`` copies; None, with no change,
@@ -186,22 +194,37 @@ class KVCacheManager:
         if req_id not in self._host_tables:
             raise ValueError(f"request {req_id!r} is not swapped out")
         host = self._host_tables[req_id]
-        if len(host) > self.pool.num_free():
+        live = [h for h in host if h != NO_BLOCK]
+        if len(live) > self.pool.num_free():
             return None
-        table = self.pool.allocate(len(host))
+        fresh = iter(self.pool.allocate(len(live)))
+        table = [NO_BLOCK if h == NO_BLOCK else next(fresh) for h in host]
         for block, block_hash in zip(table, self._hashes[req_id]):
-            self.pool.register(block, block_hash)
-        self._host_free.extend(host)
+            if block != NO_BLOCK:
+                self.pool.register(block, block_hash)
+        self._host_free.extend(live)
         del self._host_tables[req_id]
         self._tables[req_id] = table
-        return list(zip(host, table))
+        return [(h, d) for h, d in zip(host, table) if h != NO_BLOCK]
+
+    def release_out_of_window(self, req_id: str, next_position: int, window: int) -> int:
+        """Release the leading blocks that no query at ``next_position`` or later can see through a sliding window
+        of ``window`` keys (a key j is visible to a query p iff p - window < j <= p). Returns how many were
+        released now; their table entries become :data:`NO_BLOCK`."""
+        table, bs = self._table(req_id), self.block_size
+        dead = min(max(0, next_position - window + 1) // bs, len(table))
+        released = [i for i in range(dead) if table[i] != NO_BLOCK]
+        self.pool.decref(table[i] for i in reversed(released))
+        for i in released:
+            table[i] = NO_BLOCK
+        return len(released)
 
     def num_blocks_needed(self, req_id: str | None, num_tokens: int) -> int:
         """Free device blocks the request (None or unknown: a new one, ignoring prefix hits) needs to hold
         ``num_tokens`` tokens on device, counting a swapped-out request's swap-in; copy-on-write may need more
         (:meth:`allocate_slots` has the last word)."""
-        host = len(self._host_tables.get(req_id, ()))
-        held = host or len(self._tables.get(req_id, ()))
+        host = sum(h != NO_BLOCK for h in self._host_tables.get(req_id, ()))
+        held = len(self._host_tables.get(req_id, ())) or len(self._tables.get(req_id, ()))
         return host + max(0, -(-num_tokens // self.block_size) - held)
 
     def stats(self) -> KVCacheStats:
@@ -215,18 +238,21 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
-        held = Counter(b for table in self._tables.values() for b in table)
+        held = Counter(b for table in self._tables.values() for b in table if b != NO_BLOCK)
         assert all(self.pool.ref_count(b) == held[b] for b in range(self.pool.num_blocks)), \
             "a refcount differs from the number of tables holding the block (leak or double free)"
-        assert all(len(set(t)) == len(t) for t in self._tables.values()), "a block is twice in one table"
+        live = [[b for b in t if b != NO_BLOCK] for t in self._tables.values()]
+        assert all(len(set(t)) == len(t) for t in live), "a block is twice in one table"
+        assert all(t[:len(t) - len(kept)] == [NO_BLOCK] * (len(t) - len(kept))
+                   for t, kept in zip(self._tables.values(), live)), "a released block that is not a leading one"
         assert not self._tables.keys() & self._host_tables.keys(), "a request is both on device and swapped out"
         assert self._hashes.keys() == self._tables.keys() | self._host_tables.keys(), "hash chains out of step"
         for req_id, table in self._tables.items():
             hashes = self._hashes[req_id]
             assert len(hashes) <= len(table), f"request {req_id!r} has more hashes than blocks"
-            assert all(self.pool.block_hash(b) in (None, h) for b, h in zip(table, hashes)), \
+            assert all(self.pool.block_hash(b) in (None, h) for b, h in zip(table, hashes) if b != NO_BLOCK), \
                 f"request {req_id!r} holds a block with a foreign hash"
         assert all(len(self._hashes[r]) <= len(t) for r, t in self._host_tables.items()), "host hashes out of step"
-        host = [h for t in self._host_tables.values() for h in t] + list(self._host_free)
+        host = [h for t in self._host_tables.values() for h in t if h != NO_BLOCK] + list(self._host_free)
         assert sorted(host) == list(range(self.num_host_blocks)), "host blocks lost or held twice"
         assert self.enable_prefix_caching or self.pool.num_cached() == 0, "blocks cached with caching off"

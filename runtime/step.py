@@ -2,7 +2,8 @@
 
 Pure numpy, no ORT: the scheduler decides the work, this packs it. Invariants of the result: tokens are
 packed sequence after sequence; ``query_index[b, i]`` and ``token_index`` are inverse maps between the
-packed and the padded layouts; every block-table row is padded with a valid block id (its own first).
+packed and the padded layouts; every block-table row is padded with a valid block id (its own first live one);
+a negative entry (a block released because it fell out of the sliding window, never read) is packed as that id.
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ def build_step(work: Sequence[SeqWork], block_size: int, max_blocks: int | None 
     all_tables = np.empty((len(work), width), dtype=np.int64)  # every item's table, padded with its first block
     for b, w in enumerate(work):
         row = np.asarray(w.block_table[:need_blocks[b]], dtype=np.int64)
-        all_tables[b, :len(row)] = row
-        all_tables[b, len(row):] = row[0]
+        fill = row[row >= 0][0]  # the first live block (leading ones may be released out of the window)
+        all_tables[b, :len(row)] = np.where(row >= 0, row, fill)
+        all_tables[b, len(row):] = fill
     tables = all_tables[main, :max(int(need[main].max()), max_blocks or 0)]
     slots = all_tables[seq_of, positions // block_size] * block_size + positions % block_size
     # padded query rows point at the sequence's last token: a valid, unmasked position (no NaN rows)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from omforge.runtime.block_pool import BlockPool
-from omforge.runtime.kv_cache_manager import KVCacheManager, hash_block_tokens
+from omforge.runtime.kv_cache_manager import NO_BLOCK, KVCacheManager, hash_block_tokens
 
 
 def snapshot(kv: KVCacheManager) -> tuple:
@@ -222,6 +222,29 @@ def test_swap_in_none_without_device_room() -> None:
     kv.free("r")
     assert kv.stats().num_host_free == 3
     kv.check_invariants()
+
+
+def test_sliding_window_releases_leading_blocks() -> None:
+    """Blocks no later query can see are released (the hashed ones stay cached), swapped and freed without them."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, num_host_blocks=8)
+    tokens = list(range(30))
+    run_prefill(kv, "a", tokens)  # 8 blocks: positions 0..29
+    assert kv.release_out_of_window("a", next_position=30, window=10) == 5  # keys < 21 are dead: blocks 0-4
+    table = kv.block_table("a")
+    assert table[:5] == [NO_BLOCK] * 5 and NO_BLOCK not in table[5:]
+    assert kv.stats().num_used == 3 and kv.release_out_of_window("a", 30, 10) == 0  # idempotent
+    kv.check_invariants()
+    assert run_prefill(kv, "b", tokens[:21]) == 20  # the released blocks still serve the prefix cache
+    kv.free("b")
+    pairs = kv.swap_out("a")
+    assert len(pairs) == 3 and kv.stats().num_swapped_blocks == 3 and kv.num_blocks_needed("a", 30) == 3
+    kv.check_invariants()
+    assert len(kv.swap_in("a")) == 3 and kv.block_table("a")[:5] == [NO_BLOCK] * 5
+    kv.check_invariants()
+    assert kv.allocate_slots("a", 30, 3) == [] and len(kv.block_table("a")) == 9
+    kv.free("a")
+    kv.check_invariants()
+    assert kv.stats().num_used == 0
 
 
 def test_num_blocks_needed() -> None:

@@ -9,11 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import NUM_LAYERS, TINY_HF_CONFIGS, export_tiny, load_export
+from helpers import NUM_LAYERS, TINY_HF_CONFIGS, compile_bundle, export_tiny, load_export, write_recipe
 from omforge.passes import lower_ascend, manager, ops
 from omforge.passes.pipeline import build
 from omforge.runtime import kernels
 from omforge.runtime.full_recompute import ExportedModel
+from omforge.runtime.kv_cache_manager import NO_BLOCK
+from omforge.runtime.llm import LLM
+from omforge.runtime.sampling_params import SamplingParams
 from omforge.runtime.ort_executor import OrtExecutor
 from omforge.runtime.step import SeqWork, build_step
 
@@ -24,6 +27,15 @@ BLOCK = 4
 @pytest.fixture(scope="module")
 def mistral(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return export_tiny(tmp_path_factory.mktemp("mistral-window"), "mistral")
+
+
+@pytest.fixture(scope="module")
+def mistral_bundle(mistral: Path) -> Path:
+    """A bundle of the tiny windowed Mistral (the HF directory export_tiny made beside its export)."""
+    root = mistral.parent
+    recipe = write_recipe(root / "bundle.yaml", {"name": "tiny-mistral", "source": "hf", "path": "hf"},
+                          compile={"kv_block_size": BLOCK})
+    return compile_bundle(recipe, root / "bundle", root / "cache")
 
 
 def test_fusion_carries_the_window(mistral: Path) -> None:
@@ -53,3 +65,32 @@ def test_paged_step_honours_the_window(mistral: Path, tmp_path: Path, kernel: bo
     for n in range(first, len(ids)):
         logits = ex.run(build_step([SeqWork(ids[n:n + 1], n, table)], BLOCK))
         np.testing.assert_allclose(logits[0], ref.logits(np.array([ids[:n + 1]]))[0, -1], atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_engine_frees_blocks_behind_the_window(mistral: Path, mistral_bundle: Path, mode: str) -> None:
+    """Long generations keep at most the window's blocks per sequence, give the full-recompute tokens, and survive
+    preemption (a swapped sequence moves only its live blocks)."""
+    ref = ExportedModel(mistral)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 256, int(n)).tolist() for n in (30, 9, 17)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    llm = LLM(mistral_bundle, num_kv_blocks=20, preemption_mode=mode, swap_space_gb=0.01)
+    engine, peak = llm.engine, 0  # the most live blocks one sequence held
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=str(i))
+    outs = {}
+    for _ in range(500):
+        if not engine.has_unfinished():
+            break
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o.token_ids
+        for req in engine.scheduler.running:
+            peak = max(peak, sum(b != NO_BLOCK for b in engine.kv.block_table(req.request_id)))
+        engine.kv.check_invariants()
+    assert engine.stats.preemptions > 0  # 20 blocks: the three windows (8 blocks each at most) do not fit at once
+    per_seq = -(-WINDOW // BLOCK) + 2  # the window's blocks, the partial one at each end
+    assert peak <= per_seq < -(-(30 + 40) // BLOCK)
+    for i, p in enumerate(prompts):
+        assert outs[str(i)] == ref.greedy(p, 40, ignore_eos=True).token_ids
