@@ -102,12 +102,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from omforge.passes import bundle_diff, diff
+    from omforge.passes import bundle_diff
 
     if args.b and bundle_diff.is_bundle(Path(args.a)) and bundle_diff.is_bundle(Path(args.b)):
         result = bundle_diff.diff_bundles(Path(args.a), Path(args.b), max_tokens=args.max_tokens)
         print(json.dumps(result.to_dict(), indent=2) if args.json else bundle_diff.render_text(result))
         return 0 if result.max_abs <= args.tol else 1
+    from omforge.passes import diff
+
 
     if args.html and not Path(args.html).resolve().parent.is_dir():
         raise OmforgeError(f"{args.html}: its directory does not exist")
@@ -127,10 +129,20 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 0 if result.passed else 1
 
 
+def require_export_extra() -> None:
+    """Fail before any work when the graph tooling every compile needs (the passes) is missing."""
+    import importlib.util
+
+    for name in ("onnx_ir", "onnxscript"):
+        if importlib.util.find_spec(name) is None:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
     from omforge.compile.compiler import compile_recipe
     from omforge.recipe import load_recipe
 
+    require_export_extra()
     recipe = load_recipe(args.recipe)
     out = Path(args.output) if args.output else Path("build") / recipe.model.name
     t0 = time.perf_counter()
@@ -268,6 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+EXPORT_EXTRA_MODULES = frozenset({"torch", "onnx_ir", "onnxscript", "onnxsim", "gguf", "safetensors", "transformers",
+                                  "ml_dtypes"})
+"""What ``pip install 'omforge[export]'`` brings (pyproject.toml): export, compile, diff of graphs need it; serving
+a bundle does not."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "max_tokens", 1) < 1:
@@ -280,6 +298,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except FileNotFoundError as e:
         print(f"omforge: error: {e.filename or e}: file not found", file=sys.stderr)
+        return EXIT_USAGE
+    except ModuleNotFoundError as e:  # an extra this command needs is not installed: say which, in one line
+        root = (e.name or "").split(".")[0]
+        if root not in EXPORT_EXTRA_MODULES:
+            raise
+        print(f"omforge: error: `omforge {args.command}` needs the export extra (no module '{root}'): "
+              "pip install torch==2.13.0 && pip install 'omforge[export]'", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130

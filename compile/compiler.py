@@ -22,7 +22,7 @@ from omforge.compile import buckets as bucket_planner
 from omforge.compile.bundle import file_entries, write_manifest
 from omforge.compile.cache import Stage, cache_root, copy_into, stage_key
 from omforge.errors import OmforgeError
-from omforge.passes.paged_kv import DEFAULT_BLOCK_SIZE, PagedLayout
+from omforge.contract import DEFAULT_BLOCK_SIZE, PagedLayout
 from omforge.recipe import Recipe
 from omforge.runtime import kernels
 

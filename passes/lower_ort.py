@@ -152,7 +152,7 @@ def lower(model: ir.Model, kv_write: str = "graph", kernel: bool = False, kv_cac
     graph 110.6 ms vs runtime 151.0 ms per decode step, both flat from 1k to 8k blocks; offline short-chat 16:
     184 vs 130 tok/s. ``kernel`` (with ``kv_write="graph"``) lowers paged attention to omforge's CPU kernel
     instead of plain ops; the session must then register the kernel library (runtime/kernels). ``kv_cache_dtype``
-    other than float32 (the pools' element type, see ``paged_kv.KV_DTYPES``) needs the kernel."""
+    other than float32 (the pools' element type, see ``contract.KV_DTYPES``) needs the kernel."""
     if kv_write not in KV_WRITES:
         raise ValueError(f"kv_write={kv_write!r} is not one of {KV_WRITES}")
     if kernel and kv_write != "graph":

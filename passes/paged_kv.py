@@ -28,53 +28,11 @@ Invariant: a key at position ``j`` is visible to a query at position ``p`` of th
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import onnx_ir as ir
 
+from omforge.contract import DECODE_GROUP_INPUTS, PagedLayout
 from omforge.passes import attention, ops
-
-DEFAULT_BLOCK_SIZE = {"ort": 64, "ascend": 128}
-"""Tokens per KV block by target. ascend: 128, what MindIE and vllm-ascend use and IFA recommends. ort: 64,
-measured (benchmarks/bench_passes.py paged, SmolLM2, batch 16, context 512, decode step paged / contiguous):
-16 → 1.48x, 32 → 1.38x, 64 → 1.17x, 128 → 1.19x, 256 → 1.25x; 64 is the smallest block at the floor (the
-block-table Gather is the paged overhead; smaller blocks also cost more rows to gather)."""
-
-STEP_INPUTS = ("input_ids", "position_ids", "slot_mapping", "block_tables", "query_index", "token_index",
-               "logits_indices")
-DECODE_GROUP_INPUTS = ("decode_block_tables", "decode_query_index")
-"""The ORT lowering's second group (``lower_ort``): ``decode_block_tables [Bd, Md]`` and ``decode_query_index
-[Bd, 1]`` — sequences with one query each, attended apart from the main group; ``token_index`` then indexes the
-rows ``[B * Q + Bd]`` (main group first). A step without such a split sends a group of one unreferenced row."""
-
-
-KV_DTYPES = ("float32", "bfloat16", "int8")
-"""KV pool element types (recipe ``compile.kv_cache_dtype``). bfloat16 and int8 need omforge's CPU kernel.
-int8 is symmetric per token and KV head (MindIE's C8): each head's row holds ``head_dim`` int8 values followed
-by its float32 scale (4 bytes), so the pool's last dimension is ``head_dim + 4``."""
-
-
-@dataclass(frozen=True)
-class PagedLayout:
-    """What the runtime needs to allocate and bind the pools: per layer, K and V pools
-    ``[num_blocks, block_size, kv_heads, row_elems]`` of ``kv_dtype``."""
-
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-    block_size: int
-    kv_dtype: str = "float32"
-
-    @property
-    def row_elems(self) -> int:
-        """Elements of one head's row in the pool (int8: the values, then the scale's 4 bytes)."""
-        return self.head_dim + 4 if self.kv_dtype == "int8" else self.head_dim
-
-    @property
-    def bytes_per_token(self) -> int:
-        """KV bytes one token takes in every layer's K and V pools together."""
-        itemsize = {"float32": 4, "bfloat16": 2, "int8": 1}[self.kv_dtype]
-        return 2 * self.num_layers * self.kv_heads * self.row_elems * itemsize
 
 
 def _input(name: str, dims: list[int | str], dtype: ir.DataType = ir.DataType.INT64) -> ir.Value:

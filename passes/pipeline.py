@@ -11,7 +11,8 @@ from typing import Mapping
 import onnx_ir as ir
 
 from omforge.passes import lower_ort, manager
-from omforge.passes.paged_kv import PagedLayout, insert_paged_kv
+from omforge.contract import PagedLayout
+from omforge.passes.paged_kv import insert_paged_kv
 from omforge.runtime import kernels
 
 

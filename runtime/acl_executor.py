@@ -26,7 +26,7 @@ import numpy as np
 
 from omforge.compile.buckets import BucketPlan
 from omforge.errors import OmforgeError
-from omforge.passes.paged_kv import PagedLayout
+from omforge.contract import PagedLayout
 from omforge.runtime.acl_api import AclRuntime, AclUnavailable, import_acl
 from omforge.runtime.acl_plan import (ACL_DTYPES, STEP_GRAPH_INPUTS, AclModelMismatch, ModelDesc,
                                       as_dtype, check_desc, gear_dims, max_prompt_len, pack_run, plan_runs,

@@ -17,7 +17,7 @@ import numpy as np
 
 from omforge.compile.bundle import BundleError, load_manifest
 from omforge.errors import OmforgeError
-from omforge.passes.paged_kv import PagedLayout
+from omforge.contract import PagedLayout
 from omforge.runtime.detokenizer import IncrementalDetokenizer
 from omforge.runtime import kernels
 from omforge.runtime.kv_cache_manager import KVCacheManager

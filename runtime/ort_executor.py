@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from omforge.passes.paged_kv import PagedLayout
+from omforge.contract import PagedLayout
 from omforge.runtime import kernels
 from omforge.runtime.step import SeqWork, build_step
 

@@ -9,7 +9,7 @@ Policy only; allocation is the KV cache manager's. Every step:
   3. WAITING requests are admitted first-come-first-served while the budget, ``max_num_seqs`` and the blocks
      allow; a long prompt takes the budget that is left and continues in later steps (chunked prefill,
      interleaved with the running decodes). Prefix-cache hits skip the cached part of the prompt.
-With ``mixed_steps`` (executors whose graph has a decode group: the ORT step graph, ``paged_kv.DECODE_GROUP_INPUTS``)
+With ``mixed_steps`` (executors whose graph has a decode group: the ORT step graph, ``contract.DECODE_GROUP_INPUTS``)
 every step carries the running decodes and fills the rest of the budget with prefill chunks, vLLM's chunked
 prefill: the decodes are attended apart from the chunks, so they cost their own work only. Measured against the
 alternation below (benchmarks/bench_serve.sh levels, SmolLM2, runs interleaved old/new/old/new on a noisy machine):

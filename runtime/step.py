@@ -28,7 +28,7 @@ def build_step(work: Sequence[SeqWork], block_size: int, max_blocks: int | None 
                split_decodes: bool = False) -> dict[str, np.ndarray]:
     """Pack ``work`` into the step inputs. ``max_blocks`` pads the block tables to a fixed width (a bucket).
 
-    ``split_decodes`` (graphs with a decode group, ``paged_kv.DECODE_GROUP_INPUTS``): when the step has both
+    ``split_decodes`` (graphs with a decode group, ``contract.DECODE_GROUP_INPUTS``): when the step has both
     single-token items and longer chunks, the single-token ones form the decode group — attended apart, not padded
     to the longest chunk — and ``token_index`` indexes the rows ``[B * Q + Bd]``. Otherwise (and always without
     ``split_decodes``) every item is in the main group and the decode group is one unreferenced row.

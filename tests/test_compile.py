@@ -45,7 +45,7 @@ def test_manifest_contents(bundle: Path) -> None:
 
 
 def test_step_graph_of_the_bundle_runs(bundle: Path) -> None:
-    from omforge.passes.paged_kv import PagedLayout
+    from omforge.contract import PagedLayout
     from omforge.runtime.ort_executor import OrtExecutor
     from omforge.runtime.step import SeqWork, build_step
 
