@@ -221,11 +221,12 @@ class LLMEngine:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         self.stats.preemptions = self.scheduler.num_preemptions
-        if not plan.scheduled:
-            return []
+        # the plan's block moves first, even when it schedules nothing: the KV manager has already recorded them
         self.executor.swap_out(plan.swap_out)
         self.executor.swap_in(plan.swap_in)
         self.executor.copy_blocks(plan.block_copies)
+        if not plan.scheduled:
+            return []
         work = [SeqWork(s.request.all_token_ids[s.start:s.start + s.num_new_tokens], s.start,
                         self.kv.block_table(s.request.request_id), needs_logits=s.samples) for s in plan.scheduled]
         logits = self.executor.execute(work)

@@ -173,3 +173,32 @@ def test_smollm2_text_stops_and_offline_api(smollm2_bundle: Path) -> None:
     assert stop.text == eos.text[:eos.text.index("Paris")]
     assert len(sampled.logprobs) == len(sampled.token_ids) and len(sampled.logprobs[0]["top"]) == 2
     assert eos.ttft is not None and eos.ttft > 0 and len(eos.inter_token_latencies) == len(eos.token_ids) - 1
+
+
+def test_swaps_of_a_step_that_schedules_nothing_are_performed(tiny_bundle: Path) -> None:
+    """Issue 12 defect 1: without mixed steps, a step can preempt by swap and then schedule nothing; its swap-outs
+    must still be copied to the host tier (they were dropped with the step, leaving the host blocks unwritten)."""
+    import random
+
+    rng = random.Random(296)  # a case the scheduler fuzz found: a swap-out in a step with nothing scheduled
+    shapes = [(3, 2), (12, 7), (4, 4), (5, 10), (5, 11), (9, 10)]
+    ps = [[rng.randrange(3, 250) for _ in range(n)] for n, _ in shapes]
+    llm = LLM(tiny_bundle, num_kv_blocks=12, max_num_batched_tokens=16, preemption_mode="swap", swap_space_gb=0.01)
+    engine, ex = llm.engine, llm.engine.executor
+    engine.scheduler.mixed_steps = False  # decodes and prefill chunks alternate, as on executors without a decode group
+    plans = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]  # records the plans, changes nothing
+    for i, (p, (_, m)) in enumerate(zip(ps, shapes)):
+        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True), request_id=str(i))
+    checked = 0
+    for _ in range(500):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+        plan = plans[-1]
+        if not plan.scheduled and plan.swap_out:
+            for dev, host in plan.swap_out:
+                assert ex.key_pools[0][dev].any() and np.array_equal(ex.host_keys[0][host], ex.key_pools[0][dev])
+            checked += 1
+    assert checked > 0
