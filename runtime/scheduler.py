@@ -6,9 +6,9 @@ Policy only; allocation is the KV cache manager's. Every step:
      preempted — swapped to the host tier (``preemption_mode: swap``, if the tier has room) or freed to be
      recomputed later — until the older one fits. Preempted requests keep their output and resume unchanged.
   2. SWAPPED requests come back (oldest first) when no one was preempted this step and blocks allow.
-  3. WAITING requests are admitted first-come-first-served while the budget, ``max_num_seqs`` and the blocks
-     allow; a long prompt takes the budget that is left and continues in later steps (chunked prefill,
-     interleaved with the running decodes). Prefix-cache hits skip the cached part of the prompt.
+  3. WAITING requests are admitted first-come-first-served, when no one was preempted this step, while the
+     budget, ``max_num_seqs`` and the blocks allow; a long prompt takes the budget that is left and continues in
+     later steps (chunked prefill, interleaved with the running decodes). Prefix-cache hits skip the cached part of the prompt.
 With ``mixed_steps`` (executors whose graph has a decode group: the ORT step graph, ``contract.DECODE_GROUP_INPUTS``)
 every step carries the running decodes and fills the rest of the budget with prefill chunks, vLLM's chunked
 prefill: the decodes are attended apart from the chunks, so they cost their own work only. Measured against the
@@ -151,7 +151,9 @@ class Scheduler:
             budget -= n
             prefill -= n
 
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0 and prefill > 0:
+        # no admission after a preemption in this step: a request preempted for recompute would come straight back
+        while (not out.preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0
+               and prefill > 0):
             req = self.waiting[0]
             if req.num_computed_tokens == 0:
                 cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)

@@ -54,3 +54,35 @@ def test_without_cap_or_decodes_the_budget_rules() -> None:
     s = scheduler(cap=64)
     add(s, "long", 600)
     assert run_step(s) == [("long", 512)]  # no decodes in the step: the cap does not apply
+
+
+def test_fuzz_no_same_step_readmission_and_invariants() -> None:
+    """Issue 12 defect 2: a request preempted for recompute is not re-admitted in the step that preempted it (the
+    swapped queue had this gate, the waiting queue did not: seeds 75, 87, 195 … re-admitted). Random lifecycles,
+    mixed steps and alternation, prefix caching on and off; the step budget and the KV invariants hold throughout."""
+    import random
+
+    for seed in range(200):
+        rng = random.Random(seed)
+        kv = KVCacheManager(12, 4, enable_prefix_caching=bool(seed % 3))
+        s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=16, preemption_mode="recompute",
+                      mixed_steps=bool(seed % 2))
+        for i in range(6):
+            prompt = [rng.randrange(3, 50) for _ in range(rng.randrange(2, 14))]
+            s.add(Request(str(i), prompt, SamplingParams(max_tokens=rng.randrange(2, 12), ignore_eos=True)))
+        for _ in range(300):
+            if not s.has_unfinished():
+                break
+            out = s.schedule()
+            assert not {r.request_id for r in out.preempted} & {x.request.request_id for x in out.scheduled}, seed
+            assert out.num_tokens <= 16
+            for sch in out.scheduled:
+                req = sch.request
+                req.num_computed_tokens += sch.num_new_tokens
+                kv.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
+                if sch.samples:
+                    req.output_token_ids.append(7)
+                    if len(req.output_token_ids) >= req.params.max_tokens:
+                        s.remove(req)
+            kv.check_invariants()
+        assert not s.has_unfinished(), seed
