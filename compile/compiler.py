@@ -43,11 +43,25 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def _source_digest(folder: Path) -> str:
-    """Hash of a package folder's Python sources: a change to the passes invalidates their cached output."""
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+def stage_sources(target: str) -> list[Path]:
+    """The Python sources the passes stage of ``target`` runs: its output is stale when any of them changes.
+    ort: the passes (fusions, paged KV, lowering, pipeline) and the contract; ascend: those and compile/ascend.py
+    with what it imports of compile/ (ATC command lines, plugin templates' renderer, buckets)."""
+    files = sorted((_ROOT / "passes").rglob("*.py"))
+    files += [_ROOT / "contract.py", _ROOT / "runtime" / "kernels" / "__init__.py"]
+    if target == "ascend":
+        files += [_ROOT / "compile" / name for name in ("ascend.py", "atc.py", "buckets.py")]
+        files += sorted((_ROOT / "compile" / "templates").glob("*"))
+    return files
+
+
+def _source_digest(files: list[Path]) -> str:
     h = hashlib.sha256()
-    for f in sorted(folder.rglob("*.py")):
-        h.update(f.name.encode())
+    for f in files:
+        h.update(str(f.relative_to(_ROOT)).encode())
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
@@ -112,7 +126,7 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
     passes_key = stage_key("passes", {
         "export": digest, "fusions": recipe.compile.fusions, "block_size": block_size, "target": target,
         "paged_attention": f"kernel-abi{kernels.ABI_VERSION}" if kernel else "plain", "kv_cache_dtype": kv_dtype,
-        "passes_source": _source_digest(Path(__file__).resolve().parent.parent / "passes"),
+        "passes_source": _source_digest(stage_sources(target)),
         "tools": tool_versions(),
     })
     passes = Stage(f"passes-{target}", passes_key, root)

@@ -147,3 +147,16 @@ def test_ascend_target_writes_everything_up_to_atc(cache: Path, tmp_path: Path,
     assert "key_new.0" in [o.name for o in step.graph.output]
     commands = (out / "ascend" / "atc_commands.txt").read_text().splitlines()
     assert len(commands) == 2 and all("--soc_version=Ascend910B3" in c and "--input_format=ND" in c for c in commands)
+
+
+def test_stage_key_covers_every_module_the_stage_runs() -> None:
+    """Issue 12 defect 6: the ascend passes stage also runs compile/ascend.py (and what it imports of compile/);
+    an edit there must not reuse a stale stage."""
+    from omforge.compile.compiler import _ROOT, stage_sources
+
+    ascend, ort = stage_sources("ascend"), stage_sources("ort")
+    for name in ("ascend.py", "atc.py", "buckets.py"):
+        assert _ROOT / "compile" / name in ascend and _ROOT / "compile" / name not in ort
+    for f in (_ROOT / "passes" / "lower_ort.py", _ROOT / "passes" / "lower_ascend.py", _ROOT / "contract.py"):
+        assert f in ascend and f in ort
+    assert all(f.is_file() for f in ascend)
