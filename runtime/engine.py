@@ -150,7 +150,8 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in ids):
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
         if any(t >= vocab for t in params.logit_bias):
-            raise SamplingParamsError(f"logit_bias keys must be token ids below the vocabulary size {vocab}")
+            raise SamplingParamsError("logit_bias",
+                                      f"logit_bias keys must be token ids below the vocabulary size {vocab}")
         if self.max_prompt_len is not None and len(ids) > self.max_prompt_len:
             raise RequestRejected(f"the prompt ({len(ids)} tokens) is longer than this ascend bundle's gears admit "
                                   f"({self.max_prompt_len} tokens: a padded prefill chunk must end inside the context)")

@@ -19,7 +19,12 @@ MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 
 
 class SamplingParamsError(OmforgeError):
-    """A sampling parameter is out of range; the message names it and the allowed values."""
+    """A sampling parameter is out of range; the message names it and the allowed values, ``param`` is its name
+    (what an OpenAI error's ``param`` field carries)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -74,32 +79,36 @@ class SamplingParams:
             _int("max_tokens", self.max_tokens, 1)
         _int("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise SamplingParamsError(f"min_tokens must be at most max_tokens ({self.max_tokens}), "
+            raise SamplingParamsError("min_tokens", f"min_tokens must be at most max_tokens ({self.max_tokens}), "
                                       f"got {self.min_tokens}")
         _real("temperature", self.temperature, 0.0, 2.0)
         _real("top_p", self.top_p, 0.0, 1.0, low_open=True)
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise SamplingParamsError(f"top_k must be -1 or 0 (off) or an integer >= 1, got {self.top_k!r}")
+            raise SamplingParamsError("top_k",
+                                      f"top_k must be -1 or 0 (off) or an integer >= 1, got {self.top_k!r}")
         _real("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None and (not _is_int(self.seed) or not -2**63 <= self.seed < 2**63):
-            raise SamplingParamsError(f"seed must be a 64-bit integer or null, got {self.seed!r}")
+            raise SamplingParamsError("seed", f"seed must be a 64-bit integer or null, got {self.seed!r}")
         _real("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _real("repetition_penalty", self.repetition_penalty, 0.0, math.inf, low_open=True)
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise SamplingParamsError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            raise SamplingParamsError("stop",
+                                      f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise SamplingParamsError(f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
+            raise SamplingParamsError("stop_token_ids",
+                                      f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise SamplingParamsError(f"{name} must be true or false, got {getattr(self, name)!r}")
+                raise SamplingParamsError(name, f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if not isinstance(self.logit_bias, dict):
-            raise SamplingParamsError(f"logit_bias must map token ids to values, got {self.logit_bias!r}")
+            raise SamplingParamsError("logit_bias",
+                                      f"logit_bias must map token ids to values, got {self.logit_bias!r}")
         for token, bias in self.logit_bias.items():
             if not _is_int(token) or token < 0:
-                raise SamplingParamsError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+                raise SamplingParamsError("logit_bias", f"logit_bias keys must be token ids >= 0, got {token!r}")
             _real(f"logit_bias[{token}]", bias, -100.0, 100.0)
 
 
@@ -110,7 +119,7 @@ def _is_int(value: object) -> bool:
 def _int(name: str, value: object, low: int, high: int | None = None) -> None:
     if not _is_int(value) or value < low or (high is not None and value > high):
         allowed = f"an integer in [{low}, {high}]" if high is not None else f"an integer >= {low}"
-        raise SamplingParamsError(f"{name} must be {allowed}, got {value!r}")
+        raise SamplingParamsError(name.split("[")[0], f"{name} must be {allowed}, got {value!r}")
 
 
 def _real(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
@@ -119,4 +128,4 @@ def _real(name: str, value: object, low: float, high: float, low_open: bool = Fa
     if not ok:
         allowed = (f"> {low:g}" if high == math.inf else
                    f"in {'(' if low_open else '['}{low:g}, {high:g}]")
-        raise SamplingParamsError(f"{name} must be {allowed}, got {value!r}")
+        raise SamplingParamsError(name.split("[")[0], f"{name} must be {allowed}, got {value!r}")

@@ -98,7 +98,7 @@ def build_app(state: ServerState) -> FastAPI:
             return state.engine.check(ids, params)
         except SamplingParamsError as exc:
             state.metrics.rejected("invalid_parameter")
-            raise APIError(400, str(exc), param=str(exc).split()[0].split("[")[0]) from None
+            raise APIError(400, str(exc), param=exc.param) from None
         except RequestRejected as exc:
             state.metrics.rejected("too_long")
             raise APIError(400, str(exc), param=length_param, code="context_length_exceeded") from None

@@ -295,10 +295,11 @@ def test_default_params_are_valid_and_stop_accepts_one_string() -> None:
     ("min_p", 1.5, "[0, 1]"), ("presence_penalty", 2.5, "[-2, 2]"), ("frequency_penalty", -3, "[-2, 2]"),
     ("repetition_penalty", 0.0, "> 0"), ("logprobs", 21, "[0, 20]"), ("logprobs", True, "[0, 20]"),
     ("seed", 2**64, "64-bit"), ("stop", [""], "non-empty"), ("stop_token_ids", [-1], ">= 0"),
-    ("ignore_eos", "yes", "true or false"),
+    ("ignore_eos", "yes", "true or false"), ("logit_bias", {3: 150.0}, "[-100, 100]"),
 ])
 def test_validation_names_the_parameter_and_range(field: str, value: object, allowed: str) -> None:
     with pytest.raises(SamplingParamsError) as err:
         replace(SamplingParams(), **{field: value}).validate()
     assert isinstance(err.value, OmforgeError)
     assert str(err.value).startswith(field) and allowed in str(err.value)
+    assert err.value.param == field  # carried, not parsed back out of the message (issue 12 defect 8)
