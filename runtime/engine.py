@@ -133,6 +133,7 @@ class LLMEngine:
         self.sliding_window: int | None = self.config.get("sliding_window")
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        self.closed = False
         self.stats = EngineStats()
         self._ids = itertools.count()
 
@@ -204,6 +205,13 @@ class LLMEngine:
         req.status, req.finish_reason = Status.FINISHED, "abort"
         return True
 
+    def close(self) -> None:
+        """Release the executor's resources (the AscendCL device, streams and buffers; nothing by hand for ORT).
+        Idempotent; the engine cannot step afterwards."""
+        if not self.closed:
+            self.closed = True
+            self.executor.close()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -219,6 +227,8 @@ class LLMEngine:
     # --- the step -----------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.closed:
+            raise RuntimeError("the engine is closed")
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         self.stats.preemptions = self.scheduler.num_preemptions

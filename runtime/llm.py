@@ -18,6 +18,16 @@ class LLM:
     def __init__(self, bundle: str | Path, **engine_options: object):
         self.engine = LLMEngine(bundle, **engine_options)  # type: ignore[arg-type]
 
+    def close(self) -> None:
+        """Release the engine's executor (see :meth:`LLMEngine.close`); also on leaving a ``with`` block."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (for benchmarks that repeat the same prompts); only when idle."""
         return self.engine.reset_prefix_cache()

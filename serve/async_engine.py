@@ -102,6 +102,11 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     @property
+    def running(self) -> bool:
+        """The engine thread is alive (started and not yet stopped)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def healthy(self) -> bool:
         return self.failure is None and self._thread is not None and self._thread.is_alive()
 

@@ -92,9 +92,15 @@ def serve(bundle: str | Path, options: ServeOptions, **engine_options: Any) -> i
                             access_log=False, lifespan="on", timeout_keep_alive=30)
     server = _Server(config)
     server.engine = async_engine
-    with contextlib.suppress(KeyboardInterrupt):
-        server.run(sockets=[sock])
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run(sockets=[sock])
+    finally:  # the engine thread has stopped (lifespan exit): release the executor (AscendCL: device and buffers)
+        released = not async_engine.running
+        if released:
+            engine.close()
     print(f"omforge serve: stopped ({engine.stats.finished} sequences finished, "
-          f"{engine.stats.generation_tokens} tokens generated)", flush=True)
+          f"{engine.stats.generation_tokens} tokens generated; executor "
+          f"{'released' if released else 'NOT released: the engine thread did not stop'})", flush=True)
     return 0
 

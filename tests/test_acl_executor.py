@@ -185,3 +185,19 @@ def test_real_acl_initializes_a_device() -> None:  # pragma: no cover - hardware
         rt.reset_device(0)
     finally:
         rt.finalize()
+
+
+def test_engine_close_releases_the_executor_once(bundles: tuple[Path, Path]) -> None:
+    """Issue 12 defect 7: LLMEngine.close() tears the AscendCL executor down (serve calls it at shutdown),
+    idempotently, and a closed engine refuses to step."""
+    from omforge.runtime.engine import LLMEngine
+
+    fake = FakeAcl()
+    engine = LLMEngine(bundles[0], acl_module=fake)
+    assert fake.live
+    engine.close()
+    assert fake.live == [] and fake.calls[-1] == "finalize"
+    engine.close()
+    assert fake.calls.count("finalize") == 1
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.step()

@@ -121,6 +121,7 @@ def test_sigterm_drains_running_requests(smollm2_bundle: Path) -> None:
         assert srv.proc.wait(60) == 0
         log = srv.log()
         assert "shutting down, draining 1 sequence(s)" in log and "stopped" in log
+        assert "executor released" in log  # LLMEngine.close() ran after the engine thread stopped (issue 12 defect 7)
     finally:
         srv.kill()
 
