@@ -161,6 +161,9 @@ class LLMEngine:
         if max_tokens > room or room < 1:
             raise RequestRejected(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
                                   f"context of {self.max_model_len} tokens")
+        if params.n > self.scheduler.max_num_seqs:  # its sequences are admitted together
+            raise SamplingParamsError("n", f"n must be at most max_num_seqs ({self.scheduler.max_num_seqs}), "
+                                           f"got {params.n}")
         need = -(-(len(ids) + max_tokens) // self.block_size)
         if need > self.kv.pool.num_blocks:
             raise RequestRejected(f"prompt + max_tokens needs {need} KV blocks but the pool has "
@@ -191,9 +194,15 @@ class LLMEngine:
             if self.tokenizer is not None:
                 req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
             reqs.append(req)
+        # n > 1: the prompt is computed once, by the first sequence; the others fork its blocks (copy-on-write)
+        # when its prefill completes, and sample their first tokens from the same logits row
+        leader = reqs[0]
+        for req in reqs[1:]:
+            req.parent = leader
+            leader.followers.append(req)
         for req in reqs:
             self.requests[req.request_id] = req
-            self.scheduler.add(req)
+        self.scheduler.add(leader)
         return reqs
 
     def abort(self, request_id: str) -> bool:
@@ -201,8 +210,12 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None or req.finished:
             return False
+        if req.parent is not None and req in req.parent.followers:  # not forked yet: it holds nothing
+            req.parent.followers.remove(req)
         self.scheduler.remove(req)
         req.status, req.finish_reason = Status.FINISHED, "abort"
+        for follower in req.followers:  # a leader aborted before its prefill completed takes its followers along
+            self.abort(follower.request_id)
         return True
 
     def close(self) -> None:
@@ -248,6 +261,15 @@ class LLMEngine:
             self.kv.commit(s.request.request_id, s.request.all_token_ids, s.request.num_computed_tokens)
             if self.sliding_window:  # blocks no later query can see go back to the pool
                 self.kv.release_out_of_window(s.request.request_id, s.request.num_computed_tokens, self.sliding_window)
+        rows = list(range(len(sampling)))
+        for row, s in enumerate(list(sampling)):  # n > 1: the leader's prefill is done, its followers join here
+            for follower in s.request.followers:
+                self.scheduler.join(follower, s.request)
+                sampling.append(ScheduledRequest(follower, 0, s.request.num_computed_tokens))
+                rows.append(row)
+            s.request.followers = []
+        if len(rows) > len(logits):
+            logits = logits[rows]
         outputs = self._sample(sampling, logits, now) if sampling else []
         decode = sum(1 for s in plan.scheduled if s.start >= len(s.request.prompt_token_ids))
         st = self.stats
@@ -270,7 +292,8 @@ class LLMEngine:
             req.token_times.append(now)
             if req.first_token_time is None:
                 req.first_token_time = now
-                self.stats.prompt_tokens += len(req.prompt_token_ids)
+                if req.parent is None:  # a follower's prompt was its leader's
+                    self.stats.prompt_tokens += len(req.prompt_token_ids)
             self.stats.generation_tokens += 1
             if req.params.logprobs is not None:
                 entry = {"token_id": token, "logprob": float(result.logprobs[row])}

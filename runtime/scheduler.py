@@ -82,6 +82,20 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def join(self, follower: Request, leader: Request) -> None:
+        """n > 1: ``follower`` starts RUNNING on a fork of ``leader``'s blocks, as far as the leader has computed
+        (its prompt). Seats were reserved when the leader was admitted (:meth:`_seats`)."""
+        self.kv.fork(leader.request_id, follower.request_id)
+        follower.num_computed_tokens = leader.num_computed_tokens
+        follower.num_cached_tokens = leader.num_cached_tokens
+        follower.status = Status.RUNNING
+        self.running.append(follower)
+
+    @staticmethod
+    def _seats(request: Request) -> int:
+        """Running seats a request takes when admitted: its own and its not yet forked followers'."""
+        return 1 + len(request.followers)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
@@ -155,6 +169,8 @@ class Scheduler:
         while (not out.preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0
                and prefill > 0):
             req = self.waiting[0]
+            if len(self.running) + self._seats(req) > self.max_num_seqs:
+                break  # an n > 1 request waits until all its sequences can run
             if req.num_computed_tokens == 0:
                 cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
                 req.num_computed_tokens = cached

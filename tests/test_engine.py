@@ -202,3 +202,28 @@ def test_swaps_of_a_step_that_schedules_nothing_are_performed(tiny_bundle: Path)
                 assert ex.key_pools[0][dev].any() and np.array_equal(ex.host_keys[0][host], ex.key_pools[0][dev])
             checked += 1
     assert checked > 0
+
+
+def test_n_sequences_share_one_prefill(tiny_bundle: Path) -> None:
+    """Issue 12 defect 3: n = 4 sequences of a 40-token prompt compute the prompt once; the others fork its 10
+    blocks (copy-on-write) and sample their first tokens from the same logits. Seeded sampling keeps each
+    sequence's tokens what it was when they ran alone (sequence i draws from seed + i)."""
+    prompt = prompts(1, seed=9, lo=40, hi=41)[0]
+    params = SamplingParams(temperature=1.0, seed=11, n=4, max_tokens=6, ignore_eos=True)
+    llm = LLM(tiny_bundle, num_kv_blocks=64)
+    engine = llm.engine
+    reqs = engine.add_request(prompt, params, request_id="r")
+    first = engine.step()  # the leader's prefill: the 3 others join and sample in the same step
+    assert engine.stats.prefill_tokens == 40 and len(first) == 4
+    assert engine.kv.stats().num_used == 10 and len(engine.scheduler.running) == 4  # 10 blocks, shared 4 ways
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o.token_ids
+    assert engine.stats.prefill_tokens == 40 and engine.stats.prompt_tokens == 40
+    for i, req in enumerate(reqs):  # each as if run alone with its own seed
+        alone_params = SamplingParams(temperature=1.0, seed=11 + i, max_tokens=6, ignore_eos=True)
+        assert outs[req.request_id] == alone(tiny_bundle, prompt, alone_params)
+    assert engine.kv.stats().num_used == 0
+    engine.kv.check_invariants()
