@@ -19,8 +19,8 @@ concurrency 8 inter-token p99 0.29 / 0.25 vs 0.09 / 0.09 s: a burst of arrivals 
 the same step) now stalls the running decodes for its prefill steps instead of alternating with them.
 ``max_prefill_tokens_with_decodes`` (mixed steps only) bounds the prefill tokens of a step that carries running
 decodes, so that a burst of arrivals cannot stall the decodes behind a full-budget prefill (Sarathi-Serve's
-stall-free batching): a decode step with a 512-token chunk costs a 512-token prefill (~300 ms on SmolLM2 here),
-one with a 128-token chunk about a quarter of it. Steps without decodes still take the whole budget.
+stall-free batching): a decode step that carries a full-budget chunk costs a full-budget prefill. Steps without
+decodes still take the whole budget.
 Without it (graphs that pad every sequence's queries to the step's longest: the runtime-write ORT graph) a step
 carries either decodes or prefill work, and the two kinds alternate while both are pending: a 512-token chunk in a
 step with 16 decodes would cost 17 × 512 query rows of attention. Measured (benchmarks/bench_chunked.py,
