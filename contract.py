@@ -10,10 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_BLOCK_SIZE = {"ort": 64, "ascend": 128}
-"""Tokens per KV block by target. ascend: 128, what MindIE and vllm-ascend use and IFA recommends. ort: 64,
-measured (benchmarks/bench_passes.py paged, SmolLM2, batch 16, context 512, decode step paged / contiguous):
-16 → 1.48x, 32 → 1.38x, 64 → 1.17x, 128 → 1.19x, 256 → 1.25x; 64 is the smallest block at the floor (the
-block-table Gather is the paged overhead; smaller blocks also cost more rows to gather)."""
+"""Tokens per KV block by target. ascend: 128, what MindIE and vllm-ascend use and IFA recommends. ort: 64, the
+smallest block at the floor of the plain lowering's paged overhead (benchmarks/RESULTS.md, "block size")."""
 
 STEP_INPUTS = ("input_ids", "position_ids", "slot_mapping", "block_tables", "query_index", "token_index",
                "logits_indices")

@@ -148,9 +148,7 @@ def lower(model: ir.Model, kv_write: str = "graph", kernel: bool = False, kv_cac
     """Lower every neutral op in ``model`` in place; returns the number of ops lowered. ``kv_write`` says who
     writes the new K/V rows of a step graph: the graph itself (default: ScatterND into the pool the executor
     binds in place) or the runtime (the graph returns the rows; attention sees them through a scatter into the
-    gathered context). Measured on SmolLM2 (benchmarks/bench_passes.py pool, batch 16, context 512, block 64):
-    graph 110.6 ms vs runtime 151.0 ms per decode step, both flat from 1k to 8k blocks; offline short-chat 16:
-    184 vs 130 tok/s. ``kernel`` (with ``kv_write="graph"``) lowers paged attention to omforge's CPU kernel
+    gathered context; the graph write measured faster: benchmarks/RESULTS.md, "kv_write"). ``kernel`` (with ``kv_write="graph"``) lowers paged attention to omforge's CPU kernel
     instead of plain ops; the session must then register the kernel library (runtime/kernels). ``kv_cache_dtype``
     other than float32 (the pools' element type, see ``contract.KV_DTYPES``) needs the kernel."""
     if kv_write not in KV_WRITES:

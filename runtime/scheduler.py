@@ -11,20 +11,16 @@ Policy only; allocation is the KV cache manager's. Every step:
      later steps (chunked prefill, interleaved with the running decodes). Prefix-cache hits skip the cached part of the prompt.
 With ``mixed_steps`` (executors whose graph has a decode group: the ORT step graph, ``contract.DECODE_GROUP_INPUTS``)
 every step carries the running decodes and fills the rest of the budget with prefill chunks, vLLM's chunked
-prefill: the decodes are attended apart from the chunks, so they cost their own work only. Measured against the
-alternation below (benchmarks/bench_serve.sh levels, SmolLM2, runs interleaved old/new/old/new on a noisy machine):
-concurrency 32 output tok/s 179.8 / 175.5 vs 173.9 / 173.4, inter-token p99 0.86 / 0.83 vs 1.11 / 0.93 s, TTFT
-p99 unchanged (6.9 / 6.5 vs 6.9 / 6.9 s); Poisson 2 req/s inter-token p99 0.42 vs 0.52 s (one pair); but
-concurrency 8 inter-token p99 0.29 / 0.25 vs 0.09 / 0.09 s: a burst of arrivals (clients whose requests ended in
-the same step) now stalls the running decodes for its prefill steps instead of alternating with them.
+prefill: the decodes are attended apart from the chunks, so they cost their own work only (measured against the
+alternation below: benchmarks/RESULTS.md, "mixed steps"). A burst of arrivals then stalls the running decodes for
+its prefill steps instead of alternating with them.
 ``max_prefill_tokens_with_decodes`` (mixed steps only) bounds the prefill tokens of a step that carries running
 decodes, so that a burst of arrivals cannot stall the decodes behind a full-budget prefill (Sarathi-Serve's
 stall-free batching): a decode step that carries a full-budget chunk costs a full-budget prefill. Steps without
 decodes still take the whole budget.
-Without it (graphs that pad every sequence's queries to the step's longest: the runtime-write ORT graph) a step
+Without mixed steps (graphs that pad every sequence's queries to the step's longest: the runtime-write ORT graph) a step
 carries either decodes or prefill work, and the two kinds alternate while both are pending: a 512-token chunk in a
-step with 16 decodes would cost 17 × 512 query rows of attention. Measured (benchmarks/bench_chunked.py,
-1,024-token prompt among 16 decodes, budget 512) before that split: TTFT 9.4 s, decode ITL p99 5.9 s.
+step with 16 decodes would cost 17 × 512 query rows of attention.
 Invariants: the scheduled tokens of a step never exceed the budget, nor its prefill tokens the decode-step cap;
 at most ``max_num_seqs`` requests are RUNNING; a request is in exactly one of waiting / running / swapped until it finishes.
 """
