@@ -7,7 +7,7 @@
   ascend/            (ascend) the lowered step graph(s), ATC commands, plugin sources, build.sh, om/ once built
   tokenizer.json
 
-Loading (:func:`load_manifest`) checks the schema version and every listed file's size and SHA-256: an unknown
+Loading (:func:`load_manifest`, in contract/manifest.py: the runtime reads bundles without this module) checks the schema version and every listed file's size and SHA-256: an unknown
 version, a missing or a modified file is a clear :class:`BundleError`, never a crash later.
 """
 
@@ -17,15 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from omforge.compile.cache import file_sha256
-from omforge.errors import OmforgeError
-
-SCHEMA_VERSION = 1
-MANIFEST = "manifest.json"
-
-
-class BundleError(OmforgeError):
-    """A bundle that cannot be used: the message names the bundle and the file or field."""
+from omforge.contract.manifest import MANIFEST, SCHEMA_VERSION, BundleError, file_sha256, load_manifest  # noqa: F401
 
 
 def file_entries(bundle: Path, files: list[Path]) -> dict[str, dict[str, Any]]:
@@ -36,34 +28,6 @@ def file_entries(bundle: Path, files: list[Path]) -> dict[str, dict[str, Any]]:
 def write_manifest(bundle: Path, manifest: dict[str, Any]) -> None:
     manifest = {"schema_version": SCHEMA_VERSION, **manifest}
     (bundle / MANIFEST).write_text(json.dumps(manifest, indent=2))
-
-
-def load_manifest(bundle: Path, verify: bool = True) -> dict[str, Any]:
-    """Read and check a bundle's manifest. ``verify`` re-hashes every listed file (about a second per GB)."""
-    path = bundle / MANIFEST
-    if not bundle.is_dir():
-        raise BundleError(f"{bundle}: not a directory (expected a bundle written by omforge compile)")
-    if not path.is_file():
-        raise BundleError(f"{bundle}: no {MANIFEST} (not a bundle, or its compile did not finish)")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise BundleError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    version = manifest.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise BundleError(f"{path}: schema_version {version!r} is not supported by this omforge "
-                          f"(supports {SCHEMA_VERSION}); recompile the bundle")
-    for rel, entry in manifest.get("files", {}).items():
-        f = bundle / rel
-        if not f.is_file():
-            raise BundleError(f"{bundle}: file '{rel}' listed in the manifest is missing")
-        if f.stat().st_size != entry["size"]:
-            raise BundleError(f"{bundle}: file '{rel}' was modified (size {f.stat().st_size}, manifest says "
-                              f"{entry['size']}); recompile the bundle")
-        if verify and file_sha256(f) != entry["sha256"]:
-            raise BundleError(f"{bundle}: file '{rel}' was modified (SHA-256 differs from the manifest); "
-                              f"recompile the bundle")
-    return manifest
 
 
 def describe(manifest: dict[str, Any]) -> str:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omforge.contract.manifest import file_sha256  # noqa: F401 - the stage cache hashes files as the manifest does
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("OMFORGE_CACHE_DIR", Path.home() / ".cache" / "omforge"))
@@ -54,14 +56,6 @@ class Stage:
 
     def info(self) -> dict[str, Any]:
         return json.loads((self.dir / "stage.json").read_text())
-
-
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def copy_into(src: Path, dst: Path) -> None:

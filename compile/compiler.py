@@ -51,7 +51,7 @@ def stage_sources(target: str) -> list[Path]:
     ort: the passes (fusions, paged KV, lowering, pipeline) and the contract; ascend: those and compile/ascend.py
     with what it imports of compile/ (ATC command lines, plugin templates' renderer, buckets)."""
     files = sorted((_ROOT / "passes").rglob("*.py"))
-    files += [_ROOT / "contract.py", _ROOT / "runtime" / "kernels" / "__init__.py"]
+    files += sorted((_ROOT / "contract").glob("*.py")) + [_ROOT / "runtime" / "kernels" / "__init__.py"]
     if target == "ascend":
         files += [_ROOT / "compile" / name for name in ("ascend.py", "atc.py", "buckets.py")]
         files += sorted((_ROOT / "compile" / "templates").glob("*"))

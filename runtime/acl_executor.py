@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from omforge.compile.buckets import BucketPlan
+from omforge.contract.buckets import BucketPlan
 from omforge.errors import OmforgeError
 from omforge.contract import PagedLayout
 from omforge.runtime.acl_api import AclRuntime, AclUnavailable, import_acl

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
-from omforge.compile.buckets import STEP_DIMS, BucketError, BucketPlan, Choice, Profile, pick
+from omforge.contract.buckets import STEP_DIMS, BucketError, BucketPlan, Choice, Profile, pick
 from omforge.errors import OmforgeError
 from omforge.runtime.step import SeqWork
 

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from omforge.compile.bundle import BundleError, load_manifest
+from omforge.contract.manifest import BundleError, load_manifest
 from omforge.errors import OmforgeError
 from omforge.contract import PagedLayout
 from omforge.runtime.detokenizer import IncrementalDetokenizer

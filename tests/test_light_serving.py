@@ -55,3 +55,20 @@ sys.exit(main(["compile", {str(TINY_RECIPE)!r}, "-o", {str(tmp_path / "b")!r}]))
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
     assert "needs the export extra" in lines[0] and "pip install" in lines[0] and "omforge compile" in lines[0]
+
+
+def test_runtime_and_serve_import_nothing_of_passes_compile_or_export() -> None:
+    """The import graph (issue 12): serving reads bundles through omforge.contract; passes, compile and export are
+    the compiler's. Checked on the sources with ``ast`` (lazy imports inside functions included)."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent
+    forbidden = ("omforge.passes", "omforge.compile", "omforge.export")
+    found = []
+    for folder in ("runtime", "serve", "contract"):
+        for f in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                found += [f"{f.relative_to(root)}: {n}" for n in names if n.startswith(forbidden)]
+    assert not found, found

@@ -1,7 +1,8 @@
-"""The contract between compile and the runtime: the step ABI's names, the KV pool layout, block-size defaults.
+"""The contract between compile and the runtime: the step ABI's names, the KV pool layout, block-size defaults
+(here), the manifest reader (:mod:`omforge.contract.manifest`) and the bucket plan (:mod:`omforge.contract.buckets`).
 
-Dependency-free (stdlib only), so that serving a bundle never imports the graph tooling (onnx_ir, onnxscript,
-torch) that produces it. ``passes/paged_kv.py`` builds graphs with this ABI (its docstring has the full table of
+Dependency-free (stdlib and omforge.errors only), so that serving a bundle never imports the graph tooling
+(onnx_ir, onnxscript, torch) that produces it. ``passes/paged_kv.py`` builds graphs with this ABI (its docstring has the full table of
 inputs and outputs; the README has it too); ``runtime/`` packs steps for it and allocates pools by it.
 """
 
