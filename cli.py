@@ -110,7 +110,6 @@ def cmd_diff(args: argparse.Namespace) -> int:
         return 0 if result.max_abs <= args.tol else 1
     from omforge.passes import diff
 
-
     if args.html and not Path(args.html).resolve().parent.is_dir():
         raise OmforgeError(f"{args.html}: its directory does not exist")
     options = diff.DiffOptions(seq=args.seq, batch=args.batch, seed=args.seed, tol=args.tol, per_fusion=args.per_fusion)

@@ -172,11 +172,7 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
         "abi": report["abi"],
         "paged_attention": report.get("paged_attention") or "plain",
         "kernels": kernels.status().manifest_entry() if report.get("paged_attention") == "kernel" else None,
-        "kv": {**layout, "dtype": layout.get("kv_dtype", "float32"),
-               "layout": ("[num_blocks, block_size, kv_heads, head_dim + 4] int8 per layer, K and V (each head's row, "
-                          "then its float32 scale)" if layout.get("kv_dtype") == "int8"
-                          else "[num_blocks, block_size, kv_heads, head_dim] per layer, K and V"),
-               "bytes_per_token": PagedLayout(**layout).bytes_per_token,
+        "kv": {**PagedLayout(**layout).manifest_entry(),
                "write": "in place: bind key_cache_out.N to key_cache.N's buffer" if target == "ort"
                else "out of place: the graph returns key_new.N; the runtime copies rows to slot_mapping"},
         "limits": {"max_seq_len": recipe.compile.max_seq_len, "max_batch_size": recipe.compile.max_batch_size,

@@ -41,10 +41,29 @@ class PagedLayout:
     @property
     def row_elems(self) -> int:
         """Elements of one head's row in the pool (int8: the values, then the scale's 4 bytes)."""
-        return self.head_dim + 4 if self.kv_dtype == "int8" else self.head_dim
+        return row_elems(self.head_dim, self.kv_dtype)
 
     @property
     def bytes_per_token(self) -> int:
         """KV bytes one token takes in every layer's K and V pools together."""
         itemsize = {"float32": 4, "bfloat16": 2, "int8": 1}[self.kv_dtype]
         return 2 * self.num_layers * self.kv_heads * self.row_elems * itemsize
+
+    def manifest_entry(self) -> dict:
+        """The manifest's ``kv`` section (the pools' description, without the write mode); :meth:`from_manifest`
+        reads it back (bundles from before KV dtypes have ``dtype: float32``)."""
+        shape = ("head_dim + 4] int8 (each head's row, then its float32 scale)" if self.kv_dtype == "int8"
+                 else "head_dim]")
+        return {"num_layers": self.num_layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+                "block_size": self.block_size, "dtype": self.kv_dtype,
+                "layout": f"[num_blocks, block_size, kv_heads, {shape} per layer, K and V",
+                "bytes_per_token": self.bytes_per_token}
+
+    @classmethod
+    def from_manifest(cls, kv: dict) -> "PagedLayout":
+        return cls(kv["num_layers"], kv["kv_heads"], kv["head_dim"], kv["block_size"], kv.get("dtype", "float32"))
+
+
+def row_elems(head_dim: int, kv_dtype: str) -> int:
+    """Elements of one head's row in a ``kv_dtype`` pool: ``head_dim``, plus 4 bytes of scale for int8."""
+    return head_dim + 4 if kv_dtype == "int8" else head_dim

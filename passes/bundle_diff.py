@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from omforge.compile.bundle import load_manifest
+from omforge.contract import PagedLayout
+from omforge.contract.manifest import MANIFEST, load_manifest
 from omforge.errors import OmforgeError
 
 CHAT_PROMPTS = [
@@ -62,7 +63,7 @@ class BundleDiff:
 
 
 def is_bundle(path: Path) -> bool:
-    return (path / "manifest.json").is_file()
+    return (path / MANIFEST).is_file()
 
 
 def diff_bundles(a: Path, b: Path, prompts: list[str] | None = None, max_tokens: int = 64) -> BundleDiff:
@@ -103,7 +104,7 @@ def diff_bundles(a: Path, b: Path, prompts: list[str] | None = None, max_tokens:
         same = next((i for i, (x, y) in enumerate(zip(out_a, out_b)) if x != y), len(out_a))
         result.append(PromptDrift(prompt, len(la), float(np.abs(la - lb).max()),
                                   float((la.argmax(-1) == lb.argmax(-1)).mean()), same))
-    return BundleDiff(str(a), str(b), (ma["kv"].get("dtype", "float32"), mb["kv"].get("dtype", "float32")),
+    return BundleDiff(str(a), str(b), tuple(PagedLayout.from_manifest(m["kv"]).kv_dtype for m in (ma, mb)),
                       (ma.get("paged_attention", "plain"), mb.get("paged_attention", "plain")), max_tokens, result)
 
 

@@ -80,7 +80,7 @@ class AclExecutor:
         check_bundle(bundle, manifest)
         self.rt = AclRuntime(acl)
         kv, asc = manifest["kv"], manifest["ascend"]
-        self.layout = PagedLayout(**{k: kv[k] for k in ("num_layers", "kv_heads", "head_dim", "block_size")})
+        self.layout = PagedLayout.from_manifest(kv)
         self.plan = BucketPlan.from_dict(manifest["buckets"])
         self.num_slots = int(asc["num_slots"])
         self.num_blocks = self.num_slots // self.layout.block_size

@@ -91,8 +91,7 @@ class LLMEngine:
             raise BundleError(f"{bundle}: unknown target '{m['target']}' (this engine runs 'ort' and 'ascend' bundles)")
         serve = m["serve"]
         self.config = m["model"]["config"]
-        self.layout = PagedLayout(**{k: m["kv"][k] for k in ("num_layers", "kv_heads", "head_dim", "block_size")},
-                                  kv_dtype=m["kv"].get("dtype", "float32"))
+        self.layout = PagedLayout.from_manifest(m["kv"])
         self.block_size = self.layout.block_size
         self.max_model_len = min(max_model_len or serve["max_model_len"] or m["limits"]["max_seq_len"],
                                  m["limits"]["max_seq_len"])

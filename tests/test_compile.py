@@ -50,8 +50,7 @@ def test_step_graph_of_the_bundle_runs(bundle: Path) -> None:
     from omforge.runtime.step import SeqWork, build_step
 
     m = load_manifest(bundle)
-    layout = PagedLayout(**{k: m["kv"][k] for k in ("num_layers", "kv_heads", "head_dim", "block_size")},
-                                  kv_dtype=m["kv"].get("dtype", "float32"))
+    layout = PagedLayout.from_manifest(m["kv"])
     ex = OrtExecutor(bundle / m["graphs"]["step"], layout, num_blocks=4)
     logits = ex.run(build_step([SeqWork([1, 2, 3], 0, [2])], layout.block_size))
     assert logits.shape == (1, 256) and np.isfinite(logits).all()

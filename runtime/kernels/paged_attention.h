@@ -46,7 +46,8 @@ struct PagedProblem {
   size_t num_items;
 };
 
-// Attention for items [begin, end). Returns false (and sets *error) on an out-of-range block id.
+// Attention for one work item (its index in PagedProblem::items). Returns false (and sets *error) when a
+// position lies beyond its block table or a block id beyond the pool.
 using AttendFn = bool (*)(const PagedProblem&, size_t item, const char** error);
 
 // One KV element as float: fp32 as is, bf16 widened (its bits are the high half of an fp32), int8 unscaled.

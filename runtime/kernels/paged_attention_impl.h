@@ -225,14 +225,14 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
   // Row layout: row r = token i * Hq + head h (row path) or, per KV head, i * G + hh (tile path).
   const bool row_path = ntok * G <= 8;
   const int nrows = ntok * Hq;
-  const int nrows_pad = static_cast<int>(round_up(ntok * G, 4)) * Hkv;  // tile path pads each head's rows to 4
-  S.q.assign(static_cast<size_t>(std::max(nrows, nrows_pad)) * D, 0.0f);
-  S.acc.assign(static_cast<size_t>(std::max(nrows, nrows_pad)) * D, 0.0f);
-  S.m.assign(std::max(nrows, nrows_pad), kNegInf);
-  S.l.assign(std::max(nrows, nrows_pad), 0.0f);
-  S.s.assign(static_cast<size_t>(std::max(nrows, nrows_pad)) * np_max, kNegInf);
-  S.pos.assign(std::max(nrows, nrows_pad), -1);
-  const int rows_per_head = static_cast<int>(round_up(ntok * G, 4));
+  const int rows_per_head = static_cast<int>(round_up(ntok * G, 4));  // tile path: each head's rows padded to 4
+  const size_t rows = static_cast<size_t>(std::max(nrows, rows_per_head * Hkv));  // scratch rows, either layout
+  S.q.assign(rows * D, 0.0f);
+  S.acc.assign(rows * D, 0.0f);
+  S.m.assign(rows, kNegInf);
+  S.l.assign(rows, 0.0f);
+  S.s.assign(rows * np_max, kNegInf);
+  S.pos.assign(rows, -1);
   auto row_of = [&](int i, int h) -> int {
     return row_path ? i * Hq + h : (h / G) * rows_per_head + i * G + h % G;
   };
