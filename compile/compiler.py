@@ -7,6 +7,7 @@ source of the passes and the tool versions; the bundle is then assembled by copy
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -209,14 +210,15 @@ def kernel_lowering(target: str, quiet: bool = False) -> bool:
     if target != "ort":
         return False
     status = kernels.status()
-    if not status.available and not quiet and not _said_fallback:
-        print(f"[compile] omforge kernel library unavailable ({status.reason}): paged attention uses the plain-op "
-              "lowering (slower)", file=sys.stderr, flush=True)
-        _said_fallback.append(True)
+    if not status.available and not quiet:
+        _say_fallback(status.reason)
     return status.available
 
 
-_said_fallback: list[bool] = []
+@functools.cache
+def _say_fallback(reason: str) -> None:
+    print(f"[compile] omforge kernel library unavailable ({reason}): paged attention uses the plain-op "
+          "lowering (slower)", file=sys.stderr, flush=True)
 
 
 def _run_passes(export_dir: Path, stage: Stage, recipe: Recipe, target: str, block_size: int, kernel: bool,
