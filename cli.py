@@ -177,12 +177,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not (Path(args.bundle) / "manifest.json").is_file():
         raise OmforgeError(f"{args.bundle}: not a bundle (no manifest.json); build one with omforge compile RECIPE")
     options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key or os.environ.get("OMFORGE_API_KEY"),
-                           served_model_name=args.served_model_name, max_waiting_requests=args.max_waiting_requests,
-                           max_queue_delay_us=args.max_queue_delay_us, drain_timeout=args.drain_timeout,
+                           served_model_name=args.served_model_name, drain_timeout=args.drain_timeout,
                            log_level=args.log_level)
     engine_options = {k: getattr(args, k) for k in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
-                                                     "max_prefill_tokens_with_decodes",
-                                                     "max_model_len", "threads", "preemption_mode")
+                                                     "max_prefill_tokens_with_decodes", "max_waiting_requests",
+                                                     "max_queue_delay_us", "max_model_len", "threads", "preemption_mode")
                       if getattr(args, k) is not None}
     if args.enable_prefix_caching is not None:
         engine_options["enable_prefix_caching"] = args.enable_prefix_caching

@@ -23,11 +23,9 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from omforge.passes import lower_ort, manager
 from omforge.passes.decompose import paged_attention
 from omforge.passes.lower_ort import LowerPagedAttention
-from omforge.passes.paged_kv import insert_paged_kv
-from omforge.passes.pipeline import build
+from omforge.passes.pipeline import InsertPagedKV, Pipeline, build
 from omforge.recipe import FUSIONS
 from omforge.runtime.ort_executor import OrtExecutor
 from omforge.runtime.step import SeqWork, build_step
@@ -75,12 +73,18 @@ class ContiguousPagedAttention(LowerPagedAttention):
 def build_contiguous(export_dir: Path, out: Path, block_size: int):  # noqa: ANN201
     from onnxscript.rewriter import pattern
 
+    class Contiguous(ir.passes.InPlacePass):
+        def call(self, model: ir.Model) -> ir.passes.PassResult:
+            n = pattern.RewriteRuleSet([ContiguousPagedAttention.rule("contiguous")]).apply_to_model(model)
+            return ir.passes.PassResult(model, modified=n > 0)
+
     model = ir.load(export_dir / "model.onnx")
-    manager.run_fusions(model)
-    layout = insert_paged_kv(model, block_size)
-    pattern.RewriteRuleSet([ContiguousPagedAttention.rule("contiguous")]).apply_to_model(model)
-    lower_ort.lower(model, kv_write="graph")  # the baseline writes its contiguous cache in the graph
-    manager.cleanup(model)
+    # the ort pipeline (plain lowering: the baseline writes its contiguous cache in the graph) with the
+    # contiguous attention rewritten between the paged-KV insertion and the lowering
+    passes = Pipeline("ort", block_size=block_size, lowering={"kv_write": "graph"}).passes()
+    at = next(i for i, p in enumerate(passes) if isinstance(p, InsertPagedKV)) + 1
+    ir.passes.PassManager([*passes[:at], Contiguous(), *passes[at:]])(model)
+    layout = passes[at - 1].layout
     out.parent.mkdir(parents=True, exist_ok=True)
     ir.save(model, out, external_data=out.name + ".data")
     return layout

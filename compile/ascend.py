@@ -23,9 +23,7 @@ from omforge.compile.atc import (FUSION_SWITCH_FILE, AtcError, AtcMissing, AtcMo
                                  input_shapes_from_onnx, om_path, render_build_script, render_command,
                                  render_plugins, run_atc, write_fusion_switch)
 from omforge.compile.buckets import BucketPlan
-from omforge.passes import lower_ascend, manager
-from omforge.passes.paged_kv import insert_paged_kv
-from omforge.passes.pipeline import histogram, interface
+from omforge.passes.pipeline import Pipeline, histogram, interface
 from omforge.recipe import Recipe
 
 
@@ -34,10 +32,8 @@ def lower_step_graph(export_dir: Path, out: Path, recipe: Recipe, block_size: in
     """``plain``: every op as standard ONNX with the lowering's numerics (``lower_ascend.lower(plain=True)``), a
     graph any ONNX runtime can run — what the tests' fake pyACL executes in place of the OMs."""
     model = ir.load(export_dir / "model.onnx")
-    counts = manager.run_fusions(model, recipe.compile.fusions)
-    layout = insert_paged_kv(model, block_size)
-    lowering = lower_ascend.lower(model, plain=plain)
-    manager.cleanup(model)
+    run = Pipeline("ascend", recipe.compile.fusions, block_size, {"plain": plain}).run(model)
+    counts, layout, lowering = run.fusion_counts, run.layout, run.lowering.result
     ir.save(model, out / "step.onnx", external_data="step.onnx.data")
     simplified = _onnxsim(out / "step.onnx")
     final = ir.load(out / "step.onnx")

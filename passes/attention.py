@@ -61,7 +61,21 @@ def mask_window(mask: ir.Value) -> int | None:
     return None
 
 
-class _AttentionBase(pattern.RewriteRuleClassBase):
+class AttentionFusion(pattern.RewriteRuleClassBase):
+    """``gqa``: K and V are repeated to the query heads first (Unsqueeze → Expand → Reshape), else used as they are."""
+
+    def __init__(self, name: str, gqa: bool):
+        super().__init__(name)
+        self.gqa = gqa
+
+    def pattern(self, op, q, k, v, scale, mask, fill, axes_k, axes_v, ek, rk, ev, rv):  # noqa: ANN001, ANN201
+        if self.gqa:
+            k = op.Reshape(op.Expand(op.Unsqueeze(k, axes_k), ek), rk, _allow_other_attributes=True)
+            v = op.Reshape(op.Expand(op.Unsqueeze(v, axes_v), ev), rv, _allow_other_attributes=True)
+        scores = op.Mul(op.MatMul(q, op.Transpose(k, perm=[0, 1, 3, 2])), scale)
+        probs = op.Softmax(op.Where(mask, fill, scores), axis=-1)
+        return op.MatMul(probs, v)
+
     def check(self, context, q, k, scale, mask, fill, **kw) -> pattern.MatchResult:  # noqa: ANN001
         result = pattern.MatchResult()
         if const_scalar(scale) is None:
@@ -86,20 +100,4 @@ class _AttentionBase(pattern.RewriteRuleClassBase):
                             kv_heads=int(k.shape[1]), **({"window": window} if window else {}), _domain=ops.DOMAIN)
 
 
-class GQAttentionFusion(_AttentionBase):
-    def pattern(self, op, q, k, v, scale, mask, fill, axes_k, axes_v, ek, rk, ev, rv):  # noqa: ANN001, ANN201
-        k_rep = op.Reshape(op.Expand(op.Unsqueeze(k, axes_k), ek), rk, _allow_other_attributes=True)
-        v_rep = op.Reshape(op.Expand(op.Unsqueeze(v, axes_v), ev), rv, _allow_other_attributes=True)
-        scores = op.Mul(op.MatMul(q, op.Transpose(k_rep, perm=[0, 1, 3, 2])), scale)
-        probs = op.Softmax(op.Where(mask, fill, scores), axis=-1)
-        return op.MatMul(probs, v_rep)
-
-
-class MHAttentionFusion(_AttentionBase):
-    def pattern(self, op, q, k, v, scale, mask, fill):  # noqa: ANN001, ANN201
-        scores = op.Mul(op.MatMul(q, op.Transpose(k, perm=[0, 1, 3, 2])), scale)
-        probs = op.Softmax(op.Where(mask, fill, scores), axis=-1)
-        return op.MatMul(probs, v)
-
-
-RULES = pattern.RewriteRuleSet([GQAttentionFusion.rule("attention_gqa"), MHAttentionFusion.rule("attention_mha")])
+RULES = pattern.RewriteRuleSet([AttentionFusion.rule("attention_gqa", True), AttentionFusion.rule("attention_mha", False)])

@@ -23,6 +23,7 @@ Entry point: :func:`run` → :class:`DiffResult`; :func:`render_text` / :func:`r
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import statistics
@@ -36,7 +37,8 @@ import numpy as np
 import onnx_ir as ir
 
 from omforge.errors import OmforgeError
-from omforge.passes import lower_ort, manager, pipeline
+from omforge.passes import manager, pipeline
+from omforge.passes.pipeline import Pipeline
 from omforge.recipe import FUSIONS
 
 LOWERING = "ort_lowering"
@@ -519,17 +521,18 @@ def trace_fusions(model: ir.Model, switches: Mapping[str, bool] | None = None) -
     for i, node in enumerate(nodes):
         _stamp(node, [i])
     replay = Replay(model, [NodeRef(op_key(n), n.name or "", scope_of(n)) for n in nodes], set(nodes))
-    for name in FUSIONS:
-        if not switches.get(name, True):
-            replay.counts[name] = 0
-            continue
+    replay.counts = {name: 0 for name in FUSIONS}
+    passes = Pipeline("ort", switches).passes()
+    for i, p in enumerate(passes):
+        if isinstance(p, manager.Cleanup):
+            continue  # booked with the pass before it
         before = _Snapshot.of(model.graph)
-        replay.counts[name] = manager.run_fusions(model, {f: f == name for f in FUSIONS})[name]
-        _record(replay, before, name)
-    before = _Snapshot.of(model.graph)
-    lower_ort.lower(model)
-    manager.cleanup(model)
-    _record(replay, before, LOWERING)
+        p(model)
+        for cleanup in itertools.takewhile(lambda q: isinstance(q, manager.Cleanup), passes[i + 1:]):
+            cleanup(model)
+        if isinstance(p, manager.Fusion):
+            replay.counts[p.name] = p.count
+        _record(replay, before, p.name if isinstance(p, manager.Fusion) else LOWERING)
     return replay
 
 

@@ -67,21 +67,36 @@ class LowerAttention(decompose.DecomposeAttention):
 
 
 class LowerPagedAttention(decompose.DecomposePagedAttention):
-    """Paged attention with the KV write in the graph (``kv_write="graph"``, the default): ScatterND into the pool (bound in
-    place by IOBinding), block gather, then the fused ``Attention`` with a boolean mask — once for the step's main
-    group and once for its decode group (``decode_group``: the graph inputs :data:`DECODE_GROUP_INPUTS`)."""
+    """Paged attention, one rule with the KV write as its parameter (``lower(kv_write=…, kernel=…)``):
 
-    def __init__(self, name: str, decode_group: tuple[ir.Value, ir.Value] | None = None, kv_dtype: str = "float32"):
+    ``graph`` — ScatterND into the pool (bound in place by IOBinding), block gather, then the fused ``Attention``
+    with a boolean mask, once for the step's main group and once for its decode group (``decode_group``: the
+    graph inputs ``contract.DECODE_GROUP_INPUTS``). ``kernel`` — omforge's native kernel
+    (``omforge.kernels.PagedAttention*``, contract in runtime/kernels/custom_op.cpp): the same step inputs plus
+    the decode group, the pools written in place; the ``graph`` form where no kernel exists for the head size or
+    the recipe switched the attention fusion off. ``runtime`` — the pools are read-only inputs, the step's new rows
+    are outputs (``key_new.N``) that the executor stores at ``slot_mapping``, and attention sees them through a
+    scatter into the small gathered context.
+    """
+
+    def __init__(self, name: str, write: str = "graph", decode_group: tuple[ir.Value, ir.Value] | None = None,
+                 kv_dtype: str = "float32"):
         super().__init__(name)
-        self.decode_group = decode_group
-        self.kv_dtype = kv_dtype
+        self.write, self.decode_group, self.kv_dtype = write, decode_group, kv_dtype
 
     def rewrite(self, op, q, k, v, kc, vc, slots, tables, qidx, tidx, pos, o, **_):  # noqa: ANN001, ANN201
         node = o.producer()
         a = {name: node.attributes[name].value for name in ("scale", "q_heads", "kv_heads", "block_size")}
+        window = decompose.window_of(node)
+        if self.write == "runtime":
+            return decompose.paged_attention_new_rows(op, q, k, v, kc, vc, tables, qidx, tidx, pos, **a,
+                                                      attend=self.attend(node), window=window)
+        if self.write == "kernel" and o.shape[-1] in HEAD_DIMS and node.attributes["fused_attention"].value:
+            d_tables, d_qidx = self.decode_group
+            return getattr(op, KERNEL_OPS[self.kv_dtype])(q, k, v, kc, vc, slots, tables, qidx, tidx, pos, d_tables,
+                                                          d_qidx, **a, window=window, _domain=KERNEL_DOMAIN, _outputs=3)
         return decompose.paged_attention(op, q, k, v, kc, vc, slots, tables, qidx, tidx, pos, **a,
-                                         attend=self.attend(node), decode_group=self.decode_group,
-                                         window=decompose.window_of(node))
+                                         attend=self.attend(node), decode_group=self.decode_group, window=window)
 
     def attend(self, node: ir.Node):  # noqa: ANN201
         a = node.attributes
@@ -95,22 +110,6 @@ class LowerPagedAttention(decompose.DecomposePagedAttention):
         return fused
 
 
-class LowerPagedAttentionKernel(LowerPagedAttention):
-    """Paged attention as the native kernel (``omforge.kernels.PagedAttention``, contract in
-    runtime/kernels/custom_op.cpp): the same step inputs plus the decode group, the pools written in place."""
-
-    def rewrite(self, op, q, k, v, kc, vc, slots, tables, qidx, tidx, pos, o, **_):  # noqa: ANN001, ANN201
-        node = o.producer()
-        if o.shape[-1] not in HEAD_DIMS or not node.attributes["fused_attention"].value:
-            # no kernel for this head size, or the recipe switched the attention fusion off: the plain lowering
-            return super().rewrite(op, q, k, v, kc, vc, slots, tables, qidx, tidx, pos, o)
-        a = {name: node.attributes[name].value for name in ("scale", "q_heads", "kv_heads", "block_size")}
-        window = decompose.window_of(node)
-        d_tables, d_qidx = self.decode_group
-        return getattr(op, KERNEL_OPS[self.kv_dtype])(q, k, v, kc, vc, slots, tables, qidx, tidx, pos, d_tables, d_qidx,
-                                                      **a, window=window, _domain=KERNEL_DOMAIN, _outputs=3)
-
-
 class LowerSwiGLUKernel(decompose.DecomposeSwiGLU):
     """SwiGLU as omforge's kernel: one read of gate_up, one write of the result (no Split copy)."""
 
@@ -118,28 +117,6 @@ class LowerSwiGLUKernel(decompose.DecomposeSwiGLU):
         return op.SwiGLU(gate_up, _domain=KERNEL_DOMAIN)
 
 
-class LowerPagedAttentionNewRows(LowerPagedAttention):
-    """Paged attention with the KV write left to the runtime (``kv_write="runtime"``): the pools are
-    read-only inputs, the step's new rows are outputs (``key_new.N``) that the executor stores at
-    ``slot_mapping``, and attention sees them through a scatter into the small gathered context."""
-
-    def rewrite(self, op, q, k, v, kc, vc, slots, tables, qidx, tidx, pos, o, **_):  # noqa: ANN001, ANN201
-        node = o.producer()
-        a = {name: node.attributes[name].value for name in ("scale", "q_heads", "kv_heads", "block_size")}
-        return decompose.paged_attention_new_rows(op, q, k, v, kc, vc, tables, qidx, tidx, pos, **a,
-                                                  attend=self.attend(node), window=decompose.window_of(node))
-
-
-_COMMON = [
-    LowerAddRMSNorm.rule("ort_add_rms_norm"),
-    LowerRMSNorm.rule("ort_rms_norm"),
-    LowerRotary.rule("ort_rotary"),
-    decompose.RULES["SwiGLU"],
-    LowerAttention.rule("ort_attention"),
-]
-RULES = pattern.RewriteRuleSet([LowerPagedAttention.rule("ort_paged_attention"), *_COMMON])
-RULES_RUNTIME_WRITE = pattern.RewriteRuleSet([LowerPagedAttentionNewRows.rule("ort_paged_attention_new_rows"),
-                                              *_COMMON])
 KV_WRITES = ("runtime", "graph")
 KERNEL_OPS = {"float32": "PagedAttention", "bfloat16": "PagedAttentionBF16", "int8": "PagedAttentionInt8"}
 _POOL_TYPES = {"float32": ir.DataType.FLOAT, "bfloat16": ir.DataType.BFLOAT16, "int8": ir.DataType.INT8}
@@ -162,25 +139,25 @@ def lower(model: ir.Model, kv_write: str = "graph", kernel: bool = False, kv_cac
         raise ValueError(f"a {kv_cache_dtype} KV cache needs the kernel lowering")
     model.opset_imports[""] = max(model.opset_imports.get("", 18), ORT_OPSET)
     paged = any(n.op_type == "PagedAttention" and n.domain == ops.DOMAIN for n in model.graph)
-    if kv_write == "graph" and paged:  # a decode group of its own: decodes share steps with prefill, unpadded
-        group = add_decode_group_inputs(model.graph)
-        paged_rule = (LowerPagedAttentionKernel.rule("ort_paged_attention_kernel", group, kv_cache_dtype) if kernel
-                      else LowerPagedAttention.rule("ort_paged_attention", group))
-        common = [LowerSwiGLUKernel.rule("ort_swiglu_kernel") if r is decompose.RULES["SwiGLU"] else r
-                  for r in _COMMON] if kernel else _COMMON
-        rules = pattern.RewriteRuleSet([paged_rule, *common])
-        if kernel:
-            model.opset_imports[KERNEL_DOMAIN] = 1
-    else:
-        rules = RULES_RUNTIME_WRITE if kv_write == "runtime" else RULES
+    # a decode group of its own (graph write): decodes share steps with prefill chunks, unpadded
+    group = add_decode_group_inputs(model.graph) if kv_write == "graph" and paged else None
+    kernel = kernel and group is not None  # the kernel library serves step graphs; a plain graph stays plain ops
+    rules = pattern.RewriteRuleSet([
+        LowerPagedAttention.rule("ort_paged_attention", "kernel" if kernel else kv_write, group, kv_cache_dtype),
+        LowerAddRMSNorm.rule("ort_add_rms_norm"),
+        LowerRMSNorm.rule("ort_rms_norm"),
+        LowerRotary.rule("ort_rotary"),
+        LowerSwiGLUKernel.rule("ort_swiglu_kernel") if kernel else decompose.RULES["SwiGLU"],
+        LowerAttention.rule("ort_attention"),
+    ])
+    if kernel:
+        model.opset_imports[KERNEL_DOMAIN] = 1
     count = rules.apply_to_model(model)
     if kv_write == "runtime":
         new_rows_as_outputs(model.graph)  # the rows are outputs; slot_mapping is host-side only
     if kv_cache_dtype != "float32":
         _retype_pools(model.graph, kv_cache_dtype)
-    left = [n.op_type for n in model.graph if n.domain == ops.DOMAIN]
-    if left:
-        raise RuntimeError(f"ORT lowering left neutral ops: {sorted(set(left))}")
+    ops.check_lowered(model, "ORT lowering")
     model.opset_imports.pop(ops.DOMAIN, None)
     return count
 

@@ -18,5 +18,24 @@ Each op is a contract: its semantics below, a plain-op decomposition in :mod:`om
                                   see :mod:`omforge.passes.paged_kv` and the step ABI in the README
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
+
 DOMAIN = "omforge"
 VERSION = 1
+
+
+def neutral_ops(model: ir.Model) -> list[str]:
+    """The op types of domain :data:`DOMAIN` still in ``model``'s graph (none after a lowering)."""
+    return sorted({n.op_type for n in model.graph if n.domain == DOMAIN})
+
+
+def check_lowered(model: ir.Model, who: str) -> None:
+    """The lowering's postcondition: no neutral op left (each has a target form or a plain decomposition)."""
+    left = neutral_ops(model)
+    if left:
+        raise RuntimeError(f"{who} left neutral ops: {left}")

@@ -1,4 +1,13 @@
-"""From an export to the graphs a target runs: fusions → (paged-KV insertion) → lowering, saved with its weights."""
+"""From an export to the graphs a target runs: each target's pass sequence as data, run by onnx-ir's pass manager.
+
+  ort:    fusions (recipe switches) → cleanup → paged-KV insertion (with a block size) → ORT lowering → cleanup
+  ascend: fusions (recipe switches) → cleanup → paged-KV insertion → Ascend lowering → cleanup
+
+:class:`Pipeline` is the one description that ``build`` (the ort bundle), the ascend stage
+(``compile/ascend.py``) and ``omforge diff``'s replay run. Every pass is an ``onnx_ir`` in-place pass; its
+``requires`` / ``ensures`` hooks state the contract between them (the paged-KV insertion needs fused or
+fusible attention and leaves the step ABI's inputs; a lowering leaves no neutral op).
+"""
 
 from __future__ import annotations
 
@@ -6,14 +15,121 @@ import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import onnx_ir as ir
 
-from omforge.passes import lower_ort, manager
-from omforge.contract import PagedLayout
+from omforge.contract import STEP_INPUTS, PagedLayout
+from omforge.passes import lower_ascend, lower_ort, manager, ops
 from omforge.passes.paged_kv import insert_paged_kv
 from omforge.runtime import kernels
+
+TARGETS = ("ort", "ascend")
+
+
+class InsertPagedKV(ir.passes.InPlacePass):
+    """The step graph: KV pools, slot mapping and block tables in, ``PagedAttention`` in place of attention."""
+
+    def __init__(self, block_size: int):
+        super().__init__()
+        self.block_size, self.layout = block_size, None
+
+    def requires(self, model: ir.Model) -> None:
+        names = {v.name for v in model.graph.inputs}
+        if not {"input_ids", "position_ids"} <= names:
+            raise ir.passes.PreconditionError("paged-KV insertion needs an export's input_ids and position_ids")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.layout = insert_paged_kv(model, self.block_size)
+        return ir.passes.PassResult(model, modified=True)
+
+    def ensures(self, model: ir.Model) -> None:
+        missing = set(STEP_INPUTS) - {v.name for v in model.graph.inputs}
+        if missing:
+            raise ir.passes.PostconditionError(f"the step graph lacks the step ABI inputs {sorted(missing)}")
+
+
+class LowerORT(ir.passes.InPlacePass):
+    """:func:`lower_ort.lower` with its options (``kv_write``, ``kernel``, ``kv_cache_dtype``)."""
+
+    def __init__(self, **options: Any):
+        super().__init__()
+        self.options, self.count = options, 0
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.count = lower_ort.lower(model, **self.options)
+        return ir.passes.PassResult(model, modified=self.count > 0)
+
+    def ensures(self, model: ir.Model) -> None:
+        ops.check_lowered(model, "ORT lowering")
+
+
+class LowerAscend(ir.passes.InPlacePass):
+    """:func:`lower_ascend.lower` with its options; ``result``: the :class:`lower_ascend.AscendLowering` record."""
+
+    def __init__(self, **options: Any):
+        super().__init__()
+        self.options, self.result = options, None
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.result = lower_ascend.lower(model, **self.options)
+        return ir.passes.PassResult(model, modified=True)
+
+    def ensures(self, model: ir.Model) -> None:
+        ops.check_lowered(model, "ascend lowering")
+        if set(model.opset_imports) != {""}:
+            raise ir.passes.PostconditionError(f"ATC takes one opset import, got {sorted(model.opset_imports)}")
+
+
+LOWERINGS: dict[str, type[ir.passes.InPlacePass]] = {"ort": LowerORT, "ascend": LowerAscend}
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A target's pass sequence: ``fusions`` (recipe switches, default all on), the paged-KV insertion when
+    ``block_size`` is given, the ``target``'s lowering with ``lowering`` options, cleanups between."""
+
+    target: str = "ort"
+    fusions: Mapping[str, bool] = field(default_factory=dict)
+    block_size: int | None = None
+    lowering: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise ValueError(f"target {self.target!r} is not one of {TARGETS}")
+
+    def passes(self) -> list[ir.passes.PassBase]:
+        """Fresh pass objects, in order (each records what it did: ``Fusion.count``, ``InsertPagedKV.layout``…)."""
+        seq: list[ir.passes.PassBase] = [*manager.fusion_passes(self.fusions), manager.Cleanup()]
+        if self.block_size:
+            seq.append(InsertPagedKV(self.block_size))
+        seq += [LOWERINGS[self.target](**self.lowering), manager.Cleanup()]
+        return seq
+
+    def run(self, model: ir.Model) -> "PipelineRun":
+        passes = self.passes()
+        ir.passes.PassManager(passes)(model)
+        return PipelineRun(passes)
+
+
+@dataclass
+class PipelineRun:
+    """What a pipeline's passes recorded."""
+
+    passes: list[ir.passes.PassBase]
+
+    @property
+    def fusion_counts(self) -> dict[str, int]:
+        counts = {p.name: p.count for p in self.passes if isinstance(p, manager.Fusion)}
+        return {name: counts.get(name, 0) for name in manager.FUSIONS}
+
+    @property
+    def layout(self) -> PagedLayout | None:
+        return next((p.layout for p in self.passes if isinstance(p, InsertPagedKV)), None)
+
+    @property
+    def lowering(self) -> ir.passes.InPlacePass:
+        return next(p for p in self.passes if isinstance(p, tuple(LOWERINGS.values())))
 
 
 @dataclass
@@ -52,16 +168,15 @@ def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | Non
     attention to omforge's CPU kernel (None: when the kernel library is usable here and ``kv_write="graph"``);
     ``kv_cache_dtype``: the pools' element type (not float32: needs the kernel)."""
     if target != "ort":
-        raise ValueError(f"target '{target}' is not lowered here yet")
+        raise ValueError(f"target '{target}' is built by compile/ascend.py, not here")
     model = ir.load(export_dir / "model.onnx")
-    counts = manager.run_fusions(model, fusions)
-    layout = insert_paged_kv(model, block_size) if block_size else None
     if kernel is None:
         kernel = kv_write == "graph" and kernels.status().available
-    lower_ort.lower(model, kv_write=kv_write, kernel=kernel, kv_cache_dtype=kv_cache_dtype)
+    run = Pipeline(target, fusions or {}, block_size,
+                   {"kv_write": kv_write, "kernel": kernel, "kv_cache_dtype": kv_cache_dtype}).run(model)
+    counts, layout = run.fusion_counts, run.layout
     if layout is not None:
         layout = replace(layout, kv_dtype=kv_cache_dtype)
-    manager.cleanup(model)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     ir.save(model, out_path, external_data=out_path.name + ".data")
     report = PassReport(counts, len(list(model.graph)), histogram(model), layout,

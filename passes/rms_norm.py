@@ -14,11 +14,17 @@ from omforge.passes.util import const_scalar, const_array
 
 
 class RMSNormFusion(pattern.RewriteRuleClassBase):
+    """``weight_first``: the scaling Mul is ``Mul(w, normed)``, else ``Mul(normed, w)``."""
+
+    def __init__(self, name: str, weight_first: bool = True):
+        super().__init__(name)
+        self.weight_first = weight_first
+
     def pattern(self, op, x, weight, two, axes, eps):  # noqa: ANN001, ANN201
         mean = op.ReduceMean(op.Pow(x, two), axes, _allow_other_attributes=True, _outputs=["mean"])
         inv_rms = op.Reciprocal(op.Sqrt(op.Add(mean, eps)))
         normed = pattern.OrValue([op.Mul(x, inv_rms), op.Mul(inv_rms, x)])
-        return op.Mul(weight, normed, _outputs=["y"])
+        return op.Mul(weight, normed, _outputs=["y"]) if self.weight_first else op.Mul(normed, weight, _outputs=["y"])
 
     def check(self, context, x, weight, two, axes, eps, mean, **_) -> pattern.MatchResult:  # noqa: ANN001
         result = pattern.MatchResult()
@@ -40,14 +46,4 @@ class RMSNormFusion(pattern.RewriteRuleClassBase):
         return op.RMSNorm(x, weight, epsilon=float(const_scalar(eps)), _domain=ops.DOMAIN)
 
 
-class RMSNormFusionSwapped(RMSNormFusion):
-    """The same with the weight on the right: ``Mul(normed, w)``."""
-
-    def pattern(self, op, x, weight, two, axes, eps):  # noqa: ANN001, ANN201
-        mean = op.ReduceMean(op.Pow(x, two), axes, _allow_other_attributes=True, _outputs=["mean"])
-        inv_rms = op.Reciprocal(op.Sqrt(op.Add(mean, eps)))
-        normed = pattern.OrValue([op.Mul(x, inv_rms), op.Mul(inv_rms, x)])
-        return op.Mul(normed, weight, _outputs=["y"])
-
-
-RULES = pattern.RewriteRuleSet([RMSNormFusion.rule("rms_norm"), RMSNormFusionSwapped.rule("rms_norm_swapped")])
+RULES = pattern.RewriteRuleSet([RMSNormFusion.rule("rms_norm"), RMSNormFusion.rule("rms_norm_swapped", False)])

@@ -1,5 +1,5 @@
-"""The AscendCL executor: runs an ascend bundle's OM models behind the ORT executor's interface
-(``execute(work) -> logits``, ``copy_blocks``, ``swap_out``, ``swap_in``, ``close``).
+"""The AscendCL executor: runs an ascend bundle's OM models as an :class:`~omforge.runtime.executor.Executor`
+(``execute(work) -> logits``, ``copy_blocks``, ``swap_out``, ``swap_in``, ``close``, ``capabilities``).
 
 Set-up (reference/ascend.md §3.2–3.4): ``acl.init``, device, context, stream; every OM of the bundle loaded, its
 description read and checked against the manifest (:func:`acl_plan.check_desc`); the per-layer K and V pools
@@ -27,6 +27,7 @@ import numpy as np
 from omforge.contract.buckets import BucketPlan
 from omforge.errors import OmforgeError
 from omforge.contract import PagedLayout
+from omforge.runtime.executor import ExecutorCapabilities
 from omforge.runtime.acl_api import AclRuntime, AclUnavailable, import_acl
 from omforge.runtime.acl_plan import (ACL_DTYPES, STEP_GRAPH_INPUTS, AclModelMismatch, ModelDesc,
                                       as_dtype, check_desc, gear_dims, max_prompt_len, pack_run, plan_runs,
@@ -85,7 +86,10 @@ class AclExecutor:
         self.num_slots = int(asc["num_slots"])
         self.num_blocks = self.num_slots // self.layout.block_size
         self.max_prompt_len = max_prompt_len(self.plan)
-        self.mixed_steps = False  # the scheduler need not separate decodes: plan_runs splits every step itself
+        # plan_runs splits a step into decode-gear and prefill-gear executions anyway: no mixed batches, the
+        # scheduler alternates decode and prefill steps; the pool size is compiled into the OM models
+        self.capabilities = ExecutorCapabilities(supports_mixed_batches=False, max_prompt_len=self.max_prompt_len,
+                                                 num_blocks=self.num_blocks)
         self.vocab = int(manifest["model"]["config"]["vocab_size"])
         abi = manifest["abi"]
         self.inputs = [(t["name"], t["shape"]) for t in abi["inputs"]]

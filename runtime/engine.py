@@ -11,9 +11,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
-import numpy as np
 
 from omforge.contract.manifest import BundleError, load_manifest
 from omforge.errors import OmforgeError
@@ -21,16 +20,14 @@ from omforge.contract import PagedLayout
 from omforge.runtime.detokenizer import IncrementalDetokenizer
 from omforge.runtime import kernels
 from omforge.runtime.kv_cache_manager import KVCacheManager
+from omforge.runtime.config import EngineConfig, EngineConfigError
+from omforge.runtime.executor import Executor, run_plan
 from omforge.runtime.ort_executor import OrtExecutor
 from omforge.runtime.request import Request, Status, seq_ids
-from omforge.runtime.sampler import Sampler
+from omforge.runtime.sampler import SamplerOutput, Sampler
 from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
-from omforge.runtime.scheduler import ScheduledRequest, Scheduler
-from omforge.runtime.step import SeqWork
+from omforge.runtime.scheduler import Scheduler
 from omforge.runtime.tokenizer import TextTokenizer
-
-DEFAULT_KV_CACHE_BYTES = 2 << 30  # the pool size when the recipe gives no serve.num_kv_blocks
-
 
 class RequestRejected(OmforgeError):
     """A request that can never run (too long for the context or the KV pool); the message says which limit."""
@@ -80,61 +77,54 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, bundle: str | Path, *, num_kv_blocks: int | None = None, max_num_seqs: int | None = None,
-                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool | None = None,
-                 preemption_mode: str | None = None, swap_space_gb: float | None = None,
-                 max_model_len: int | None = None, threads: int | None = None, acl_module: object = None,
-                 max_prefill_tokens_with_decodes: int | None = None):
+    """One bundle loaded for generation. ``config`` (default: resolved from the bundle) or keyword ``overrides`` of
+    its serve settings (``num_kv_blocks``, ``max_num_seqs``, …: :class:`EngineConfig`); ``acl_module``: a pyACL
+    stand-in for ascend bundles (tests)."""
+
+    def __init__(self, bundle: str | Path, config: EngineConfig | None = None, *, acl_module: object = None,
+                 **overrides: Any):
         bundle = Path(bundle)
         self.manifest = m = load_manifest(bundle)
         if m["target"] not in ("ort", "ascend"):
             raise BundleError(f"{bundle}: unknown target '{m['target']}' (this engine runs 'ort' and 'ascend' bundles)")
-        serve = m["serve"]
+        cfg = config or EngineConfig.resolve(m, **overrides)
         self.config = m["model"]["config"]
         self.layout = PagedLayout.from_manifest(m["kv"])
         self.block_size = self.layout.block_size
-        self.max_model_len = min(max_model_len or serve["max_model_len"] or m["limits"]["max_seq_len"],
-                                 m["limits"]["max_seq_len"])
-        bytes_per_block = m["kv"]["bytes_per_token"] * self.block_size
-        blocks = num_kv_blocks or serve["num_kv_blocks"] or max(
-            2, min(DEFAULT_KV_CACHE_BYTES // bytes_per_block,
-                   (max_num_seqs or serve["max_num_seqs"]) * -(-self.max_model_len // self.block_size)))
-        swap_gb = serve["swap_space_gb"] if swap_space_gb is None else swap_space_gb
-        mode = preemption_mode or serve["preemption_mode"]
-        host_blocks = int(swap_gb * (1 << 30) // bytes_per_block) if mode == "swap" else 0
-        self.max_prompt_len: int | None = None  # ascend: the fixed gears bound the prompt (acl_plan.max_prompt_len)
-        if m["target"] == "ascend":
-            from omforge.runtime.acl_executor import AclExecutor
-
-            self.executor = AclExecutor(bundle, m, acl=acl_module, num_host_blocks=host_blocks)
-            if num_kv_blocks and num_kv_blocks != self.executor.num_blocks:
+        self.executor: Executor = self._executor(bundle, m, cfg, acl_module)
+        caps = self.executor.capabilities
+        if caps.num_blocks is not None:
+            try:
+                cfg = cfg.with_num_kv_blocks(caps.num_blocks)
+            except EngineConfigError:
                 self.executor.close()
-                raise BundleError(f"num_kv_blocks is compiled into the OM models ({self.executor.num_blocks} "
-                                  f"blocks); recompile with serve.num_kv_blocks: {num_kv_blocks} to change it")
-            blocks = self.executor.num_blocks
-            self.max_prompt_len = self.executor.max_prompt_len
-        else:
-            if m.get("kernels") and not kernels.status().available:
-                raise BundleError(f"{bundle}: compiled for omforge's CPU kernel library (paged attention), which is "
-                                  f"unavailable here: {kernels.status().reason}; or recompile the bundle on this machine")
-            self.executor = OrtExecutor(bundle / m["graphs"]["step"], self.layout, num_blocks=blocks,
-                                        threads=threads, num_host_blocks=host_blocks)
-        caching = serve["enable_prefix_caching"] if enable_prefix_caching is None else enable_prefix_caching
-        self.kv = KVCacheManager(blocks, self.block_size, enable_prefix_caching=caching, num_host_blocks=host_blocks)
-        self.scheduler = Scheduler(self.kv, max_num_seqs or serve["max_num_seqs"],
-                                   max_num_batched_tokens or serve["max_num_batched_tokens"], mode,
-                                   mixed_steps=self.executor.mixed_steps,
-                                   max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes
-                                   or serve.get("max_prefill_tokens_with_decodes"))
+                raise
+        self.engine_config = cfg
+        self.max_model_len = cfg.max_model_len
+        self.max_prompt_len = caps.max_prompt_len
+        self.kv = KVCacheManager(cfg.num_kv_blocks, self.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
+                                 num_host_blocks=cfg.num_host_blocks)
+        self.scheduler = Scheduler(self.kv, cfg.scheduler_config(self.config, caps.supports_mixed_batches))
         tok = m["tokenizer"]
         self.tokenizer = TextTokenizer(bundle / tok["file"], tok) if tok.get("file") else None
-        self.eos_token_ids = tuple(self.config["eos_token_ids"])
-        self.sliding_window: int | None = self.config.get("sliding_window")
-        self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
+        self.sampler = Sampler(eos_token_ids=tuple(self.config["eos_token_ids"]))
         self.requests: dict[str, Request] = {}
         self.closed = False
         self.stats = EngineStats()
         self._ids = itertools.count()
+
+    @staticmethod
+    def _executor(bundle: Path, m: dict[str, Any], cfg: EngineConfig, acl_module: object) -> Executor:
+        layout = PagedLayout.from_manifest(m["kv"])
+        if m["target"] == "ascend":
+            from omforge.runtime.acl_executor import AclExecutor
+
+            return AclExecutor(bundle, m, acl=acl_module, num_host_blocks=cfg.num_host_blocks)
+        if m.get("kernels") and not kernels.status().available:
+            raise BundleError(f"{bundle}: compiled for omforge's CPU kernel library (paged attention), which is "
+                              f"unavailable here: {kernels.status().reason}; or recompile the bundle on this machine")
+        return OrtExecutor(bundle / m["graphs"]["step"], layout, num_blocks=cfg.num_kv_blocks, threads=cfg.threads,
+                           num_host_blocks=cfg.num_host_blocks)
 
     # --- requests -----------------------------------------------------------------------------------------
 
@@ -239,38 +229,27 @@ class LLMEngine:
     # --- the step -----------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step: the scheduler's plan, run by the executor, sampled, finished by the scheduler, detokenised."""
         if self.closed:
             raise RuntimeError("the engine is closed")
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         self.stats.preemptions = self.scheduler.num_preemptions
-        # the plan's block moves first, even when it schedules nothing: the KV manager has already recorded them
-        self.executor.swap_out(plan.swap_out)
-        self.executor.swap_in(plan.swap_in)
-        self.executor.copy_blocks(plan.block_copies)
-        if not plan.scheduled:
+        logits = run_plan(self.executor, plan)
+        if logits is None:
             return []
-        work = [SeqWork(s.request.all_token_ids[s.start:s.start + s.num_new_tokens], s.start,
-                        self.kv.block_table(s.request.request_id), needs_logits=s.samples) for s in plan.scheduled]
-        logits = self.executor.execute(work)
         now = time.monotonic()
-        sampling = [s for s in plan.scheduled if s.samples]
-        for s in plan.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
-            self.kv.commit(s.request.request_id, s.request.all_token_ids, s.request.num_computed_tokens)
-            if self.sliding_window:  # blocks no later query can see go back to the pool
-                self.kv.release_out_of_window(s.request.request_id, s.request.num_computed_tokens, self.sliding_window)
-        rows = list(range(len(sampling)))
-        for row, s in enumerate(list(sampling)):  # n > 1: the leader's prefill is done, its followers join here
-            for follower in s.request.followers:
-                self.scheduler.join(follower, s.request)
-                sampling.append(ScheduledRequest(follower, 0, s.request.num_computed_tokens))
-                rows.append(row)
-            s.request.followers = []
-        if len(rows) > len(logits):
-            logits = logits[rows]
-        outputs = self._sample(sampling, logits, now) if sampling else []
-        decode = sum(1 for s in plan.scheduled if s.start >= len(s.request.prompt_token_ids))
+        reqs = [r for r, _ in plan.sample_rows]
+        result = None
+        if reqs:
+            rows = [row for _, row in plan.sample_rows]
+            if rows != list(range(len(logits))):  # n > 1: followers sample from their leader's row
+                logits = logits[rows]
+            result = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs],
+                                         [r.output_token_ids for r in reqs], [r.prompt_token_ids for r in reqs])
+        sampled = self.scheduler.update_from_output(plan, [] if result is None else result.token_ids.tolist())
+        outputs = [self._emit(req, row, result, now) for row, req in enumerate(sampled)]
+        decode = plan.num_decode_tokens
         st = self.stats
         st.steps += 1
         st.last_decode_tokens = decode
@@ -280,52 +259,33 @@ class LLMEngine:
         st.step_times.append(time.perf_counter() - t0)
         return outputs
 
-    def _sample(self, sampling: list[ScheduledRequest], logits: np.ndarray, now: float) -> list[RequestOutput]:
-        reqs = [s.request for s in sampling]
-        result = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs],
-                                     [r.output_token_ids for r in reqs], [r.prompt_token_ids for r in reqs])
-        outputs = []
-        for row, req in enumerate(reqs):
-            token = int(result.token_ids[row])
-            req.output_token_ids.append(token)
-            req.token_times.append(now)
-            if req.first_token_time is None:
-                req.first_token_time = now
-                if req.parent is None:  # a follower's prompt was its leader's
-                    self.stats.prompt_tokens += len(req.prompt_token_ids)
-            self.stats.generation_tokens += 1
-            if req.params.logprobs is not None:
-                entry = {"token_id": token, "logprob": float(result.logprobs[row])}
-                if result.top_ids is not None:
-                    k = req.params.logprobs
-                    entry["top"] = [(int(i), float(v)) for i, v in zip(result.top_ids[row, :k], result.top_logprobs[row, :k])]
-                req.logprobs.append(entry)
-            self._check_stop(req, token)
+    def _emit(self, req: Request, row: int, result: SamplerOutput, now: float) -> RequestOutput:
+        """Record a sampled token's time and logprobs, detokenise it (stop strings end the request here)."""
+        token = req.output_token_ids[-1]
+        req.token_times.append(now)
+        if req.first_token_time is None:
+            req.first_token_time = now
+            if req.parent is None:  # a follower's prompt was its leader's
+                self.stats.prompt_tokens += len(req.prompt_token_ids)
+        self.stats.generation_tokens += 1
+        if req.params.logprobs is not None:
+            entry = {"token_id": token, "logprob": float(result.logprobs[row])}
+            if result.top_ids is not None:
+                k = req.params.logprobs
+                entry["top"] = [(int(i), float(v)) for i, v in zip(result.top_ids[row, :k], result.top_logprobs[row, :k])]
+            req.logprobs.append(entry)
+        new_text = ""
+        if req.detokenizer is not None:
             ends_on_token = req.finish_reason == "stop" and not isinstance(req.stop_reason, str)
-            new_text = req.detokenizer.append(token) if req.detokenizer is not None and not ends_on_token else ""
-            if req.detokenizer is not None and req.detokenizer.stopped and not req.finished:
-                req.finish_reason, req.stop_reason, req.status = "stop", req.detokenizer.stopped, Status.FINISHED
+            new_text = "" if ends_on_token else req.detokenizer.append(token)
+            if req.detokenizer.stopped and not req.finished:
+                self.scheduler.finish(req, "stop", req.detokenizer.stopped)
             if req.finished:
-                if req.detokenizer is not None:
-                    new_text += req.detokenizer.flush()  # held-back text that can no longer become a stop string
-                self.scheduler.remove(req)
-                self.requests.pop(req.request_id, None)  # a long-running server must not keep finished requests
-                self.stats.finished += 1
-            outputs.append(self._output(req, new_text, [token]))
-        return outputs
-
-    def _check_stop(self, req: Request, token: int) -> None:
-        """Token-level stops (stop token ids, EOS, length); stop strings are the detokenizer's, checked after."""
-        p = req.params
-        n_out = len(req.output_token_ids)
-        if n_out >= p.min_tokens and token in p.stop_token_ids:
-            req.finish_reason, req.stop_reason = "stop", token
-        elif n_out >= p.min_tokens and not p.ignore_eos and token in self.eos_token_ids:
-            req.finish_reason = "stop"
-        elif n_out >= (p.max_tokens or 0) or req.num_tokens >= self.max_model_len:
-            req.finish_reason = "length"
-        if req.finish_reason is not None:
-            req.status = Status.FINISHED
+                new_text += req.detokenizer.flush()  # held-back text that can no longer become a stop string
+        if req.finished:
+            self.requests.pop(req.request_id, None)  # a long-running server must not keep finished requests
+            self.stats.finished += 1
+        return self._output(req, new_text, [token])
 
     def _output(self, req: Request, new_text: str, new_ids: list[int]) -> RequestOutput:
         text = req.detokenizer.text if req.detokenizer is not None else ""

@@ -17,6 +17,7 @@ import onnxruntime as ort
 
 from omforge.contract import PagedLayout
 from omforge.runtime import kernels
+from omforge.runtime.executor import ExecutorCapabilities
 from omforge.runtime.step import SeqWork, build_step
 
 
@@ -25,6 +26,8 @@ POOL_NUMPY_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "int8": np.in
 
 
 class OrtExecutor:
+    """The :class:`~omforge.runtime.executor.Executor` for ort bundles."""
+
     def __init__(self, model_path: Path, layout: PagedLayout, num_blocks: int, threads: int | None = None,
                  providers: list[str] | None = None, num_host_blocks: int = 0):
         opts = ort.SessionOptions()
@@ -42,7 +45,8 @@ class OrtExecutor:
         self.binding = self.session.io_binding()
         self.binding.bind_output("logits")  # first, so it stays output 0 when re-bound each run
         self.input_names = {i.name for i in self.session.get_inputs()}
-        self.mixed_steps = "decode_query_index" in self.input_names  # decodes can share a step with prefill
+        # a decode group in the graph: decodes share a step with prefill chunks, unpadded
+        self.capabilities = ExecutorCapabilities(supports_mixed_batches="decode_query_index" in self.input_names)
         outputs = [o.name for o in self.session.get_outputs()]
         self.runtime_write = "key_new.0" in outputs
         self._new_rows = [f"{kind}_new.{layer}" for layer in range(layout.num_layers) for kind in ("key", "value")]
@@ -89,11 +93,11 @@ class OrtExecutor:
                 d_pool[dst] = s_pool[src]
 
     def execute(self, work: list[SeqWork]) -> np.ndarray:
-        """Run one scheduler step; returns logits ``[items needing logits, vocab]`` (the executor interface)."""
-        return self.run(build_step(work, self.layout.block_size, split_decodes=self.mixed_steps))
+        """Run one scheduler step; returns logits ``[items needing logits, vocab]`` (:class:`Executor`)."""
+        return self.run(build_step(work, self.layout.block_size, split_decodes=self.capabilities.supports_mixed_batches))
 
     def close(self) -> None:
-        """Nothing to release by hand (the session and pools are freed with the object); the executor interface."""
+        """Nothing to release by hand (the session and pools are freed with the object)."""
 
     def run(self, step: dict[str, np.ndarray]) -> np.ndarray:
         """Execute one step; returns logits ``[num_logits, vocab]`` (the pools are updated in place)."""

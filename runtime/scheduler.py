@@ -9,29 +9,60 @@ Policy only; allocation is the KV cache manager's. Every step:
   3. WAITING requests are admitted first-come-first-served, when no one was preempted this step, while the
      budget, ``max_num_seqs`` and the blocks allow; a long prompt takes the budget that is left and continues in
      later steps (chunked prefill, interleaved with the running decodes). Prefix-cache hits skip the cached part of the prompt.
-With ``mixed_steps`` (executors whose graph has a decode group: the ORT step graph, ``contract.DECODE_GROUP_INPUTS``)
+With ``mixed_batches`` (executors that support them, ``ExecutorCapabilities.supports_mixed_batches``: the ORT step
+graph's decode group, ``contract.DECODE_GROUP_INPUTS``)
 every step carries the running decodes and fills the rest of the budget with prefill chunks, vLLM's chunked
 prefill: the decodes are attended apart from the chunks, so they cost their own work only (measured against the
 alternation below: benchmarks/RESULTS.md, "mixed steps"). A burst of arrivals then stalls the running decodes for
 its prefill steps instead of alternating with them.
-``max_prefill_tokens_with_decodes`` (mixed steps only) bounds the prefill tokens of a step that carries running
+``max_prefill_tokens_with_decodes`` (mixed batches only) bounds the prefill tokens of a step that carries running
 decodes, so that a burst of arrivals cannot stall the decodes behind a full-budget prefill (Sarathi-Serve's
 stall-free batching): a decode step that carries a full-budget chunk costs a full-budget prefill. Steps without
 decodes still take the whole budget.
-Without mixed steps (graphs that pad every sequence's queries to the step's longest: the runtime-write ORT graph) a step
+Without mixed batches (graphs that pad every sequence's queries to the step's longest: the runtime-write ORT graph) a step
 carries either decodes or prefill work, and the two kinds alternate while both are pending: a 512-token chunk in a
 step with 16 decodes would cost 17 × 512 query rows of attention.
 Invariants: the scheduled tokens of a step never exceed the budget, nor its prefill tokens the decode-step cap;
-at most ``max_num_seqs`` requests are RUNNING; a request is in exactly one of waiting / running / swapped until it finishes.
+at most ``max_num_seqs`` requests are RUNNING, counting the ``n > 1`` followers a running leader will fork; a request is in exactly one of waiting / running / swapped until it finishes.
+The step's lifecycle is the scheduler's (vLLM v1's shape): :meth:`Scheduler.schedule` returns the plan — the work
+and the ordered block moves the executor carries out (``executor.run_plan``) — and
+:meth:`Scheduler.update_from_output` finishes the step with the sampled tokens: tokens computed, full blocks
+committed to the prefix cache, blocks out of a sliding window released, ``n > 1`` followers forked from their
+leader, token-level stops (stop token ids, EOS, ``max_tokens``, the context) applied and finished requests freed.
+The engine keeps sampling, detokenising (stop strings end a request through :meth:`Scheduler.finish`) and outputs.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from omforge.runtime.kv_cache_manager import KVCacheManager
 from omforge.runtime.request import Request, Status
+from omforge.runtime.step import SeqWork
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduler's limits and the model facts its stop checks need (resolved once: ``runtime.config``)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    preemption_mode: str = "recompute"
+    mixed_batches: bool = False
+    max_prefill_tokens_with_decodes: int | None = None
+    max_model_len: int | None = None  # a request that reaches it finishes with "length"
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None  # blocks wholly before the window go back to the pool
+
+    def __post_init__(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode {self.preemption_mode!r} is not one of {PREEMPTION_MODES}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
 
 
 @dataclass
@@ -48,37 +79,43 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
+    """One step's plan. The executor performs ``swap_out``, ``swap_in``, ``block_copies`` in that order, then
+    runs ``work`` (one item per ``scheduled`` entry, same order); ``sample_rows`` pairs every request that
+    samples this step with its logits row (``n > 1`` followers share their leader's row)."""
+
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the step
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host), before the step
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device), before the step
     preempted: list[Request] = field(default_factory=list)
+    work: list[SeqWork] = field(default_factory=list)
+    sample_rows: list[tuple[Request, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for s in self.scheduled if s.start >= len(s.request.prompt_token_ids))
+
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 preemption_mode: str = "recompute", mixed_steps: bool = False,
-                 max_prefill_tokens_with_decodes: int | None = None):
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig):
         self.kv = kv
-        self.max_num_seqs = max_num_seqs
-        self.budget = max_num_batched_tokens
-        self.preemption_mode = preemption_mode
+        self.config = config
+        self.max_num_seqs = config.max_num_seqs
+        self.budget = config.max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.num_preemptions = 0
         self._last_was_decode = False
-        self.mixed_steps = mixed_steps
-        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def join(self, follower: Request, leader: Request) -> None:
+    def _join(self, follower: Request, leader: Request) -> None:
         """n > 1: ``follower`` starts RUNNING on a fork of ``leader``'s blocks, as far as the leader has computed
         (its prompt). Seats were reserved when the leader was admitted (:meth:`_seats`)."""
         self.kv.fork(leader.request_id, follower.request_id)
@@ -92,6 +129,10 @@ class Scheduler:
         """Running seats a request takes when admitted: its own and its not yet forked followers'."""
         return 1 + len(request.followers)
 
+    def _occupied(self) -> int:
+        """Seats taken: the running requests and the followers they will fork (reserved at admission)."""
+        return sum(1 + len(r.followers) for r in self.running)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
@@ -103,22 +144,77 @@ class Scheduler:
         self.kv.free(request.request_id)
 
     def schedule(self) -> SchedulerOutput:
+        """Plan the next step (see the module docstring); the KV cache manager records its block moves now."""
         out = SchedulerOutput()
+        self._fill(out)
+        rows = 0
+        for s in out.scheduled:
+            req = s.request
+            out.work.append(SeqWork(req.all_token_ids[s.start:s.start + s.num_new_tokens], s.start,
+                                    self.kv.block_table(req.request_id), needs_logits=s.samples))
+            if s.samples:  # n > 1: followers sample from their leader's row once its prompt is computed
+                out.sample_rows += [(r, rows) for r in (req, *req.followers)]
+                rows += 1
+        return out
+
+    def update_from_output(self, plan: SchedulerOutput, token_ids: Sequence[int]) -> list[Request]:
+        """Finish the step ``plan`` after it ran: ``token_ids[i]`` was sampled for ``plan.sample_rows[i]``.
+        Returns the requests that sampled, in that order, each with its token appended; those that reached a
+        token-level stop are FINISHED (``finish_reason`` set) and no longer hold blocks."""
+        if len(token_ids) != len(plan.sample_rows):
+            raise ValueError(f"{len(token_ids)} sampled tokens for {len(plan.sample_rows)} sampling requests")
+        window = self.config.sliding_window
+        for s in plan.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            self.kv.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            if window:  # blocks no later query can see go back to the pool
+                self.kv.release_out_of_window(req.request_id, req.num_computed_tokens, window)
+            if s.samples:
+                for follower in req.followers:
+                    self._join(follower, req)
+                req.followers = []
+        sampled = []
+        for (req, _), token in zip(plan.sample_rows, token_ids):
+            req.output_token_ids.append(int(token))
+            reason, stop_reason = self._stop(req, int(token))
+            if reason is not None:
+                self.finish(req, reason, stop_reason)
+            sampled.append(req)
+        return sampled
+
+    def finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
+        """End ``request`` (``reason``: "stop", "length", "abort"): FINISHED, out of every queue, blocks freed."""
+        request.status, request.finish_reason, request.stop_reason = Status.FINISHED, reason, stop_reason
+        self.remove(request)
+
+    def _stop(self, req: Request, token: int) -> tuple[str | None, int | None]:
+        """Token-level stops (stop token ids, EOS, max_tokens, the context); stop strings are the detokenizer's."""
+        p, n_out = req.params, len(req.output_token_ids)
+        if n_out >= p.min_tokens and token in p.stop_token_ids:
+            return "stop", token
+        if n_out >= p.min_tokens and not p.ignore_eos and token in self.config.eos_token_ids:
+            return "stop", None
+        limit = self.config.max_model_len
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or (limit is not None and req.num_tokens >= limit):
+            return "length", None
+        return None, None
+
+    def _fill(self, out: SchedulerOutput) -> None:
         budget = self.budget
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        room = len(self.running) < self.max_num_seqs  # waiting/swapped work can only start with a free seat
+        room = self._occupied() < self.max_num_seqs  # waiting/swapped work can only start with a free seat
         prefill_pending = len(decoding) < len(self.running) or (room and bool(self.waiting or self.swapped))
-        decode_step = bool(decoding) and not (prefill_pending and self._last_was_decode) and not self.mixed_steps
+        decode_step = bool(decoding) and not (prefill_pending and self._last_was_decode) and not self.config.mixed_batches
         self._last_was_decode = decode_step
-        # prefill tokens this step may take: capped when it carries decodes (mixed steps)
-        prefill = budget
-        if self.mixed_steps and decoding and self.max_prefill_tokens_with_decodes:
-            prefill = self.max_prefill_tokens_with_decodes
+        # prefill tokens this step may take: capped when it carries decodes (mixed batches)
+        cap = self.config.max_prefill_tokens_with_decodes if self.config.mixed_batches else None
+        prefill = cap if cap and decoding else budget
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             left = req.num_tokens - req.num_computed_tokens
-            if not self.mixed_steps and (left == 1) != decode_step:
+            if not self.config.mixed_batches and (left == 1) != decode_step:
                 i += 1  # not this step's kind: it runs in the next step
                 continue
             if left > 1 and prefill <= 0:
@@ -140,11 +236,18 @@ class Scheduler:
             prefill -= n if left > 1 else 0
             i += 1
         if decode_step:
-            return out
+            return
 
-        while (not out.preempted and self.swapped and len(self.running) < self.max_num_seqs and budget > 0
-               and prefill > 0):
+        while not out.preempted and self.swapped and self._occupied() < self.max_num_seqs and budget > 0:
             req = self.swapped[0]
+            left = req.num_tokens - req.num_computed_tokens
+            if left > 1 and prefill <= 0:
+                break
+            if left == 1 and cap and not decoding:  # the step's first decode: the cap holds from here on
+                spent = self.budget - budget - sum(1 for s in out.scheduled if s.num_new_tokens == 1)
+                if spent > cap:
+                    break  # the step already carries more prefill than a step with decodes may
+                prefill, decoding = min(prefill, cap - spent), [req]
             pairs = self.kv.swap_in(req.request_id)
             if pairs is None:
                 break
@@ -152,20 +255,20 @@ class Scheduler:
             out.swap_in += pairs
             req.status = Status.RUNNING
             self.running.append(req)
-            n = min(req.num_tokens - req.num_computed_tokens, budget, prefill)
+            n = min(left, budget, prefill) if left > 1 else 1
             copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
             if copies is None:  # back in, but no room for its next token this step
                 continue
             out.block_copies += copies
             out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
             budget -= n
-            prefill -= n
+            prefill -= n if left > 1 else 0
 
         # no admission after a preemption in this step: a request preempted for recompute would come straight back
-        while (not out.preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0
+        while (not out.preempted and self.waiting and self._occupied() < self.max_num_seqs and budget > 0
                and prefill > 0):
             req = self.waiting[0]
-            if len(self.running) + self._seats(req) > self.max_num_seqs:
+            if self._occupied() + self._seats(req) > self.max_num_seqs:
                 break  # an n > 1 request waits until all its sequences can run
             if req.num_computed_tokens == 0:
                 cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
@@ -184,14 +287,13 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
             budget -= n
             prefill -= n
-        return out
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(victim)
-        if self.preemption_mode == "swap":
+        if self.config.preemption_mode == "swap":
             pairs = self.kv.swap_out(victim.request_id)
             if pairs is not None:
                 out.swap_out += pairs

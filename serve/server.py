@@ -33,8 +33,6 @@ class ServeOptions:
     port: int = 8000
     api_key: str | None = None
     served_model_name: str | None = None
-    max_waiting_requests: int | None = None  # None: the bundle's serve.max_waiting_requests
-    max_queue_delay_us: int | None = None  # None: the bundle's serve.max_queue_delay_us
     drain_timeout: float = 30.0
     log_level: str = "warning"
 
@@ -59,12 +57,11 @@ class _Server(uvicorn.Server):
 def serve(bundle: str | Path, options: ServeOptions, **engine_options: Any) -> int:
     t0 = time.perf_counter()
     engine = LLMEngine(bundle, **engine_options)
-    serve_cfg = engine.manifest["serve"]
+    cfg = engine.engine_config
     name = options.served_model_name or engine.manifest["model"]["name"]
     metrics = ServerMetrics(name)
-    delay_us = options.max_queue_delay_us if options.max_queue_delay_us is not None else serve_cfg["max_queue_delay_us"]
-    waiting = options.max_waiting_requests if options.max_waiting_requests is not None else serve_cfg["max_waiting_requests"]
-    async_engine = AsyncEngine(engine, max_waiting_requests=waiting, max_queue_delay_s=delay_us / 1e6, metrics=metrics)
+    async_engine = AsyncEngine(engine, max_waiting_requests=cfg.max_waiting_requests,
+                               max_queue_delay_s=cfg.max_queue_delay_us / 1e6, metrics=metrics)
     state = ServerState(async_engine, metrics, name, options.api_key, engine.max_model_len, int(time.time()))
     app = build_app(state)
 

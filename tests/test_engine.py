@@ -4,6 +4,7 @@ admission errors, and a fuzz of arrivals, cancellations and preemptions with the
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -185,7 +186,8 @@ def test_swaps_of_a_step_that_schedules_nothing_are_performed(tiny_bundle: Path)
     ps = [[rng.randrange(3, 250) for _ in range(n)] for n, _ in shapes]
     llm = LLM(tiny_bundle, num_kv_blocks=12, max_num_batched_tokens=16, preemption_mode="swap", swap_space_gb=0.01)
     engine, ex = llm.engine, llm.engine.executor
-    engine.scheduler.mixed_steps = False  # decodes and prefill chunks alternate, as on executors without a decode group
+    # decodes and prefill chunks alternate, as on executors without mixed batches
+    engine.scheduler.config = replace(engine.scheduler.config, mixed_batches=False)
     plans = []
     schedule = engine.scheduler.schedule
     engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]  # records the plans, changes nothing

@@ -127,7 +127,7 @@ def test_repeat_not_at_axis_2_is_not_gqa() -> None:
     at axis 1 the heads interleave, so the GQA rule refuses it; the MHA rule then takes the repeated K/V as they
     are (kv_heads == q_heads), which is still exact."""
     model, feeds = attention_graph(4, 2, repeat_axis=1)
-    assert_no_match(model, attention.GQAttentionFusion.rule())
+    assert_no_match(model, attention.AttentionFusion.rule("attention_gqa", True))
     fused = ir.from_proto(model)
     assert apply_rules(fused, attention.RULES) == 1
     (node,) = fused_ops(fused)

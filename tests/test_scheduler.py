@@ -1,88 +1,327 @@
-"""The scheduler's step policy: budgets, and the cap on prefill tokens in a step that carries decodes."""
+"""The scheduler on its own, with a fake step (no bundle, no model, no torch): budgets, max_num_seqs, chunked
+prefill, the prefill cap beside decodes, preemption order, swap round trips, n > 1 forks, token-level stops, and
+a hypothesis fuzz of whole lifecycles with the invariants checked after every step.
+
+:class:`FakeStep` is an :class:`~omforge.runtime.executor.Executor` whose "KV pools" hold the token id written at
+each slot, so that block moves (copy-on-write, swap out / in, prefix-cache hits, forks) are checked by reading
+every scheduled request's context back through its block table after the step ran.
+"""
 
 from __future__ import annotations
 
-from omforge.runtime.kv_cache_manager import KVCacheManager
-from omforge.runtime.request import Request
+import random
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from omforge.runtime.executor import Executor, ExecutorCapabilities, run_plan
+from omforge.runtime.kv_cache_manager import NO_BLOCK, KVCacheManager
+from omforge.runtime.request import Request, Status
 from omforge.runtime.sampling_params import SamplingParams
-from omforge.runtime.scheduler import Scheduler
+from omforge.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+EOS = 2
 
 
-def run_step(s: Scheduler) -> list[tuple[str, int]]:
-    """Schedule one step and apply it as the engine would (tokens computed; a finished prefill samples one)."""
-    out = s.schedule()
-    for sch in out.scheduled:
-        sch.request.num_computed_tokens += sch.num_new_tokens
-        if sch.samples:
-            sch.request.output_token_ids.append(1)
-    return [(sch.request.request_id, sch.num_new_tokens) for sch in out.scheduled]
+class FakeStep:
+    """Pools of token ids (-1: never written); ``execute`` writes each item's tokens at its slots."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0, mixed: bool = True):
+        self.block_size = block_size
+        self.pool = np.full((num_blocks, block_size), -1, np.int64)
+        self.host = np.full((max(num_host_blocks, 1), block_size), -1, np.int64)
+        self.capabilities = ExecutorCapabilities(supports_mixed_batches=mixed)
+        self.closed = False
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        for src, dst in pairs:
+            self.pool[dst] = self.pool[src]
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        for dev, host in pairs:
+            self.host[host] = self.pool[dev]
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        for host, dev in pairs:
+            self.pool[dev] = self.host[host]
+
+    def execute(self, work) -> np.ndarray:  # noqa: ANN001 - Sequence[SeqWork]
+        bs = self.block_size
+        for w in work:
+            for i, token in enumerate(w.token_ids):
+                pos = w.start + i
+                self.pool[w.block_table[pos // bs], pos % bs] = token
+        return np.zeros((sum(w.needs_logits for w in work), 8), np.float32)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def context(self, table: list[int], n: int) -> list[int | None]:
+        """The tokens stored at positions 0..n-1 through ``table`` (None: a block released out of the window)."""
+        bs = self.block_size
+        return [None if table[p // bs] == NO_BLOCK else int(self.pool[table[p // bs], p % bs]) for p in range(n)]
 
 
-def scheduler(cap: int | None) -> Scheduler:
-    kv = KVCacheManager(256, 16, enable_prefix_caching=False)
-    return Scheduler(kv, max_num_seqs=16, max_num_batched_tokens=512, mixed_steps=True,
-                     max_prefill_tokens_with_decodes=cap)
+def make(blocks: int = 64, block_size: int = 4, *, caching: bool = False, host: int = 0, **config: object
+         ) -> tuple[Scheduler, FakeStep]:
+    config.setdefault("max_num_seqs", 16)
+    config.setdefault("max_num_batched_tokens", 64)
+    config.setdefault("mixed_batches", True)
+    config.setdefault("eos_token_ids", (EOS,))
+    kv = KVCacheManager(blocks, block_size, enable_prefix_caching=caching, num_host_blocks=host)
+    fake = FakeStep(blocks, block_size, host, mixed=bool(config["mixed_batches"]))
+    return Scheduler(kv, SchedulerConfig(**config)), fake  # type: ignore[arg-type]
 
 
-def add(s: Scheduler, rid: str, n: int) -> None:
-    s.add(Request(rid, list(range(3, 3 + n)), SamplingParams(max_tokens=100)))
+def request(rid: str, n_prompt: int, max_tokens: int = 100, seed: int = 0, **params: object) -> Request:
+    rng = random.Random(seed)
+    return Request(rid, [rng.randrange(3, 50) for _ in range(n_prompt)],
+                   SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params))  # type: ignore[arg-type]
+
+
+def step(s: Scheduler, fake: FakeStep, tokens: object = 7) -> SchedulerOutput:
+    """One whole step: plan, fake execution, the context of every scheduled request read back, update."""
+    plan = s.schedule()
+    logits = run_plan(fake, plan)
+    assert (logits is None) == (not plan.scheduled)
+    for sch in plan.scheduled:
+        req = sch.request
+        n = sch.start + sch.num_new_tokens
+        got = fake.context(s.kv.block_table(req.request_id), n)
+        want = req.all_token_ids[:n]
+        assert all(g is None or g == w for g, w in zip(got, want)), (req.request_id, got, want)
+    picks = [tokens(r) if callable(tokens) else tokens for r, _ in plan.sample_rows]
+    s.update_from_output(plan, picks)
+    return plan
+
+
+def shape(plan: SchedulerOutput) -> list[tuple[str, int]]:
+    return [(x.request.request_id, x.num_new_tokens) for x in plan.scheduled]
+
+
+def test_fake_step_is_an_executor() -> None:
+    assert isinstance(make()[1], Executor)
+
+
+def test_chunked_prefill_within_the_budget_then_decodes() -> None:
+    s, fake = make(max_num_batched_tokens=32)
+    s.add(request("a", 100))
+    assert [shape(step(s, fake)) for _ in range(5)] == [[("a", 32)], [("a", 32)], [("a", 32)], [("a", 4)], [("a", 1)]]
+    a = s.running[0]
+    assert a.num_computed_tokens == 101 and a.output_token_ids == [7, 7]
 
 
 def test_prefill_beside_decodes_is_capped() -> None:
-    s = scheduler(cap=128)
-    add(s, "a", 20)
-    add(s, "b", 20)
-    assert run_step(s) == [("a", 20), ("b", 20)]  # no decodes yet: the whole budget
-    add(s, "long", 600)
-    add(s, "short", 50)
-    step = run_step(s)
-    assert step[:2] == [("a", 1), ("b", 1)] and step[2:] == [("long", 128)]  # decodes + at most 128 prefill tokens
-    step = run_step(s)
-    assert step == [("a", 1), ("b", 1), ("long", 128)]  # the chunk continues, still capped; "short" waits
+    s, fake = make(blocks=256, block_size=16, max_num_batched_tokens=512, max_prefill_tokens_with_decodes=128)
+    s.add(request("a", 20))
+    s.add(request("b", 20))
+    assert shape(step(s, fake)) == [("a", 20), ("b", 20)]  # no decodes yet: the whole budget
+    s.add(request("long", 600))
+    s.add(request("short", 50))
+    assert shape(step(s, fake)) == [("a", 1), ("b", 1), ("long", 128)]  # decodes + at most 128 prefill tokens
+    assert shape(step(s, fake)) == [("a", 1), ("b", 1), ("long", 128)]  # the chunk continues; "short" waits
     for _ in range(2):
-        run_step(s)
-    step = run_step(s)  # the last of "long" (600 = 4 x 128 + 88); "short" takes the rest of the cap
-    assert step == [("a", 1), ("b", 1), ("long", 88), ("short", 40)]
+        step(s, fake)
+    # the last of "long" (600 = 4 x 128 + 88); "short" takes the rest of the cap
+    assert shape(step(s, fake)) == [("a", 1), ("b", 1), ("long", 88), ("short", 40)]
 
 
 def test_without_cap_or_decodes_the_budget_rules() -> None:
-    s = scheduler(cap=None)
-    add(s, "a", 20)
-    run_step(s)
-    add(s, "long", 600)
-    assert run_step(s) == [("a", 1), ("long", 511)]
-    s = scheduler(cap=64)
-    add(s, "long", 600)
-    assert run_step(s) == [("long", 512)]  # no decodes in the step: the cap does not apply
+    s, fake = make(blocks=256, block_size=16, max_num_batched_tokens=512)
+    s.add(request("a", 20))
+    step(s, fake)
+    s.add(request("long", 600))
+    assert shape(step(s, fake)) == [("a", 1), ("long", 511)]
+    s, fake = make(blocks=256, block_size=16, max_num_batched_tokens=512, max_prefill_tokens_with_decodes=64)
+    s.add(request("long", 600))
+    assert shape(step(s, fake)) == [("long", 512)]  # no decodes in the step: the cap does not apply
 
 
-def test_fuzz_no_same_step_readmission_and_invariants() -> None:
-    """Issue 12 defect 2: a request preempted for recompute is not re-admitted in the step that preempted it (the
-    swapped queue had this gate, the waiting queue did not: seeds 75, 87, 195 … re-admitted). Random lifecycles,
-    mixed steps and alternation, prefix caching on and off; the step budget and the KV invariants hold throughout."""
-    import random
+def test_without_mixed_batches_decodes_and_prefill_alternate() -> None:
+    s, fake = make(mixed_batches=False, max_num_batched_tokens=16)
+    s.add(request("a", 4))
+    step(s, fake)
+    s.add(request("b", 40))
+    kinds = [{n for _, n in shape(step(s, fake))} for _ in range(4)]
+    assert kinds == [{1}, {16}, {1}, {16}]  # never a decode and a chunk in one step
 
-    for seed in range(200):
-        rng = random.Random(seed)
-        kv = KVCacheManager(12, 4, enable_prefix_caching=bool(seed % 3))
-        s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=16, preemption_mode="recompute",
-                      mixed_steps=bool(seed % 2))
-        for i in range(6):
-            prompt = [rng.randrange(3, 50) for _ in range(rng.randrange(2, 14))]
-            s.add(Request(str(i), prompt, SamplingParams(max_tokens=rng.randrange(2, 12), ignore_eos=True)))
-        for _ in range(300):
-            if not s.has_unfinished():
-                break
-            out = s.schedule()
-            assert not {r.request_id for r in out.preempted} & {x.request.request_id for x in out.scheduled}, seed
-            assert out.num_tokens <= 16
-            for sch in out.scheduled:
-                req = sch.request
-                req.num_computed_tokens += sch.num_new_tokens
-                kv.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
-                if sch.samples:
-                    req.output_token_ids.append(7)
-                    if len(req.output_token_ids) >= req.params.max_tokens:
-                        s.remove(req)
-            kv.check_invariants()
-        assert not s.has_unfinished(), seed
+
+def test_max_num_seqs_bounds_the_running_set() -> None:
+    s, fake = make(max_num_seqs=2)
+    for i in range(4):
+        s.add(request(str(i), 5, max_tokens=3))
+    assert shape(step(s, fake)) == [("0", 5), ("1", 5)]
+    step(s, fake)
+    assert [r.request_id for r in s.running] == ["0", "1"] and len(s.waiting) == 2
+    plan = step(s, fake)  # both reach max_tokens = 3 and free their seats
+    assert {r.request_id for r, _ in plan.sample_rows} == {"0", "1"} and not s.running
+    assert shape(step(s, fake)) == [("2", 5), ("3", 5)]
+
+
+def test_recompute_preemption_takes_the_newest_and_keeps_its_output() -> None:
+    s, fake = make(blocks=6, block_size=4, max_num_batched_tokens=64)
+    for rid in ("old", "mid", "new"):
+        s.add(request(rid, 7, max_tokens=12, seed=len(rid)))  # 19 tokens: 5 blocks, each fits alone
+    step(s, fake)  # 3 x 2 blocks: the pool is full
+    step(s, fake)  # the decodes at position 7 still fit
+    new = s.running[-1]
+    before = list(new.output_token_ids)
+    plan = step(s, fake)  # position 8 needs a third block each: the newest goes, the older two get its blocks
+    assert plan.preempted == [new] and shape(plan) == [("old", 1), ("mid", 1)]
+    assert new.status is Status.WAITING and s.waiting[0] is new
+    assert new.num_computed_tokens == 0 and new.output_token_ids == before and new.num_preemptions == 1
+    assert "new" not in {r for r, _ in shape(plan)}  # not re-admitted in the step that preempted it
+    for _ in range(200):
+        if not s.has_unfinished():
+            break
+        step(s, fake)
+    assert not s.has_unfinished() and len(new.output_token_ids) == 12 and s.kv.stats().num_free == 6
+
+
+def test_swap_round_trip_restores_the_context() -> None:
+    s, fake = make(blocks=6, block_size=4, host=8, preemption_mode="swap")
+    for rid in ("a", "b", "c"):
+        s.add(request(rid, 7, max_tokens=12, seed=ord(rid)))
+    outs, ins = 0, 0
+    for _ in range(200):
+        if not s.has_unfinished():
+            break
+        plan = step(s, fake)  # reads every scheduled context back: a lost or misplaced swap fails here
+        outs += len(plan.swap_out)
+        ins += len(plan.swap_in)
+        s.kv.check_invariants()
+    assert outs > 0 and ins == outs and not s.has_unfinished()
+    assert s.kv.stats().num_host_free == 8 and s.kv.stats().num_free == 6
+
+
+def test_n_followers_fork_from_the_leader_after_its_prefill() -> None:
+    s, fake = make(max_num_seqs=4)
+    leader = request("r-0", 10, max_tokens=4)
+    followers = [Request(f"r-{i}", leader.prompt_token_ids, leader.params, parent=leader) for i in (1, 2)]
+    leader.followers = list(followers)
+    s.add(leader)
+    plan = step(s, fake, tokens=lambda r: 10 + int(r.request_id[-1]))
+    assert shape(plan) == [("r-0", 10)]  # the prompt once
+    assert [(r.request_id, row) for r, row in plan.sample_rows] == [("r-0", 0), ("r-1", 0), ("r-2", 0)]
+    assert [r.output_token_ids for r in (leader, *followers)] == [[10], [11], [12]]
+    tables = [s.kv.block_table(r.request_id) for r in (leader, *followers)]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2]  # the two full prompt blocks are shared
+    assert shape(step(s, fake)) == [("r-0", 1), ("r-1", 1), ("r-2", 1)]  # copy-on-write of the partial block
+    assert len({t[2] for t in (s.kv.block_table(r.request_id) for r in (leader, *followers))}) == 3
+
+
+def test_n_needs_all_its_seats() -> None:
+    s, fake = make(max_num_seqs=3)
+    s.add(request("x", 5))
+    step(s, fake)
+    leader = request("r-0", 5)
+    leader.followers = [Request("r-1", leader.prompt_token_ids, leader.params, parent=leader),
+                        Request("r-2", leader.prompt_token_ids, leader.params, parent=leader)]
+    s.add(leader)
+    assert shape(step(s, fake)) == [("x", 1)]  # 1 running + 3 seats > 3: the request waits whole
+
+
+@pytest.mark.parametrize("case", ["eos", "min_tokens", "stop_token", "max_tokens", "context"])
+def test_token_level_stops(case: str) -> None:
+    s, fake = make(max_model_len=12)
+    params = {"eos": dict(ignore_eos=False), "min_tokens": dict(ignore_eos=False, min_tokens=3),
+              "stop_token": dict(stop_token_ids=[9]), "max_tokens": dict(max_tokens=2),
+              "context": dict(max_tokens=None)}[case]
+    req = Request("r", [5] * 8, replace(SamplingParams(max_tokens=50, ignore_eos=True), **params))
+    s.add(req)
+    token = {"eos": EOS, "min_tokens": EOS, "stop_token": 9}.get(case, 7)
+    for _ in range(10):
+        if req.finished:
+            break
+        step(s, fake, tokens=token)
+    want = {"eos": ("stop", None, 1), "min_tokens": ("stop", None, 3), "stop_token": ("stop", 9, 1),
+            "max_tokens": ("length", None, 2), "context": ("length", None, 4)}[case]
+    assert (req.finish_reason, req.stop_reason, len(req.output_token_ids)) == want
+    assert not s.has_unfinished() and s.kv.stats().num_free == 64
+
+
+def test_update_needs_one_token_per_sampling_request() -> None:
+    s, _ = make()
+    s.add(request("a", 3))
+    plan = s.schedule()
+    with pytest.raises(ValueError, match="1 sampling"):
+        s.update_from_output(plan, [])
+
+
+def test_config_refuses_what_cannot_hold() -> None:
+    with pytest.raises(ValueError, match="preemption_mode"):
+        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, preemption_mode="evict")
+    with pytest.raises(ValueError, match="at least 1"):
+        SchedulerConfig(max_num_seqs=0, max_num_batched_tokens=8)
+
+
+@st.composite
+def lifecycles(draw: st.DrawFn) -> dict:
+    block_size = draw(st.sampled_from([2, 4, 8]))
+    reqs = draw(st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(1, 3),
+                                   st.integers(0, 40), st.booleans()), min_size=1, max_size=10))
+    longest = max(-(-(p + m) // block_size) for p, m, *_ in reqs)
+    return dict(block_size=block_size, reqs=reqs, seed=draw(st.integers(0, 2**16)),
+                blocks=draw(st.integers(longest + 1, longest + 24)),
+                budget=draw(st.integers(4, 48)), max_num_seqs=draw(st.integers(3, 8)),
+                mode=draw(st.sampled_from(["recompute", "swap"])), host=draw(st.integers(0, 16)),
+                caching=draw(st.booleans()), mixed=draw(st.booleans()),
+                cap=draw(st.one_of(st.none(), st.integers(1, 16))), window=draw(st.sampled_from([None, 6, 13])),
+                aborts=draw(st.lists(st.integers(0, 9), max_size=3)))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lifecycles())
+def test_fuzz_lifecycles_keep_the_invariants(case: dict) -> None:
+    """Random arrivals (some n > 1, some sharing prompts), aborts, EOS, budgets, pools, both preemption modes,
+    prefix caching on and off, mixed batches or alternation, the decode-step cap and sliding windows. After every
+    step: the budget, the cap and max_num_seqs hold, every request is in exactly one queue, no request preempted
+    in a step is scheduled in it, the KV manager's invariants hold and every scheduled context reads back its own
+    tokens; at the end every request finished and every block is free."""
+    rng = random.Random(case["seed"])
+    budget, cap, mixed = case["budget"], case["cap"], case["mixed"]
+    s, fake = make(case["blocks"], case["block_size"], caching=case["caching"], host=case["host"],
+                   max_num_seqs=case["max_num_seqs"], max_num_batched_tokens=budget, mixed_batches=mixed,
+                   preemption_mode=case["mode"], max_prefill_tokens_with_decodes=cap,
+                   sliding_window=case["window"])
+    shared = [rng.randrange(3, 40) for _ in range(30)]
+    pending, live = [], []
+    for i, (n_prompt, max_tokens, n, arrive, share) in enumerate(case["reqs"]):
+        prompt = shared[:n_prompt] if share else [rng.randrange(3, 40) for _ in range(n_prompt)]
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=i % 3 != 0, n=min(n, case["max_num_seqs"]))
+        seqs = [Request(f"{i}-{k}", prompt, params) for k in range(params.n)]
+        for f in seqs[1:]:
+            f.parent = seqs[0]
+        seqs[0].followers = seqs[1:]
+        pending.append((arrive, seqs))
+    for t in range(600):
+        for arrive, seqs in [p for p in pending if p[0] == t]:
+            s.add(seqs[0])
+            live += seqs
+        if t in case["aborts"] and live:
+            victim = rng.choice(live)
+            if not victim.finished:
+                if victim.parent is not None and victim in victim.parent.followers:
+                    victim.parent.followers.remove(victim)
+                s.finish(victim, "abort")
+                for f in victim.followers:
+                    s.finish(f, "abort")
+                victim.followers = []
+        if not s.has_unfinished() and t > 40:
+            break
+        plan = step(s, fake, tokens=lambda r: EOS if rng.random() < 0.1 else rng.randrange(3, 40))
+        assert plan.num_tokens <= budget
+        if mixed and cap and any(x.num_new_tokens == 1 and x.start >= len(x.request.prompt_token_ids)
+                                 for x in plan.scheduled):
+            assert sum(x.num_new_tokens for x in plan.scheduled if x.num_new_tokens > 1) <= cap
+        assert len(s.running) <= s.max_num_seqs
+        assert not {id(r) for r in plan.preempted} & {id(x.request) for x in plan.scheduled}
+        queues = [*s.waiting, *s.running, *s.swapped]
+        assert len({id(r) for r in queues}) == len(queues) and not any(r.finished for r in queues)
+        s.kv.check_invariants()
+    assert not s.has_unfinished()
+    assert all(r.finished for _, seqs in pending for r in seqs)
+    stats = s.kv.stats()
+    assert stats.num_free == case["blocks"] and stats.num_host_free == case["host"]

@@ -1,0 +1,90 @@
+"""The engine's configuration, resolved once: the bundle's ``serve`` section overridden by the caller's options.
+
+Every consumer (engine, scheduler, KV cache manager, server loop) reads this one object; nothing downstream
+re-reads the manifest's ``serve`` section. An override of None means "the bundle's value"; an unknown override
+name is an error naming it. ``num_kv_blocks`` resolves to a number here (default: enough blocks for
+``max_num_seqs`` full contexts, at most :data:`DEFAULT_KV_CACHE_BYTES`), except that an executor which fixes its
+pool (an ascend bundle: the block count is compiled into the OM models) replaces it at load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any, Mapping
+
+from omforge.errors import OmforgeError
+from omforge.runtime.scheduler import PREEMPTION_MODES, SchedulerConfig
+
+DEFAULT_KV_CACHE_BYTES = 2 << 30  # the pool size when neither the recipe nor the caller gives num_kv_blocks
+
+
+class EngineConfigError(OmforgeError):
+    """An engine option that does not exist or cannot hold (the message names it)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_kv_blocks: int
+    num_host_blocks: int  # the swap tier, in blocks (0 unless preemption_mode is "swap")
+    enable_prefix_caching: bool
+    preemption_mode: str
+    swap_space_gb: float
+    max_prefill_tokens_with_decodes: int | None
+    max_waiting_requests: int  # the server's queue beyond max_num_seqs (past it: 429)
+    max_queue_delay_us: int  # the server's wait for companions before a first step
+    threads: int | None  # ORT intra-op threads (None: ORT's default)
+    explicit_kv_blocks: bool = False  # num_kv_blocks came from the caller, not the recipe or the default
+
+    @classmethod
+    def resolve(cls, manifest: Mapping[str, Any], **overrides: Any) -> "EngineConfig":
+        """The configuration for a bundle's ``manifest`` with the caller's ``overrides`` (None: the bundle's)."""
+        known = {f.name for f in fields(cls)} - {"num_host_blocks", "explicit_kv_blocks"}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise EngineConfigError(f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        serve, limits = manifest["serve"], manifest["limits"]
+
+        def pick(name: str) -> Any:
+            value = overrides.get(name)
+            return serve.get(name) if value is None else value
+
+        context = limits["max_seq_len"]
+        max_model_len = min(pick("max_model_len") or context, context)
+        max_num_seqs = pick("max_num_seqs")
+        block_size = manifest["kv"]["block_size"]
+        bytes_per_block = manifest["kv"]["bytes_per_token"] * block_size
+        blocks = pick("num_kv_blocks") or max(2, min(DEFAULT_KV_CACHE_BYTES // bytes_per_block,
+                                                     max_num_seqs * -(-max_model_len // block_size)))
+        mode = pick("preemption_mode")
+        if mode not in PREEMPTION_MODES:
+            raise EngineConfigError(f"preemption_mode {mode!r} is not one of {PREEMPTION_MODES}")
+        swap_gb = float(pick("swap_space_gb"))
+        for name, value in (("max_num_seqs", max_num_seqs), ("num_kv_blocks", blocks),
+                            ("max_num_batched_tokens", pick("max_num_batched_tokens"))):
+            if value < 1:
+                raise EngineConfigError(f"{name} must be at least 1, got {value}")
+        return cls(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                   max_num_batched_tokens=pick("max_num_batched_tokens"), num_kv_blocks=blocks,
+                   num_host_blocks=int(swap_gb * (1 << 30) // bytes_per_block) if mode == "swap" else 0,
+                   enable_prefix_caching=bool(pick("enable_prefix_caching")), preemption_mode=mode,
+                   swap_space_gb=swap_gb, max_prefill_tokens_with_decodes=pick("max_prefill_tokens_with_decodes"),
+                   max_waiting_requests=pick("max_waiting_requests"), max_queue_delay_us=pick("max_queue_delay_us"),
+                   threads=overrides.get("threads"), explicit_kv_blocks=overrides.get("num_kv_blocks") is not None)
+
+    def with_num_kv_blocks(self, num_blocks: int) -> "EngineConfig":
+        """The same configuration on a pool the executor fixed (``ExecutorCapabilities.num_blocks``)."""
+        if self.explicit_kv_blocks and num_blocks != self.num_kv_blocks:
+            raise EngineConfigError(f"num_kv_blocks is compiled into the OM models ({num_blocks} blocks); recompile "
+                                    f"with serve.num_kv_blocks: {self.num_kv_blocks} to change it")
+        return replace(self, num_kv_blocks=num_blocks)
+
+    def scheduler_config(self, model_config: Mapping[str, Any], mixed_batches: bool) -> SchedulerConfig:
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                               preemption_mode=self.preemption_mode, mixed_batches=mixed_batches,
+                               max_prefill_tokens_with_decodes=self.max_prefill_tokens_with_decodes,
+                               max_model_len=self.max_model_len,
+                               eos_token_ids=tuple(model_config["eos_token_ids"]),
+                               sliding_window=model_config.get("sliding_window"))

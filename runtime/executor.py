@@ -1,0 +1,64 @@
+"""The executor contract: what the engine asks of whatever runs the step graph (ORT here, AscendCL on an NPU).
+
+An executor owns the device side of the KV cache (the pools, the host swap tier) and runs steps; it decides
+nothing. The scheduler's plan is handed over whole by :func:`run_plan`, which fixes the order: the plan's block
+moves (swap out, swap in, copy-on-write copies) always happen — the KV cache manager has already recorded them,
+also in a step that schedules no work — and only then the step's work runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from omforge.runtime.step import SeqWork
+
+if TYPE_CHECKING:
+    from omforge.runtime.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class ExecutorCapabilities:
+    """What an executor can run, read once by the engine and handed to the scheduler.
+
+    ``supports_mixed_batches``: one step may carry single-token decodes beside longer prefill chunks without
+    padding the decodes to the chunk (a graph with a decode group, ``contract.DECODE_GROUP_INPUTS``); without it
+    the scheduler alternates decode steps and prefill steps. ``max_prompt_len``: a prompt bound below the
+    context (the fixed gears of an OM model), None when only the context bounds it. ``num_blocks``: the device
+    pool size when the executor fixes it (compiled into OM models), None when the engine chooses it.
+    """
+
+    supports_mixed_batches: bool
+    max_prompt_len: int | None = None
+    num_blocks: int | None = None
+
+
+@runtime_checkable
+class Executor(Protocol):
+    capabilities: ExecutorCapabilities
+
+    def execute(self, work: Sequence[SeqWork]) -> np.ndarray:
+        """Run one step (``work`` not empty); returns logits ``[items with needs_logits, vocab]`` in work order."""
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole device blocks ``(src, dst)`` in every layer's K and V pool (copy-on-write)."""
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to host blocks, ``(device, host)`` pairs."""
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host blocks back to device blocks, ``(host, device)`` pairs."""
+
+    def close(self) -> None:
+        """Release what the executor holds (device, streams, buffers); idempotent."""
+
+
+def run_plan(executor: Executor, plan: "SchedulerOutput") -> np.ndarray | None:
+    """Carry out one scheduler plan: its block moves in order, then its work. Returns the logits rows of the
+    work items that sample (:attr:`SchedulerOutput.work` order), or None when the plan schedules no work."""
+    executor.swap_out(plan.swap_out)
+    executor.swap_in(plan.swap_in)
+    executor.copy_blocks(plan.block_copies)
+    return executor.execute(plan.work) if plan.work else None

@@ -1,0 +1,58 @@
+"""The engine configuration resolved once from a manifest's serve section and the caller's overrides."""
+
+from __future__ import annotations
+
+import pytest
+
+from omforge.runtime.config import DEFAULT_KV_CACHE_BYTES, EngineConfig, EngineConfigError
+
+SERVE = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "max_prefill_tokens_with_decodes": None,
+         "max_model_len": None, "enable_prefix_caching": True, "max_queue_delay_us": 2000,
+         "preemption_mode": "recompute", "swap_space_gb": 1.0, "num_kv_blocks": None, "max_waiting_requests": 256}
+
+
+def manifest(**serve: object) -> dict:
+    return {"serve": {**SERVE, **serve}, "limits": {"max_seq_len": 512},
+            "kv": {"block_size": 16, "bytes_per_token": 1024}}
+
+
+def test_the_bundle_values_when_nothing_is_overridden() -> None:
+    cfg = EngineConfig.resolve(manifest())
+    assert (cfg.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens) == (512, 8, 256)
+    assert cfg.num_kv_blocks == 8 * 512 // 16  # max_num_seqs full contexts
+    assert cfg.num_host_blocks == 0 and not cfg.explicit_kv_blocks
+    assert (cfg.max_waiting_requests, cfg.max_queue_delay_us, cfg.threads) == (256, 2000, None)
+
+
+def test_overrides_win_and_none_means_the_bundle() -> None:
+    cfg = EngineConfig.resolve(manifest(num_kv_blocks=40), max_num_seqs=2, max_model_len=4096, num_kv_blocks=None,
+                               enable_prefix_caching=False, preemption_mode="swap", swap_space_gb=0.5, threads=1)
+    assert (cfg.max_num_seqs, cfg.max_model_len, cfg.num_kv_blocks) == (2, 512, 40)  # context capped by the build
+    assert not cfg.enable_prefix_caching and cfg.threads == 1 and not cfg.explicit_kv_blocks
+    assert cfg.num_host_blocks == (1 << 29) // (16 * 1024)
+    huge = EngineConfig.resolve(manifest(max_num_seqs=4096))
+    assert huge.num_kv_blocks == DEFAULT_KV_CACHE_BYTES // (16 * 1024)  # at most the default byte budget
+
+
+def test_unknown_or_impossible_options_are_named() -> None:
+    with pytest.raises(EngineConfigError, match="unknown engine option.*max_num_seq\\b"):
+        EngineConfig.resolve(manifest(), max_num_seq=4)
+    with pytest.raises(EngineConfigError, match="preemption_mode 'evict'"):
+        EngineConfig.resolve(manifest(), preemption_mode="evict")
+    with pytest.raises(EngineConfigError, match="max_num_batched_tokens must be at least 1"):
+        EngineConfig.resolve(manifest(), max_num_batched_tokens=-1)
+
+
+def test_a_pool_fixed_by_the_executor() -> None:
+    """An ascend bundle compiles its pool into the OM models: the engine takes that size, and an explicit
+    different ``num_kv_blocks`` is refused with what to do instead."""
+    assert EngineConfig.resolve(manifest(num_kv_blocks=40)).with_num_kv_blocks(64).num_kv_blocks == 64
+    with pytest.raises(EngineConfigError, match="compiled into the OM models \\(64 blocks\\).*num_kv_blocks: 40"):
+        EngineConfig.resolve(manifest(), num_kv_blocks=40).with_num_kv_blocks(64)
+
+
+def test_scheduler_config_carries_the_model_facts() -> None:
+    cfg = EngineConfig.resolve(manifest(max_prefill_tokens_with_decodes=64))
+    sc = cfg.scheduler_config({"eos_token_ids": [2, 7], "sliding_window": 24}, mixed_batches=True)
+    assert (sc.eos_token_ids, sc.sliding_window, sc.max_model_len, sc.mixed_batches) == ((2, 7), 24, 512, True)
+    assert sc.max_prefill_tokens_with_decodes == 64
