@@ -75,7 +75,8 @@ def _generate_with_engine(args: argparse.Namespace) -> int:
     else:
         print(out.text)
         print(f"[{len(out.prompt_token_ids)} prompt + {len(out.token_ids)} generated tokens, finish="
-              f"{out.finish_reason}, TTFT {1e3 * (out.ttft or 0):.0f} ms, {seconds:.2f}s, paged engine]", file=sys.stderr)
+              f"{out.finish_reason}, TTFT {1e3 * (out.ttft or 0):.0f} ms, {seconds:.2f}s, paged engine]",
+              file=sys.stderr)
     return 0
 
 
@@ -162,7 +163,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from omforge.compile.bundle import describe, load_manifest
+    from omforge.compile.bundle import describe
+    from omforge.contract.manifest import load_manifest
 
     manifest = load_manifest(Path(args.bundle), verify=not args.no_verify)
     print(json.dumps(manifest, indent=2) if args.json else describe(manifest))
@@ -181,7 +183,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            log_level=args.log_level)
     engine_options = {k: getattr(args, k) for k in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
                                                      "max_prefill_tokens_with_decodes", "max_waiting_requests",
-                                                     "max_queue_delay_us", "max_model_len", "threads", "preemption_mode")
+                                                     "max_queue_delay_us", "max_model_len", "threads",
+                                                     "preemption_mode")
                       if getattr(args, k) is not None}
     if args.enable_prefix_caching is not None:
         engine_options["enable_prefix_caching"] = args.enable_prefix_caching
@@ -201,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "ONNX Runtime / Ascend OM artifacts and serve them.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    c = sub.add_parser("compile", help="recipe → export → passes → lowering → bundle (ort, or ascend up to/through ATC)")
+    c = sub.add_parser("compile",
+                       help="recipe → export → passes → lowering → bundle (ort, or ascend up to/through ATC)")
     c.add_argument("recipe", help="recipe file, e.g. models/smollm2-135m.yaml")
     c.add_argument("-o", "--output", help="bundle directory (default build/<model name>)")
     c.add_argument("--target", choices=["ort", "ascend"], help="override compile.target")

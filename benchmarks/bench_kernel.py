@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-
 from bench_passes import interleaved_ms
+
 from omforge.passes.pipeline import build
 from omforge.runtime.ort_executor import OrtExecutor
 from omforge.runtime.step import SeqWork, build_step
@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"attention, decode b32 c512: {attn:.3f} ms per layer; bound {bound:.3f} ms "
               f"({kv_bytes / 1e6:.1f} MB of K/V at {bw:.1f} GB/s read) -> {attn / bound:.2f}x the bound")
         big = blocks * 4
-        cases = {n: (OrtExecutor(Path(tmp) / "kernel" / "step.onnx", layout, num_blocks=n), steps(bs, blocks)["decode b32 c512"])
+        cases = {n: (OrtExecutor(Path(tmp) / "kernel" / "step.onnx", layout, num_blocks=n),
+                     steps(bs, blocks)["decode b32 c512"])
                  for n in (blocks, big)}
         ms = interleaved_ms(cases, a.steps)
         print(f"kernel decode b32 c512, pool {blocks} vs {big} blocks: {ms[blocks]:.1f} vs {ms[big]:.1f} ms "

@@ -7,8 +7,8 @@
                                                           and the paged step over block sizes
 
 Decode steps are timed on pools whose content does not matter for speed (the positions and block tables
-say every sequence holds ``context`` tokens); each figure is the median of ``--steps`` runs after warm-up, the compared cases alternating in rounds
-in one process so that the machine's drift hits both alike.
+say every sequence holds ``context`` tokens); each figure is the median of ``--steps`` runs after warm-up,
+the compared cases alternating in rounds in one process so that the machine's drift hits both alike.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def build_contiguous(export_dir: Path, out: Path, block_size: int):  # noqa: ANN
 
 def cmd_nodes(_: argparse.Namespace) -> None:
     """Marginal nodes per decoder layer: (nodes of a 2-layer model) − (nodes of a 1-layer model)."""
-    from omforge.export.onnx_export import export_checkpoint, Timings
+    from omforge.export.onnx_export import Timings, export_checkpoint
     from omforge.export.weights import random_checkpoint
     from omforge.models.config import ModelConfig
 
@@ -153,7 +153,8 @@ def cmd_paged(args: argparse.Namespace) -> None:
             report = build(args.export, Path(tmp) / f"p{bs}" / "model.onnx", block_size=bs)
             layout = build_contiguous(args.export, Path(tmp) / f"c{bs}" / "model.onnx", bs)
             ms = interleaved_ms({
-                "paged": (OrtExecutor(Path(tmp) / f"p{bs}" / "model.onnx", report.layout, num_blocks=batch * per_seq * 2),
+                "paged": (OrtExecutor(Path(tmp) / f"p{bs}" / "model.onnx", report.layout,
+                                      num_blocks=batch * per_seq * 2),
                           decode_step(batch, context, bs, batch * per_seq * 2)),
                 "contiguous": (OrtExecutor(Path(tmp) / f"c{bs}" / "model.onnx", layout, num_blocks=batch * per_seq),
                                decode_step(batch, context, bs, batch * per_seq, contiguous=True)),

@@ -61,7 +61,8 @@ def main() -> None:
     for (name, wall), run in zip(walls.items(), (runs[2], runs[5])):
         kernels = collections.Counter()
         for e in events:
-            if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and run["ts"] <= e["ts"] <= run["ts"] + run["dur"]:
+            if (e.get("cat") == "Node" and e["name"].endswith("_kernel_time")
+                    and run["ts"] <= e["ts"] <= run["ts"] + run["dur"]):
                 kernels[e["args"]["op_name"]] += e["dur"]
         total = sum(kernels.values())
         print(f"{name}: step {1e3 * wall:.1f} ms, kernel time {total / 1e3:.1f} ms")

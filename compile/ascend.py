@@ -18,11 +18,20 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 
-
-from omforge.compile.atc import (FUSION_SWITCH_FILE, AtcError, AtcMissing, AtcModelSpec, atc_command,  # noqa: F401
-                                 input_shapes_from_onnx, om_path, render_build_script, render_command,
-                                 render_plugins, run_atc, write_fusion_switch)
-from omforge.compile.buckets import BucketPlan
+from omforge.compile.atc import (
+    FUSION_SWITCH_FILE,
+    AtcError,
+    AtcModelSpec,
+    atc_command,
+    input_shapes_from_onnx,
+    om_path,
+    render_build_script,
+    render_command,
+    run_atc,
+    write_fusion_switch,
+)
+from omforge.compile.atc_plugins import render_plugins
+from omforge.contract.buckets import BucketPlan
 from omforge.passes.pipeline import Pipeline, histogram, interface
 from omforge.recipe import Recipe
 

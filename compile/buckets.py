@@ -44,11 +44,11 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
-from omforge.contract.buckets import (MAX_GEARS, MIN_GEARS, STEP_DIMS, TARGETS, BucketError, BucketPlan,  # noqa: F401
-                                      Choice, Profile, pick)  # the plan's types live in the contract (the runtime's side)
+# the plan's types live in the contract (the runtime's side); the planner builds them
+from omforge.contract.buckets import MAX_GEARS, MIN_GEARS, STEP_DIMS, TARGETS, BucketError, BucketPlan, Profile
 from omforge.recipe import CompileSection
 
 WARN_GEARS = 8

@@ -7,8 +7,9 @@
   ascend/            (ascend) the lowered step graph(s), ATC commands, plugin sources, build.sh, om/ once built
   tokenizer.json
 
-Loading (:func:`load_manifest`, in contract/manifest.py: the runtime reads bundles without this module) checks the schema version and every listed file's size and SHA-256: an unknown
-version, a missing or a modified file is a clear :class:`BundleError`, never a crash later.
+Loading (:func:`load_manifest`, in contract/manifest.py: the runtime reads bundles without this module) checks
+the schema version and every listed file's size and SHA-256: an unknown version, a missing or a modified file
+is a clear :class:`BundleError`, never a crash later.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from omforge.contract.manifest import MANIFEST, SCHEMA_VERSION, BundleError, file_sha256, load_manifest  # noqa: F401
+from omforge.contract.manifest import MANIFEST, SCHEMA_VERSION, file_sha256
 
 
 def file_entries(bundle: Path, files: list[Path]) -> dict[str, dict[str, Any]]:
@@ -47,8 +48,8 @@ def describe(manifest: dict[str, Any]) -> str:
         f"  attention  paged attention lowered to {manifest.get('paged_attention', 'plain')}"
         + (f" (needs kernel library {manifest['kernels']['domain']} ABI {manifest['kernels']['abi']}, "
            f"compiled with ISA path {manifest['kernels']['isa']})" if manifest.get("kernels") else ""),
-        f"  fusions    " + ", ".join(f"{k} {v}" for k, v in manifest["passes"]["fusion_counts"].items()),
-        f"  graphs     " + ", ".join(f"{k}: {v}" for k, v in manifest["graphs"].items()),
+        "  fusions    " + ", ".join(f"{k} {v}" for k, v in manifest["passes"]["fusion_counts"].items()),
+        "  graphs     " + ", ".join(f"{k}: {v}" for k, v in manifest["graphs"].items()),
         f"  tokenizer  {manifest['tokenizer'].get('file')}, chat template "
         f"{'yes' if manifest['tokenizer'].get('chat_template') else 'no'}, eos {cfg['eos_token_ids']}",
         "  step ABI",

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omforge.contract.manifest import file_sha256  # noqa: F401 - the stage cache hashes files as the manifest does
-
 
 def cache_root() -> Path:
     return Path(os.environ.get("OMFORGE_CACHE_DIR", Path.home() / ".cache" / "omforge"))

@@ -2,7 +2,8 @@
 
 Every stage is cached by content hash (:mod:`omforge.compile.cache`): the export by the recipe's model
 section and weight file; the passes by the export, the fusion switches, the block size, the target, the
-source of the passes and the tool versions; the bundle is then assembled by copying from the cached stages. A second compile with nothing changed only re-assembles and re-hashes.
+source of the passes and the tool versions; the bundle is then assembled by copying from the cached stages.
+A second compile with nothing changed only re-assembles and re-hashes.
 """
 
 from __future__ import annotations
@@ -14,16 +15,18 @@ import json
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from omforge.compile import buckets as bucket_planner
+from omforge.compile.atc import AtcMissing
 from omforge.compile.bundle import file_entries, write_manifest
 from omforge.compile.cache import Stage, cache_root, copy_into, stage_key
-from omforge.errors import OmforgeError
 from omforge.contract import DEFAULT_BLOCK_SIZE, PagedLayout
+from omforge.errors import OmforgeError
 from omforge.recipe import Recipe
 from omforge.runtime import kernels
 
@@ -54,7 +57,7 @@ def stage_sources(target: str) -> list[Path]:
     files = sorted((_ROOT / "passes").rglob("*.py"))
     files += sorted((_ROOT / "contract").glob("*.py")) + [_ROOT / "runtime" / "kernels" / "__init__.py"]
     if target == "ascend":
-        files += [_ROOT / "compile" / name for name in ("ascend.py", "atc.py", "buckets.py")]
+        files += [_ROOT / "compile" / name for name in ("ascend.py", "atc.py", "atc_plugins.py", "buckets.py")]
         files += sorted((_ROOT / "compile" / "templates").glob("*"))
     return files
 
@@ -159,7 +162,7 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
         with progress.stage("ascend toolchain (ATC)"):
             try:
                 files += ascend.prepare_and_run(out, recipe, plan, report)
-            except ascend.AtcMissing as e:  # everything else is written; say what is left after the manifest
+            except AtcMissing as e:  # everything else is written; say what is left after the manifest
                 atc_missing = e
                 files += [p for p in (out / "ascend").rglob("*") if p.is_file() and p not in files]
 
@@ -168,7 +171,8 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
     manifest = {
         "omforge_version": _version("omforge"),
         "model": {"name": recipe.model.name, "config": cfg},
-        "tokenizer": {**export_meta["tokenizer"], "file": "tokenizer.json" if export_meta["tokenizer"].get("file") else None},
+        "tokenizer": {**export_meta["tokenizer"],
+                      "file": "tokenizer.json" if export_meta["tokenizer"].get("file") else None},
         "target": target,
         "abi": report["abi"],
         "paged_attention": report.get("paged_attention") or "plain",

@@ -2,8 +2,9 @@
 (here), the manifest reader (:mod:`omforge.contract.manifest`) and the bucket plan (:mod:`omforge.contract.buckets`).
 
 Dependency-free (stdlib and omforge.errors only), so that serving a bundle never imports the graph tooling
-(onnx_ir, onnxscript, torch) that produces it. ``passes/paged_kv.py`` builds graphs with this ABI (its docstring has the full table of
-inputs and outputs; the README has it too); ``runtime/`` packs steps for it and allocates pools by it.
+(onnx_ir, onnxscript, torch) that produces it. ``passes/paged_kv.py`` builds graphs with this ABI (its docstring
+has the full table of inputs and outputs; the README has it too); ``runtime/`` packs steps for it and allocates
+pools by it.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class PagedLayout:
                 "bytes_per_token": self.bytes_per_token}
 
     @classmethod
-    def from_manifest(cls, kv: dict) -> "PagedLayout":
+    def from_manifest(cls, kv: dict) -> PagedLayout:
         return cls(kv["num_layers"], kv["kv_heads"], kv["head_dim"], kv["block_size"], kv.get("dtype", "float32"))
 
 

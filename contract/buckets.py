@@ -5,9 +5,10 @@ compile/buckets.py's job (it imports these). Dependency-free: stdlib and omforge
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from omforge.errors import OmforgeError
 
@@ -167,7 +168,7 @@ class BucketPlan:
                              for p in self.profiles]}
 
     @classmethod
-    def from_dict(cls, data: Any) -> "BucketPlan":
+    def from_dict(cls, data: Any) -> BucketPlan:
         """Read :meth:`to_dict`'s form back, checking it (a manifest may be edited or come from another
         version); raises :class:`BucketError` naming the key."""
         def need(d: Any, key: str, kind: type, where: str) -> Any:

@@ -1,7 +1,8 @@
 """Export a recipe's model to the *unfused* ONNX graph: primitive ops only, dynamic batch and sequence.
 
 Output directory (an "export"):
-  model.onnx        graph; inputs ``input_ids``/``position_ids`` [batch, seq] int64, output ``logits`` [batch, seq, vocab]
+  model.onnx        graph; inputs ``input_ids``/``position_ids`` [batch, seq] int64,
+                    output ``logits`` [batch, seq, vocab]
   model.onnx.data   the weights, as ONNX external data (one file; the tied embedding stored once)
   tokenizer.json    the tokenizer (``tokenizers`` format), when the model has one
   export.json       model config, tokenizer metadata, opset, op histogram, the recipe digest, timings
@@ -20,10 +21,11 @@ import sys
 import time
 import warnings
 from collections import Counter
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from omforge.export.tokenizer import write_tokenizer
 from omforge.export.weights import Checkpoint, load_checkpoint
@@ -125,7 +127,8 @@ def export_checkpoint(ckpt: Checkpoint, out_dir: Path, opset: int, timings: Timi
         "inputs": list(INPUTS),
         "output": OUTPUT,
         "num_nodes": len(proto.graph.node),
-        "nodes_per_layer": nodes_in_layer(proto, ckpt.config.num_hidden_layers - 1),  # the last: shared shape math is CSE'd into layer 0
+        # the last layer: shared shape math is CSE'd into layer 0
+        "nodes_per_layer": nodes_in_layer(proto, ckpt.config.num_hidden_layers - 1),
         "op_histogram": dict(Counter(n.op_type for n in proto.graph.node).most_common()),
         "source": str(ckpt.source) if ckpt.source else None,
     }
@@ -158,7 +161,8 @@ def _name_weights(graph) -> None:  # noqa: ANN001 - onnx_ir.Graph
             continue
         w = node.inputs[1]
         scope = _scope(node)
-        if w is not None and w.const_value is not None and w.name.startswith("val_") and (scope.endswith("_proj") or scope == "lm_head"):
+        if (w is not None and w.const_value is not None and w.name.startswith("val_")
+                and (scope.endswith("_proj") or scope == "lm_head")):
             w.name = f"{scope}.weight.T"
 
 

@@ -54,7 +54,8 @@ def _hf_tokenizer_meta(directory: Path) -> dict[str, Any]:
     def token(value: Any) -> str | None:
         return value.get("content") if isinstance(value, dict) else value
 
-    return {"chat_template": template, "bos_token": token(cfg.get("bos_token")), "eos_token": token(cfg.get("eos_token"))}
+    return {"chat_template": template, "bos_token": token(cfg.get("bos_token")),
+            "eos_token": token(cfg.get("eos_token"))}
 
 
 def _convert_gguf_tokenizer(gguf_path: Path, out: Path) -> dict[str, Any]:

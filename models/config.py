@@ -72,14 +72,15 @@ class ModelConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from :meth:`to_dict` output or a recipe's ``model.config`` (unknown keys are an error)."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
             raise ConfigError(f"{unknown[0]}: unknown model config key; allowed: {', '.join(sorted(names))}")
         d = dict(d)
-        d.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"]) if {"hidden_size", "num_attention_heads"} <= d.keys() else None
+        (d.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
+         if {"hidden_size", "num_attention_heads"} <= d.keys() else None)
         if "eos_token_ids" in d:
             d["eos_token_ids"] = tuple(d["eos_token_ids"])
         try:
@@ -88,7 +89,7 @@ class ModelConfig:
             raise ConfigError(f"model config: {e}") from None
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Read a Hugging Face ``config.json`` (transformers 4.x ``rope_scaling`` or 5.x ``rope_parameters``)."""
         family = hf.get("model_type", "llama")
         if family not in FAMILIES:

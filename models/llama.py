@@ -81,8 +81,10 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         groups = self.heads // self.kv_heads
         if groups > 1:  # GQA: each KV head serves `groups` query heads
-            k = k[:, :, None].expand(b, self.kv_heads, groups, s, self.head_dim).reshape(b, self.heads, s, self.head_dim)
-            v = v[:, :, None].expand(b, self.kv_heads, groups, s, self.head_dim).reshape(b, self.heads, s, self.head_dim)
+            k = (k[:, :, None].expand(b, self.kv_heads, groups, s, self.head_dim)
+                 .reshape(b, self.heads, s, self.head_dim))
+            v = (v[:, :, None].expand(b, self.kv_heads, groups, s, self.head_dim)
+                 .reshape(b, self.heads, s, self.head_dim))
         scores = torch.matmul(q, k.transpose(2, 3)) * self.scale
         scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1)

@@ -1,4 +1,5 @@
-"""Residual Add + RMSNorm fusion: ``s = Add(a, b); y = omforge.RMSNorm(s, w)`` → ``omforge.AddRMSNorm(a, b, w) -> (y, s)``.
+"""Residual Add + RMSNorm fusion: ``s = Add(a, b); y = omforge.RMSNorm(s, w)``
+→ ``omforge.AddRMSNorm(a, b, w) -> (y, s)``.
 
 Runs after :mod:`rms_norm`. The sum stays an output because the residual stream reads it on; the fused
 op is the one kernel that does both (ORT's SkipSimplifiedLayerNormalization, CANN's AddRmsNorm).

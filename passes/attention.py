@@ -100,4 +100,5 @@ class AttentionFusion(pattern.RewriteRuleClassBase):
                             kv_heads=int(k.shape[1]), **({"window": window} if window else {}), _domain=ops.DOMAIN)
 
 
-RULES = pattern.RewriteRuleSet([AttentionFusion.rule("attention_gqa", True), AttentionFusion.rule("attention_mha", False)])
+RULES = pattern.RewriteRuleSet([AttentionFusion.rule("attention_gqa", True),
+                                AttentionFusion.rule("attention_mha", False)])

@@ -111,9 +111,12 @@ def diff_bundles(a: Path, b: Path, prompts: list[str] | None = None, max_tokens:
 def render_text(d: BundleDiff) -> str:
     lines = [f"A {d.a}: KV {d.kv_dtypes[0]}, paged attention {d.paged_attention[0]}",
              f"B {d.b}: KV {d.kv_dtypes[1]}, paged attention {d.paged_attention[1]}",
-             f"{len(d.prompts)} prompts, {d.max_tokens} greedy tokens each (A's tokens teacher-forced through both)", "",
+             f"{len(d.prompts)} prompts, {d.max_tokens} greedy tokens each (A's tokens teacher-forced through both)",
+             "",
              f"{'prompt':44s} {'max |Δlogit|':>12s} {'top-1 agree':>11s} {'same prefix':>11s}"]
     for p in d.prompts:
-        lines.append(f"{p.prompt[:44]:44s} {p.max_abs:12.3g} {p.top1_agreement:11.1%} {p.identical_prefix:>7d}/{d.max_tokens}")
-    lines += ["", f"max |Δlogit| {d.max_abs:.3g}; identical {d.max_tokens}-token outputs: {d.identical_outputs:.0%} of prompts"]
+        lines.append(f"{p.prompt[:44]:44s} {p.max_abs:12.3g} {p.top1_agreement:11.1%} "
+                     f"{p.identical_prefix:>7d}/{d.max_tokens}")
+    lines += ["", f"max |Δlogit| {d.max_abs:.3g}; identical {d.max_tokens}-token outputs: "
+                  f"{d.identical_outputs:.0%} of prompts"]
     return "\n".join(lines)

@@ -6,6 +6,8 @@ export it was fused from. Lowerings use these for ops a target has no kernel for
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
@@ -61,7 +63,7 @@ def _gather_blocks(op, pool, block_tables, *, block_size: int, kv_heads: int, he
 
 
 def _attend_rows(op, q, k_ctx, v_ctx, query_index, position_ids, *, scale: float, q_heads: int,  # noqa: ANN001, ANN202
-                 kv_heads: int, head_dim: int, attend, window: int = 0):
+                 kv_heads: int, head_dim: int, attend: Callable | None, window: int = 0):
     """Queries gathered into ``[B, Q, Hq * D]``, a key hidden from a query when its position in the context
     exceeds the query's or lies ``window`` or more behind it (``hide [B, 1, Q, C]``), attention (``attend`` or
     plain ops): the padded output rows ``[B * Q, Hq, D]``."""
@@ -92,7 +94,7 @@ def _rows_to_tokens(op, rows, token_index):  # noqa: ANN001, ANN202 - [R, Hq, D]
 
 
 def _attend_over_context(op, q, k_ctx, v_ctx, query_index, token_index, position_ids, *, scale: float,  # noqa: ANN001, ANN202
-                         q_heads: int, kv_heads: int, head_dim: int, attend, window: int = 0):
+                         q_heads: int, kv_heads: int, head_dim: int, attend: Callable | None, window: int = 0):
     """:func:`_attend_rows`, then the rows back to token order ``[1, Hq, T, D]``."""
     rows = _attend_rows(op, q, k_ctx, v_ctx, query_index, position_ids, scale=scale, q_heads=q_heads,
                         kv_heads=kv_heads, head_dim=head_dim, attend=attend, window=window)
@@ -100,8 +102,9 @@ def _attend_over_context(op, q, k_ctx, v_ctx, query_index, token_index, position
 
 
 def paged_attention(op, q, k, v, key_cache, value_cache, slot_mapping, block_tables, query_index, token_index,  # noqa: ANN001, ANN201
-                    position_ids, *, scale: float, q_heads: int, kv_heads: int, block_size: int, attend=None,
-                    contiguous: bool = False, decode_group=None, window: int = 0):
+                    position_ids: ir.Value, *, scale: float, q_heads: int, kv_heads: int, block_size: int,
+                    attend: Callable | None = None, contiguous: bool = False,
+                    decode_group: tuple[ir.Value, ir.Value] | None = None, window: int = 0):
     """The step ABI's paged attention in plain ops (see :mod:`omforge.passes.paged_kv`).
 
     ScatterND writes the new K/V rows at their slots (its output is the updated pool; bound to the input's
@@ -135,15 +138,15 @@ def paged_attention(op, q, k, v, key_cache, value_cache, slot_mapping, block_tab
     if decode_group is not None:
         tables, qidx = decode_group
         gather = dict(block_size=block_size, kv_heads=kv_heads, head_dim=head_dim)
-        rows_d = _attend_rows(op, q, _gather_blocks(op, k_out, tables, **gather), _gather_blocks(op, v_out, tables, **gather),
-                              qidx, position_ids, **common)
+        rows_d = _attend_rows(op, q, _gather_blocks(op, k_out, tables, **gather),
+                              _gather_blocks(op, v_out, tables, **gather), qidx, position_ids, **common)
         rows = op.Concat(rows, rows_d, axis=0)
     return _rows_to_tokens(op, rows, token_index), k_out, v_out
 
 
 def paged_attention_new_rows(op, q, k, v, key_cache, value_cache, block_tables, query_index, token_index,  # noqa: ANN001, ANN201
-                             position_ids, *, scale: float, q_heads: int, kv_heads: int, block_size: int,
-                             attend=None, window: int = 0):
+                             position_ids: ir.Value, *, scale: float, q_heads: int, kv_heads: int, block_size: int,
+                             attend: Callable | None = None, window: int = 0):
     """The step ABI's paged attention without writing the pools: returns ``(o, key_new, value_new)``.
 
     Each sequence's blocks are gathered from the pool as it was before this step into ``[B, M * bs, kv * D]``

@@ -30,7 +30,8 @@ class GateUpSwiGLUFusion(pattern.RewriteRuleClassBase):
 
     def rewrite(self, op, x, w_gate, w_up, **_):  # noqa: ANN001, ANN201
         merged = np.concatenate([const_array(w_gate), const_array(w_up)], axis=1)
-        name = w_gate.name.replace("gate_proj", "gate_up_proj") if "gate_proj" in w_gate.name else w_gate.name + ".gate_up"
+        name = (w_gate.name.replace("gate_proj", "gate_up_proj") if "gate_proj" in w_gate.name
+                else w_gate.name + ".gate_up")
         weight = op.initializer(ir.tensor(merged, name=name), name=name)
         return op.SwiGLU(op.MatMul(x, weight), _domain=ops.DOMAIN)
 

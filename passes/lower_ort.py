@@ -29,7 +29,8 @@ from onnxscript.rewriter import pattern
 from omforge.contract import row_elems
 from omforge.passes import decompose, ops
 from omforge.passes.paged_kv import add_decode_group_inputs, new_rows_as_outputs
-from omforge.runtime.kernels import DOMAIN as KERNEL_DOMAIN, HEAD_DIMS
+from omforge.runtime.kernels import DOMAIN as KERNEL_DOMAIN
+from omforge.runtime.kernels import HEAD_DIMS
 
 ORT_OPSET = 23
 MS_DOMAIN = "com.microsoft"
@@ -127,8 +128,9 @@ def lower(model: ir.Model, kv_write: str = "graph", kernel: bool = False, kv_cac
     writes the new K/V rows of a step graph: the graph itself (default: ScatterND into the pool the executor
     binds in place) or the runtime (the graph returns the rows; attention sees them through a scatter into the
     gathered context; the graph write measured faster: benchmarks/RESULTS.md, "kv_write"). ``kernel`` (with
-    ``kv_write="graph"``) lowers paged attention to omforge's CPU kernel instead of plain ops; the session must then register the kernel library (runtime/kernels). ``kv_cache_dtype``
-    other than float32 (the pools' element type, see ``contract.KV_DTYPES``) needs the kernel."""
+    ``kv_write="graph"``) lowers paged attention to omforge's CPU kernel instead of plain ops; the session must
+    then register the kernel library (runtime/kernels). ``kv_cache_dtype`` other than float32 (the pools'
+    element type, see ``contract.KV_DTYPES``) needs the kernel."""
     if kv_write not in KV_WRITES:
         raise ValueError(f"kv_write={kv_write!r} is not one of {KV_WRITES}")
     if kernel and kv_write != "graph":
@@ -167,7 +169,8 @@ def _retype_pools(graph: ir.Graph, kv_cache_dtype: str) -> None:
     for value in [*graph.inputs, *graph.outputs]:
         if re.fullmatch(r"(key|value)_cache(_out)?\.\d+", value.name or ""):
             if any(use.op_type not in KERNEL_OPS.values() for use, _ in value.uses()):
-                raise ValueError(f"{value.name}: a {kv_cache_dtype} pool read by plain ops (head size without a kernel?)")
+                raise ValueError(f"{value.name}: a {kv_cache_dtype} pool read by plain ops "
+                                 "(head size without a kernel?)")
             *lead, head_dim = value.shape
             value.dtype = _POOL_TYPES[kv_cache_dtype]
             value.shape = ir.Shape([*lead, row_elems(head_dim, kv_cache_dtype)])

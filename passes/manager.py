@@ -8,7 +8,7 @@ common subexpressions merged.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import onnx_ir as ir
 import onnx_ir.passes.common as common

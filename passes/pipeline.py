@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import onnx_ir as ir
 
@@ -106,7 +107,7 @@ class Pipeline:
         seq += [LOWERINGS[self.target](**self.lowering), manager.Cleanup()]
         return seq
 
-    def run(self, model: ir.Model) -> "PipelineRun":
+    def run(self, model: ir.Model) -> PipelineRun:
         passes = self.passes()
         ir.passes.PassManager(passes)(model)
         return PipelineRun(passes)

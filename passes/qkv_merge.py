@@ -81,7 +81,8 @@ def rewrite(graph: ir.Graph, projs: list[_Proj]) -> None:
         add = ir.node("Add", [out, bias], name=f"{first.name}_qkv_bias")
         new_nodes.append(add)
         out = add.outputs[0]
-    sizes = ir.Value(name=f"{name}.split", const_value=ir.tensor(np.array([p.weight.shape[1] for p in projs], np.int64)))
+    sizes = ir.Value(name=f"{name}.split",
+                     const_value=ir.tensor(np.array([p.weight.shape[1] for p in projs], np.int64)))
     graph.register_initializer(sizes)
     split = ir.node("Split", [out, sizes], attributes={"axis": -1}, num_outputs=3, name=f"{first.name}_qkv_split")
     new_nodes.append(split)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from onnxscript.rewriter import pattern
 
 from omforge.passes import ops
-from omforge.passes.util import const_scalar, const_array
+from omforge.passes.util import const_array, const_scalar
 
 
 class RMSNormFusion(pattern.RewriteRuleClassBase):

@@ -9,7 +9,8 @@ cited pyACL documentation and are exercised here only against ``tests/fake_acl.p
 from __future__ import annotations
 
 import importlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from omforge.errors import OmforgeError
 from omforge.runtime.acl_plan import DYNAMIC_INPUT, ModelDesc, TensorDesc

@@ -18,20 +18,31 @@ runs the plain-op twin of the step graph on onnxruntime). What needs an NPU to c
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
+from omforge.contract import PagedLayout
 from omforge.contract.buckets import BucketPlan
 from omforge.errors import OmforgeError
-from omforge.contract import PagedLayout
-from omforge.runtime.executor import ExecutorCapabilities
 from omforge.runtime.acl_api import AclRuntime, AclUnavailable, import_acl
-from omforge.runtime.acl_plan import (ACL_DTYPES, STEP_GRAPH_INPUTS, AclModelMismatch, ModelDesc,
-                                      as_dtype, check_desc, gear_dims, max_prompt_len, pack_run, plan_runs,
-                                      slot_copy_plan)
+from omforge.runtime.acl_plan import (
+    ACL_DTYPES,
+    STEP_GRAPH_INPUTS,
+    AclModelMismatch,
+    ModelDesc,
+    as_dtype,
+    check_desc,
+    gear_dims,
+    max_prompt_len,
+    pack_run,
+    plan_runs,
+    slot_copy_plan,
+)
+from omforge.runtime.executor import ExecutorCapabilities
 from omforge.runtime.step import SeqWork
 
 
@@ -58,7 +69,8 @@ def check_bundle(bundle: Path, manifest: dict[str, Any]) -> list[Path]:
     paths = [bundle / p for p in (asc.get("models") or {}).values()]
     missing = [p for p in paths if not p.is_file()]
     if not paths or missing:
-        raise OmModelsMissing(f"{bundle}: the OM models were not built ({', '.join(str(p) for p in missing) or 'none listed'}"
+        raise OmModelsMissing(f"{bundle}: the OM models were not built "
+                              f"({', '.join(str(p) for p in missing) or 'none listed'}"
                               f"): the ATC step is left; run `bash {bundle}/ascend/build.sh` where CANN is installed")
     return paths
 
@@ -177,12 +189,12 @@ class AclExecutor:
             _, release = self._undo.pop()
             try:
                 release()
-            except BaseException as e:  # noqa: BLE001 - keep releasing
+            except BaseException as e:
                 first = first or e
         if first is not None:
             raise first
 
-    def __enter__(self) -> "AclExecutor":
+    def __enter__(self) -> AclExecutor:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -7,8 +7,8 @@ manager's); this module only keeps the books of ``num_blocks`` fixed-size blocks
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
-from typing import Hashable, Iterable
 
 
 @dataclass

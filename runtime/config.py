@@ -9,8 +9,9 @@ pool (an ascend bundle: the block count is compiled into the OM models) replaces
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any, Mapping
+from typing import Any
 
 from omforge.errors import OmforgeError
 from omforge.runtime.scheduler import PREEMPTION_MODES, SchedulerConfig
@@ -39,7 +40,7 @@ class EngineConfig:
     explicit_kv_blocks: bool = False  # num_kv_blocks came from the caller, not the recipe or the default
 
     @classmethod
-    def resolve(cls, manifest: Mapping[str, Any], **overrides: Any) -> "EngineConfig":
+    def resolve(cls, manifest: Mapping[str, Any], **overrides: Any) -> EngineConfig:
         """The configuration for a bundle's ``manifest`` with the caller's ``overrides`` (None: the bundle's)."""
         known = {f.name for f in fields(cls)} - {"num_host_blocks", "explicit_kv_blocks"}
         unknown = sorted(set(overrides) - known)
@@ -74,7 +75,7 @@ class EngineConfig:
                    max_waiting_requests=pick("max_waiting_requests"), max_queue_delay_us=pick("max_queue_delay_us"),
                    threads=overrides.get("threads"), explicit_kv_blocks=overrides.get("num_kv_blocks") is not None)
 
-    def with_num_kv_blocks(self, num_blocks: int) -> "EngineConfig":
+    def with_num_kv_blocks(self, num_blocks: int) -> EngineConfig:
         """The same configuration on a pool the executor fixed (``ExecutorCapabilities.num_blocks``)."""
         if self.explicit_kv_blocks and num_blocks != self.num_kv_blocks:
             raise EngineConfigError(f"num_kv_blocks is compiled into the OM models ({num_blocks} blocks); recompile "

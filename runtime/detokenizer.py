@@ -7,7 +7,7 @@ SentencePiece space) is decoded in context. Each step decodes a few tokens, neve
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from omforge.runtime.sampling_params import SamplingParams
 from omforge.runtime.tokenizer import TextTokenizer

@@ -9,25 +9,26 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-
+from omforge.contract import PagedLayout
 from omforge.contract.manifest import BundleError, load_manifest
 from omforge.errors import OmforgeError
-from omforge.contract import PagedLayout
-from omforge.runtime.detokenizer import IncrementalDetokenizer
 from omforge.runtime import kernels
-from omforge.runtime.kv_cache_manager import KVCacheManager
 from omforge.runtime.config import EngineConfig, EngineConfigError
+from omforge.runtime.detokenizer import IncrementalDetokenizer
 from omforge.runtime.executor import Executor, run_plan
+from omforge.runtime.kv_cache_manager import KVCacheManager
 from omforge.runtime.ort_executor import OrtExecutor
 from omforge.runtime.request import Request, Status, seq_ids
-from omforge.runtime.sampler import SamplerOutput, Sampler
+from omforge.runtime.sampler import Sampler, SamplerOutput
 from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
 from omforge.runtime.scheduler import Scheduler
 from omforge.runtime.tokenizer import TextTokenizer
+
 
 class RequestRejected(OmforgeError):
     """A request that can never run (too long for the context or the KV pool); the message says which limit."""
@@ -272,7 +273,8 @@ class LLMEngine:
             entry = {"token_id": token, "logprob": float(result.logprobs[row])}
             if result.top_ids is not None:
                 k = req.params.logprobs
-                entry["top"] = [(int(i), float(v)) for i, v in zip(result.top_ids[row, :k], result.top_logprobs[row, :k])]
+                entry["top"] = [(int(i), float(v))
+                                for i, v in zip(result.top_ids[row, :k], result.top_logprobs[row, :k])]
             req.logprobs.append(entry)
         new_text = ""
         if req.detokenizer is not None:

@@ -8,8 +8,9 @@ also in a step that schedules no work — and only then the step's work runs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -55,7 +56,7 @@ class Executor(Protocol):
         """Release what the executor holds (device, streams, buffers); idempotent."""
 
 
-def run_plan(executor: Executor, plan: "SchedulerOutput") -> np.ndarray | None:
+def run_plan(executor: Executor, plan: SchedulerOutput) -> np.ndarray | None:
     """Carry out one scheduler plan: its block moves in order, then its work. Returns the logits rows of the
     work items that sample (:attr:`SchedulerOutput.work` order), or None when the plan schedules no work."""
     executor.swap_out(plan.swap_out)

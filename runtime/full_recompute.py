@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -48,7 +48,8 @@ class ExportedModel:
     def logits(self, input_ids: np.ndarray) -> np.ndarray:
         """Full-sequence logits ``[batch, seq, vocab]`` for ``input_ids [batch, seq]`` (positions 0..seq-1)."""
         positions = np.broadcast_to(np.arange(input_ids.shape[1], dtype=np.int64), input_ids.shape)
-        return self.session.run(None, {"input_ids": input_ids.astype(np.int64), "position_ids": np.ascontiguousarray(positions)})[0]
+        return self.session.run(None, {"input_ids": input_ids.astype(np.int64),
+                                       "position_ids": np.ascontiguousarray(positions)})[0]
 
     def greedy(self, prompt_ids: Sequence[int], max_tokens: int, ignore_eos: bool = False) -> Generation:
         if not prompt_ids:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from omforge.runtime.engine import LLMEngine, RequestOutput
 from omforge.runtime.sampling_params import SamplingParams
@@ -22,7 +22,7 @@ class LLM:
         """Release the engine's executor (see :meth:`LLMEngine.close`); also on leaving a ``with`` block."""
         self.engine.close()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *_: object) -> None:

@@ -4,8 +4,9 @@ Each layer's pool is a numpy array ``[num_blocks, block_size, kv_heads, head_dim
 (zero-copy) as the ``key_cache.N`` input. Who writes the step's new rows depends on the graph
 (``lower_ort.lower(kv_write=…)``): with ``key_cache_out.N`` outputs (the default) the same buffer is bound as
 that output and the in-graph ScatterND writes in place; with ``key_new.N`` outputs the executor stores them at
-``slot_mapping`` after the run. Either way no step copies a pool: cost follows the work. A graph lowered to omforge's CPU kernel
-(``omforge.kernels.PagedAttention``) needs the kernel library, registered here whenever it is usable.
+``slot_mapping`` after the run. Either way no step copies a pool: cost follows the work. A graph lowered to
+omforge's CPU kernel (``omforge.kernels.PagedAttention``) needs the kernel library, registered here whenever it
+is usable.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from omforge.contract import PagedLayout
 from omforge.runtime import kernels
 from omforge.runtime.executor import ExecutorCapabilities
 from omforge.runtime.step import SeqWork, build_step
-
 
 BFLOAT16 = 16  # ONNX element type: numpy has no bfloat16, so bf16 pools are uint16 arrays bound with this type
 POOL_NUMPY_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "int8": np.int8}
@@ -94,7 +94,8 @@ class OrtExecutor:
 
     def execute(self, work: list[SeqWork]) -> np.ndarray:
         """Run one scheduler step; returns logits ``[items needing logits, vocab]`` (:class:`Executor`)."""
-        return self.run(build_step(work, self.layout.block_size, split_decodes=self.capabilities.supports_mixed_batches))
+        return self.run(build_step(work, self.layout.block_size,
+                                   split_decodes=self.capabilities.supports_mixed_batches))
 
     def close(self) -> None:
         """Nothing to release by hand (the session and pools are freed with the object)."""

@@ -41,8 +41,8 @@ class Request:
     logprobs: list[dict] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
-    parent: "Request | None" = None  # n > 1: the leader whose prompt KV this follower shares (forked, COW)
-    followers: list["Request"] = field(default_factory=list)  # n > 1, on the leader: not yet forked from it
+    parent: Request | None = None  # n > 1: the leader whose prompt KV this follower shares (forked, COW)
+    followers: list[Request] = field(default_factory=list)  # n > 1, on the leader: not yet forked from it
     index: int = 0  # n > 1: which of the n completions
 
     @property

@@ -12,8 +12,8 @@ batch; the tests check this across batch compositions.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

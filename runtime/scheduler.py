@@ -8,7 +8,8 @@ Policy only; allocation is the KV cache manager's. Every step:
   2. SWAPPED requests come back (oldest first) when no one was preempted this step and blocks allow.
   3. WAITING requests are admitted first-come-first-served, when no one was preempted this step, while the
      budget, ``max_num_seqs`` and the blocks allow; a long prompt takes the budget that is left and continues in
-     later steps (chunked prefill, interleaved with the running decodes). Prefix-cache hits skip the cached part of the prompt.
+     later steps (chunked prefill, interleaved with the running decodes). Prefix-cache hits skip the cached part
+     of the prompt.
 With ``mixed_batches`` (executors that support them, ``ExecutorCapabilities.supports_mixed_batches``: the ORT step
 graph's decode group, ``contract.DECODE_GROUP_INPUTS``)
 every step carries the running decodes and fills the rest of the budget with prefill chunks, vLLM's chunked
@@ -19,11 +20,12 @@ its prefill steps instead of alternating with them.
 decodes, so that a burst of arrivals cannot stall the decodes behind a full-budget prefill (Sarathi-Serve's
 stall-free batching): a decode step that carries a full-budget chunk costs a full-budget prefill. Steps without
 decodes still take the whole budget.
-Without mixed batches (graphs that pad every sequence's queries to the step's longest: the runtime-write ORT graph) a step
-carries either decodes or prefill work, and the two kinds alternate while both are pending: a 512-token chunk in a
-step with 16 decodes would cost 17 × 512 query rows of attention.
+Without mixed batches (graphs that pad every sequence's queries to the step's longest: the runtime-write ORT graph)
+a step carries either decodes or prefill work, and the two kinds alternate while both are pending: a 512-token
+chunk in a step with 16 decodes would cost 17 × 512 query rows of attention.
 Invariants: the scheduled tokens of a step never exceed the budget, nor its prefill tokens the decode-step cap;
-at most ``max_num_seqs`` requests are RUNNING, counting the ``n > 1`` followers a running leader will fork; a request is in exactly one of waiting / running / swapped until it finishes.
+at most ``max_num_seqs`` requests are RUNNING, counting the ``n > 1`` followers a running leader will fork; a
+request is in exactly one of waiting / running / swapped until it finishes.
 The step's lifecycle is the scheduler's (vLLM v1's shape): :meth:`Scheduler.schedule` returns the plan — the work
 and the ordered block moves the executor carries out (``executor.run_plan``) — and
 :meth:`Scheduler.update_from_output` finishes the step with the sampled tokens: tokens computed, full blocks
@@ -35,8 +37,8 @@ The engine keeps sampling, detokenising (stop strings end a request through :met
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from omforge.runtime.kv_cache_manager import KVCacheManager
 from omforge.runtime.request import Request, Status
@@ -205,7 +207,8 @@ class Scheduler:
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         room = self._occupied() < self.max_num_seqs  # waiting/swapped work can only start with a free seat
         prefill_pending = len(decoding) < len(self.running) or (room and bool(self.waiting or self.swapped))
-        decode_step = bool(decoding) and not (prefill_pending and self._last_was_decode) and not self.config.mixed_batches
+        decode_step = (bool(decoding) and not (prefill_pending and self._last_was_decode)
+                       and not self.config.mixed_batches)
         self._last_was_decode = decode_step
         # prefill tokens this step may take: capped when it carries decodes (mixed batches)
         cap = self.config.max_prefill_tokens_with_decodes if self.config.mixed_batches else None

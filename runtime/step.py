@@ -8,8 +8,8 @@ a negative entry (a block released because it fell out of the sliding window, ne
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -41,7 +41,8 @@ def build_step(work: Sequence[SeqWork], block_size: int, max_blocks: int | None 
     need_blocks = [-(-(w.start + n) // block_size) for w, n in zip(work, lens)]
     for w, need in zip(work, need_blocks):
         if len(w.block_table) < need:
-            raise ValueError(f"block table of {len(w.block_table)} blocks cannot hold {w.start + len(w.token_ids)} tokens")
+            raise ValueError(f"block table of {len(w.block_table)} blocks cannot hold "
+                             f"{w.start + len(w.token_ids)} tokens")
     single = lens == 1
     split = split_decodes and single.any() and not single.all()
     main = np.flatnonzero(~single) if split else np.arange(len(work))

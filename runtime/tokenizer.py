@@ -7,10 +7,11 @@ No torch, no transformers: the chat template is rendered with jinja2 the way Hug
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -52,7 +53,8 @@ class TextTokenizer:
     def _template(self) -> jinja2.Template:
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; use a plain completion prompt")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now

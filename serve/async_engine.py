@@ -25,8 +25,8 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator, Sequence
 
 from omforge.errors import OmforgeError
 from omforge.runtime.engine import LLMEngine, RequestOutput
@@ -68,7 +68,7 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: LLMEngine, *, max_waiting_requests: int, max_queue_delay_s: float = 0.002,
-                 metrics: "object | None" = None):
+                 metrics: object | None = None):
         self.engine = engine
         self.capacity = engine.scheduler.max_num_seqs + max_waiting_requests
         self.max_queue_delay_s = max_queue_delay_s
@@ -219,7 +219,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(ids, params, request_id, arrival_time=arrival)
                 added = True
-            except Exception as exc:  # noqa: BLE001 - the handler checked already; anything left goes to it
+            except Exception as exc:
                 self._call_soon(self._fail, seq_ids(request_id, params.n), exc)
         return added
 
@@ -245,7 +245,7 @@ class AsyncEngine:
                     self.metrics.after_step(engine, outputs, len(self._cmds))
                 if outputs:
                     self._call_soon(self._deliver, outputs)
-        except BaseException as exc:  # noqa: BLE001 - a failed step fails every request; /health turns 503
+        except BaseException as exc:
             self.failure = exc
             log.error("engine thread failed:\n%s", traceback.format_exc())
             self._call_soon(self._fail_all, EngineUnavailable(f"the engine failed: {type(exc).__name__}: {exc}"))

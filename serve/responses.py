@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any
 
 from omforge.runtime.engine import RequestOutput
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SMOLLM2_RECIPE, TINY_HF_CONFIGS, compile_bundle, export_tiny
+from helpers import SMOLLM2_RECIPE, TINY_HF_CONFIGS, TINY_RECIPE, compile_bundle, export_tiny
 
 
 @pytest.fixture(scope="session")
@@ -61,3 +61,27 @@ def tiny_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = Path(given) if given else tmp_path_factory.mktemp("tiny-exports")
     return {variant: root / variant / "export" if (root / variant / "export" / "export.json").is_file()
             else export_tiny(root / variant, variant) for variant in sorted(TINY_HF_CONFIGS)}
+
+
+@pytest.fixture(scope="session")
+def tiny_ascend_step(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    """The tiny recipe's ascend step graph lowered with every own plugin (the paged plugin on the step graph, PFA
+    on the full graph), both through the ascend pipeline; the lowering record as a cached stage stores it."""
+    import json
+
+    import onnx_ir as ir
+
+    from omforge.export.onnx_export import export_recipe
+    from omforge.passes.pipeline import Pipeline
+    from omforge.recipe import load_recipe
+
+    root = tmp_path_factory.mktemp("atc-tiny")
+    export_recipe(load_recipe(TINY_RECIPE), root / "export", quiet=True)
+    step = ir.load(root / "export" / "model.onnx")
+    paged = Pipeline("ascend", block_size=16, lowering={"paged_attention": "plugin"}).run(step).lowering.result
+    ir.save(step, root / "step.onnx", external_data="step.onnx.data")
+    full = ir.load(root / "export" / "model.onnx")
+    pfa = Pipeline("ascend", lowering={"attention": "pfa"}).run(full).lowering.result
+    lowering = paged.to_dict()
+    lowering["custom_ops"] |= pfa.to_dict()["custom_ops"]
+    return json.loads(json.dumps(lowering)), root / "step.onnx"

@@ -219,7 +219,8 @@ class _Model:
                     out.append(to if isinstance(to, int) else (-1 if gear is None else gear[profile["dims"].index(to)]))
             return out
 
-        self.inputs = [(v.name, _NP_OF_ONNX[v.type.tensor_type.elem_type], v) for v in graph.input if v.name not in weights]
+        self.inputs = [(v.name, _NP_OF_ONNX[v.type.tensor_type.elem_type], v) for v in graph.input
+                       if v.name not in weights]
         self.outputs = [(v.name, _NP_OF_ONNX[v.type.tensor_type.elem_type], v) for v in graph.output]
         gears = profile["gears"]
         self.gear_dims = [[x for _, _, v in self.inputs for x in dims_of(v, g)] for g in gears]

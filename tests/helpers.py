@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -232,3 +233,25 @@ def compile_bundle(recipe: Path, out: Path, cache: Path, target: str | None = No
         else:
             os.environ["OMFORGE_CACHE_DIR"] = old
     return out
+
+
+def lowering_dict(opset: int = 18) -> dict:
+    """AscendLowering.to_dict()'s custom_ops for every op type with a plugin, as :func:`lower_ascend.lower` records
+    them (PFA needs our plugin at opset 17/18 only; rotary is CANN's)."""
+    from omforge.passes.lower_ascend import SPECS, CustomOp
+
+    attributes = {
+        "OmRmsNorm": {"epsilon": [1e-5]}, "OmAddRmsNorm": {"epsilon": [1e-5]}, "SwiGlu": {"dim": [-1]},
+        "NPURotaryPositionEmbedding": {"mode": [0]},
+        "NPUPromptFlashAttention": {"input_layout": ["BNSD"], "num_heads": [9], "num_key_value_heads": [3],
+                                    "scale_value": [0.125], "pre_tokens": [2**31 - 1], "next_tokens": [0],
+                                    "sparse_mode": [0], "inner_precise": [0]},
+        "PagedAttention": {"scale_value": [0.125], "num_heads": [9], "num_key_value_heads": [3], "block_size": [128]},
+    }
+    ops = {}
+    for op_type, attrs in attributes.items():
+        spec = SPECS[op_type]
+        ops[op_type] = dataclasses.asdict(CustomOp(
+            op_type, f"ai.onnx::{opset}::{op_type}", spec.ge_type, 1, attrs, own_plugin=opset not in spec.cann_opsets,
+            own_kernel=spec.own_kernel, inputs=spec.inputs, outputs=spec.outputs))
+    return {"opset": opset, "custom_ops": ops}

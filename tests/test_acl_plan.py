@@ -9,10 +9,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import SMOLLM2_RECIPE
-from omforge.compile.buckets import BucketError, plan
+from omforge.compile.buckets import plan
+from omforge.contract.buckets import BucketError
 from omforge.recipe import load_recipe
-from omforge.runtime.acl_plan import (DYNAMIC_INPUT, AclModelMismatch, ModelDesc, TensorDesc, check_desc, gear_dims,
-                                      max_prompt_len, pack_run, plan_runs, slot_copy_plan)
+from omforge.runtime.acl_plan import (
+    DYNAMIC_INPUT,
+    AclModelMismatch,
+    ModelDesc,
+    TensorDesc,
+    check_desc,
+    gear_dims,
+    max_prompt_len,
+    pack_run,
+    plan_runs,
+    slot_copy_plan,
+)
 from omforge.runtime.step import SeqWork, build_step
 
 BS = 128
@@ -141,7 +152,8 @@ def test_slot_copy_plan_of_a_prefill_chunk_is_one_copy_per_block() -> None:
 
 def _desc(profile_name: str, **changes: object) -> ModelDesc:
     profile = PLAN.profile(profile_name)
-    inputs = tuple(TensorDesc(n, 4 * 3 * 64 * NUM_SLOTS if "cache" in n else 64, tuple(-1 for _ in d), 0 if "cache" in n else 9)
+    inputs = tuple(TensorDesc(n, 4 * 3 * 64 * NUM_SLOTS if "cache" in n else 64, tuple(-1 for _ in d),
+                              0 if "cache" in n else 9)
                    for n, d in INPUTS) + (TensorDesc(DYNAMIC_INPUT, 8, (1,), 9),)
     outputs = tuple(TensorDesc(n, 64, (), 0) for n, _ in OUTPUTS)
     gears = tuple(tuple(gear_dims(profile, g, INPUTS, NUM_SLOTS)) for g in profile.gears)

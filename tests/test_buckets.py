@@ -15,9 +15,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from helpers import TINY_RECIPE
-from omforge.compile.buckets import (
-    DEFAULT_GEAR_CAP, MAX_GEARS, STEP_DIMS, BucketError, BucketPlan, BucketWarning, Choice, Profile, pick, plan,
-)
+from omforge.compile.buckets import DEFAULT_GEAR_CAP, BucketWarning, plan
+from omforge.contract.buckets import MAX_GEARS, STEP_DIMS, BucketError, BucketPlan, Choice, pick
 from omforge.recipe import Buckets, CompileSection, load_recipe
 
 

@@ -15,7 +15,8 @@ from omforge.cli import main
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "omforge", *args], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run([sys.executable, "-m", "omforge", *args], capture_output=True, text=True, env=env,
+                          timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +66,10 @@ def test_generate_from_recipe_exports_once(tiny: tuple[Path, Path], tmp_path: Pa
 
 @pytest.mark.parametrize("args, message", [
     (["generate", "/nonexistent/export", "--prompt", "x"], "/nonexistent/export: no such recipe or export directory"),
-    (["generate", "pyproject.toml", "--prompt", "x"], "pyproject.toml: expected a recipe (.yaml) or an export directory"),
-    (["generate", "tests/recipes/tiny-llama.yaml", "--prompt", "x", "--max-tokens", "0"], "--max-tokens must be at least 1"),
+    (["generate", "pyproject.toml", "--prompt", "x"],
+     "pyproject.toml: expected a recipe (.yaml) or an export directory"),
+    (["generate", "tests/recipes/tiny-llama.yaml", "--prompt", "x", "--max-tokens", "0"],
+     "--max-tokens must be at least 1"),
 ])
 def test_bad_generate_arguments(args: list[str], message: str) -> None:
     out = subprocess.run([sys.executable, "-m", "omforge", *args], capture_output=True, text=True, timeout=120,
@@ -75,7 +78,8 @@ def test_bad_generate_arguments(args: list[str], message: str) -> None:
     assert out.stderr.strip().splitlines() == [f"omforge: error: {message}"]
 
 
-def test_overlong_prompt_is_rejected(tiny: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_overlong_prompt_is_rejected(tiny: tuple[Path, Path], tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
     _, recipe = tiny
     assert main(["export", str(recipe), "-o", str(tmp_path / "exp")]) == 0
     capsys.readouterr()

@@ -10,8 +10,8 @@ import pytest
 
 from helpers import TINY_RECIPE, compile_bundle
 from omforge.cli import main
-from omforge.compile.bundle import SCHEMA_VERSION, BundleError, load_manifest
 from omforge.compile.compiler import compile_recipe
+from omforge.contract.manifest import SCHEMA_VERSION, BundleError, load_manifest
 from omforge.recipe import load_recipe
 
 
@@ -156,6 +156,7 @@ def test_stage_key_covers_every_module_the_stage_runs() -> None:
     ascend, ort = stage_sources("ascend"), stage_sources("ort")
     for name in ("ascend.py", "atc.py", "buckets.py"):
         assert _ROOT / "compile" / name in ascend and _ROOT / "compile" / name not in ort
-    for f in (_ROOT / "passes" / "lower_ort.py", _ROOT / "passes" / "lower_ascend.py", _ROOT / "contract" / "buckets.py"):
+    for f in (_ROOT / "passes" / "lower_ort.py", _ROOT / "passes" / "lower_ascend.py",
+              _ROOT / "contract" / "buckets.py"):
         assert f in ascend and f in ort
     assert all(f.is_file() for f in ascend)

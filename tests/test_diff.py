@@ -110,7 +110,8 @@ def test_json_has_histograms_regions_and_drift(export: Path, fused: tuple[Path, 
         assert [scope for _, _, scope in region["replaced"]] == [
             f"model.layers.{layer}.self_attn.{p}_proj" for p in "qkv"]
     for region in fusions["attention"]["regions"]:
-        assert region["fused"] == ["Attention"] and {"Softmax", "Where", "Expand"} <= {op for op, _, _ in region["replaced"]}
+        assert (region["fused"] == ["Attention"]
+                and {"Softmax", "Where", "Expand"} <= {op for op, _, _ in region["replaced"]})
     # Regions are disjoint and name real nodes of A.
     names_a = {n.name for n in onnx.load(str(export / "model.onnx"), load_external_data=False).graph.node}
     replaced = [name for f in prov["fusions"] for r in f["regions"] for _, name, _ in r["replaced"]]
@@ -202,10 +203,10 @@ def test_bad_input_exits_2(export: Path, tmp_path_factory: pytest.TempPathFactor
 
 
 def test_relative_error_is_normwise() -> None:
-    from omforge.passes.diff import _drift
+    from omforge.passes.diff import drift
 
     ref = np.array([[[10.0, 0.0], [0.0, -5.0]]], np.float32)
     got = ref + np.array([[[0.0, 1e-3], [0.0, 0.0]]], np.float32)  # an error where A is 0 stays finite
-    d = _drift("logits", ref, got)
+    d = drift("logits", ref, got)
     assert d.max_abs == pytest.approx(1e-3) and d.max_rel == pytest.approx(1e-4)
     assert (d.top1_agree, d.rows) == (2, 2)

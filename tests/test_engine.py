@@ -87,7 +87,7 @@ def test_fuzz_arrivals_cancellations_preemptions(tiny_bundle: Path) -> None:
         engine = LLMEngine(tiny_bundle, num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=24,
                            preemption_mode=mode, swap_space_gb=0.005)
         live: list[str] = []
-        for step in range(150):
+        for _ in range(150):
             if rnd.random() < 0.3:
                 p = prompts(1, seed=rnd.randrange(10**6), lo=2, hi=30)[0]
                 params = SamplingParams(temperature=rnd.choice([0.0, 0.8]), seed=rnd.randrange(100),
@@ -159,7 +159,8 @@ def test_smollm2_prefix_caching(smollm2_bundle: Path) -> None:
 
 
 def test_smollm2_text_stops_and_offline_api(smollm2_bundle: Path) -> None:
-    from omforge import LLM as PublicLLM, SamplingParams as PublicParams
+    from omforge import LLM as PublicLLM
+    from omforge import SamplingParams as PublicParams
 
     llm = PublicLLM(smollm2_bundle)
     chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])

@@ -10,9 +10,9 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from helpers import TINY_HF_CONFIGS, TINY_RECIPE, hf_reference, make_tiny_hf_dir, write_recipe
 from omforge.export.onnx_export import export_recipe
 from omforge.recipe import load_recipe
-from helpers import TINY_HF_CONFIGS, TINY_RECIPE, hf_reference, make_tiny_hf_dir, write_recipe
 
 TOL = 1e-4
 # Ops a fusion pass would introduce: none may appear in the unfused export.

@@ -6,13 +6,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import pytest
 from onnx import helper
 
+from helpers import (
+    NUM_LAYERS,
+    apply_rules,
+    assert_fuses,
+    assert_no_match,
+    assert_same_logits,
+    fused_ops,
+    load_export,
+    make_model,
+)
 from omforge.passes import add_rms_norm, rms_norm
-from helpers import (NUM_LAYERS, apply_rules, assert_fuses, assert_no_match, assert_same_logits, fused_ops,
-                     load_export, make_model)
 
 HIDDEN = 8
 EPS = 1e-6
@@ -25,7 +34,8 @@ def fuse(model: ir.Model) -> int:
 
 
 def add_norm_graph(a_shape: tuple[int, ...] = (2, 3, HIDDEN), b_shape: tuple[int, ...] = (2, 3, HIDDEN), *,
-                   read_on: bool = True, producer: str = "Add", shapes: dict | None = None):  # noqa: ANN202
+                   read_on: bool = True, producer: str = "Add",
+                   shapes: dict | None = None) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """``s = a + b; y = rmsnorm(s)``, and (``read_on``) the residual stream reading ``s`` on: ``next = s + y``,
     with ``s`` also a graph output. ``producer`` replaces the Add (a Mul is no residual add)."""
     rng = np.random.default_rng(0)

@@ -7,13 +7,25 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import pytest
 from onnx import helper
 
+from helpers import (
+    NUM_LAYERS,
+    TINY_HF_CONFIGS,
+    apply_rules,
+    assert_fuses,
+    assert_no_match,
+    assert_same_logits,
+    fused_ops,
+    load_export,
+    lowered,
+    make_model,
+    run_model,
+)
 from omforge.passes import attention
-from helpers import (NUM_LAYERS, TINY_HF_CONFIGS, apply_rules, assert_fuses, assert_no_match, assert_same_logits,
-                     fused_ops, load_export, lowered, make_model, run_model)
 
 B, S, D = 2, 6, 8
 NEG = float(np.finfo(np.float32).min)
@@ -21,7 +33,7 @@ NEG = float(np.finfo(np.float32).min)
 
 def attention_graph(q_heads: int = 4, kv_heads: int = 2, *, scale: float | np.ndarray | None = D ** -0.5,
                     fill: float | None = NEG, mask: str = "causal", repeat_axis: int = 2, symbolic: bool = False,
-                    k_heads: int | None = None):  # noqa: ANN202 - (model, feeds)
+                    k_heads: int | None = None) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """The export's attention: ``softmax(Where(mask, fill, q @ k'ᵀ * scale)) @ v'`` with ``k' = v' = repeat(kv)``
     (Unsqueeze at ``repeat_axis``, Expand, Reshape) when ``q_heads > kv_heads``, and the mask the causal
     ``arange[None, :] > arange[:, None]`` over ``Range(0, S)``. ``scale``/``fill`` None: a graph input.
@@ -145,6 +157,7 @@ def test_real_exports(tiny_exports: dict[str, Path]) -> None:
         for node in fused_ops(model, "Attention"):
             a = {k: v.value for k, v in node.attributes.items()}
             window = TINY_HF_CONFIGS[variant].get("sliding_window")
-            assert a == {"scale": pytest.approx(0.25), "q_heads": 4, "kv_heads": 2, **({"window": window} if window else {})}
+            assert a == {"scale": pytest.approx(0.25), "q_heads": 4, "kv_heads": 2,
+                         **({"window": window} if window else {})}
         assert not [n for n in model.graph if n.op_type in ("Softmax", "Expand")], variant
         assert_same_logits(unfused, model)

@@ -6,18 +6,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from omforge.passes import gate_up_swiglu
 from helpers import NUM_LAYERS, assert_fuses, assert_no_match, assert_same_logits, fused_ops, load_export, make_model
+from omforge.passes import gate_up_swiglu
 
 HIDDEN, FFN = 16, 32
 
 
 def mlp_graph(*, up_shape: tuple[int, ...] = (HIDDEN, FFN), gate_shape: tuple[int, ...] = (HIDDEN, FFN),
               up_input: bool = False, gate_input: bool = False, up_reads: str = "x", down: bool = True,
-              names: tuple[str, str] = ("wg", "wu"), shapes: dict | None = None):  # noqa: ANN202
+              names: tuple[str, str] = ("wg", "wu"),
+              shapes: dict | None = None) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """``(g * sigmoid(g)) * u`` with ``g = x @ Wg``, ``u = <up_reads> @ Wu`` (then ``@ Wd`` when ``down``), in the
     export's order; ``*_input`` makes that weight a graph input instead of an initializer."""
     rng = np.random.default_rng(0)

@@ -12,8 +12,8 @@ import onnx_ir as ir
 import pytest
 from onnx import helper
 
+from helpers import FUSED_TOL, NUM_LAYERS, assert_no_match, assert_same_logits, load_export, make_model, run_model
 from omforge.passes import qkv_merge
-from helpers import NUM_LAYERS, FUSED_TOL, assert_no_match, assert_same_logits, load_export, make_model, run_model
 
 HIDDEN = 16
 COLS = (16, 8, 8)  # q, then k and v with half the heads (GQA)
@@ -21,7 +21,8 @@ COLS = (16, 8, 8)  # q, then k and v with half the heads (GQA)
 
 def qkv_graph(cols: tuple[int, ...] = COLS, *, bias: tuple[bool, ...] | bool = False, bias_first: bool = False,
               bias_shape: str = "vector", outputs: str = "consumed", weight_input: bool = False,
-              weight_3d: bool = False, names: tuple[str, ...] | None = None):  # noqa: ANN202 - (model, feeds)
+              weight_3d: bool = False,
+              names: tuple[str, ...] | None = None) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """``len(cols)`` projections ``x @ W_i (+ b_i)`` of one ``x [2, 3, HIDDEN]``. ``outputs='consumed'`` feeds each
     into a Relu (as the export's Reshape reads q/k/v); ``'graph'`` makes the projections graph outputs."""
     rng = np.random.default_rng(0)

@@ -6,11 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from omforge.passes import rms_norm
 from helpers import NUM_LAYERS, assert_fuses, assert_no_match, assert_same_logits, fused_ops, load_export, make_model
+from omforge.passes import rms_norm
 
 HIDDEN = 8
 EPS = 1e-5
@@ -19,7 +20,7 @@ EPS = 1e-5
 def rms_graph(*, weight_left: bool = True, x_first: bool = True, constants: str = "initializer",
               two: float = 2.0, axes: list[int] | None = None, reduce_attrs: dict | None = None,
               eps: float | np.ndarray | None = EPS, weight: np.ndarray | None = None, weight_input: bool = False,
-              x_shape: tuple[int, ...] = (2, 3, HIDDEN)):  # noqa: ANN202 - (model, feeds)
+              x_shape: tuple[int, ...] = (2, 3, HIDDEN)) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """``w * (x * 1/sqrt(mean(x**2, axes) + eps))`` in the export's ops; ``eps=None`` makes epsilon a graph input,
     ``constants='node'`` gives the scalars as Constant nodes instead of initializers; ``reduce_attrs`` replaces
     the ReduceMean attributes the export writes (``keepdims=1, noop_with_empty_axes=0``)."""

@@ -7,11 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from onnx import helper
 
-from omforge.passes import rotary
 from helpers import NUM_LAYERS, assert_fuses, assert_no_match, assert_same_logits, fused_ops, load_export, make_model
+from omforge.passes import rotary
 
 INT64_MAX = 2**63 - 1
 B, H, S, D = 2, 4, 5, 8
@@ -41,7 +42,7 @@ def rotary_nodes(x: str, out: str, *, second: tuple = (D // 2, INT64_MAX), first
 
 
 def rotary_graph(x_shape: tuple[int, ...] = (B, H, S, D), table_shape: tuple[int, ...] | None = None,
-                 shapes: dict | None = None, **slices):  # noqa: ANN003, ANN202
+                 shapes: dict | None = None, **slices) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     rng = np.random.default_rng(0)
     table_shape = table_shape or (x_shape[0], 1, *x_shape[2:])
     ang = angles(rng, table_shape)

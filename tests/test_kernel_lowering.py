@@ -11,13 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_smollm2 import CHAT_PROMPTS
 
 from helpers import SMOLLM2_RECIPE, TINY_RECIPE, compile_bundle
-from omforge.compile.bundle import load_manifest
+from omforge.contract.manifest import load_manifest
 from omforge.runtime import kernels
 from omforge.runtime.llm import LLM
 from omforge.runtime.sampling_params import SamplingParams
-from test_smollm2 import CHAT_PROMPTS
 
 pytestmark = pytest.mark.skipif(not kernels.status().available, reason=f"kernel library: {kernels.status().reason}")
 TESTS = Path(__file__).parent
@@ -49,7 +49,7 @@ print(json.dumps([o.token_ids for o in outs]))
 """
 
 
-def plain_tokens(recipe: Path, out: Path, cache: Path, prompts: list) -> list[list[int]]:  # noqa: ANN001
+def plain_tokens(recipe: Path, out: Path, cache: Path, prompts: list) -> list[list[int]]:
     args = ", ".join(repr(str(x)) for x in (recipe, out, cache, json.dumps(prompts)))
     r = without_kernels(GENERATE_PLAIN.format(args=args), cache)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -84,7 +84,8 @@ def test_without_the_library_compile_falls_back_and_a_kernel_bundle_is_one_clear
     assert r.stderr.count("kernel library unavailable (disabled by OMFORGE_KERNELS=0)") == 1  # said once
     assert load_manifest(tmp_path / "plain")["paged_attention"] == "plain"
     bundle = compile_bundle(TINY_RECIPE, tmp_path / "kernel", tmp_path / "cache")
-    r = subprocess.run([sys.executable, "-m", "omforge", "generate", str(bundle), "--prompt", "hi", "--max-tokens", "2"],
+    r = subprocess.run([sys.executable, "-m", "omforge", "generate", str(bundle), "--prompt", "hi",
+                        "--max-tokens", "2"],
                        env={**os.environ, "OMFORGE_KERNELS": "0"}, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
@@ -139,7 +140,7 @@ def test_reduced_precision_kv_bundle(tiny_bundles: dict[str, Path], dtype: str, 
     execs = {d: LLM(tiny_bundles[d], num_kv_blocks=64).engine.executor for d in ("float32", dtype)}
     ids, table = prompts[0], list(range(40))
     drift = []
-    for d, ex in execs.items():
+    for _d, ex in execs.items():
         out = [ex.execute([SeqWork(ids, 0, table)])[0]]
         for i in range(8):
             out.append(ex.execute([SeqWork([7 + i], len(ids) + i, table)])[0])
@@ -164,12 +165,14 @@ def test_reduced_precision_kv_errors(tmp_path: Path) -> None:
 
 
 def test_diff_of_two_bundles_reports_kv_drift(tiny_bundles: dict[str, Path]) -> None:
-    r = subprocess.run([sys.executable, "-m", "omforge", "diff", str(tiny_bundles["float32"]), str(tiny_bundles["int8"]),
-                        "--max-tokens", "8", "--json", "--tol", "100"], capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "omforge", "diff", str(tiny_bundles["float32"]),
+                        str(tiny_bundles["int8"]), "--max-tokens", "8", "--json", "--tol", "100"],
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["kv_dtypes"] == ["float32", "int8"] and len(d["prompts"]) == 20
     assert 0 < d["max_abs"] < 100 and all(0 <= p["identical_prefix"] <= 8 for p in d["prompts"])
     same = subprocess.run([sys.executable, "-m", "omforge", "diff", str(tiny_bundles["float32"]),
-                           str(tiny_bundles["float32"]), "--max-tokens", "4"], capture_output=True, text=True, timeout=600)
+                           str(tiny_bundles["float32"]), "--max-tokens", "4"],
+                          capture_output=True, text=True, timeout=600)
     assert same.returncode == 0 and "identical 4-token outputs: 100% of prompts" in same.stdout, same.stderr

@@ -31,7 +31,8 @@ def make_step(rng: np.random.Generator, seqs: list[tuple[int, int]], block_size:
 
 
 def run_case(rng, seqs, *, q_heads=9, kv_heads=3, head_dim=64, block_size=16, num_blocks=64, window=0,  # noqa: ANN001
-             shared_prefix_blocks=0, in_place=True, token_major=False, split_decodes=True, kv_dtype="float32") -> None:
+             shared_prefix_blocks: int = 0, in_place: bool = True, token_major: bool = False,
+             split_decodes: bool = True, kv_dtype: str = "float32") -> None:
     step = make_step(rng, seqs, block_size, num_blocks, shared_prefix_blocks, split_decodes)
     T = step["input_ids"].shape[1]
     scale = head_dim ** -0.5
@@ -162,7 +163,8 @@ def test_slower_isa_paths(isa: str, tmp_path) -> None:  # noqa: ANN001
     import os
     env = {**os.environ, "OMFORGE_KERNELS_ISA": isa}
     tests_dir = str(__import__("pathlib").Path(__file__).parent)
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=tests_dir, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=tests_dir, capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
 
 
@@ -212,8 +214,9 @@ def test_bad_inputs_are_ort_errors() -> None:
         sess.run(None, {**feeds, "block_tables": feeds["block_tables"] + 50})
     with pytest.raises(Exception, match="head_dim must be one of"):
         bad = kernel_model(q_heads=9, kv_heads=3, head_dim=48, block_size=16, scale=0.125)
-        session(bad).run(None, {**feeds, "q": np.zeros((1, 9, 3, 48), np.float32), "k": np.zeros((1, 3, 3, 48), np.float32),
-                                "v": np.zeros((1, 3, 3, 48), np.float32), "key_cache": np.zeros((64, 3, 48), np.float32),
+        session(bad).run(None, {**feeds, "q": np.zeros((1, 9, 3, 48), np.float32),
+                                "k": np.zeros((1, 3, 3, 48), np.float32), "v": np.zeros((1, 3, 3, 48), np.float32),
+                                "key_cache": np.zeros((64, 3, 48), np.float32),
                                 "value_cache": np.zeros((64, 3, 48), np.float32)})
 
 
@@ -230,7 +233,8 @@ def test_swiglu(shape: tuple[int, ...]) -> None:
     node = helper.make_node("SwiGLU", ["x"], ["y"], domain=kernels.DOMAIN)
     graph = helper.make_graph([node], "swiglu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(kernels.DOMAIN, 1)],
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid(kernels.DOMAIN, 1)],
                               ir_version=9)
     x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32) * 6
     x.flat[:4] = [100.0, -100.0, 0.0, -0.0]  # saturated and zero gates

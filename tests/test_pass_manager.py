@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from onnxscript.rewriter import pattern
 
+from helpers import FUSED_TOL, NUM_LAYERS, assert_same_logits, export_feeds, fused_ops, load_export, run_model
 from omforge.passes import decompose, manager
 from omforge.recipe import FUSIONS
-from helpers import NUM_LAYERS, FUSED_TOL, assert_same_logits, export_feeds, fused_ops, load_export, run_model
 
 L = NUM_LAYERS
 EXPECTED = {"rms_norm": 2 * L + 1, "add_rms_norm": 2 * L, "rotary": 2 * L, "qkv_merge": L, "gate_up_swiglu": L,

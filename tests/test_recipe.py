@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from omforge.cli import main
 from omforge.recipe import FUSIONS, Recipe, RecipeError, load_recipe
 
@@ -27,11 +28,12 @@ MODEL = "model:\n  name: t\n  source: random\n  config: {vocab_size: 8}\n"
 
 TOP_KEYS = "model, compile, serve"
 MODEL_KEYS = "name, source, path, package, file, seed, family, config, tokenizer"
-COMPILE_KEYS = ("target, dtype, opset, kv_block_size, kv_cache_dtype, max_batch_size, max_seq_len, max_num_tokens, buckets, "
-                "fusions, quantization, soc_version, precision_mode")
+COMPILE_KEYS = ("target, dtype, opset, kv_block_size, kv_cache_dtype, max_batch_size, max_seq_len, max_num_tokens, "
+                "buckets, fusions, quantization, soc_version, precision_mode")
 BUCKET_KEYS = "prefill_seq_lens, decode_batch_sizes, context_lens"
-SERVE_KEYS = ("max_num_seqs, max_num_batched_tokens, max_prefill_tokens_with_decodes, max_model_len, enable_prefix_caching, max_queue_delay_us, "
-              "preemption_mode, swap_space_gb, num_kv_blocks, max_waiting_requests")
+SERVE_KEYS = ("max_num_seqs, max_num_batched_tokens, max_prefill_tokens_with_decodes, max_model_len, "
+              "enable_prefix_caching, max_queue_delay_us, preemption_mode, swap_space_gb, num_kv_blocks, "
+              "max_waiting_requests")
 
 
 @pytest.fixture
@@ -245,8 +247,10 @@ def test_shipped_hf_templates_say_to_edit_model_path(tmp_path: Path, capsys: pyt
 
 
 @pytest.mark.parametrize(("text", "expected"), [
-    (MODEL + "compil:\n  target: ort\n", "compil: unknown key (did you mean 'compile'?); allowed: model, compile, serve"),
-    (MODEL + "compile:\n  opset: [18\n", "not valid YAML at line 7, column 1: expected ',' or ']', but got '<stream end>'"),
+    (MODEL + "compil:\n  target: ort\n",
+     "compil: unknown key (did you mean 'compile'?); allowed: model, compile, serve"),
+    (MODEL + "compile:\n  opset: [18\n",
+     "not valid YAML at line 7, column 1: expected ',' or ']', but got '<stream end>'"),
 ], ids=["unknown-key", "yaml-syntax"])
 def test_cli_subprocess_exit_2_without_traceback(tmp_path: Path, text: str, expected: str) -> None:
     recipe = _write(tmp_path, text)

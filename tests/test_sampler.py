@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from omforge.errors import OmforgeError
-from omforge.runtime.sampler import Sampler, _truncate
+from omforge.runtime.sampler import Sampler, SamplerOutput, _truncate
 from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
 
 V = 5000  # above the sampler's 1024 groups, not a multiple of them: padding and multi-token groups are live
@@ -27,7 +27,7 @@ def peaked_logits(rng: np.random.Generator, rows: int, vocab: int = V) -> np.nda
 
 def run(logits: np.ndarray, params: list[SamplingParams], seeds: list[int | None] | None = None,
         outputs: list[list[int]] | None = None, prompts: list[list[int]] | None = None,
-        sampler: Sampler | None = None):  # noqa: ANN201
+        sampler: Sampler | None = None) -> SamplerOutput:
     R = len(params)
     gens = [None if s is None else np.random.default_rng(s) for s in (seeds or [None] * R)]
     return (sampler or Sampler([EOS], seed=0)).sample(logits, params, gens, outputs or [[]] * R,

@@ -14,7 +14,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from omforge.runtime.executor import Executor, ExecutorCapabilities, run_plan
 from omforge.runtime.kv_cache_manager import NO_BLOCK, KVCacheManager
@@ -297,7 +298,7 @@ def test_fuzz_lifecycles_keep_the_invariants(case: dict) -> None:
         seqs[0].followers = seqs[1:]
         pending.append((arrive, seqs))
     for t in range(600):
-        for arrive, seqs in [p for p in pending if p[0] == t]:
+        for _arrive, seqs in [p for p in pending if p[0] == t]:
             s.add(seqs[0])
             live += seqs
         if t in case["aborts"] and live:

@@ -172,7 +172,7 @@ def test_logprobs_on_both_endpoints(client) -> None:  # noqa: ANN001
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
     assert "".join(lp.tokens) == r.choices[0].text
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for _token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert logprob <= 0 and len(top) <= 3
         assert max(top.values()) == pytest.approx(logprob, abs=1e-5)  # greedy: the chosen token is the top one
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)

@@ -16,8 +16,8 @@ from omforge.runtime import kernels
 from omforge.runtime.full_recompute import ExportedModel
 from omforge.runtime.kv_cache_manager import NO_BLOCK
 from omforge.runtime.llm import LLM
-from omforge.runtime.sampling_params import SamplingParams
 from omforge.runtime.ort_executor import OrtExecutor
+from omforge.runtime.sampling_params import SamplingParams
 from omforge.runtime.step import SeqWork, build_step
 
 WINDOW = TINY_HF_CONFIGS["mistral"]["sliding_window"]

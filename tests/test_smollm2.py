@@ -42,7 +42,8 @@ def test_prompt_logits_match_transformers(exported: ExportedModel, smollm2_hf) -
 
 def test_tokenizer_matches_transformers(exported: ExportedModel, smollm2_hf) -> None:  # noqa: ANN001
     _, hf_tok = smollm2_hf
-    for text in [PARAGRAPH, "héllo wörld — ünïcode ✓ 漢字 🙂", "  leading spaces\n\ttabs", "<|im_start|>user\nhi<|im_end|>"]:
+    for text in [PARAGRAPH, "héllo wörld — ünïcode ✓ 漢字 🙂", "  leading spaces\n\ttabs",
+                 "<|im_start|>user\nhi<|im_end|>"]:
         ids = exported.tokenizer.encode(text)
         assert ids == hf_tok(text, add_special_tokens=True)["input_ids"]
         assert exported.tokenizer.decode(ids, skip_special_tokens=False) == hf_tok.decode(ids)
@@ -68,7 +69,8 @@ def test_greedy_tokens_match_transformers(exported: ExportedModel, smollm2_hf, p
     messages = [{"role": "user", "content": prompt}]
     text = exported.tokenizer.apply_chat_template(messages)
     ids = exported.tokenizer.encode(text, add_special_tokens=False)
-    hf_ids = hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+    hf_ids = hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                        return_dict=True)["input_ids"]
     assert ids == list(hf_ids)
     with torch.no_grad():
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=2, pad_token_id=2)

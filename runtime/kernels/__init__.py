@@ -58,7 +58,7 @@ def _ort_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def status() -> KernelStatus:
     """Probe the library once per process (its ISA choice is fixed at load)."""
     if os.environ.get("OMFORGE_KERNELS", "1") == "0":
@@ -79,7 +79,8 @@ def status() -> KernelStatus:
     abi = int(fields["abi"])
     if abi != ABI_VERSION:
         return KernelStatus(False, str(path), abi, fields.get("isa"),
-                            reason=f"{path.name} speaks kernel ABI {abi}, this omforge {ABI_VERSION}; reinstall omforge")
+                            reason=f"{path.name} speaks kernel ABI {abi}, this omforge {ABI_VERSION}; "
+                                   "reinstall omforge")
     return KernelStatus(True, str(path), abi, fields["isa"])
 
 

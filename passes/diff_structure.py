@@ -1,0 +1,98 @@
+"""``omforge diff``, structure: op-type histograms of A and B, totals, nodes per decoder layer (from the
+exporter's ``omforge.scope`` metadata), and the provenance of B's fused regions (:mod:`diff_provenance`)."""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import onnx_ir as ir
+
+from omforge.errors import one_line
+from omforge.passes.diff_provenance import Provenance, Replay, op_key, scope_of, trace_fusions
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)(?:\.|$)")
+
+
+@dataclass
+class OpCount:
+    op: str
+    a: int
+    b: int
+
+    @property
+    def delta(self) -> int:
+        return self.b - self.a
+
+
+@dataclass
+class LayerCount:
+    layer: int
+    a: int
+    b: int
+
+
+@dataclass
+class Structure:
+    """Op histograms of A and B; ``layers`` is empty when the graphs carry no decoder-layer scopes."""
+
+    ops: list[OpCount]
+    total_a: int
+    total_b: int
+    layers: list[LayerCount]
+
+    @property
+    def new_ops(self) -> list[str]:
+        """Op types B has and A has not: the fused ops."""
+        return [o.op for o in self.ops if o.a == 0 and o.b > 0]
+
+    def layer_median(self) -> tuple[float, float] | None:
+        if not self.layers:
+            return None
+        return statistics.median(c.a for c in self.layers), statistics.median(c.b for c in self.layers)
+
+
+def compare_structure(a: ir.Model, b: ir.Model, switches: Mapping[str, bool] | None) -> tuple[Structure, Provenance]:
+    """Histograms of ``a`` and ``b``, and the provenance of ``b``'s fused regions (``a`` is consumed: the
+    fusions are replayed on it)."""
+    hist_a, hist_b = Counter(op_key(n) for n in a.graph), Counter(op_key(n) for n in b.graph)
+    layers_a = _layer_counts(a.graph, {})
+    new_ops = {op for op in hist_b if op not in hist_a}
+    try:
+        replay: Replay | None = trace_fusions(a, switches)
+    except Exception as e:
+        replay, failure = None, f"replaying the fusions on A failed ({type(e).__name__}: {one_line(e)})"
+    hist_replay = Counter(op_key(n) for n in a.graph)
+    if replay is not None and hist_replay == hist_b:
+        provenance = replay.summarize(new_ops)
+        layers_b = _layer_counts(a.graph, replay.scopes())  # the replay is B, with scopes for every node
+    else:
+        layers_b = _layer_counts(b.graph, {})
+        if replay is None:
+            note = failure
+        elif not new_ops and hist_a != hist_b:
+            note = "B has no op type A lacks: nothing fused, the graphs differ otherwise"
+        elif not new_ops:
+            note = "B has the same ops as A: nothing fused"
+        else:
+            note = (f"B is not omforge's fusion of A (replaying the fusions gives {sum(hist_replay.values())} "
+                    f"nodes, B has {sum(hist_b.values())}): provenance of {', '.join(sorted(new_ops))} unknown")
+        provenance = Provenance(False, note, [], 0)
+    ops = sorted({*hist_a, *hist_b}, key=lambda op: (-max(hist_a[op], hist_b[op]), op))
+    layers = [LayerCount(i, layers_a.get(i, 0), layers_b.get(i, 0)) for i in sorted({*layers_a, *layers_b})]
+    structure = Structure([OpCount(op, hist_a[op], hist_b[op]) for op in ops], sum(hist_a.values()),
+                          sum(hist_b.values()), layers)
+    return structure, provenance
+
+
+def _layer_counts(nodes: Iterable[ir.Node], scopes: Mapping[ir.Node, str]) -> dict[int, int]:
+    counts: Counter[int] = Counter()
+    for node in nodes:
+        m = _LAYER.match(scopes.get(node) or scope_of(node))
+        if m:
+            counts[int(m.group(1))] += 1
+    return dict(counts)
+
