@@ -42,16 +42,16 @@ def _attrs(*items: tuple[str, AttrKind]) -> tuple[PluginAttr, ...]:
 
 PLUGINS: dict[str, PluginSpec] = {
     "OmRmsNorm": PluginSpec(_attrs(("epsilon", "float")), (
-        "CANN's own NPURmsNorm plugin sets epsilon to 1e-6 whatever the node says (reference/ascend.md §2.2);",
+        "CANN's own NPURmsNorm plugin sets epsilon to 1e-6 whatever the node says (its source in the ops-nn repo);",
         "this one carries the model's epsilon to the same GE RmsNorm kernel. No kernel of ours is needed.",
     )),
     "OmAddRmsNorm": PluginSpec(_attrs(("epsilon", "float")), (
-        "CANN's own NPUAddRmsNorm plugin sets epsilon to 1e-6 whatever the node says (reference/ascend.md §2.2);",
+        "CANN's own NPUAddRmsNorm plugin sets epsilon to 1e-6 whatever the node says (its source in the ops-nn repo);",
         "this one carries the model's epsilon to the same GE AddRmsNorm kernel (outputs y, rstd, x = x1 + x2).",
         "No kernel of ours is needed.",
     )),
     "SwiGlu": PluginSpec(_attrs(("dim", "int")), (
-        "CANN has no ONNX plugin for SwiGlu (reference/ascend.md §2.1). GE SwiGlu computes",
+        "CANN has no ONNX plugin for SwiGlu (none in its ONNX operator list). GE SwiGlu computes",
         "silu(x[..., :F]) * x[..., F:] along dim, our [gate | up] merge. torch_npu lists it for Atlas A2 only,",
         "not 310P [unverified on other SoCs]. No kernel of ours is needed.",
     )),
@@ -59,7 +59,7 @@ PLUGINS: dict[str, PluginSpec] = {
         ("num_heads", "int"), ("input_layout", "string"), ("scale_value", "float"), ("pre_tokens", "int"),
         ("next_tokens", "int"), ("num_key_value_heads", "int"), ("sparse_mode", "int"), ("inner_precise", "int"),
     ), (
-        "CANN's own PFA plugin registers ai.onnx 11-16 and 19, not 17 or 18 (reference/ascend.md §2.1); this adds",
+        "CANN's own PFA plugin registers ai.onnx 11-16 and 19, not 17 or 18 (its source in ops-transformer); this adds",
         "the export's opset. CANN's plugin maps the node to a PartitionedCall subgraph (ParseOpToGraphFn) to",
         "handle PFA's optional inputs; this one maps it straight to GE PromptFlashAttention, and the lowering",
         "leaves pse_shift (input 3) empty. [unverified] that the parser keeps atten_mask at IR input 4 then,",
@@ -68,7 +68,7 @@ PLUGINS: dict[str, PluginSpec] = {
     "PagedAttention": PluginSpec(_attrs(
         ("scale_value", "float"), ("num_heads", "int"), ("num_key_value_heads", "int"), ("block_size", "int"),
     ), (
-        "No GE op PagedAttention exists in CANN (ATB's PagedAttention is not a GE op, reference/ascend.md §0).",
+        "No GE op PagedAttention exists in CANN (ATB's PagedAttention is a library operator, not a GE op).",
         "This plugin needs an op prototype (REG_OP) and a kernel of our own; NEITHER IS PROVIDED (see README.md).",
         "Without them ATC stops at this node (E10501, GE IR type not registered). The default lowering",
         "(paged_attention=\"plain\") emits plain ops and needs no plugin.",

@@ -56,6 +56,10 @@ def test_plugin_project_files(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "ASCEND_TOOLKIT_HOME"}
     run = subprocess.run(["bash", str(build)], env=env, capture_output=True, text=True, check=False)
     assert run.returncode != 0 and "set ASCEND_TOOLKIT_HOME" in run.stderr
+    # the project lands in a bundle: it cites public sources, never a file outside it (issue 12)
+    for f in project.files:
+        text = f.read_text()
+        assert "reference/" not in text and "../shared" not in text, f.name
 
 
 def test_no_plugin_project_when_cann_covers_every_op(tmp_path: Path) -> None:
