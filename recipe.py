@@ -82,6 +82,27 @@ class Buckets(_Section):
         return v
 
 
+QUANT_MATRICES = ("attention", "mlp", "lm_head")
+
+
+class QuantizationSection(_Section):
+    """How ``compile.weights: int8 | int4`` quantizes (weight-only, round to nearest, per group along K)."""
+
+    group_size: Literal[32, 64, 128] = 32
+    symmetric: bool = True
+    matrices: list[Literal["attention", "mlp", "lm_head"]] = Field(default_factory=lambda: list(QUANT_MATRICES))
+    embedding: Literal["quantized", "float"] = "quantized"
+    accuracy_level: Literal[0, 1, 2, 3, 4] = 4
+    source_blocks: bool = True
+
+    @field_validator("matrices")
+    @classmethod
+    def _distinct(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("list each matrix group once")
+        return v
+
+
 class CompileSection(_Section):
     """Build-time choices and maxima. Names follow TensorRT-LLM / MindIE where one exists."""
 
@@ -95,7 +116,8 @@ class CompileSection(_Section):
     max_num_tokens: int = Field(default=2048, ge=1, le=1_048_576)
     buckets: Buckets = Field(default_factory=Buckets)
     fusions: dict[str, bool] = Field(default_factory=lambda: {f: True for f in FUSIONS})
-    quantization: Literal["none"] = "none"
+    weights: Literal["float32", "bfloat16", "float16", "int8", "int4"] = "float32"
+    quantization: QuantizationSection = Field(default_factory=QuantizationSection)
     soc_version: str = "Ascend910B3"
     precision_mode: Literal[
         "force_fp16", "force_fp32", "cube_fp16in_fp32out", "allow_fp32_to_fp16",
@@ -109,6 +131,25 @@ class CompileSection(_Section):
             raise ValueError("float16 weights are not implemented yet: every target compiles float32 graphs; "
                              "use float32")
         return v
+
+    @field_validator("weights")
+    @classmethod
+    def _implemented_weights(cls, v: str) -> str:
+        if v in ("bfloat16", "float16"):  # never accept a setting the compiler would ignore
+            raise ValueError(f"{v} weights are not implemented yet (ORT's CPU MatMul has no {v} kernel faster than "
+                             "float32 here, and the ascend fp16 graph is not built yet); use float32, int8 or int4")
+        return v
+
+    @model_validator(mode="after")
+    def _weights_per_target(self) -> CompileSection:
+        if self.weights == "int8" and self.quantization.accuracy_level == 0:
+            raise _KeyError("quantization", "accuracy_level 0 with int8 weights would run ONNX Runtime's 8-bit CPU "
+                            "kernel at float precision, far slower than float32; use accuracy_level 4 (int8 "
+                            "activations, as llama.cpp and onnxruntime-genai do) or weights: int4")
+        if self.weights in ("int8", "int4") and self.target != "ort":
+            raise _KeyError("weights", f"{self.weights} weights are lowered to ONNX Runtime's MatMulNBits; target "
+                            f"{self.target} takes float32 (W8A16 for ascend is not built yet)")
+        return self
 
     @field_validator("kv_block_size")
     @classmethod

@@ -114,6 +114,10 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
     if kv_dtype != "float32" and not kernel:
         raise OmforgeError(f"{recipe.path}: compile.kv_cache_dtype: {kv_dtype} needs omforge's CPU kernel library, "
                            f"unavailable here ({kernels.status().reason}); use float32")
+    weights = recipe.compile.weights
+    if weights != "float32" and target != "ort":
+        raise OmforgeError(f"{recipe.path}: compile.weights: {weights} is lowered to ONNX Runtime's MatMulNBits; "
+                           f"target {target} takes float32")
     if out.exists() and not (out / "manifest.json").is_file() and any(out.iterdir()):
         raise OmforgeError(f"-o {out}: exists and is not a bundle; refusing to overwrite it")
     progress = Progress(quiet)
@@ -130,6 +134,7 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
     passes_key = stage_key("passes", {
         "export": digest, "fusions": recipe.compile.fusions, "block_size": block_size, "target": target,
         "paged_attention": f"kernel-abi{kernels.ABI_VERSION}" if kernel else "plain", "kv_cache_dtype": kv_dtype,
+        "weights": weights, "quantization": recipe.compile.quantization.model_dump() if weights != "float32" else None,
         "passes_source": _source_digest(stage_sources(target)),
         "tools": tool_versions(),
     })
@@ -185,6 +190,7 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
         "serve": recipe.serve.model_dump(),
         "buckets": plan.to_dict(),
         "passes": {k: report[k] for k in ("fusion_counts", "num_nodes", "op_histogram")},
+        "weights": report.get("weights") or {"precision": "float32", "quantized": {}},
         "graphs": {"unfused": "export/model.onnx", "step": f"{target}/{report['graph']}"},
         **({"ascend": ascend_section(recipe, plan, built=atc_missing is None)} if target == "ascend" else {}),
         "toolchain": tool_versions(),
@@ -233,10 +239,15 @@ def _run_passes(export_dir: Path, stage: Stage, recipe: Recipe, target: str, blo
 
     out = stage.begin()
     if target == "ort":
+        from omforge.export.onnx_export import load_source_blocks
+
+        q = recipe.compile.quantization
+        blocks = load_source_blocks(export_dir) if recipe.compile.weights != "float32" and q.source_blocks else None
         report = build(export_dir, out / "step.onnx", fusions=recipe.compile.fusions, block_size=block_size,
-                       kernel=kernel, kv_cache_dtype=kv_dtype)
+                       kernel=kernel, kv_cache_dtype=kv_dtype, weights=recipe.compile.weights,
+                       quantization=q.model_dump(), blocks=blocks)
         stage.finish({**report.to_dict(), "abi": report.extra["abi"], "graph": "step.onnx",
-                      "paged_attention": report.extra["paged_attention"]})
+                      "paged_attention": report.extra["paged_attention"], "weights": report.extra["weights"]})
         return
     from omforge.compile import ascend
 

@@ -27,11 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from omforge.export.tokenizer import write_tokenizer
 from omforge.export.weights import Checkpoint, load_checkpoint
 from omforge.recipe import Recipe
 
-EXPORT_FORMAT = 1
+EXPORT_FORMAT = 2  # 2: GGUF blocks kept beside the graph (source_blocks.npz)
+SOURCE_BLOCKS = "source_blocks.npz"
 INPUTS = ("input_ids", "position_ids")
 OUTPUT = "logits"
 
@@ -131,7 +134,27 @@ def export_checkpoint(ckpt: Checkpoint, out_dir: Path, opset: int, timings: Timi
         "nodes_per_layer": nodes_in_layer(proto, ckpt.config.num_hidden_layers - 1),
         "op_histogram": dict(Counter(n.op_type for n in proto.graph.node).most_common()),
         "source": str(ckpt.source) if ckpt.source else None,
+        "source_blocks": _save_blocks(ckpt, out_dir),
     }
+
+
+def _save_blocks(ckpt: Checkpoint, out_dir: Path) -> dict[str, Any] | None:
+    """The GGUF blocks the ORT lowering can use as they are (``passes/quant.py``), beside the graph: an
+    uncompressed npz (one array per tensor, read lazily) and their types and K in export.json."""
+    if not ckpt.blocks:
+        return None
+    np.savez(out_dir / SOURCE_BLOCKS, **{name: data for name, (_, data, _) in ckpt.blocks.items()})
+    return {"file": SOURCE_BLOCKS, "tensors": {name: {"type": kind, "k": k}
+                                               for name, (kind, _, k) in ckpt.blocks.items()}}
+
+
+def load_source_blocks(export_dir: Path) -> dict[str, tuple[str, np.ndarray, int]]:
+    """The GGUF blocks an export kept (:func:`_save_blocks`), by torch weight name; empty when none."""
+    meta = json.loads((export_dir / "export.json").read_text()).get("source_blocks")
+    if not meta:
+        return {}
+    arrays = np.load(export_dir / meta["file"])
+    return {name: (t["type"], arrays[name], int(t["k"])) for name, t in meta["tensors"].items()}
 
 
 def nodes_in_layer(proto, layer: int) -> int:  # noqa: ANN001 - onnx.ModelProto

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -23,11 +23,17 @@ class WeightsError(OmforgeError):
     """Weights that do not fit the model; the message names the file and the tensor."""
 
 
+GGUF_KEPT_BLOCKS = ("Q4_0", "Q4_1", "Q8_0")  # block types the ORT lowering takes as they are (passes/quant.py)
+
+
 @dataclass
 class Checkpoint:
     config: ModelConfig
     tensors: dict[str, np.ndarray]
     source: Path | None  # file or directory the weights came from (None for random)
+    # GGUF: the raw blocks of the tensors stored as GGUF_KEPT_BLOCKS, by the same names: (type, uint8 rows
+    # [N, bytes per row] after the Q/K row un-permutation, K); tensors[name] is their dequantization
+    blocks: dict[str, tuple[str, np.ndarray, int]] = field(default_factory=dict)
 
 
 def expected_names(cfg: ModelConfig) -> set[str]:
@@ -191,6 +197,7 @@ def load_gguf(path: Path) -> Checkpoint:
         raise ConfigError(f"{path}: {e}") from None
     permute = cfg.family == "llama"
     tensors: dict[str, np.ndarray] = {}
+    blocks: dict[str, tuple[str, np.ndarray, int]] = {}
     for t in reader.tensors:
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name)
         if m:
@@ -203,7 +210,12 @@ def load_gguf(path: Path) -> Checkpoint:
             raise WeightsError(f"{path}: tensor '{t.name}' has no place in a {cfg.family} model")
         shape = [int(x) for x in reversed(t.shape.tolist())]
         arr = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32, copy=False)
+        raw = np.asarray(t.data) if t.tensor_type.name in GGUF_KEPT_BLOCKS and len(shape) == 2 else None
         if permute and m and m[2] in ("attn_q", "attn_k"):
-            arr = _unpermute(arr, cfg.num_attention_heads if m[2] == "attn_q" else cfg.num_key_value_heads)
+            heads = cfg.num_attention_heads if m[2] == "attn_q" else cfg.num_key_value_heads
+            arr = _unpermute(arr, heads)
+            raw = _unpermute(raw, heads) if raw is not None else None  # rows move whole: blocks run along K
         tensors[name] = arr
-    return Checkpoint(cfg, tensors, path)
+        if raw is not None:
+            blocks[name] = (t.tensor_type.name, np.ascontiguousarray(raw.reshape(shape[0], -1)), shape[1])
+    return Checkpoint(cfg, tensors, path, blocks)

@@ -1,5 +1,6 @@
 """``omforge diff BUNDLE_A BUNDLE_B``: two compiled bundles of one model run side by side — what a compile choice
-that is not a graph rewrite (the KV cache dtype, the paged-attention lowering) does to the model's outputs.
+that is not a graph rewrite (the weight precision, the KV cache dtype, the paged-attention lowering) does to the
+model's outputs.
 
 For each prompt (chat prompts through the bundle's template; seeded random tokens for a bundle without a
 tokenizer), A's greedy continuation of
@@ -48,6 +49,7 @@ class BundleDiff:
     paged_attention: tuple[str, str]
     max_tokens: int
     prompts: list[PromptDrift]
+    weights: tuple[str, str] = ("float32", "float32")  # compile.weights of A and B
 
     @property
     def max_abs(self) -> float:
@@ -105,12 +107,19 @@ def diff_bundles(a: Path, b: Path, prompts: list[str] | None = None, max_tokens:
         result.append(PromptDrift(prompt, len(la), float(np.abs(la - lb).max()),
                                   float((la.argmax(-1) == lb.argmax(-1)).mean()), same))
     return BundleDiff(str(a), str(b), tuple(PagedLayout.from_manifest(m["kv"]).kv_dtype for m in (ma, mb)),
-                      (ma.get("paged_attention", "plain"), mb.get("paged_attention", "plain")), max_tokens, result)
+                      (ma.get("paged_attention", "plain"), mb.get("paged_attention", "plain")), max_tokens, result,
+                      tuple(_weights(m) for m in (ma, mb)))
+
+
+def _weights(manifest: dict) -> str:
+    """``compile.weights`` and, when quantized, the accuracy level the MatMulNBits nodes run at."""
+    w = manifest.get("weights") or {"precision": "float32"}
+    return w["precision"] + (f" (accuracy level {w['accuracy_level']})" if w.get("accuracy_level") is not None else "")
 
 
 def render_text(d: BundleDiff) -> str:
-    lines = [f"A {d.a}: KV {d.kv_dtypes[0]}, paged attention {d.paged_attention[0]}",
-             f"B {d.b}: KV {d.kv_dtypes[1]}, paged attention {d.paged_attention[1]}",
+    lines = [f"A {d.a}: weights {d.weights[0]}, KV {d.kv_dtypes[0]}, paged attention {d.paged_attention[0]}",
+             f"B {d.b}: weights {d.weights[1]}, KV {d.kv_dtypes[1]}, paged attention {d.paged_attention[1]}",
              f"{len(d.prompts)} prompts, {d.max_tokens} greedy tokens each (A's tokens teacher-forced through both)",
              "",
              f"{'prompt':44s} {'max |Δlogit|':>12s} {'top-1 agree':>11s} {'same prefix':>11s}"]

@@ -1,6 +1,7 @@
 """From an export to the graphs a target runs: each target's pass sequence as data, run by onnx-ir's pass manager.
 
-  ort:    fusions (recipe switches) → cleanup → paged-KV insertion (with a block size) → ORT lowering → cleanup
+  ort:    fusions (recipe switches) → cleanup → paged-KV insertion (with a block size) → ORT lowering
+          → weight quantization (int8 / int4 weights: MatMulNBits) → cleanup
   ascend: fusions (recipe switches) → cleanup → paged-KV insertion → Ascend lowering → cleanup
 
 :class:`Pipeline` is the one description that ``build`` (the ort bundle), the ascend stage
@@ -23,6 +24,7 @@ import onnx_ir as ir
 from omforge.contract import STEP_INPUTS, PagedLayout
 from omforge.passes import lower_ascend, lower_ort, manager, ops
 from omforge.passes.paged_kv import insert_paged_kv
+from omforge.passes.quantize_weights import QuantizeWeights
 from omforge.runtime import kernels
 
 TARGETS = ("ort", "ascend")
@@ -94,17 +96,23 @@ class Pipeline:
     fusions: Mapping[str, bool] = field(default_factory=dict)
     block_size: int | None = None
     lowering: Mapping[str, Any] = field(default_factory=dict)
+    quantize: Mapping[str, Any] | None = None  # QuantizeWeights options (ort only); None: float weights
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
             raise ValueError(f"target {self.target!r} is not one of {TARGETS}")
+        if self.quantize is not None and self.target != "ort":
+            raise ValueError(f"quantized weights are lowered to MatMulNBits (ort); target {self.target} takes float")
 
     def passes(self) -> list[ir.passes.PassBase]:
         """Fresh pass objects, in order (each records what it did: ``Fusion.count``, ``InsertPagedKV.layout``…)."""
         seq: list[ir.passes.PassBase] = [*manager.fusion_passes(self.fusions), manager.Cleanup()]
         if self.block_size:
             seq.append(InsertPagedKV(self.block_size))
-        seq += [LOWERINGS[self.target](**self.lowering), manager.Cleanup()]
+        seq.append(LOWERINGS[self.target](**self.lowering))
+        if self.quantize is not None:
+            seq.append(QuantizeWeights(**self.quantize))
+        seq.append(manager.Cleanup())
         return seq
 
     def run(self, model: ir.Model) -> PipelineRun:
@@ -131,6 +139,11 @@ class PipelineRun:
     @property
     def lowering(self) -> ir.passes.InPlacePass:
         return next(p for p in self.passes if isinstance(p, tuple(LOWERINGS.values())))
+
+    @property
+    def quantized(self) -> dict[str, dict[str, object]]:
+        """Per quantized weight: bits, block, where it came from (GGUF blocks or round to nearest), bytes."""
+        return next((p.report for p in self.passes if isinstance(p, QuantizeWeights)), {})
 
 
 @dataclass
@@ -161,20 +174,40 @@ def histogram(model: ir.Model) -> dict[str, int]:
                         for n in model.graph).most_common())
 
 
+WEIGHT_BITS = {"int8": 8, "int4": 4}
+
+
+def quantize_options(weights: str, quantization: Mapping[str, Any] | None,
+                     blocks: Mapping[str, tuple[str, Any, int]] | None) -> dict[str, Any] | None:
+    """:class:`QuantizeWeights` options for the recipe's ``weights`` and ``quantization``; None for float."""
+    if weights == "float32":
+        return None
+    if weights not in WEIGHT_BITS:
+        raise ValueError(f"weights {weights!r}: the ort pipeline builds float32, int8 or int4 weights")
+    q = dict(quantization or {})
+    use_blocks = q.pop("source_blocks", True)
+    return {"bits": WEIGHT_BITS[weights], **q, "blocks": blocks if use_blocks else None}
+
+
 def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | None = None,
           block_size: int | None = None, target: str = "ort", kv_write: str = "graph",
-          kernel: bool | None = None, kv_cache_dtype: str = "float32") -> PassReport:
+          kernel: bool | None = None, kv_cache_dtype: str = "float32", weights: str = "float32",
+          quantization: Mapping[str, Any] | None = None,
+          blocks: Mapping[str, tuple[str, Any, int]] | None = None) -> PassReport:
     """Fuse (switches ``fusions``), page the KV cache when ``block_size`` is given, lower to ``target``,
     and save ``out_path`` with its weights in ``out_path.name + '.data'`` beside it. ``kernel``: lower paged
     attention to omforge's CPU kernel (None: when the kernel library is usable here and ``kv_write="graph"``);
-    ``kv_cache_dtype``: the pools' element type (not float32: needs the kernel)."""
+    ``kv_cache_dtype``: the pools' element type (not float32: needs the kernel). ``weights`` int8 / int4:
+    weight-only quantization with the recipe's ``quantization`` options (``recipe.QuantizationSection``), taking
+    the export's GGUF ``blocks`` as they are where they fit (``passes/quantize_weights.py``)."""
     if target != "ort":
         raise ValueError(f"target '{target}' is built by compile/ascend.py, not here")
     model = ir.load(export_dir / "model.onnx")
     if kernel is None:
         kernel = kv_write == "graph" and kernels.status().available
     run = Pipeline(target, fusions or {}, block_size,
-                   {"kv_write": kv_write, "kernel": kernel, "kv_cache_dtype": kv_cache_dtype}).run(model)
+                   {"kv_write": kv_write, "kernel": kernel, "kv_cache_dtype": kv_cache_dtype},
+                   quantize_options(weights, quantization, blocks)).run(model)
     counts, layout = run.fusion_counts, run.layout
     if layout is not None:
         layout = replace(layout, kv_dtype=kv_cache_dtype)
@@ -182,6 +215,9 @@ def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | Non
     ir.save(model, out_path, external_data=out_path.name + ".data")
     report = PassReport(counts, len(list(model.graph)), histogram(model), layout,
                         {"abi": interface(model), "kv_write": kv_write if layout else None,
-                         "paged_attention": ("kernel" if kernel else "plain") if layout else None})
+                         "paged_attention": ("kernel" if kernel else "plain") if layout else None,
+                         "weights": {"precision": weights, "quantized": run.quantized,
+                                     "accuracy_level": (quantization or {}).get("accuracy_level", 4)
+                                     if weights != "float32" else None}})
     out_path.with_suffix(".json").write_text(json.dumps(report.to_dict(), indent=2))
     return report

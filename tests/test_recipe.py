@@ -29,7 +29,7 @@ MODEL = "model:\n  name: t\n  source: random\n  config: {vocab_size: 8}\n"
 TOP_KEYS = "model, compile, serve"
 MODEL_KEYS = "name, source, path, package, file, seed, family, config, tokenizer"
 COMPILE_KEYS = ("target, dtype, opset, kv_block_size, kv_cache_dtype, max_batch_size, max_seq_len, max_num_tokens, "
-                "buckets, fusions, quantization, soc_version, precision_mode")
+                "buckets, fusions, weights, quantization, soc_version, precision_mode")
 BUCKET_KEYS = "prefill_seq_lens, decode_batch_sizes, context_lens"
 SERVE_KEYS = ("max_num_seqs, max_num_batched_tokens, max_prefill_tokens_with_decodes, max_model_len, "
               "enable_prefix_caching, max_queue_delay_us, preemption_mode, swap_space_gb, num_kv_blocks, "
@@ -277,7 +277,10 @@ def test_tiny_llama_loads_with_defaults() -> None:
     # compile: only max_seq_len given; the rest are recipe.py's defaults.
     c = r.compile
     assert c.max_seq_len == 256
-    assert (c.target, c.dtype, c.opset, c.kv_block_size, c.quantization) == ("ort", "float32", 18, None, "none")
+    assert (c.target, c.dtype, c.opset, c.kv_block_size, c.weights) == ("ort", "float32", 18, None, "float32")
+    q = c.quantization
+    assert (q.group_size, q.symmetric, q.matrices, q.embedding, q.accuracy_level, q.source_blocks) == (
+        32, True, ["attention", "mlp", "lm_head"], "quantized", 4, True)
     assert (c.max_batch_size, c.max_num_tokens) == (64, 2048)
     assert (c.soc_version, c.precision_mode) == ("Ascend910B3", "allow_fp32_to_fp16")
     assert c.fusions == {f: True for f in FUSIONS}

@@ -1,0 +1,205 @@
+"""Weight-only quantization of a lowered ORT graph: constant-weight MatMuls → ``com.microsoft.MatMulNBits``, and
+the token embedding gathered from a quantized table and dequantized in the graph (plain ONNX ops).
+
+Which weights: a MatMul whose weight is an export initializer ``<name>.T`` (``[K, N]``, the transposed torch
+weight ``<name>``) or ``Transpose(<name>)`` (a tied lm_head reading the embedding), grouped by the source name:
+``attention`` (``self_attn``), ``mlp`` (``mlp``), ``lm_head`` (``lm_head`` or the tied ``embed_tokens``). The
+fusions' merged weights are named for their parts (``qkv_proj`` = q, k, v rows; ``gate_up_proj`` = gate, up
+rows): that naming is the contract that lets GGUF blocks of the parts be stacked into the merged matrix.
+
+Where the weights come from (``blocks``): the export's GGUF blocks (Q4_0, Q4_1, Q8_0, by source name) are used
+as they are — the published weights, not a re-quantization of their dequantized copy — when every part of a
+matrix has them in one bit width; each such matrix keeps its own width (a Q8_0 lm_head stays 8-bit in an int4
+bundle). Every other matrix is quantized by round to nearest to ``bits`` per ``group_size`` along K. A GGUF
+matrix is checked against the graph's float weight before it is used (the export dequantized the same blocks).
+Postcondition: no quantized group's MatMul is left, and ``report`` names the source and width of every weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from omforge.passes import quant
+
+MS_DOMAIN = "com.microsoft"
+_MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def group_of(source: str) -> str | None:
+    """The recipe's matrix group of a torch weight name (``quantization.matrices``)."""
+    if ".self_attn." in source:
+        return "attention"
+    if ".mlp." in source:
+        return "mlp"
+    if source.startswith(("lm_head.", "model.embed_tokens.")):
+        return "lm_head"
+    return None
+
+
+def parts_of(source: str) -> list[str]:
+    """The torch weights a (possibly merged) weight is stacked from, in row order."""
+    prefix, _, leaf = source.rpartition(".")  # "model.layers.0.self_attn.qkv_proj", "weight"
+    head, _, proj = prefix.rpartition(".")
+    return [f"{head}.{p}.{leaf}" for p in _MERGED[proj]] if proj in _MERGED else [source]
+
+
+class QuantizeWeights(ir.passes.InPlacePass):
+    def __init__(self, bits: int, group_size: int = 32, symmetric: bool = True,
+                 matrices: Sequence[str] = ("attention", "mlp", "lm_head"), embedding: str = "quantized",
+                 accuracy_level: int = 0, blocks: Mapping[str, tuple[str, np.ndarray, int]] | None = None):
+        super().__init__()
+        self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
+        self.matrices, self.embedding, self.accuracy_level = set(matrices), embedding, accuracy_level
+        self.blocks = blocks or {}
+        self.report: dict[str, dict[str, object]] = {}
+        self._packed: dict[str, quant.Packed | None] = {}
+
+    # --- the weights -------------------------------------------------------------------------------------------
+
+    def _pack(self, source: str, w_nk: np.ndarray) -> quant.Packed | None:
+        """The packed form of ``source`` (``w_nk``: its float weight ``[N, K]``), made once per source; None when
+        it stays float: 8-bit at ``accuracy_level`` 0, where ORT's CPU kernel is ~25x slower than float32 at one
+        token (benchmarks/RESULTS.md) — a GGUF Q8_0 matrix then runs as its exact float32 dequantization."""
+        if source in self._packed:
+            return self._packed[source]
+        packed = self._from_blocks(source, w_nk)
+        if packed is None:
+            packed = quant.quantize(w_nk, self.bits, self.group_size, self.symmetric)
+        if packed.bits == 8 and self.accuracy_level == 0:
+            self.report[source] = {"bits": 32, "block": None, "source": f"float32 ({packed.source} dequantized: "
+                                   "8-bit at accuracy_level 0 is slow)", "bytes": w_nk.nbytes}
+            packed = None
+        else:
+            self.report[source] = {"bits": packed.bits, "block": packed.block, "source": packed.source,
+                                   "bytes": packed.nbytes}
+        self._packed[source] = packed
+        return packed
+
+    def _from_blocks(self, source: str, w_nk: np.ndarray) -> quant.Packed | None:
+        parts = parts_of(source)
+        if not all(p in self.blocks for p in parts):
+            return None
+        try:
+            packed = quant.concat_rows([quant.from_gguf(*self.blocks[p]) for p in parts])
+        except ValueError:  # parts of different widths (a Q4 q with a Q8 v): one MatMulNBits cannot hold both
+            return None
+        got = quant.dequantize(packed)
+        if got.shape != w_nk.shape or np.abs(got - w_nk).max() > 1e-6 * max(float(np.abs(w_nk).max()), 1.0):
+            raise RuntimeError(f"{source}: the GGUF blocks of {', '.join(parts)} do not hold the exported weight")
+        return packed
+
+    @staticmethod
+    def _const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+        """The initializer ``name`` (made once: a tied table's parts serve its MatMul and its Gather)."""
+        value = graph.initializers.get(name)
+        if value is None:
+            value = ir.Value(name=name, const_value=ir.tensor(array, name=name))
+            graph.register_initializer(value)
+        return value
+
+    # --- the graph ---------------------------------------------------------------------------------------------
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        modified = False
+        for node in list(graph):
+            if node.op_type == "MatMul" and node.domain in ("", "ai.onnx"):
+                modified |= self._matmul(graph, node)
+        if self.embedding == "quantized":
+            for node in list(graph):
+                if node.op_type == "Gather" and node.domain in ("", "ai.onnx"):
+                    modified |= self._gather(graph, node)
+        if modified:
+            model.opset_imports.setdefault(MS_DOMAIN, 1)
+            for name, value in list(graph.initializers.items()):
+                if not value.uses() and not value.is_graph_output():
+                    del graph.initializers[name]
+        return ir.passes.PassResult(model, modified=modified)
+
+    def _matmul(self, graph: ir.Graph, node: ir.Node) -> bool:
+        x, w = node.inputs
+        source, w_nk = _weight(w)
+        if source is None or group_of(source) not in self.matrices:
+            return False
+        p = self._pack(source, w_nk)
+        if p is None:
+            return False
+        q = f"{source}.q{p.bits}"
+        meta = dict(node.metadata_props)
+        weights = [self._const(graph, q, p.blocks), self._const(graph, f"{q}.scales", p.scales)]
+        attrs = {"K": p.k, "N": p.n, "bits": p.bits, "block_size": p.block, "accuracy_level": self.accuracy_level}
+        nbits = ir.node("MatMulNBits", [x, *weights], domain=MS_DOMAIN, attributes=attrs, name=f"{node.name}_nbits",
+                        metadata_props=meta)
+        new = [nbits]
+        if p.block_min is not None:  # the affine part: blocksum(x) @ block_minᵀ (quant.py)
+            member = np.zeros((p.k, p.k_blocks), np.float32)  # x @ member: the sums of x over each block
+            member[np.arange(p.k), np.arange(p.k) // p.block] = 1
+            sums = ir.node("MatMul", [x, self._const(graph, f"block_sum.k{p.k}.b{p.block}", member)])
+            mins = self._const(graph, f"{q}.block_min", np.ascontiguousarray(p.block_min.T))
+            new.append(sums)
+            corr = ir.node("MatMul", [sums.outputs[0], mins], name=f"{node.name}_block_min", metadata_props=meta)
+            total = ir.node("Add", [nbits.outputs[0], corr.outputs[0]], name=f"{node.name}_affine", metadata_props=meta)
+            new += [corr, total]
+        ir.convenience.replace_nodes_and_values(graph, node, [node], new, node.outputs, new[-1].outputs)
+        return True
+
+    def _gather(self, graph: ir.Graph, node: ir.Node) -> bool:
+        table, ids = node.inputs
+        if table is None or table.const_value is None or not (table.name or "").endswith("embed_tokens.weight"):
+            return False
+        if node.attributes.get_int("axis", 0) != 0:
+            return False
+        p = self._pack(table.name, table.const_value.numpy())
+        if p is None:
+            return False
+        blocks = self._const(graph, f"{table.name}.q{p.bits}", p.blocks)
+        kb = p.k_blocks
+        nodes: list[ir.Node] = []
+
+        def add(op: str, inputs: list[ir.Value], **attrs: object) -> ir.Value:
+            n = ir.node(op, inputs, attributes=attrs or None, name=f"{node.name}_{op.lower()}_{len(nodes)}")
+            nodes.append(n)
+            return n.outputs[0]
+
+        def const(name: str, array: np.ndarray) -> ir.Value:
+            return self._const(graph, f"{table.name}.q{p.bits}.{name}", array)
+
+        rows = add("Gather", [blocks, ids], axis=0)  # [.., kb, bytes]
+        if p.bits == 4:
+            lo = add("BitwiseAnd", [rows, const("mask", np.array(15, np.uint8))])
+            hi = add("BitShift", [rows, const("shift", np.array(4, np.uint8))], direction="RIGHT")
+            last = const("last_axis", np.array([-1], np.int64))
+            pairs = add("Concat", [add("Unsqueeze", [lo, last]), add("Unsqueeze", [hi, last])], axis=-1)
+            rows = add("Reshape", [pairs, const("codes_shape", np.array([0, 0, kb, p.block], np.int64))])
+        codes = add("Cast", [rows], to=ir.DataType.FLOAT)
+        unsq = const("last_axis", np.array([-1], np.int64))
+        scale = add("Unsqueeze", [add("Gather", [const("scales_2d", p.scales.reshape(p.n, kb)), ids], axis=0), unsq])
+        zp = const("zero_point", np.array(1 << (p.bits - 1), np.float32))
+        rows = add("Mul", [add("Sub", [codes, zp]), scale])
+        if p.block_min is not None:
+            rows = add("Add", [rows, add("Unsqueeze", [add("Gather", [const("block_min_rows", p.block_min), ids],
+                                                                axis=0), unsq])])
+        rows = add("Reshape", [rows, const("rows_shape", np.array([0, 0, kb * p.block], np.int64))])
+        if kb * p.block != p.k:
+            zero, k, axis = (const(n, np.array([v], np.int64)) for n, v in (("zero", 0), ("k", p.k), ("axis", -1)))
+            rows = add("Slice", [rows, zero, k, axis])
+        ir.convenience.replace_nodes_and_values(graph, node, [node], nodes, node.outputs, [rows])
+        return True
+
+
+def _weight(w: ir.Value | None) -> tuple[str | None, np.ndarray | None]:
+    """The torch weight name and its ``[N, K]`` float values behind a MatMul's weight input, or (None, None)."""
+    if w is None:
+        return None, None
+    if w.const_value is not None and (w.name or "").endswith(".T") and len(w.const_value.shape) == 2:
+        return w.name[:-2], np.ascontiguousarray(w.const_value.numpy().T)
+    producer = w.producer()
+    if (producer is not None and producer.op_type == "Transpose" and producer.inputs[0] is not None
+            and producer.inputs[0].const_value is not None
+            and list(producer.attributes.get_ints("perm", [1, 0])) == [1, 0]):
+        table = producer.inputs[0]
+        return table.name, table.const_value.numpy()
+    return None, None
