@@ -2,7 +2,6 @@
 
   manifest.json      schema version; model config; tokenizer and chat template; the step ABI (names, dtypes,
                      shapes); buckets; KV layout and block size; target; toolchain versions; file hashes
-  export/            the unfused export (model.onnx + data, export.json): the reference side of ``omforge diff``
   ort/               (ort) the fused, paged, lowered step graph and its weights
   ascend/            (ascend) the lowered step graph(s), ATC commands, plugin sources, build.sh, om/ once built
   tokenizer.json

@@ -150,9 +150,7 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
             shutil.rmtree(out)
         out.mkdir(parents=True)
         files: list[Path] = []
-        for name in ("model.onnx", "model.onnx.data", "export.json"):
-            copy_into(export_dir / name, out / "export" / name)
-            files.append(out / "export" / name)
+        # no second copy of the weights: the unfused export stays in the stage cache (manifest "export")
         if export_meta["tokenizer"].get("file"):
             copy_into(export_dir / "tokenizer.json", out / "tokenizer.json")
             files.append(out / "tokenizer.json")
@@ -191,7 +189,10 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
         "buckets": plan.to_dict(),
         "passes": {k: report[k] for k in ("fusion_counts", "num_nodes", "op_histogram")},
         "weights": report.get("weights") or {"precision": "float32", "quantized": {}},
-        "graphs": {"unfused": "export/model.onnx", "step": f"{target}/{report['graph']}"},
+        "graphs": {"step": f"{target}/{report['graph']}"},
+        "export": {"recipe_digest": digest, "dir": str(export_dir),
+                   "note": "the unfused export is not copied into the bundle (no second copy of the weights); it "
+                           "lives in the stage cache, and `omforge export RECIPE -o DIR` rebuilds it"},
         **({"ascend": ascend_section(recipe, plan, built=atc_missing is None)} if target == "ascend" else {}),
         "toolchain": tool_versions(),
         "timings": progress.timings,

@@ -31,7 +31,8 @@ def plain_twin(bundle: Path, out: Path) -> Path:
 
     manifest = json.loads((bundle / "manifest.json").read_text())
     out.mkdir(parents=True, exist_ok=True)
-    lower_step_graph(bundle / "export", out, load_recipe(TINY_RECIPE), manifest["kv"]["block_size"], plain=True)
+    export = Path(manifest["export"]["dir"])  # the stage cache's export: bundles keep no copy of it
+    lower_step_graph(export, out, load_recipe(TINY_RECIPE), manifest["kv"]["block_size"], plain=True)
     return out / "step.onnx"
 
 

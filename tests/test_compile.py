@@ -38,7 +38,10 @@ def test_manifest_contents(bundle: Path) -> None:
     assert [o["name"] for o in m["abi"]["outputs"]][:3] == ["logits", "key_cache_out.0", "value_cache_out.0"]
     assert m["passes"]["fusion_counts"] == {"rms_norm": 5, "add_rms_norm": 4, "rotary": 4, "qkv_merge": 2,
                                             "gate_up_swiglu": 2, "attention": 2}
-    assert set(m["files"]) >= {"export/model.onnx", "export/model.onnx.data", "ort/step.onnx", "ort/step.onnx.data"}
+    assert set(m["files"]) >= {"ort/step.onnx", "ort/step.onnx.data"}
+    # no second copy of the weights: the unfused export stays in the stage cache, named by the manifest
+    assert not any(f.startswith("export/") for f in m["files"]) and not (bundle / "export").exists()
+    assert (Path(m["export"]["dir"]) / "model.onnx").is_file()
     assert m["buckets"]["profiles"][0]["name"] == "step"
     for tool in ("onnx", "onnxruntime", "omforge"):
         assert m["toolchain"][tool]
