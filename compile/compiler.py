@@ -127,7 +127,7 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
     digest = recipe_digest(recipe)
     cached["export"] = is_exported(cached_export_dir(recipe, root / "exports"))
     with progress.stage("export", cached["export"]):
-        export_dir = cached_export(recipe, root / "exports", quiet=quiet)
+        export_dir = cached_export(recipe, root / "exports", quiet=quiet, isolated=True)
     export_meta = json.loads((export_dir / "export.json").read_text())
 
     plan = bucket_planner.plan(recipe.compile, target=target, block_size=block_size)

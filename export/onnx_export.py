@@ -88,12 +88,16 @@ def export_checkpoint(ckpt: Checkpoint, out_dir: Path, opset: int, timings: Timi
     import onnx_ir as ir
     import torch
 
-    from omforge.models.llama import LlamaForCausalLM
+    from omforge.models.llama import LlamaForCausalLM, rope_inv_freq
 
     with timings.stage("build torch model"):
-        model = LlamaForCausalLM(ckpt.config)
+        # built on the meta device and given the checkpoint's arrays as its parameters (assign, shared memory):
+        # no random initialisation and no second copy of the weights
+        with torch.device("meta"):
+            model = LlamaForCausalLM(ckpt.config)
         model.load_state_dict({k: torch.from_numpy(v if v.flags.writeable else v.copy())
-                               for k, v in ckpt.tensors.items()}, strict=True)
+                               for k, v in ckpt.tensors.items()}, strict=True, assign=True)
+        model.register_buffer("inv_freq", rope_inv_freq(ckpt.config), persistent=False)
         model.eval()
     with timings.stage("torch.onnx.export"):
         # batch 2 / seq 8 as examples: a size-1 example would be specialised away by torch.export.
@@ -223,10 +227,20 @@ def is_exported(out: Path) -> bool:
     return (out / "export.json").is_file() and (out / "model.onnx").is_file()
 
 
-def cached_export(recipe: Recipe, cache_root: Path, quiet: bool = False) -> Path:
-    """The export for ``recipe`` under ``cache_root/<name>-<digest>``, made once and reused while the digest holds."""
+def cached_export(recipe: Recipe, cache_root: Path, quiet: bool = False, isolated: bool = False) -> Path:
+    """The export for ``recipe`` under ``cache_root/<name>-<digest>``, made once and reused while the digest holds.
+    ``isolated``: export in a child process, so that what torch and the exporter hold is returned to the system
+    before the caller's next stage (compile: the passes stage's peak then does not add to the export's)."""
     out = cached_export_dir(recipe, cache_root)
     if is_exported(out):
         return out
-    export_recipe(recipe, out, quiet=quiet)
+    if not isolated:
+        export_recipe(recipe, out, quiet=quiet)
+        return out
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    sys.stdout.flush()
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pool.submit(export_recipe, recipe, out, quiet).result()  # the child's errors are raised here
     return out

@@ -60,12 +60,23 @@ def _unpack_nibbles(packed: np.ndarray) -> np.ndarray:
     return out
 
 
+ROWS_PER_CHUNK = 2048  # rows quantized at a time: the temporaries stay a few rows' worth, not the whole matrix
+
+
 def quantize(w: np.ndarray, bits: int, block: int, symmetric: bool = True) -> Packed:
     """Round-to-nearest quantization of ``w [N, K]`` (float) per ``block`` consecutive elements along K (K is
     padded with zeros to a whole block). Symmetric: scale ``amax / (2^(bits-1) - 1)``; asymmetric: scale
-    ``(max - min) / (2^bits - 1)`` over the block's range (widened to include 0) and its offset as ``block_min``."""
+    ``(max - min) / (2^bits - 1)`` over the block's range (widened to include 0) and its offset as ``block_min``.
+    Works through :data:`ROWS_PER_CHUNK` rows at a time (an 128k-row embedding would otherwise need several
+    float32 copies of itself)."""
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
+    parts = [_quantize_rows(w[i:i + ROWS_PER_CHUNK], bits, block, symmetric)
+             for i in range(0, w.shape[0], ROWS_PER_CHUNK)]
+    return parts[0] if len(parts) == 1 else concat_rows(parts)
+
+
+def _quantize_rows(w: np.ndarray, bits: int, block: int, symmetric: bool) -> Packed:
     n, k = w.shape
     kb = -(-k // block)
     g = np.zeros((n, kb * block), np.float32)

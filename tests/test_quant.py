@@ -73,3 +73,12 @@ def test_ort_matmulnbits_computes_the_layout(bits: int, symmetric: bool) -> None
     y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     want = x.astype(np.float64) @ quant.dequantize(p).T.astype(np.float64)
     assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_chunked_rows_equal_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = RNG.standard_normal((70, 64)).astype(np.float32)
+    whole = quant.quantize(w, 4, 32, symmetric=False)
+    monkeypatch.setattr(quant, "ROWS_PER_CHUNK", 16)
+    chunked = quant.quantize(w, 4, 32, symmetric=False)
+    assert np.array_equal(chunked.blocks, whole.blocks) and np.array_equal(chunked.scales, whole.scales)
+    assert np.array_equal(chunked.block_min, whole.block_min) and chunked.source == whole.source
