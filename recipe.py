@@ -142,6 +142,8 @@ class CompileSection(_Section):
 
     @model_validator(mode="after")
     def _weights_per_target(self) -> CompileSection:
+        if self.weights == "float32" and self.quantization.model_fields_set:  # never a setting that does nothing
+            raise _KeyError("quantization", "applies to weights int8 or int4; compile.weights is float32")
         if self.weights == "int8" and self.quantization.accuracy_level == 0:
             raise _KeyError("quantization", "accuracy_level 0 with int8 weights would run ONNX Runtime's 8-bit CPU "
                             "kernel at float precision, far slower than float32; use accuracy_level 4 (int8 "

@@ -73,6 +73,7 @@ def test_recipe_refuses_what_cannot_run(tmp_path: Path) -> None:
         "weights: int4\n  target: ascend": "lowered to ONNX Runtime's MatMulNBits",
         "weights: int4\n  quantization:\n    group_size: 48": "group_size",
         "weights: int4\n  quantization:\n    matrices: [mlp, mlp]": "once",
+        "quantization:\n    group_size: 64": "applies to weights int8 or int4",
     }
     for i, (setting, message) in enumerate(cases.items()):
         path = tmp_path / f"r{i}.yaml"
