@@ -119,12 +119,20 @@ class QuantizeWeights(ir.passes.InPlacePass):
                     del graph.initializers[name]
         return ir.passes.PassResult(model, modified=modified)
 
+    def ensures(self, model: ir.Model) -> None:
+        """No MatMul of a chosen group is left on a float weight, unless it was kept float on purpose (_pack)."""
+        for node in model.graph:
+            if node.op_type == "MatMul" and len(node.inputs) > 1:
+                source, _, _ = _weight(node.inputs[1])
+                if source is not None and group_of(source) in self.matrices and self._packed.get(source) is not None:
+                    raise ir.passes.PostconditionError(f"{source}: its MatMul was not quantized")
+
     def _matmul(self, graph: ir.Graph, node: ir.Node) -> bool:
         x, w = node.inputs
-        source, w_nk = _weight(w)
+        source, const, transposed = _weight(w)
         if source is None or group_of(source) not in self.matrices:
             return False
-        p = self._pack(source, w_nk)
+        p = self._pack(source, _rows(const, transposed)) if source not in self._packed else self._packed[source]
         if p is None:
             return False
         q = f"{source}.q{p.bits}"
@@ -190,16 +198,22 @@ class QuantizeWeights(ir.passes.InPlacePass):
         return True
 
 
-def _weight(w: ir.Value | None) -> tuple[str | None, np.ndarray | None]:
-    """The torch weight name and its ``[N, K]`` float values behind a MatMul's weight input, or (None, None)."""
+def _weight(w: ir.Value | None) -> tuple[str | None, ir.Value | None, bool]:
+    """Behind a MatMul's weight input: the torch weight name, the constant holding it and whether that constant
+    is stored transposed (``[K, N]``); (None, None, False) when it is no export weight."""
     if w is None:
-        return None, None
+        return None, None, False
     if w.const_value is not None and (w.name or "").endswith(".T") and len(w.const_value.shape) == 2:
-        return w.name[:-2], np.ascontiguousarray(w.const_value.numpy().T)
+        return w.name[:-2], w, True
     producer = w.producer()
     if (producer is not None and producer.op_type == "Transpose" and producer.inputs[0] is not None
             and producer.inputs[0].const_value is not None
             and list(producer.attributes.get_ints("perm", [1, 0])) == [1, 0]):
-        table = producer.inputs[0]
-        return table.name, table.const_value.numpy()
-    return None, None
+        return producer.inputs[0].name, producer.inputs[0], False
+    return None, None, False
+
+
+def _rows(const: ir.Value, transposed: bool) -> np.ndarray:
+    """The weight ``[N, K]`` (one row per output feature) of a constant found by :func:`_weight`."""
+    array = const.const_value.numpy()
+    return np.ascontiguousarray(array.T) if transposed else array
