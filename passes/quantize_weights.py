@@ -17,7 +17,7 @@ Postcondition: no quantized group's MatMul is left, and ``report`` names the sou
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -59,12 +59,14 @@ class QuantizeWeights(ir.passes.InPlacePass):
 
     # --- the weights -------------------------------------------------------------------------------------------
 
-    def _pack(self, source: str, w_nk: np.ndarray) -> quant.Packed | None:
-        """The packed form of ``source`` (``w_nk``: its float weight ``[N, K]``), made once per source; None when
+    def _pack(self, source: str, rows: Callable[[], np.ndarray]) -> quant.Packed | None:
+        """The packed form of ``source`` (``rows()``: its float weight ``[N, K]``, read only the first time), made
+        once per source; None when
         it stays float: 8-bit at ``accuracy_level`` 0, where ORT's CPU kernel is ~25x slower than float32 at one
         token (benchmarks/RESULTS.md) — a GGUF Q8_0 matrix then runs as its exact float32 dequantization."""
         if source in self._packed:
             return self._packed[source]
+        w_nk = rows()
         packed = self._from_blocks(source, w_nk)
         if packed is None:
             packed = quant.quantize(w_nk, self.bits, self.group_size, self.symmetric)
@@ -132,7 +134,7 @@ class QuantizeWeights(ir.passes.InPlacePass):
         source, const, transposed = _weight(w)
         if source is None or group_of(source) not in self.matrices:
             return False
-        p = self._pack(source, _rows(const, transposed)) if source not in self._packed else self._packed[source]
+        p = self._pack(source, lambda: _rows(const, transposed))
         if p is None:
             return False
         q = f"{source}.q{p.bits}"
@@ -160,7 +162,7 @@ class QuantizeWeights(ir.passes.InPlacePass):
             return False
         if node.attributes.get_int("axis", 0) != 0:
             return False
-        p = self._pack(table.name, table.const_value.numpy())
+        p = self._pack(table.name, table.const_value.numpy)
         if p is None:
             return False
         blocks = self._const(graph, f"{table.name}.q{p.bits}", p.blocks)
@@ -175,21 +177,20 @@ class QuantizeWeights(ir.passes.InPlacePass):
         def const(name: str, array: np.ndarray) -> ir.Value:
             return self._const(graph, f"{table.name}.q{p.bits}.{name}", array)
 
+        last = const("last_axis", np.array([-1], np.int64))
         rows = add("Gather", [blocks, ids], axis=0)  # [.., kb, bytes]
         if p.bits == 4:
             lo = add("BitwiseAnd", [rows, const("mask", np.array(15, np.uint8))])
             hi = add("BitShift", [rows, const("shift", np.array(4, np.uint8))], direction="RIGHT")
-            last = const("last_axis", np.array([-1], np.int64))
             pairs = add("Concat", [add("Unsqueeze", [lo, last]), add("Unsqueeze", [hi, last])], axis=-1)
             rows = add("Reshape", [pairs, const("codes_shape", np.array([0, 0, kb, p.block], np.int64))])
         codes = add("Cast", [rows], to=ir.DataType.FLOAT)
-        unsq = const("last_axis", np.array([-1], np.int64))
-        scale = add("Unsqueeze", [add("Gather", [const("scales_2d", p.scales.reshape(p.n, kb)), ids], axis=0), unsq])
+        scale = add("Unsqueeze", [add("Gather", [const("scales_2d", p.scales.reshape(p.n, kb)), ids], axis=0), last])
         zp = const("zero_point", np.array(1 << (p.bits - 1), np.float32))
         rows = add("Mul", [add("Sub", [codes, zp]), scale])
         if p.block_min is not None:
             rows = add("Add", [rows, add("Unsqueeze", [add("Gather", [const("block_min_rows", p.block_min), ids],
-                                                                axis=0), unsq])])
+                                                                axis=0), last])])
         rows = add("Reshape", [rows, const("rows_shape", np.array([0, 0, kb * p.block], np.int64))])
         if kb * p.block != p.k:
             zero, k, axis = (const(n, np.array([v], np.int64)) for n, v in (("zero", 0), ("k", p.k), ("axis", -1)))

@@ -54,7 +54,7 @@ class EngineConfig:
 
         context = limits["max_seq_len"]
         max_model_len = min(pick("max_model_len") or context, context)
-        max_num_seqs = pick("max_num_seqs")
+        max_num_seqs, max_batched = pick("max_num_seqs"), pick("max_num_batched_tokens")
         block_size = manifest["kv"]["block_size"]
         bytes_per_block = manifest["kv"]["bytes_per_token"] * block_size
         blocks = pick("num_kv_blocks") or max(2, min(DEFAULT_KV_CACHE_BYTES // bytes_per_block,
@@ -64,11 +64,11 @@ class EngineConfig:
             raise EngineConfigError(f"preemption_mode {mode!r} is not one of {PREEMPTION_MODES}")
         swap_gb = float(pick("swap_space_gb"))
         for name, value in (("max_num_seqs", max_num_seqs), ("num_kv_blocks", blocks),
-                            ("max_num_batched_tokens", pick("max_num_batched_tokens"))):
+                            ("max_num_batched_tokens", max_batched)):
             if value < 1:
                 raise EngineConfigError(f"{name} must be at least 1, got {value}")
         return cls(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                   max_num_batched_tokens=pick("max_num_batched_tokens"), num_kv_blocks=blocks,
+                   max_num_batched_tokens=max_batched, num_kv_blocks=blocks,
                    num_host_blocks=int(swap_gb * (1 << 30) // bytes_per_block) if mode == "swap" else 0,
                    enable_prefix_caching=bool(pick("enable_prefix_caching")), preemption_mode=mode,
                    swap_space_gb=swap_gb, max_prefill_tokens_with_decodes=pick("max_prefill_tokens_with_decodes"),

@@ -114,9 +114,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._ids = itertools.count()
 
-    @staticmethod
-    def _executor(bundle: Path, m: dict[str, Any], cfg: EngineConfig, acl_module: object) -> Executor:
-        layout = PagedLayout.from_manifest(m["kv"])
+    def _executor(self, bundle: Path, m: dict[str, Any], cfg: EngineConfig, acl_module: object) -> Executor:
         if m["target"] == "ascend":
             from omforge.runtime.acl_executor import AclExecutor
 
@@ -124,7 +122,7 @@ class LLMEngine:
         if m.get("kernels") and not kernels.status().available:
             raise BundleError(f"{bundle}: compiled for omforge's CPU kernel library (paged attention), which is "
                               f"unavailable here: {kernels.status().reason}; or recompile the bundle on this machine")
-        return OrtExecutor(bundle / m["graphs"]["step"], layout, num_blocks=cfg.num_kv_blocks, threads=cfg.threads,
+        return OrtExecutor(bundle / m["graphs"]["step"], self.layout, num_blocks=cfg.num_kv_blocks, threads=cfg.threads,
                            num_host_blocks=cfg.num_host_blocks)
 
     # --- requests -----------------------------------------------------------------------------------------

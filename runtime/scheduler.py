@@ -247,7 +247,7 @@ class Scheduler:
             if left > 1 and prefill <= 0:
                 break
             if left == 1 and cap and not decoding:  # the step's first decode: the cap holds from here on
-                spent = self.budget - budget - sum(1 for s in out.scheduled if s.num_new_tokens == 1)
+                spent = self.budget - prefill  # no decode yet: prefill started at the whole budget
                 if spent > cap:
                     break  # the step already carries more prefill than a step with decodes may
                 prefill, decoding = min(prefill, cap - spent), [req]
