@@ -33,7 +33,7 @@ from omforge.export.tokenizer import write_tokenizer
 from omforge.export.weights import Checkpoint, load_checkpoint
 from omforge.recipe import Recipe
 
-EXPORT_FORMAT = 2  # 2: GGUF blocks kept beside the graph (source_blocks.npz)
+EXPORT_FORMAT = 3  # 2: GGUF blocks kept beside the graph (source_blocks.npz); 3: streamed, per-tensor random seeds
 SOURCE_BLOCKS = "source_blocks.npz"
 INPUTS = ("input_ids", "position_ids")
 OUTPUT = "logits"
@@ -83,7 +83,12 @@ def export_recipe(recipe: Recipe, out_dir: Path, quiet: bool = False) -> dict[st
 
 
 def export_checkpoint(ckpt: Checkpoint, out_dir: Path, opset: int, timings: Timings) -> dict[str, Any]:
-    """torch → ONNX (dynamo exporter) → tidy names, share the tied embedding → save external data → check."""
+    """torch → ONNX (dynamo exporter) traced without weights → weights attached lazily → save → check.
+
+    The torch model, its buffers and the example inputs live on the meta device: tracing allocates no weight.
+    The graph's initializers are then bound to ``ckpt.tensors`` as lazy tensors (the ``<param>.T`` MatMul
+    weights as lazy transposes), and ``ir.save`` streams them into the external data one at a time, so the
+    export's peak memory is the graph plus the largest tensor, whatever the model's size."""
     import onnx
     import onnx_ir as ir
     import torch
@@ -91,32 +96,30 @@ def export_checkpoint(ckpt: Checkpoint, out_dir: Path, opset: int, timings: Timi
     from omforge.models.llama import LlamaForCausalLM, rope_inv_freq
 
     with timings.stage("build torch model"):
-        # built on the meta device and given the checkpoint's arrays as its parameters (assign, shared memory):
-        # no random initialisation and no second copy of the weights
         with torch.device("meta"):
             model = LlamaForCausalLM(ckpt.config)
-        model.load_state_dict({k: torch.from_numpy(v if v.flags.writeable else v.copy())
-                               for k, v in ckpt.tensors.items()}, strict=True, assign=True)
-        model.register_buffer("inv_freq", rope_inv_freq(ckpt.config), persistent=False)
+        inv_freq = rope_inv_freq(ckpt.config)
+        model.register_buffer("inv_freq", inv_freq.to("meta"), persistent=False)
         model.eval()
     with timings.stage("torch.onnx.export"):
         # batch 2 / seq 8 as examples: a size-1 example would be specialised away by torch.export.
-        ids = torch.zeros((2, 8), dtype=torch.int64)
-        pos = torch.arange(8, dtype=torch.int64)[None].repeat(2, 1)
+        ids = torch.zeros((2, 8), dtype=torch.int64, device="meta")
+        pos = torch.zeros((2, 8), dtype=torch.int64, device="meta")
         batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
         logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # exporter deprecation chatter; real failures raise
             program = torch.onnx.export(
-                model, (ids, pos), dynamo=True, opset_version=opset, optimize=True, verbose=False,
+                model, (ids, pos), dynamo=True, opset_version=opset, optimize=False, verbose=False,
                 input_names=list(INPUTS), output_names=[OUTPUT],
                 dynamic_shapes={"input_ids": {0: batch, 1: seq}, "position_ids": {0: batch, 1: seq}},
             )
         graph_model: ir.Model = program.model
-    with timings.stage("tidy graph"):
-        _name_weights(graph_model.graph)
-        if ckpt.config.tie_word_embeddings:
-            _share_tied_embedding(graph_model.graph)
+    with timings.stage("bind weights, optimize"):
+        _bind_weights(graph_model.graph, ckpt, {"inv_freq": inv_freq.numpy()})
+        import onnxscript.optimizer
+
+        onnxscript.optimizer.optimize_ir(graph_model)  # what the exporter's optimize=True runs
         _strip_torch_metadata(graph_model.graph)
         graph_model.producer_name = "omforge"
     with timings.stage("save"):
@@ -140,6 +143,45 @@ def export_checkpoint(ckpt: Checkpoint, out_dir: Path, opset: int, timings: Timi
         "source": str(ckpt.source) if ckpt.source else None,
         "source_blocks": _save_blocks(ckpt, out_dir),
     }
+
+
+def _bind_weights(graph, ckpt: Checkpoint, buffers: dict[str, np.ndarray]) -> None:  # noqa: ANN001 - ir.Graph
+    """Give the meta-traced initializers their values, lazily. A parameter read only through ``Transpose(perm
+    [1, 0])`` (a Linear's ``x @ W.T``) becomes the initializer ``<param>.T`` holding the transposed array, read
+    straight by its MatMul; the tied embedding, read by Gather and by the lm_head's Transpose, stays one
+    initializer and its Transpose output is named ``lm_head.weight.T``."""
+    import onnx_ir as ir
+
+    def lazy(name: str, shape: tuple[int, ...], transposed: bool) -> ir.LazyTensor:
+        def read() -> ir.Tensor:
+            arr = ckpt.tensors[name]
+            return ir.tensor(np.ascontiguousarray(arr.T) if transposed else arr)
+        return ir.LazyTensor(read, dtype=ir.DataType.FLOAT, shape=ir.Shape(shape[::-1] if transposed else shape),
+                             name=name + (".T" * transposed))
+
+    for name, value in list(graph.initializers.items()):
+        if name in buffers:
+            value.const_value = ir.tensor(buffers[name], name=name)
+            continue
+        if name not in ckpt.tensors:
+            raise RuntimeError(f"export: initializer '{name}' is neither a weight nor a known buffer")
+        shape = tuple(ckpt.tensors.shapes[name]) if hasattr(ckpt.tensors, "shapes") else ckpt.tensors[name].shape
+        uses = list(value.uses())
+        transposes = [u.node for u in uses if u.node.op_type == "Transpose"
+                      and list(u.node.attributes.get_ints("perm", [])) == [1, 0]]
+        if len(uses) == 1 and len(transposes) == 1:
+            node = transposes[0]
+            graph.initializers.pop(name)
+            weight = ir.Value(name=name + ".T", shape=ir.Shape(shape[::-1]), type=ir.TensorType(ir.DataType.FLOAT),
+                              const_value=lazy(name, shape, transposed=True))
+            graph.register_initializer(weight)
+            node.outputs[0].replace_all_uses_with(weight)
+            graph.remove(node, safe=True)
+            continue
+        value.const_value = lazy(name, shape, transposed=False)
+        for node in transposes:  # the tied embedding's lm_head read
+            node.name = "lm_head_tied_transpose"
+            node.outputs[0].name = "lm_head.weight.T"
 
 
 def _save_blocks(ckpt: Checkpoint, out_dir: Path) -> dict[str, Any] | None:
@@ -179,34 +221,6 @@ def _scope(node) -> str:  # noqa: ANN001 - onnx_ir.Node
     parts = json.loads(scopes.replace("'", '"'))
     scope = parts[-2] if len(parts) >= 2 else ""
     return scope if scope.startswith(("model", "lm_head")) else ""
-
-
-def _name_weights(graph) -> None:  # noqa: ANN001 - onnx_ir.Graph
-    """Rename the exporter's folded ``val_N`` weight constants after the torch parameter they transpose."""
-    for node in graph:
-        if node.op_type != "MatMul":
-            continue
-        w = node.inputs[1]
-        scope = _scope(node)
-        if (w is not None and w.const_value is not None and w.name.startswith("val_")
-                and (scope.endswith("_proj") or scope == "lm_head")):
-            w.name = f"{scope}.weight.T"
-
-
-def _share_tied_embedding(graph) -> None:  # noqa: ANN001
-    """The exporter folds ``embed.weight.t()`` into a second copy; read the one embedding through a Transpose."""
-    import onnx_ir as ir
-
-    embed = graph.initializers["model.embed_tokens.weight"]
-    head = next(n for n in reversed(list(graph)) if n.op_type == "MatMul")
-    folded = head.inputs[1]
-    if folded is None or folded.const_value is None or folded is embed:
-        return
-    transpose = ir.node("Transpose", inputs=[embed], attributes={"perm": [1, 0]}, name="lm_head_tied_transpose")
-    transpose.outputs[0].name = "lm_head.weight.T"
-    graph.insert_before(head, transpose)
-    head.replace_input_with(1, transpose.outputs[0])
-    graph.initializers.pop(folded.name)
 
 
 def _strip_torch_metadata(graph) -> None:  # noqa: ANN001

@@ -1,14 +1,19 @@
 """Weight sources: a Hugging Face directory, a GGUF file (dequantized to fp32), a file in a Python package, random.
 
 Every loader returns a :class:`Checkpoint` whose ``tensors`` use transformers' ``LlamaForCausalLM``
-names and hold float32 numpy arrays. Invariant: the names are exactly the parameters of
+names and give float32 numpy arrays. Invariant: the names are exactly the parameters of
 :class:`omforge.models.llama.LlamaForCausalLM` for ``config`` (checked by :func:`check_names`).
+
+``tensors`` is lazy (:class:`TensorMap`): shapes are known up front, each array is read (safetensors slice,
+GGUF block dequantization, seeded generation) when it is asked for and not kept, so an export streams the
+weights one tensor at a time — an 8B checkpoint never sits in memory as float32.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,10 +31,35 @@ class WeightsError(OmforgeError):
 GGUF_KEPT_BLOCKS = ("Q4_0", "Q4_1", "Q8_0")  # block types the ORT lowering takes as they are (passes/quant.py)
 
 
+class TensorMap(Mapping[str, np.ndarray]):
+    """Named float32 tensors, read on access (never cached): ``shapes`` up front, ``load(name)`` per access."""
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], load: Callable[[str], np.ndarray]):
+        self.shapes = dict(shapes)
+        self._load = load
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.shapes:
+            raise KeyError(name)
+        arr = np.asarray(self._load(name), dtype=np.float32)
+        if arr.shape != self.shapes[name]:
+            raise WeightsError(f"tensor '{name}': read shape {arr.shape}, declared {self.shapes[name]}")
+        return arr
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
+        return name in self.shapes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
 @dataclass
 class Checkpoint:
     config: ModelConfig
-    tensors: dict[str, np.ndarray]
+    tensors: Mapping[str, np.ndarray]  # a TensorMap from the loaders; a dict works too
     source: Path | None  # file or directory the weights came from (None for random)
     # GGUF: the raw blocks of the tensors stored as GGUF_KEPT_BLOCKS, by the same names: (type, uint8 rows
     # [N, bytes per row] after the Q/K row un-permutation, K); tensors[name] is their dequantization
@@ -86,24 +116,31 @@ def _config_from_recipe(recipe: Recipe) -> ModelConfig:
 
 
 def random_checkpoint(cfg: ModelConfig, seed: int) -> Checkpoint:
-    """Random weights with a fixed seed (normal, std 0.02; norm weights near 1 so they matter numerically)."""
-    from omforge.models.llama import LlamaForCausalLM  # torch only when building from scratch
+    """Random weights with a fixed seed (normal, std 0.02; norm weights near 1 so they matter numerically).
+    Each tensor has its own stream, seeded by ``(seed, its index in name order)``: any tensor is made alone, in
+    any order, with the same values."""
+    import torch  # torch only when building from scratch
 
-    rng = np.random.default_rng(seed)
-    shapes = {k: tuple(v.shape) for k, v in LlamaForCausalLM(cfg).state_dict().items()}
-    tensors = {}
-    for name in sorted(shapes):
+    from omforge.models.llama import LlamaForCausalLM
+
+    with torch.device("meta"):  # shapes only: no memory for the parameters
+        shapes = {k: tuple(v.shape) for k, v in LlamaForCausalLM(cfg).state_dict().items()}
+    index = {name: i for i, name in enumerate(sorted(shapes))}
+
+    def make(name: str) -> np.ndarray:
+        x = np.random.default_rng([seed, index[name]]).standard_normal(shapes[name], dtype=np.float32)
         if name.endswith("norm.weight"):
-            tensors[name] = (1.0 + 0.1 * rng.standard_normal(shapes[name])).astype(np.float32)
-        else:
-            tensors[name] = (0.02 * rng.standard_normal(shapes[name])).astype(np.float32)
-    return Checkpoint(cfg, tensors, None)
+            return np.float32(1.0) + np.float32(0.1) * x
+        x *= np.float32(0.02)
+        return x
+
+    return Checkpoint(cfg, TensorMap(shapes, make), None)
 
 
 def load_hf_dir(path: Path) -> Checkpoint:
     """A Hugging Face directory: config.json and one or more *.safetensors (sharded via the index)."""
     import ml_dtypes  # noqa: F401 - registers numpy's bfloat16: most Hugging Face checkpoints are stored in bf16
-    from safetensors.numpy import load_file
+    from safetensors import safe_open
 
     try:
         cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
@@ -114,15 +151,26 @@ def load_hf_dir(path: Path) -> Checkpoint:
         else sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         raise WeightsError(f"{path}: no *.safetensors files (omforge reads safetensors, not .bin)")
-    tensors: dict[str, np.ndarray] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    shard: dict[str, Path] = {}
     for name in files:
         if not (path / name).is_file():
             raise WeightsError(f"{path}: shard '{name}' named in the index is missing")
-        for key, arr in load_file(path / name).items():
-            if "rotary_emb" in key or (cfg.tie_word_embeddings and key == "lm_head.weight"):
-                continue
-            tensors[key] = arr.astype(np.float32, copy=False)
-    return Checkpoint(cfg, tensors, path)
+        try:
+            with safe_open(path / name, framework="numpy") as f:
+                for key in f.keys():
+                    if "rotary_emb" in key or (cfg.tie_word_embeddings and key == "lm_head.weight"):
+                        continue
+                    shapes[key] = tuple(f.get_slice(key).get_shape())
+                    shard[key] = path / name
+        except Exception as e:  # safetensors raises its own SafetensorError / OSError on a bad file
+            raise WeightsError(f"{path / name}: not a readable safetensors file ({e})") from None
+
+    def read(key: str) -> np.ndarray:
+        with safe_open(shard[key], framework="numpy") as f:
+            return f.get_tensor(key).astype(np.float32, copy=False)
+
+    return Checkpoint(cfg, TensorMap(shapes, read), path)
 
 
 _GGUF_NAMES = {
@@ -196,7 +244,8 @@ def load_gguf(path: Path) -> Checkpoint:
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
     permute = cfg.family == "llama"
-    tensors: dict[str, np.ndarray] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    where: dict[str, tuple[object, int | None]] = {}  # name → (reader tensor, heads to un-permute or None)
     blocks: dict[str, tuple[str, np.ndarray, int]] = {}
     for t in reader.tensors:
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name)
@@ -208,14 +257,19 @@ def load_gguf(path: Path) -> Checkpoint:
             name = _GGUF_NAMES[t.name]
         else:
             raise WeightsError(f"{path}: tensor '{t.name}' has no place in a {cfg.family} model")
-        shape = [int(x) for x in reversed(t.shape.tolist())]
-        arr = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32, copy=False)
-        raw = np.asarray(t.data) if t.tensor_type.name in GGUF_KEPT_BLOCKS and len(shape) == 2 else None
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        heads = None
         if permute and m and m[2] in ("attn_q", "attn_k"):
             heads = cfg.num_attention_heads if m[2] == "attn_q" else cfg.num_key_value_heads
-            arr = _unpermute(arr, heads)
-            raw = _unpermute(raw, heads) if raw is not None else None  # rows move whole: blocks run along K
-        tensors[name] = arr
-        if raw is not None:
+        shapes[name], where[name] = shape, (t, heads)
+        if t.tensor_type.name in GGUF_KEPT_BLOCKS and len(shape) == 2:  # the file's blocks (memory-mapped)
+            raw = np.asarray(t.data)
+            raw = _unpermute(raw, heads) if heads else raw  # rows move whole: blocks run along K
             blocks[name] = (t.tensor_type.name, np.ascontiguousarray(raw.reshape(shape[0], -1)), shape[1])
-    return Checkpoint(cfg, tensors, path, blocks)
+
+    def dequantize(name: str) -> np.ndarray:
+        t, heads = where[name]
+        arr = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shapes[name]).astype(np.float32, copy=False)
+        return _unpermute(arr, heads) if heads else arr
+
+    return Checkpoint(cfg, TensorMap(shapes, dequantize), path, blocks)

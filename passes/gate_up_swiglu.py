@@ -7,12 +7,10 @@ activation becomes one op. Check: both weights are constant 2-D matrices with th
 
 from __future__ import annotations
 
-import numpy as np
-import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from omforge.passes import ops
-from omforge.passes.util import const_array
+from omforge.passes.util import concat_lazy, const_shape
 
 
 class GateUpSwiGLUFusion(pattern.RewriteRuleClassBase):
@@ -23,16 +21,15 @@ class GateUpSwiGLUFusion(pattern.RewriteRuleClassBase):
 
     def check(self, context, w_gate, w_up, **_) -> pattern.MatchResult:  # noqa: ANN001
         result = pattern.MatchResult()
-        g, u = const_array(w_gate), const_array(w_up)
-        if g is None or u is None or g.ndim != 2 or g.shape != u.shape:
+        g, u = const_shape(w_gate), const_shape(w_up)
+        if g is None or u is None or len(g) != 2 or g != u:
             return result.fail("gate/up weights are not constant matrices of one shape", w_gate)
         return result
 
     def rewrite(self, op, x, w_gate, w_up, **_):  # noqa: ANN001, ANN201
-        merged = np.concatenate([const_array(w_gate), const_array(w_up)], axis=1)
         name = (w_gate.name.replace("gate_proj", "gate_up_proj") if "gate_proj" in w_gate.name
                 else w_gate.name + ".gate_up")
-        weight = op.initializer(ir.tensor(merged, name=name), name=name)
+        weight = op.initializer(concat_lazy([w_gate, w_up], axis=1, name=name).const_value, name=name)
         return op.SwiGLU(op.MatMul(x, weight), _domain=ops.DOMAIN)
 
 

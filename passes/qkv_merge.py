@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from omforge.passes.util import const_array
+from omforge.passes.util import concat_lazy, const_array, const_shape
 
 
 @dataclass
 class _Proj:
     matmul: ir.Node
-    weight: np.ndarray
+    weight: tuple[int, ...]  # the weight's shape: its data is read only when the merged weight is
     bias_add: ir.Node | None
     bias: np.ndarray | None
 
@@ -30,15 +30,15 @@ class _Proj:
 
 
 def _projection(node: ir.Node) -> _Proj | None:
-    w = const_array(node.inputs[1])
-    if w is None or w.ndim != 2:
+    w = const_shape(node.inputs[1])
+    if w is None or len(w) != 2:
         return None
     users = node.outputs[0].uses()
     if len(users) == 1 and users[0].node.op_type == "Add":
         add = users[0].node
         other = add.inputs[1 - users[0].idx]
         b = const_array(other)
-        if b is not None and b.ndim == 1 and b.shape[0] == w.shape[1]:
+        if b is not None and b.ndim == 1 and b.shape[0] == w[1]:
             return _Proj(node, w, add, b)
     return _Proj(node, w, None, None)
 
@@ -59,7 +59,7 @@ def match(graph: ir.Graph) -> list[list[_Proj]]:
 
 
 def check(projs: list[_Proj]) -> bool:
-    rows = {p.weight.shape[0] for p in projs}
+    rows = {p.weight[0] for p in projs}
     biased = {p.bias is not None for p in projs}
     return len(rows) == 1 and len(biased) == 1
 
@@ -69,7 +69,7 @@ def rewrite(graph: ir.Graph, projs: list[_Proj]) -> None:
     first = projs[0].matmul
     wname = first.inputs[1].name
     name = wname.replace("q_proj", "qkv_proj") if "q_proj" in wname else wname + ".qkv"
-    weight = ir.Value(name=name, const_value=ir.tensor(np.concatenate([p.weight for p in projs], axis=1), name=name))
+    weight = concat_lazy([p.matmul.inputs[1] for p in projs], axis=1, name=name)
     graph.register_initializer(weight)
     matmul = ir.node("MatMul", [x, weight], name=f"{first.name}_qkv")
     new_nodes = [matmul]
@@ -82,7 +82,7 @@ def rewrite(graph: ir.Graph, projs: list[_Proj]) -> None:
         new_nodes.append(add)
         out = add.outputs[0]
     sizes = ir.Value(name=f"{name}.split",
-                     const_value=ir.tensor(np.array([p.weight.shape[1] for p in projs], np.int64)))
+                     const_value=ir.tensor(np.array([p.weight[1] for p in projs], np.int64)))
     graph.register_initializer(sizes)
     split = ir.node("Split", [out, sizes], attributes={"axis": -1}, num_outputs=3, name=f"{first.name}_qkv_split")
     new_nodes.append(split)

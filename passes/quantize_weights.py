@@ -23,6 +23,7 @@ import numpy as np
 import onnx_ir as ir
 
 from omforge.passes import quant
+from omforge.passes.util import read_weight
 
 MS_DOMAIN = "com.microsoft"
 _MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -216,5 +217,5 @@ def _weight(w: ir.Value | None) -> tuple[str | None, ir.Value | None, bool]:
 
 def _rows(const: ir.Value, transposed: bool) -> np.ndarray:
     """The weight ``[N, K]`` (one row per output feature) of a constant found by :func:`_weight`."""
-    array = const.const_value.numpy()
+    array = read_weight(const.const_value)
     return np.ascontiguousarray(array.T) if transposed else array

@@ -127,3 +127,40 @@ def test_random_source_matches_transformers(tmp_path: Path) -> None:
     with torch.no_grad():
         ref = hf.eval()(torch.from_numpy(ids)).logits.numpy()
     assert float(np.abs(run_onnx(tmp_path, ids) - ref).max()) <= TOL
+
+
+def test_export_streams_each_weight_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Traced without weights, the export reads every weight matrix from its source exactly once (while saving)
+    — never the whole checkpoint at once — and the saved graph names them as before (``<param>.T``)."""
+    from collections import Counter
+
+    from omforge.export import weights
+
+    reads: Counter[str] = Counter()
+    original = weights.TensorMap.__getitem__
+
+    def counting(self: weights.TensorMap, name: str) -> np.ndarray:
+        reads[name] += 1
+        return original(self, name)
+
+    monkeypatch.setattr(weights.TensorMap, "__getitem__", counting)
+    export_recipe(load_recipe(TINY_RECIPE), tmp_path / "export", quiet=True)
+    matrices = [n for n in reads if not n.endswith("norm.weight")]
+    assert len(matrices) == 2 * 7 + 1 and all(reads[n] == 1 for n in matrices), reads  # 7 per layer + embedding
+    proto = onnx.load(str(tmp_path / "export" / "model.onnx"), load_external_data=False)
+    names = {i.name for i in proto.graph.initializer}
+    assert "model.layers.1.mlp.down_proj.weight.T" in names and "model.embed_tokens.weight" in names
+
+
+def test_random_weights_are_seeded_per_tensor() -> None:
+    """Any tensor of a random checkpoint is made alone, in any order, with the same values (what lets an 8B
+    random model stream); a different seed changes them."""
+    from omforge.export.weights import _config_from_recipe, random_checkpoint
+
+    config = _config_from_recipe(load_recipe(TINY_RECIPE))
+    a, b = random_checkpoint(config, 0).tensors, random_checkpoint(config, 0).tensors
+    names = list(a)
+    for name in reversed(names):
+        np.testing.assert_array_equal(b[name], a[name])
+    assert not np.array_equal(random_checkpoint(config, 1).tensors[names[0]], a[names[0]])
+    assert "model.norm.weight" in a and "nope" not in a

@@ -170,9 +170,9 @@ BAD = [
      "model.package: Python package 'omforge_no_such_package.sub' is not installed "
      "(install it: pip install --no-deps omforge-no-such-package)"),
     # A setting the compiler would ignore is refused (issue 12 defect 5).
-    ("float16-weights-not-implemented", MODEL + "compile:\n  dtype: float16\n",
-     "compile.dtype: float16 weights are not implemented yet: every target compiles float32 graphs; use float32 "
-     "(got 'float16')"),
+    ("float16-dtype-points-to-weights", MODEL + "compile:\n  dtype: float16\n",
+     "compile.dtype: use compile.weights (float16 builds an fp16 graph for the ascend target); compile.dtype only "
+     "accepts float32 (got 'float16')"),
     # Cross-field: runtime limits within the build-time maxima.
     ("max-model-len-above-max-seq-len", MODEL + "compile:\n  max_seq_len: 256\nserve:\n  max_model_len: 512\n",
      "serve.max_model_len: 512 exceeds compile.max_seq_len (256), the longest sequence the graphs are built for"),
@@ -297,6 +297,12 @@ def test_tiny_llama_loads_with_defaults() -> None:
 
 
 @needs_smollm2
+@pytest.mark.parametrize("name", ["llama-3.2-1b-random.yaml", "llama-3-8b-random.yaml"])
+def test_shipped_random_recipes_load(name: str) -> None:
+    recipe = load_recipe(Path(__file__).parent.parent / "models" / name)
+    assert recipe.model.source == "random" and recipe.compile.weights == "int4"
+
+
 def test_smollm2_loads() -> None:
     r = load_recipe(ROOT / "models" / "smollm2-135m.yaml")
     m = r.model
