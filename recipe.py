@@ -128,29 +128,47 @@ class CompileSection(_Section):
     @classmethod
     def _implemented_dtype(cls, v: str) -> str:
         if v != "float32":  # accepted by the schema since the design card names it; never silently ignored
-            raise ValueError("float16 weights are not implemented yet: every target compiles float32 graphs; "
-                             "use float32")
+            raise ValueError("use compile.weights (float16 builds an fp16 graph for the ascend target); "
+                             "compile.dtype only accepts float32")
         return v
 
     @field_validator("weights")
     @classmethod
     def _implemented_weights(cls, v: str) -> str:
-        if v in ("bfloat16", "float16"):  # never accept a setting the compiler would ignore
-            raise ValueError(f"{v} weights are not implemented yet (ORT's CPU MatMul has no {v} kernel faster than "
-                             "float32 here, and the ascend fp16 graph is not built yet); use float32, int8 or int4")
+        if v == "bfloat16":  # never accept a setting the compiler would ignore
+            raise ValueError("bfloat16 weights are not implemented (ORT's CPU MatMul has no bfloat16 kernel faster "
+                             "than float32 here); use float32, float16 (ascend), int8 or int4")
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fp16_precision_mode(cls, data: Any) -> Any:
+        """An fp16 ascend graph's default ATC precision mode is must_keep_origin_dtype (float32 graphs':
+        allow_fp32_to_fp16)."""
+        if isinstance(data, dict) and data.get("target") == "ascend" and data.get("weights") in ("float16", "int8"):
+            data = {"precision_mode": "must_keep_origin_dtype", **data}
+        return data
 
     @model_validator(mode="after")
     def _weights_per_target(self) -> CompileSection:
-        if self.weights == "float32" and self.quantization.model_fields_set:  # never a setting that does nothing
-            raise _KeyError("quantization", "applies to weights int8 or int4; compile.weights is float32")
-        if self.weights == "int8" and self.quantization.accuracy_level == 0:
+        if self.weights in ("float32", "float16") and self.quantization.model_fields_set:  # never a no-op setting
+            raise _KeyError("quantization", f"applies to weights int8 or int4; compile.weights is {self.weights}")
+        if self.weights == "int8" and self.quantization.accuracy_level == 0 and self.target == "ort":
             raise _KeyError("quantization", "accuracy_level 0 with int8 weights would run ONNX Runtime's 8-bit CPU "
                             "kernel at float precision, far slower than float32; use accuracy_level 4 (int8 "
                             "activations, as llama.cpp and onnxruntime-genai do) or weights: int4")
-        if self.weights in ("int8", "int4") and self.target != "ort":
-            raise _KeyError("weights", f"{self.weights} weights are lowered to ONNX Runtime's MatMulNBits; target "
-                            f"{self.target} takes float32 (W8A16 for ascend is not built yet)")
+        if self.weights == "float16" and self.target != "ascend":
+            raise _KeyError("weights", f"float16 weights are built for the ascend target (an fp16 graph for ATC); "
+                            f"target {self.target} has no float16 MatMul faster than float32 here: use float32, "
+                            "int8 or int4")
+        if self.weights == "int4" and self.target == "ascend":
+            raise _KeyError("weights", "int4 weights on ascend (WeightQuantBatchMatmulV2's INT4Pack) are not built; "
+                            "use float16, or int8 (W8A16)")
+        if self.target == "ascend" and self.weights != "float32":
+            if self.precision_mode != "must_keep_origin_dtype":  # the default is set by _fp16_precision_mode
+                raise _KeyError("precision_mode", f"{self.precision_mode} with {self.weights} weights: an fp16 graph "
+                                "is compiled with must_keep_origin_dtype, which keeps the graph's float32 islands "
+                                "(RMSNorm, softmax, rotary angles) as they are")
         return self
 
     @field_validator("kv_block_size")

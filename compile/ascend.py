@@ -41,14 +41,21 @@ def lower_step_graph(export_dir: Path, out: Path, recipe: Recipe, block_size: in
     """``plain``: every op as standard ONNX with the lowering's numerics (``lower_ascend.lower(plain=True)``), a
     graph any ONNX runtime can run — what the tests' fake pyACL executes in place of the OMs."""
     model = ir.load(export_dir / "model.onnx")
-    run = Pipeline("ascend", recipe.compile.fusions, block_size, {"plain": plain}).run(model)
+    c = recipe.compile
+    quantize = {"group_size": c.quantization.group_size, "matrices": c.quantization.matrices} \
+        if c.weights == "int8" else None
+    run = Pipeline("ascend", c.fusions, block_size, {"plain": plain}, quantize=quantize,
+                   float16=c.weights != "float32").run(model)
     counts, layout, lowering = run.fusion_counts, run.layout, run.lowering.result
     ir.save(model, out / "step.onnx", external_data="step.onnx.data")
     simplified = _onnxsim(out / "step.onnx")
     final = ir.load(out / "step.onnx")
     return {"fusion_counts": counts, "num_nodes": len(list(final.graph)), "op_histogram": histogram(final),
             "abi": interface(final), "layout": asdict(layout), "graph": "step.onnx",
-            "lowering": lowering.to_dict(), "onnxsim": simplified}
+            "lowering": lowering.to_dict(), "onnxsim": simplified,
+            "weights": {"precision": c.weights, "quantized": run.quantized, "accuracy_level": None,
+                        "graph": "float16 (float32 islands: RMSNorm statistics, softmax, rotary angles)"
+                        if c.weights != "float32" else "float32"}}
 
 
 def _onnxsim(path: Path) -> str:

@@ -115,9 +115,9 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
         raise OmforgeError(f"{recipe.path}: compile.kv_cache_dtype: {kv_dtype} needs omforge's CPU kernel library, "
                            f"unavailable here ({kernels.status().reason}); use float32")
     weights = recipe.compile.weights
-    if weights != "float32" and target != "ort":
-        raise OmforgeError(f"{recipe.path}: compile.weights: {weights} is lowered to ONNX Runtime's MatMulNBits; "
-                           f"target {target} takes float32")
+    if target != recipe.compile.target and weights != "float32":  # the recipe validated weights for its own target
+        raise OmforgeError(f"{recipe.path}: compile.weights: {weights} was chosen for target "
+                           f"{recipe.compile.target}; --target {target} needs a recipe of its own")
     if out.exists() and not (out / "manifest.json").is_file() and any(out.iterdir()):
         raise OmforgeError(f"-o {out}: exists and is not a bundle; refusing to overwrite it")
     progress = Progress(quiet)

@@ -24,6 +24,7 @@ rows ``[B * Q + Bd]`` (main group first). A step without such a split sends a gr
 
 KV_DTYPES = ("float32", "bfloat16", "int8")
 """KV pool element types (recipe ``compile.kv_cache_dtype``). bfloat16 and int8 need omforge's CPU kernel.
+(An ascend bundle built with ``compile.weights: float16`` or ``int8`` has float16 pools: its graph is float16.)
 int8 is symmetric per token and KV head (MindIE's C8): each head's row holds ``head_dim`` int8 values followed
 by its float32 scale (4 bytes), so the pool's last dimension is ``head_dim + 4``."""
 
@@ -47,7 +48,7 @@ class PagedLayout:
     @property
     def bytes_per_token(self) -> int:
         """KV bytes one token takes in every layer's K and V pools together."""
-        itemsize = {"float32": 4, "bfloat16": 2, "int8": 1}[self.kv_dtype]
+        itemsize = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}[self.kv_dtype]
         return 2 * self.num_layers * self.kv_heads * self.row_elems * itemsize
 
     def manifest_entry(self) -> dict:

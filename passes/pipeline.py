@@ -23,6 +23,8 @@ import onnx_ir as ir
 
 from omforge.contract import STEP_INPUTS, PagedLayout
 from omforge.passes import lower_ascend, lower_ort, manager, ops
+from omforge.passes.ascend_w8a16 import QuantizeW8A16
+from omforge.passes.float16 import CastToFloat16
 from omforge.passes.paged_kv import insert_paged_kv
 from omforge.passes.quantize_weights import QuantizeWeights
 from omforge.runtime import kernels
@@ -96,13 +98,18 @@ class Pipeline:
     fusions: Mapping[str, bool] = field(default_factory=dict)
     block_size: int | None = None
     lowering: Mapping[str, Any] = field(default_factory=dict)
-    quantize: Mapping[str, Any] | None = None  # QuantizeWeights options (ort only); None: float weights
+    # weight quantization options: QuantizeWeights (ort: MatMulNBits) or QuantizeW8A16 (ascend, on the float16
+    # graph); None: float weights
+    quantize: Mapping[str, Any] | None = None
+    float16: bool = False  # ascend: the lowered graph in float16 with float32 islands (passes/float16.py)
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
             raise ValueError(f"target {self.target!r} is not one of {TARGETS}")
-        if self.quantize is not None and self.target != "ort":
-            raise ValueError(f"quantized weights are lowered to MatMulNBits (ort); target {self.target} takes float")
+        if self.float16 and self.target != "ascend":
+            raise ValueError(f"a float16 graph is built for the ascend target, not {self.target}")
+        if self.quantize is not None and self.target == "ascend" and not self.float16:
+            raise ValueError("W8A16 on ascend quantizes the float16 graph: set float16")
 
     def passes(self) -> list[ir.passes.PassBase]:
         """Fresh pass objects, in order (each records what it did: ``Fusion.count``, ``InsertPagedKV.layout``…)."""
@@ -110,8 +117,12 @@ class Pipeline:
         if self.block_size:
             seq.append(InsertPagedKV(self.block_size))
         seq.append(LOWERINGS[self.target](**self.lowering))
-        if self.quantize is not None:
+        if self.float16:
+            seq.append(CastToFloat16())
+        if self.quantize is not None and self.target == "ort":
             seq.append(QuantizeWeights(**self.quantize))
+        elif self.quantize is not None:
+            seq.append(QuantizeW8A16(**self.quantize, plain=bool(self.lowering.get("plain"))))
         seq.append(manager.Cleanup())
         return seq
 
@@ -134,7 +145,10 @@ class PipelineRun:
 
     @property
     def layout(self) -> PagedLayout | None:
-        return next((p.layout for p in self.passes if isinstance(p, InsertPagedKV)), None)
+        layout = next((p.layout for p in self.passes if isinstance(p, InsertPagedKV)), None)
+        if layout is not None and any(isinstance(p, CastToFloat16) for p in self.passes):
+            layout = replace(layout, kv_dtype="float16")
+        return layout
 
     @property
     def lowering(self) -> ir.passes.InPlacePass:
@@ -143,7 +157,7 @@ class PipelineRun:
     @property
     def quantized(self) -> dict[str, dict[str, object]]:
         """Per quantized weight: bits, block, where it came from (GGUF blocks or round to nearest), bytes."""
-        return next((p.report for p in self.passes if isinstance(p, QuantizeWeights)), {})
+        return next((p.report for p in self.passes if isinstance(p, QuantizeWeights | QuantizeW8A16)), {})
 
 
 @dataclass

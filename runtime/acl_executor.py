@@ -133,7 +133,7 @@ class AclExecutor:
         self.stream = rt.create_stream()
         self._push("acl.rt.destroy_stream", lambda: rt.destroy_stream(self.stream))
         lay = self.layout
-        self.pool_dtype = np.dtype(np.float32)  # checked against each model's description below
+        self.pool_dtype = np.dtype(lay.kv_dtype)  # float32, or float16 for an fp16 graph; checked against each OM
         self.row_bytes = lay.kv_heads * lay.head_dim * self.pool_dtype.itemsize
         self.pool_bytes = self.num_slots * self.row_bytes
         self.pools: dict[str, int] = {}

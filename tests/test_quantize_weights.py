@@ -68,9 +68,9 @@ def test_8bit_stays_float_at_accuracy_level_0(tiny_exports: dict[str, Path]) -> 
 def test_recipe_refuses_what_cannot_run(tmp_path: Path) -> None:
     base = TINY_RECIPE.read_text()
     cases = {
-        "weights: float16": "float16 weights are not implemented",
+        "weights: float16": "float16 weights are built for the ascend target",
         "weights: int8\n  quantization:\n    accuracy_level: 0": "accuracy_level 0 with int8 weights",
-        "weights: int4\n  target: ascend": "lowered to ONNX Runtime's MatMulNBits",
+        "weights: int4\n  target: ascend": "int4 weights on ascend",
         "weights: int4\n  quantization:\n    group_size: 48": "group_size",
         "weights: int4\n  quantization:\n    matrices: [mlp, mlp]": "once",
         "quantization:\n    group_size: 64": "applies to weights int8 or int4",
