@@ -26,7 +26,7 @@ import numpy as np
 import onnx_ir as ir
 
 from omforge.passes.quantize_weights import _weight, group_of
-from omforge.passes.util import read_weight
+from omforge.passes.util import drop_unused_initializers, read_weight, weight_matmuls
 
 OP = "NPUWeightQuantBatchMatmulV2"
 MAX_DIM = 65535
@@ -59,12 +59,9 @@ class QuantizeW8A16(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         modified = False
-        for node in list(graph):
-            if node.op_type == "MatMul" and node.domain in ("", "ai.onnx"):
-                modified |= self._matmul(graph, node)
-        for name, value in list(graph.initializers.items()):
-            if not value.uses() and not value.is_graph_output():
-                del graph.initializers[name]
+        for node in weight_matmuls(graph):
+            modified |= self._matmul(graph, node)
+        drop_unused_initializers(graph)
         return ir.passes.PassResult(model, modified=modified)
 
     def _matmul(self, graph: ir.Graph, node: ir.Node) -> bool:

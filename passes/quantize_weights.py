@@ -23,7 +23,7 @@ import numpy as np
 import onnx_ir as ir
 
 from omforge.passes import quant
-from omforge.passes.util import read_weight
+from omforge.passes.util import drop_unused_initializers, read_weight, weight_matmuls
 
 MS_DOMAIN = "com.microsoft"
 _MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -108,18 +108,15 @@ class QuantizeWeights(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         modified = False
-        for node in list(graph):
-            if node.op_type == "MatMul" and node.domain in ("", "ai.onnx"):
-                modified |= self._matmul(graph, node)
+        for node in weight_matmuls(graph):
+            modified |= self._matmul(graph, node)
         if self.embedding == "quantized":
             for node in list(graph):
                 if node.op_type == "Gather" and node.domain in ("", "ai.onnx"):
                     modified |= self._gather(graph, node)
         if modified:
             model.opset_imports.setdefault(MS_DOMAIN, 1)
-            for name, value in list(graph.initializers.items()):
-                if not value.uses() and not value.is_graph_output():
-                    del graph.initializers[name]
+            drop_unused_initializers(graph)
         return ir.passes.PassResult(model, modified=modified)
 
     def ensures(self, model: ir.Model) -> None:

@@ -54,6 +54,18 @@ def concat_lazy(values: list[ir.Value], axis: int, name: str) -> ir.Value:
     return ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(tensors[0].dtype), const_value=lazy)
 
 
+def weight_matmuls(graph: ir.Graph) -> list[ir.Node]:
+    """The graph's standard-domain MatMul nodes (a snapshot: a pass may replace them while it walks)."""
+    return [n for n in graph if n.op_type == "MatMul" and n.domain in ("", "ai.onnx")]
+
+
+def drop_unused_initializers(graph: ir.Graph) -> None:
+    """Remove initializers nothing reads any more (the float weights a quantizing pass replaced)."""
+    for name, value in list(graph.initializers.items()):
+        if not value.uses() and not value.is_graph_output():
+            del graph.initializers[name]
+
+
 def const_scalar(value: ir.Value | None) -> float | None:
     """A constant of exactly one element as a Python float, else None."""
     arr = const_array(value)
