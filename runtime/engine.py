@@ -31,7 +31,12 @@ from omforge.runtime.tokenizer import TextTokenizer
 
 
 class RequestRejected(OmforgeError):
-    """A request that can never run (too long for the context or the KV pool); the message says which limit."""
+    """A request that can never run (too long for the context or the KV pool, or prompt token ids outside the
+    vocabulary); the message says which limit. ``param``: the request field at fault when it is not a length."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -137,7 +142,7 @@ class LLMEngine:
             raise RequestRejected("the prompt is empty")
         vocab = self.config["vocab_size"]
         if any(not 0 <= t < vocab for t in ids):
-            raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab})", param="prompt")
         if any(t >= vocab for t in params.logit_bias):
             raise SamplingParamsError("logit_bias",
                                       f"logit_bias keys must be token ids below the vocabulary size {vocab}")

@@ -28,7 +28,13 @@ from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
 from omforge.runtime.tokenizer import ChatTemplateError
 from omforge.serve.async_engine import AsyncEngine, EngineUnavailable, Overloaded, RequestGroup
 from omforge.serve.metrics import ServerMetrics
-from omforge.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from omforge.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from omforge.serve.responses import SSE_DONE, ResponseBuilder, sse, token_text_fn, usage
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait; the queue moves every engine step
@@ -67,7 +73,9 @@ def build_app(state: ServerState) -> FastAPI:
             return
         given = request.headers.get("authorization", "")
         scheme, _, key = given.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip(), state.api_key):
+        # bytes: compare_digest refuses non-ASCII str (a 500 before); the header arrives as latin-1 text
+        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode("utf-8", "surrogateescape"),
+                                                                    state.api_key.encode()):
             raise APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
                            code="invalid_api_key")
 
@@ -78,10 +86,14 @@ def build_app(state: ServerState) -> FastAPI:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise APIError(400, "the request body is not valid JSON: nested too deeply") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
         try:
             body = schema.model_validate(data)
+        except RecursionError:  # a deep structure inside an accepted field (logit_bias, a message …)
+            raise APIError(400, "the request body nests too deeply") from None
         except ValidationError as exc:
             err = exc.errors()[0]
             param = ".".join(str(p) for p in err["loc"] if not isinstance(p, int) or err["loc"][0] == "messages")
@@ -101,6 +113,9 @@ def build_app(state: ServerState) -> FastAPI:
             state.metrics.rejected("invalid_parameter")
             raise APIError(400, str(exc), param=exc.param) from None
         except RequestRejected as exc:
+            if exc.param is not None:  # not a length: e.g. prompt token ids outside the vocabulary
+                state.metrics.rejected("invalid_parameter")
+                raise APIError(400, str(exc), param=exc.param) from None
             state.metrics.rejected("too_long")
             raise APIError(400, str(exc), param=length_param, code="context_length_exceeded") from None
 
@@ -134,6 +149,38 @@ def build_app(state: ServerState) -> FastAPI:
             {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "omforge",
              "max_model_len": state.max_model_len}]})
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body: TokenizeRequest = await parse(request, TokenizeRequest)
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", param="prompt")
+        if body.prompt is not None:
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await asyncio.to_thread(tokenizer.encode, body.prompt, special)
+        else:
+            ids = await asyncio.to_thread(render_chat, body.chat(), bool(body.add_special_tokens))
+        return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
+                             "token_strs": None})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body: DetokenizeRequest = await parse(request, DetokenizeRequest)
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", param="tokens")
+        vocab = state.engine.engine.config["vocab_size"]
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"tokens must be token ids in [0, {vocab})", param="tokens")
+        return JSONResponse({"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens, False)})
+
+    def render_chat(body: ChatCompletionRequest, add_special_tokens: bool = False) -> list[int]:
+        """The chat template over the request's messages, encoded (raises APIError 400 on a template error)."""
+        try:
+            text = tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=body.add_generation_prompt,
+                                                 **(body.chat_template_kwargs or {}))
+        except ChatTemplateError as exc:
+            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         with state.engine.arriving():
@@ -163,17 +210,8 @@ def build_app(state: ServerState) -> FastAPI:
         body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer and no chat template", param="messages")
-        conversation = body.conversation()
-
-        def render() -> list[int]:
-            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=body.add_generation_prompt,
-                                                 **(body.chat_template_kwargs or {}))
-            return tokenizer.encode(text, add_special_tokens=False)
-
-        try:
-            ids = await asyncio.to_thread(render)
-        except ChatTemplateError as exc:
-            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+        body.conversation()  # content parts checked on the event loop: a 400 before any work
+        ids = await asyncio.to_thread(render_chat, body)
         params = body.sampling_params(body.max_new_tokens(), body.num_logprobs())
         checked = check(ids, params, "max_completion_tokens" if body.max_new_tokens() else "messages")
         return await respond(request, body, "chat", [(ids, checked)], [], bool(body.logprobs), arrival)

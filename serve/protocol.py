@@ -117,6 +117,13 @@ class CompletionRequest(_Common):
                            param="logprobs")
 
 
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "add_generation_prompt", "continue_final_message", "tokenize", "return_dict",
+    "return_tensors", "chat_template", "tools", "documents", "padding", "truncation", "max_length",
+})
+"""``chat_template_kwargs`` keys the server renders itself; any other key is a template variable."""
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id, … pass through to the template
     role: str
@@ -143,6 +150,11 @@ class ChatCompletionRequest(_Common):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
+        reserved = sorted(set(self.chat_template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs: {reserved[0]!r} is set by the server, not the request "
+                           "(use the request's own field, e.g. add_generation_prompt); other keys are passed to "
+                           "the template as variables", param="chat_template_kwargs")
         if self.tools and self.tool_choice != "none":
             raise APIError(400, "tools (function calling) are not supported", param="tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -161,10 +173,12 @@ class ChatCompletionRequest(_Common):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict[str, Any]]:
-        """The messages as the template expects them: text parts joined, other part types rejected."""
+        """The messages as the template expects them: text parts joined, other part types rejected, a null
+        content (OpenAI allows it on assistant turns) as the empty string."""
         out = []
         for i, m in enumerate(self.messages):
             msg = m.model_dump(exclude_none=True)
+            msg.setdefault("content", "")
             if isinstance(m.content, list):
                 texts = []
                 for part in m.content:
@@ -181,3 +195,37 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): ``prompt`` as the completions endpoint encodes it, or ``messages`` through the
+    chat template as the chat endpoint renders them."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (vLLM's)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "send exactly one of prompt or messages", param="prompt")
+        if self.messages is not None:
+            self.chat().check_supported()
+
+    def chat(self) -> ChatCompletionRequest:
+        return ChatCompletionRequest(messages=self.messages or [], add_generation_prompt=self.add_generation_prompt,
+                                     chat_template_kwargs=self.chat_template_kwargs)
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+    def check_supported(self) -> None:
+        pass

@@ -61,6 +61,7 @@ def serve(bundle: str | Path, options: ServeOptions, **engine_options: Any) -> i
     cfg = engine.engine_config
     name = options.served_model_name or engine.manifest["model"]["name"]
     metrics = ServerMetrics(name)
+    metrics.after_step(engine, [], 0)  # the pool's size and an empty engine are known before the first request
     async_engine = AsyncEngine(engine, max_waiting_requests=cfg.max_waiting_requests,
                                max_queue_delay_s=cfg.max_queue_delay_us / 1e6, metrics=metrics)
     state = ServerState(async_engine, metrics, name, options.api_key, engine.max_model_len, int(time.time()))

@@ -207,3 +207,32 @@ def test_repeated_prompt_reports_cached_tokens(client) -> None:  # noqa: ANN001
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= 128 and cached % 64 == 0 and cached < second.usage.prompt_tokens
     assert second.choices[0].text == first.choices[0].text
+
+
+def test_assistant_turn_with_null_content_is_rendered_empty(client, offline) -> None:  # noqa: ANN001
+    """OpenAI allows ``content: null`` on an assistant turn; it renders as the empty string."""
+    messages = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": None},
+                {"role": "user", "content": "Name a fruit."}]
+    r = client.chat.completions.create(model="smollm2-135m", messages=messages, max_completion_tokens=4, **GREEDY)
+    empty = [{**m, "content": m["content"] or ""} for m in messages]
+    assert r.usage.prompt_tokens == len(chat_prompt_ids(offline, empty))
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(server: ServerProcess, client, offline) -> None:  # noqa: ANN001
+    import json
+    import urllib.request
+
+    def post(path: str, body: dict) -> dict:
+        req = urllib.request.Request(server.url + path, json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read())
+
+    tok = offline.tokenizer
+    got = post("/tokenize", {"prompt": "The capital of France is"})
+    assert got["tokens"] == tok.encode("The capital of France is") and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] == client.models.list().data[0].model_extra["max_model_len"]
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    chat = post("/tokenize", {"messages": messages})
+    assert chat["tokens"] == chat_prompt_ids(offline, messages)
+    assert post("/detokenize", {"tokens": got["tokens"]})["prompt"] == "The capital of France is"

@@ -46,11 +46,45 @@ def assert_openai_error(body: dict) -> dict:
     return body["error"]
 
 
+def test_metrics_know_the_pool_before_any_request(server: ServerProcess) -> None:
+    """The first test on this server: no request has run a step yet."""
+    status, text = server.get("/metrics")
+    assert status == 200
+    assert 'omforge:kv_cache_total_blocks{model_name="smollm2-135m"} 64.0' in text, text[:2000]
+
+
 @pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b"\xff\xfe"])
 def test_malformed_json_is_400(server: ServerProcess, body: bytes) -> None:
     status, _, data = raw_post(server.url, "/v1/completions", body, {"Authorization": f"Bearer {KEY}"})
     assert status == 400
     assert "JSON" in assert_openai_error(data)["message"]
+
+
+@pytest.mark.parametrize("body", [b"[" * 10000, b'{"prompt": "hi", "logit_bias": ' + b'{"a": ' * 5000 + b"1"
+                                  + b"}" * 5001])
+def test_deeply_nested_json_is_400(server: ServerProcess, body: bytes) -> None:
+    status, _, data = raw_post(server.url, "/v1/completions", body, {"Authorization": f"Bearer {KEY}"})
+    assert status == 400 and "nest" in assert_openai_error(data)["message"]
+
+
+def test_non_ascii_api_key_is_401(server: ServerProcess) -> None:
+    status, _, body = raw_post(server.url, "/v1/completions", b'{"prompt": "hi"}', {"Authorization": "Bearer clé"})
+    assert status == 401 and assert_openai_error(body)["code"] == "invalid_api_key"
+
+
+def test_prompt_token_ids_outside_the_vocabulary_name_prompt(client) -> None:  # noqa: ANN001
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smollm2-135m", prompt=[1, 2, 10**9], max_tokens=2)
+    assert e.value.body["param"] == "prompt" and e.value.body["code"] != "context_length_exceeded"
+    assert "[0, 49152)" in e.value.body["message"]
+
+
+@pytest.mark.parametrize("key", ["add_generation_prompt", "tokenize", "conversation"])
+def test_reserved_chat_template_kwargs_are_400(client, key: str) -> None:  # noqa: ANN001
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2-135m", max_tokens=2, messages=[{"role": "user", "content": "hi"}],
+                                       extra_body={"chat_template_kwargs": {key: True}})
+    assert e.value.body["param"] == "chat_template_kwargs" and key in e.value.body["message"]
 
 
 def test_unknown_model_is_404(client) -> None:  # noqa: ANN001
