@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from omforge.contract import PagedLayout
 from omforge.contract.manifest import BundleError, load_manifest
 from omforge.errors import OmforgeError
@@ -72,6 +74,7 @@ class RequestOutput:
     arrival_time: float
     first_token_time: float | None
     token_times: list[float]
+    prompt_logprobs: list[dict | None] | None = None  # SamplingParams.prompt_logprobs: [None, {token_id, …}, …]
 
     @property
     def ttft(self) -> float | None:
@@ -154,6 +157,9 @@ class LLMEngine:
         if max_tokens > room or room < 1:
             raise RequestRejected(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
                                   f"context of {self.max_model_len} tokens")
+        if params.prompt_logprobs is not None and not self.executor.capabilities.supports_prompt_logits:
+            raise SamplingParamsError("prompt_logprobs", "prompt_logprobs: this bundle's executor returns one logits "
+                                      "row per sequence (the ascend OM models); use an ort bundle")
         if params.n > self.scheduler.max_num_seqs:  # its sequences are admitted together
             raise SamplingParamsError("n", f"n must be at most max_num_seqs ({self.scheduler.max_num_seqs}), "
                                            f"got {params.n}")
@@ -190,9 +196,12 @@ class LLMEngine:
         # n > 1: the prompt is computed once, by the first sequence; the others fork its blocks (copy-on-write)
         # when its prefill completes, and sample their first tokens from the same logits row
         leader = reqs[0]
+        if params.prompt_logprobs is not None:
+            leader.prompt_logprobs.append(None)  # the first token has no context (OpenAI: null)
         for req in reqs[1:]:
             req.parent = leader
             leader.followers.append(req)
+            req.prompt_logprobs = leader.prompt_logprobs  # one prompt, one list
         for req in reqs:
             self.requests[req.request_id] = req
         self.scheduler.add(leader)
@@ -243,6 +252,8 @@ class LLMEngine:
         if logits is None:
             return []
         now = time.monotonic()
+        for req, row, start, count in plan.prompt_rows:
+            self._prompt_logprobs(req, logits[row:row + count], start)
         reqs = [r for r, _ in plan.sample_rows]
         result = None
         if reqs:
@@ -262,6 +273,32 @@ class LLMEngine:
         st.prefill_tokens += plan.num_tokens - decode
         st.step_times.append(time.perf_counter() - t0)
         return outputs
+
+    @staticmethod
+    def _prompt_logprobs(req: Request, logits: np.ndarray, start: int) -> None:
+        """Row ``i`` of ``logits`` predicts position ``start + i + 1``: record the logprob of the prompt's token
+        there (and the top ``prompt_logprobs`` alternatives) for the positions not yet filled — a chunk recomputed
+        after a preemption adds nothing twice."""
+        prompt, filled, k = req.prompt_token_ids, req.prompt_logprobs, req.params.prompt_logprobs
+        first = len(filled) - start - 1  # the first row whose position is unfilled
+        last = min(len(logits), len(prompt) - start - 1)
+        if first >= last:
+            return
+        x = logits[first:last].astype(np.float64)
+        lse = np.log(np.exp(x - x.max(axis=1, keepdims=True)).sum(axis=1)) + x.max(axis=1)
+        logp = x - lse[:, None]
+        targets = np.asarray(prompt[start + first + 1:start + last + 1])
+        chosen = logp[np.arange(len(targets)), targets]
+        ranks = (logp > chosen[:, None]).sum(axis=1) + 1
+        top = None
+        if k:
+            part = np.argpartition(-logp, k - 1, axis=1)[:, :k]
+            top = np.take_along_axis(part, np.argsort(-np.take_along_axis(logp, part, axis=1), axis=1), axis=1)
+        for i, token in enumerate(targets.tolist()):
+            entry: dict = {"token_id": token, "logprob": float(chosen[i]), "rank": int(ranks[i])}
+            if top is not None:
+                entry["top"] = [(int(t), float(logp[i, t])) for t in top[i]]
+            filled.append(entry)
 
     def _emit(self, req: Request, row: int, result: SamplerOutput, now: float) -> RequestOutput:
         """Record a sampled token's time and logprobs, detokenise it (stop strings end the request here)."""
@@ -297,4 +334,4 @@ class LLMEngine:
         return RequestOutput(req.request_id, req.index, req.prompt_token_ids, text, list(req.output_token_ids),
                              new_text, new_ids, req.finished, req.finish_reason, req.stop_reason,
                              req.num_cached_tokens, req.logprobs, req.arrival_time, req.first_token_time,
-                             list(req.token_times))
+                             list(req.token_times), req.prompt_logprobs or None)

@@ -29,11 +29,13 @@ class ExecutorCapabilities:
     the scheduler alternates decode steps and prefill steps. ``max_prompt_len``: a prompt bound below the
     context (the fixed gears of an OM model), None when only the context bounds it. ``num_blocks``: the device
     pool size when the executor fixes it (compiled into OM models), None when the engine chooses it.
+    ``supports_prompt_logits``: a work item with ``all_logits`` gets a logits row per token (prompt logprobs).
     """
 
     supports_mixed_batches: bool
     max_prompt_len: int | None = None
     num_blocks: int | None = None
+    supports_prompt_logits: bool = False
 
 
 @runtime_checkable

@@ -90,16 +90,17 @@ class KVCacheManager:
             raise ValueError(f"request {req_id!r} holds no blocks")
         return self._tables[req_id]
 
-    def get_computed_blocks(self, req_id: str, token_ids: Sequence[int]) -> int:
+    def get_computed_blocks(self, req_id: str, token_ids: Sequence[int], use_cache: bool = True) -> int:
         """For a NEW request: take references on the longest chain of cached full blocks matching the prefix of
         ``token_ids`` and start its block table with them. Returns the tokens already computed: a multiple of
-        ``block_size``, always < ``len(token_ids)`` (one token is left so the step yields logits); 0 when off."""
+        ``block_size``, always < ``len(token_ids)`` (one token is left so the step yields logits); 0 when off
+        or not ``use_cache`` (the request computes its whole prompt, and still commits its blocks)."""
         if req_id in self._tables or req_id in self._host_tables:
             raise ValueError(f"request {req_id!r} already holds blocks")
         if len(token_ids) == 0:
             raise ValueError(f"request {req_id!r} has no tokens")
         bs, blocks, hashes = self.block_size, [], []
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and use_cache:
             for i in range((len(token_ids) - 1) // bs):
                 block_hash = hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs])
                 block = self.pool.lookup(block_hash)

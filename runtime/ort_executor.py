@@ -46,7 +46,8 @@ class OrtExecutor:
         self.binding.bind_output("logits")  # first, so it stays output 0 when re-bound each run
         self.input_names = {i.name for i in self.session.get_inputs()}
         # a decode group in the graph: decodes share a step with prefill chunks, unpadded
-        self.capabilities = ExecutorCapabilities(supports_mixed_batches="decode_query_index" in self.input_names)
+        self.capabilities = ExecutorCapabilities(supports_mixed_batches="decode_query_index" in self.input_names,
+                                                 supports_prompt_logits=True)
         outputs = [o.name for o in self.session.get_outputs()]
         self.runtime_write = "key_new.0" in outputs
         self._new_rows = [f"{kind}_new.{layer}" for layer in range(layout.num_layers) for kind in ("key", "value")]

@@ -39,6 +39,8 @@ class Request:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
+    # params.prompt_logprobs: one entry per prompt position filled so far ([None] for the first token)
+    prompt_logprobs: list[dict | None] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
     parent: Request | None = None  # n > 1: the leader whose prompt KV this follower shares (forked, COW)

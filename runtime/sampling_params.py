@@ -32,7 +32,8 @@ class SamplingParams:
     """How to pick each next token of one request and when to stop.
 
     ``top_k`` 0 or -1 is off; ``logprobs`` is the number of top alternatives to return per token (0: only the
-    chosen token's logprob, None: none). ``stop`` strings end the output before the match (not included);
+    chosen token's logprob, None: none); ``prompt_logprobs`` likewise for every prompt token after the first
+    (computed, never read from the prefix cache). ``stop`` strings end the output before the match (not included);
     ``stop_token_ids`` end it after the token, like EOS. ``seed`` makes this request's sampling reproducible
     regardless of what else is batched with it (see :meth:`make_generator`). ``logit_bias`` maps token ids to a
     value in [-100, 100] added to their logits before any penalty or truncation (OpenAI's semantics; -100 bans).
@@ -53,6 +54,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt's tokens, with this many alternatives
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)
 
@@ -103,6 +105,8 @@ class SamplingParams:
                 raise SamplingParamsError(name, f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         if not isinstance(self.logit_bias, dict):
             raise SamplingParamsError("logit_bias",
                                       f"logit_bias must map token ids to values, got {self.logit_bias!r}")

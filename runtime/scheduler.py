@@ -92,6 +92,8 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     work: list[SeqWork] = field(default_factory=list)
     sample_rows: list[tuple[Request, int]] = field(default_factory=list)
+    # prompt logprobs: (request, first logits row, first position, rows), one row per token of the chunk
+    prompt_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -152,10 +154,16 @@ class Scheduler:
         rows = 0
         for s in out.scheduled:
             req = s.request
+            # a chunk that holds prompt positions whose next token is a prompt token: logits for all its rows
+            every = req.params.prompt_logprobs is not None and s.start < len(req.prompt_token_ids) - 1
             out.work.append(SeqWork(req.all_token_ids[s.start:s.start + s.num_new_tokens], s.start,
-                                    self.kv.block_table(req.request_id), needs_logits=s.samples))
+                                    self.kv.block_table(req.request_id), needs_logits=s.samples, all_logits=every))
+            if every:
+                out.prompt_rows.append((req, rows, s.start, s.num_new_tokens))
+                rows += s.num_new_tokens - 1
             if s.samples:  # n > 1: followers sample from their leader's row once its prompt is computed
                 out.sample_rows += [(r, rows) for r in (req, *req.followers)]
+            if s.samples or every:
                 rows += 1
         return out
 
@@ -273,8 +281,9 @@ class Scheduler:
             req = self.waiting[0]
             if self._occupied() + self._seats(req) > self.max_num_seqs:
                 break  # an n > 1 request waits until all its sequences can run
-            if req.num_computed_tokens == 0:
-                cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
+            if req.num_computed_tokens == 0:  # prompt logprobs are computed, never read from the cache
+                cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids,
+                                                     use_cache=req.params.prompt_logprobs is None)
                 req.num_computed_tokens = cached
                 req.num_cached_tokens = max(req.num_cached_tokens, min(cached, len(req.prompt_token_ids)))
             n = min(req.num_tokens - req.num_computed_tokens, budget, prefill)

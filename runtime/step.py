@@ -22,6 +22,7 @@ class SeqWork:
     start: int
     block_table: Sequence[int]
     needs_logits: bool = True
+    all_logits: bool = False  # a logits row for every token (prompt logprobs), in order, instead of the last
 
 
 def build_step(work: Sequence[SeqWork], block_size: int, max_blocks: int | None = None,
@@ -75,7 +76,8 @@ def build_step(work: Sequence[SeqWork], block_size: int, max_blocks: int | None 
         d_tables, d_qidx = all_tables[dec, :int(need[dec].max())], starts[dec][:, None]
     else:  # one unreferenced row: the first token over its own first block
         d_tables, d_qidx = all_tables[:1, :1], np.zeros((1, 1), dtype=np.int64)
-    logits_rows = [int(s + n - 1) for s, n, w in zip(starts, lens, work) if w.needs_logits]
+    logits_rows = [r for s, n, w in zip(starts, lens, work)
+                   for r in (range(int(s), int(s + n)) if w.all_logits else [int(s + n - 1)] * w.needs_logits)]
     return {
         "input_ids": ids[None, :],
         "position_ids": positions[None, :].astype(np.int64),
