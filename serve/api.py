@@ -199,12 +199,13 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, "this model has no tokenizer: send prompt token ids", param="prompt")
         ids = await asyncio.to_thread(
             lambda: [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts])
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        params = body.engine_params()
         checked = [(i, check(i, params, "max_tokens" if body.max_tokens else "prompt")) for i in ids]
         echo = []
         if body.echo:
             echo = [t if t is not None else (tokenizer.decode(i) if tokenizer else "") for t, i in zip(texts, ids)]
-        return await respond(request, body, "completion", checked, echo, body.logprobs is not None, arrival)
+        return await respond(request, body, "completion", checked, echo, body.logprobs is not None, arrival,
+                             scoring_only=body.scoring_only)
 
     async def _chat_completions(request: Request, arrival: float) -> Response:
         body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
@@ -217,11 +218,12 @@ def build_app(state: ServerState) -> FastAPI:
         return await respond(request, body, "chat", [(ids, checked)], [], bool(body.logprobs), arrival)
 
     async def respond(request: Request, body: Any, kind: str, prompts: list[tuple[list[int], SamplingParams]],
-                      echo: list[str], want_logprobs: bool, arrival: float) -> Response:
+                      echo: list[str], want_logprobs: bool, arrival: float, scoring_only: bool = False) -> Response:
         """Submit the checked prompts and answer: an SSE stream, or the whole body once done (or the client gone)."""
         rid = state.engine.new_request_id("chatcmpl" if kind == "chat" else "cmpl")
         builder = ResponseBuilder(kind, rid, state.model_name, token_text, want_logprobs)
-        run = _Run(submit(prompts, rid, arrival), [len(ids) for ids, _ in prompts], prompts[0][1].n, echo)
+        run = _Run(submit(prompts, rid, arrival), [len(ids) for ids, _ in prompts], prompts[0][1].n, echo,
+                   scoring_only)
         if body.stream:
             return _sse(_stream(state.engine, run, builder, body.include_usage))
         return JSONResponse(await _until_done_or_disconnect(request, _collect(state.engine, run, builder)))
@@ -237,6 +239,7 @@ class _Run:
     prompt_lens: list[int]
     n: int
     echo: list[str]  # completions with echo: the prompt text per prompt
+    scoring_only: bool = False  # echo + max_tokens 0: the one token the engine generated is left out
 
     def choice(self, out: RequestOutput) -> tuple[int, int]:
         prompt = self.group.prompt_of.get(out.request_id, 0)
@@ -247,7 +250,8 @@ class _Run:
         for out in finals.values():
             p, _ = self.choice(out)
             cached[p] = max(cached[p], out.num_cached_tokens)
-        return usage(sum(self.prompt_lens), sum(len(o.token_ids) for o in finals.values()), sum(cached))
+        generated = 0 if self.scoring_only else sum(len(o.token_ids) for o in finals.values())
+        return usage(sum(self.prompt_lens), generated, sum(cached))
 
 
 async def _collect(engine: AsyncEngine, run: _Run, builder: ResponseBuilder) -> dict:
@@ -263,8 +267,8 @@ async def _collect(engine: AsyncEngine, run: _Run, builder: ResponseBuilder) -> 
         out = finals[index]
         prompt, _ = run.choice(out)
         prefix = run.echo[prompt] if run.echo else ""
-        choices.append((index, prefix + out.text, out))
-    return builder.full(choices, run.usage(finals))
+        choices.append((index, prefix + ("" if run.scoring_only else out.text), out))
+    return builder.full(choices, run.usage(finals), echo=bool(run.echo), scoring_only=run.scoring_only)
 
 
 async def _stream(engine: AsyncEngine, run: _Run, builder: ResponseBuilder, include_usage: bool) -> AsyncIterator[str]:
@@ -276,14 +280,22 @@ async def _stream(engine: AsyncEngine, run: _Run, builder: ResponseBuilder, incl
         if builder.kind == "chat":
             for index in range(num_choices):
                 yield builder.chunk(index, "", None, None, role=True)
-        for prompt, text in enumerate(run.echo):
+        # the echoed prompt goes first; with logprobs it waits for the prompt's logprobs (the first output)
+        echo_later = builder.want_logprobs and bool(run.echo)
+        for prompt, text in enumerate(run.echo if not echo_later else []):
             for index in range(prompt * run.n, (prompt + 1) * run.n):
                 builder.start_offset(index, len(text))
                 yield builder.chunk(index, text, None, None)
         async for outs in engine.outputs(run.group):
             for out in outs:
-                _, index = run.choice(out)
+                prompt, index = run.choice(out)
+                if echo_later and index not in finals:
+                    yield builder.echo_chunk(index, run.echo[prompt], out)
                 finals[index] = out
+                if run.scoring_only:
+                    if out.finished:
+                        yield builder.chunk(index, "", None, "length")
+                    continue
                 new_lp = out.logprobs[len(out.logprobs) - len(out.new_token_ids):] if builder.want_logprobs else None
                 if out.new_text or out.finished or new_lp:
                     yield builder.chunk(index, out.new_text, new_lp, out.finish_reason if out.finished else None)

@@ -60,6 +60,7 @@ class _Common(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    prompt_logprobs: int | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's parameters; raises :class:`APIError` 400 for a malformed ``logit_bias`` key."""
@@ -79,7 +80,7 @@ class _Common(BaseModel):
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=_or(self.ignore_eos, False),
             logprobs=logprobs, skip_special_tokens=_or(self.skip_special_tokens, d.skip_special_tokens),
-            logit_bias=bias)
+            logit_bias=bias, prompt_logprobs=self.prompt_logprobs)
 
     @property
     def include_usage(self) -> bool:
@@ -105,13 +106,25 @@ class CompletionRequest(_Common):
             raise APIError(400, "prompt must not be empty", param="prompt")
         return items
 
+    @property
+    def scoring_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0`` (what evaluation harnesses send to score a text): the prompt's
+        logprobs, no completion. Run as one generated token that the response leaves out."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    def engine_params(self) -> SamplingParams:
+        """The sampling parameters the engine runs: echo with logprobs asks for the prompt's logprobs too."""
+        max_tokens = 1 if self.scoring_only else self.max_tokens
+        params = self.sampling_params(max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:
+            params.prompt_logprobs = max(params.prompt_logprobs or 0, self.logprobs)
+        return params
+
     def check_supported(self) -> None:
         if self.suffix:
             raise APIError(400, "suffix (insertion) is not supported", param="suffix")
         if self.best_of is not None and self.best_of != _or(self.n, 1):
             raise APIError(400, "best_of other than n is not supported", param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise APIError(400, f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}",
                            param="logprobs")

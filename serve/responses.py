@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import lru_cache
 from typing import Any
 
@@ -43,6 +44,42 @@ def completion_logprobs(entries: list[dict], token_text: TokenText, text_offset:
     return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": [{token_text(i): lp for i, lp in e.get("top", [])} for e in entries],
             "text_offset": offsets}
+
+
+def prompt_completion_logprobs(prompt_ids: list[int], entries: list[dict | None],
+                               token_text: TokenText) -> dict[str, Any]:
+    """Echo + logprobs: the prompt's tokens in the legacy form, the first with ``null`` logprob and top (as
+    OpenAI returned them), offsets from 0 into the echoed text."""
+    tokens = [token_text(t) for t in prompt_ids]
+    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens,
+            "token_logprobs": [None if e is None else e["logprob"] for e in entries],
+            "top_logprobs": [None if e is None else {token_text(i): lp for i, lp in e.get("top", [])}
+                             for e in entries],
+            "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(entries: list[dict | None], token_text: TokenText) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs`` field: per prompt position ``None`` or ``{token_id: {logprob, rank,
+    decoded_token}}`` holding the prompt's token and the top alternatives."""
+    out: list[dict | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        token = e["token_id"]
+        d = {str(token): {"logprob": e["logprob"], "rank": e["rank"], "decoded_token": token_text(token)}}
+        for rank, (i, lp) in enumerate(e.get("top", []), 1):
+            d.setdefault(str(i), {"logprob": lp, "rank": rank, "decoded_token": token_text(i)})
+        out.append(d)
+    return out
+
+
+def _merge(a: dict | None, b: dict | None) -> dict | None:
+    """Two legacy logprobs blocks one after the other (the echoed prompt's, then the completion's)."""
+    if a is None or b is None:
+        return a or b
+    return {k: a[k] + b[k] for k in a}
 
 
 def chat_logprobs(entries: list[dict], token_text: TokenText) -> dict[str, Any]:
@@ -89,17 +126,39 @@ class ResponseBuilder:
 
     # --- whole responses ----------------------------------------------------------------------------------
 
-    def full(self, choices: list[tuple[int, str, RequestOutput]], usage_: dict) -> dict[str, Any]:
-        """``choices``: (index, text, final output) in index order."""
+    def _echo_logprobs(self, index: int, o: RequestOutput) -> dict | None:
+        """Echo + logprobs: the prompt's part; the completion's offsets then count from the echoed text."""
+        if not self.want_logprobs or o.prompt_logprobs is None:
+            return None
+        lp = prompt_completion_logprobs(o.prompt_token_ids, o.prompt_logprobs, self.token_text)
+        self._offsets[index] = sum(len(t) for t in lp["tokens"])
+        return lp
+
+    def echo_chunk(self, index: int, text: str, o: RequestOutput) -> str:
+        """Streaming echo + logprobs: the prompt text with its logprobs, once they are known."""
+        lp = self._echo_logprobs(index, o)
+        choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": None}
+        return sse(self._envelope("text_completion", [choice], None))
+
+    def full(self, choices: list[tuple[int, str, RequestOutput]], usage_: dict, echo: bool = False,
+             scoring_only: bool = False) -> dict[str, Any]:
+        """``choices``: (index, text, final output) in index order. ``echo``: the texts start with the prompt
+        (and the logprobs with the prompt's); ``scoring_only``: no completion tokens (echo + max_tokens 0)."""
         out = []
         for index, text, o in choices:
-            lp = self.logprobs(index, o.logprobs)
+            prompt_lp = self._echo_logprobs(index, o) if echo else None
+            lp = None if scoring_only else self.logprobs(index, o.logprobs)
+            lp = _merge(prompt_lp, lp)
+            if scoring_only:
+                o = replace(o, finish_reason="length", stop_reason=None)
             if self.kind == "chat":
                 out.append({"index": index, "message": {"role": "assistant", "content": text},
                             "logprobs": lp, "finish_reason": o.finish_reason})
             else:
                 out.append({"index": index, "text": text, "logprobs": lp, "finish_reason": o.finish_reason,
                             "stop_reason": o.stop_reason})
+            if o.prompt_logprobs is not None:  # vLLM's field, for its prompt_logprobs parameter
+                out[-1]["prompt_logprobs"] = vllm_prompt_logprobs(o.prompt_logprobs, self.token_text)
         return self._envelope("chat.completion" if self.kind == "chat" else "text_completion", out, usage_)
 
     # --- stream chunks ------------------------------------------------------------------------------------

@@ -236,3 +236,48 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(server: ServerProcess, clie
     chat = post("/tokenize", {"messages": messages})
     assert chat["tokens"] == chat_prompt_ids(offline, messages)
     assert post("/detokenize", {"tokens": got["tokens"]})["prompt"] == "The capital of France is"
+
+
+def test_echo_logprobs_max_tokens_0_scores_the_prompt(client, offline) -> None:  # noqa: ANN001
+    """What evaluation harnesses send (lm-eval's loglikelihood): the prompt back with a logprob per token (the
+    first null), equal to the engine's own prompt logprobs, and no completion."""
+    from omforge import SamplingParams
+
+    text = "The capital of France is Paris"
+    ids = offline.tokenizer.encode(text)
+    want = offline.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    r = client.completions.create(model="smollm2-135m", prompt=text, max_tokens=0, echo=True, logprobs=2)
+    c = r.choices[0]
+    assert c.text == text and c.finish_reason == "length" and r.usage.completion_tokens == 0
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) and "".join(lp.tokens) == offline.tokenizer.decode(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([e["logprob"] for e in want.prompt_logprobs[1:]], abs=1e-5)
+    assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+
+    stream = client.completions.create(model="smollm2-135m", prompt=text, max_tokens=0, echo=True, logprobs=2,
+                                       stream=True)
+    chunks = list(stream)
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == text
+    first = next(ch.choices[0].logprobs for ch in chunks if ch.choices and ch.choices[0].logprobs)
+    assert first.token_logprobs == lp.token_logprobs
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_echo_logprobs_with_a_completion_and_vllm_prompt_logprobs(client, offline) -> None:  # noqa: ANN001
+    text = "Once upon a time"
+    n_prompt = len(offline.tokenizer.encode(text))
+    r = client.completions.create(model="smollm2-135m", prompt=text, max_tokens=4, echo=True, logprobs=0,
+                                  **GREEDY)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == n_prompt + 4 and lp.token_logprobs[0] is None
+    assert r.choices[0].text.startswith(text) and r.usage.completion_tokens == 4
+    assert lp.text_offset[n_prompt] == len("".join(lp.tokens[:n_prompt]))
+
+    v = client.completions.create(model="smollm2-135m", prompt=text, max_tokens=1, extra_body={"prompt_logprobs": 1})
+    pl = v.choices[0].model_extra["prompt_logprobs"]
+    assert len(pl) == n_prompt and pl[0] is None
+    for entry, logprob in zip(pl[1:], lp.token_logprobs[1:n_prompt]):
+        mine = [d for d in entry.values() if d["logprob"] == pytest.approx(logprob, abs=1e-5)]
+        assert mine and all({"logprob", "rank", "decoded_token"} <= set(d) for d in entry.values())
