@@ -10,6 +10,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from omforge.runtime.request import Request, Status, seq_ids
 from omforge.runtime.sampler import Sampler, SamplerOutput
 from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
 from omforge.runtime.scheduler import Scheduler
+from omforge.runtime.structured import GrammarBackend, StructuredOutputError, compiled_grammar
 from omforge.runtime.tokenizer import TextTokenizer
 
 
@@ -121,6 +123,8 @@ class LLMEngine:
         self.closed = False
         self.stats = EngineStats()
         self._ids = itertools.count()
+        self._grammars: GrammarBackend | None = None  # made at the first structured request
+        self._mask_pool: ThreadPoolExecutor | None = None
 
     def _executor(self, bundle: Path, m: dict[str, Any], cfg: EngineConfig, acl_module: object) -> Executor:
         if m["target"] == "ascend":
@@ -157,6 +161,13 @@ class LLMEngine:
         if max_tokens > room or room < 1:
             raise RequestRejected(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
                                   f"context of {self.max_model_len} tokens")
+        if params.structured is not None:
+            if self.tokenizer is None:
+                raise SamplingParamsError(params.structured.param, "structured output needs the model's tokenizer")
+            try:
+                compiled_grammar(params.structured)
+            except StructuredOutputError as exc:
+                raise SamplingParamsError(exc.param, str(exc)) from None
         if params.prompt_logprobs is not None and not self.executor.capabilities.supports_prompt_logits:
             raise SamplingParamsError("prompt_logprobs", "prompt_logprobs: this bundle's executor returns one logits "
                                       "row per sequence (the ascend OM models); use an ort bundle")
@@ -195,6 +206,10 @@ class LLMEngine:
             reqs.append(req)
         # n > 1: the prompt is computed once, by the first sequence; the others fork its blocks (copy-on-write)
         # when its prefill completes, and sample their first tokens from the same logits row
+        if params.structured is not None:
+            text = compiled_grammar(params.structured)
+            for req in reqs:
+                req.matcher = self._grammar_backend().matcher(text)
         leader = reqs[0]
         if params.prompt_logprobs is not None:
             leader.prompt_logprobs.append(None)  # the first token has no context (OpenAI: null)
@@ -226,6 +241,8 @@ class LLMEngine:
         if not self.closed:
             self.closed = True
             self.executor.close()
+            if self._mask_pool is not None:
+                self._mask_pool.shutdown(wait=True)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -248,6 +265,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         self.stats.preemptions = self.scheduler.num_preemptions
+        masks = self._start_masks(plan)  # computed beside the model step (llguidance releases the GIL)
         logits = run_plan(self.executor, plan)
         if logits is None:
             return []
@@ -261,8 +279,11 @@ class LLMEngine:
             if rows != list(range(len(logits))):  # n > 1: followers sample from their leader's row
                 logits = logits[rows]
             result = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs],
-                                         [r.output_token_ids for r in reqs], [r.prompt_token_ids for r in reqs])
+                                         [r.output_token_ids for r in reqs], [r.prompt_token_ids for r in reqs],
+                                         allowed=masks.result() if masks is not None else None)
         sampled = self.scheduler.update_from_output(plan, [] if result is None else result.token_ids.tolist())
+        if masks is not None:
+            self._advance_grammars(sampled)
         outputs = [self._emit(req, row, result, now) for row, req in enumerate(sampled)]
         decode = plan.num_decode_tokens
         st = self.stats
@@ -273,6 +294,45 @@ class LLMEngine:
         st.prefill_tokens += plan.num_tokens - decode
         st.step_times.append(time.perf_counter() - t0)
         return outputs
+
+    # --- structured output ----------------------------------------------------------------------------------
+
+    def _grammar_backend(self) -> GrammarBackend:
+        if self._grammars is None:
+            text = self.tokenizer.tokenizer.to_str() if self.tokenizer is not None else ""
+            self._grammars = GrammarBackend(text, self.config["vocab_size"], tuple(self.config["eos_token_ids"]))
+        return self._grammars
+
+    def _start_masks(self, plan: Any) -> Future | None:
+        """The allowed tokens of every structured row this step samples, computed on a worker thread while the
+        executor runs; ``(rows, bool [k, V])``."""
+        rows = [i for i, (r, _) in enumerate(plan.sample_rows) if r.matcher is not None]
+        if not rows:
+            return None
+        backend = self._grammar_backend()
+        matchers = [plan.sample_rows[i][0].matcher for i in rows]
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="omforge-grammar")
+
+        def fill() -> tuple[np.ndarray, np.ndarray]:
+            bitmask = np.zeros((len(rows), backend.words), np.int32)
+            backend.fill(matchers, bitmask)
+            return np.asarray(rows), backend.allowed(bitmask)
+
+        return self._mask_pool.submit(fill)
+
+    def _advance_grammars(self, sampled: list[Request]) -> None:
+        """Each structured sequence's matcher takes its new token. A complete grammar allows only EOS, which ends
+        the request as usual; with ``ignore_eos`` the consumed EOS ends it here."""
+        eos = self.config["eos_token_ids"]
+        for req in sampled:
+            if req.matcher is None or req.finished:
+                continue
+            token = req.output_token_ids[-1]
+            if not req.matcher.consume_token(token):
+                self.scheduler.finish(req, "stop", "grammar error: " + (req.matcher.get_error() or "token refused"))
+            elif req.matcher.is_stopped() and token in eos:
+                self.scheduler.finish(req, "stop")
 
     @staticmethod
     def _prompt_logprobs(req: Request, logits: np.ndarray, start: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -41,6 +42,7 @@ class Request:
     logprobs: list[dict] = field(default_factory=list)
     # params.prompt_logprobs: one entry per prompt position filled so far ([None] for the first token)
     prompt_logprobs: list[dict | None] = field(default_factory=list)
+    matcher: Any = None  # params.structured: this sequence's llguidance matcher (its place in the grammar)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
     parent: Request | None = None  # n > 1: the leader whose prompt KV this follower shares (forked, COW)

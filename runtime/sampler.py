@@ -49,13 +49,21 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, params: Sequence[SamplingParams],
                generators: Sequence[np.random.Generator | None], output_token_ids: Sequence[Sequence[int]],
-               prompt_token_ids: Sequence[Sequence[int]]) -> SamplerOutput:
-        """One token per row of ``logits [R, V]``. ``generators[r]`` is row r's seeded stream (None: shared)."""
+               prompt_token_ids: Sequence[Sequence[int]],
+               allowed: tuple[np.ndarray, np.ndarray] | None = None) -> SamplerOutput:
+        """One token per row of ``logits [R, V]``. ``generators[r]`` is row r's seeded stream (None: shared).
+        ``allowed``: (rows, bool [len(rows), V]) — structured output: every other token of those rows is
+        excluded after the logits processing, for the whole batch at once; logprobs stay the model's."""
         R, V = logits.shape
         if not len(params) == len(generators) == len(output_token_ids) == len(prompt_token_ids) == R:
             raise ValueError(f"sample: {R} logit rows but {len(params)} params, {len(generators)} generators, "
                              f"{len(output_token_ids)} outputs and {len(prompt_token_ids)} prompts")
         x = self.process_logits(logits, params, output_token_ids, prompt_token_ids)
+        if allowed is not None:
+            rows, mask = allowed
+            if x is logits:
+                x = x.copy()
+            x[rows] = np.where(mask, x[rows], -np.inf)
         temperature = np.array([p.temperature for p in params], dtype=np.float32)
         greedy = temperature < GREEDY_TEMPERATURE
         if greedy.all():

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from omforge.errors import OmforgeError
+from omforge.runtime.structured import StructuredOutput
 
 # Below this a temperature means greedy (vLLM's _SAMPLING_EPS): dividing by it would overflow the logits.
 GREEDY_TEMPERATURE = 1e-5
@@ -55,6 +56,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt's tokens, with this many alternatives
+    structured: StructuredOutput | None = None  # the output must match this grammar (runtime/structured.py)
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)
 

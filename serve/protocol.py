@@ -9,11 +9,13 @@ fields OpenAI has and we do not implement (tools, non-text response formats, ``s
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from omforge.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
+from omforge.runtime.structured import StructuredOutput
 
 
 class APIError(Exception):
@@ -61,6 +63,52 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     prompt_logprobs: int | None = None
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> StructuredOutput | None:
+        """The one structured-output constraint of the request (400 when several are set)."""
+        found: list[StructuredOutput] = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type", "text")
+            if kind == "json_object":
+                found.append(StructuredOutput("json_object", None, "response_format"))
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+                    raise APIError(400, "response_format.json_schema must be an object with a 'schema' object",
+                                   param="response_format")
+                found.append(StructuredOutput("json", js.get("schema", {}), "response_format"))
+            elif kind != "text":
+                raise APIError(400, f"response_format type {kind!r} is not supported (text, json_object, "
+                               "json_schema)", param="response_format")
+        so = self.structured_outputs or {}
+        names = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+        for key, value in so.items():
+            if key == "json_object" and value:
+                found.append(StructuredOutput("json_object", None, "structured_outputs"))
+            elif key in names and value is not None:
+                found.append(StructuredOutput(names[key], value, f"structured_outputs.{key}"))
+            elif key not in ("json_object", "disable_fallback", "disable_any_whitespace",
+                             "disable_additional_properties", "whitespace_pattern"):
+                raise APIError(400, f"structured_outputs.{key}: unknown key (json, regex, choice, grammar, "
+                               "json_object)", param=f"structured_outputs.{key}")
+        for field_, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                             ("guided_grammar", "grammar")):
+            value = getattr(self, field_)
+            if value is not None:
+                found.append(StructuredOutput(kind, json.loads(value) if kind == "json" and isinstance(value, str)
+                                              else value, field_))
+        if len(found) > 1:
+            raise APIError(400, f"set one structured-output constraint, got {', '.join(f.param for f in found)}",
+                           param=found[1].param)
+        return found[0] if found else None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's parameters; raises :class:`APIError` 400 for a malformed ``logit_bias`` key."""
@@ -80,7 +128,7 @@ class _Common(BaseModel):
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=_or(self.ignore_eos, False),
             logprobs=logprobs, skip_special_tokens=_or(self.skip_special_tokens, d.skip_special_tokens),
-            logit_bias=bias, prompt_logprobs=self.prompt_logprobs)
+            logit_bias=bias, prompt_logprobs=self.prompt_logprobs, structured=self.structured())
 
     @property
     def include_usage(self) -> bool:
@@ -151,7 +199,6 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -170,9 +217,6 @@ class ChatCompletionRequest(_Common):
                            "the template as variables", param="chat_template_kwargs")
         if self.tools and self.tool_choice != "none":
             raise APIError(400, "tools (function calling) are not supported", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(400, f"response_format {self.response_format.get('type')!r} is not supported; only "
-                           "'text'", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:

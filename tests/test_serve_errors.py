@@ -129,7 +129,7 @@ def test_invalid_parameter_is_400_naming_it(client, kwargs: dict, param: str) ->
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
      "messages[0].content"),
     (dict(messages=[{"role": "user", "content": "hi"}], top_logprobs=3), "top_logprobs"),
-    (dict(messages=[{"role": "user", "content": "hi"}], response_format={"type": "json_object"}), "response_format"),
+    (dict(messages=[{"role": "user", "content": "hi"}], response_format={"type": "yaml"}), "response_format"),
     (dict(messages=[{"role": "user", "content": "hi"}],
           tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
 ])
