@@ -52,8 +52,9 @@ class Sampler:
                prompt_token_ids: Sequence[Sequence[int]],
                allowed: tuple[np.ndarray, np.ndarray] | None = None) -> SamplerOutput:
         """One token per row of ``logits [R, V]``. ``generators[r]`` is row r's seeded stream (None: shared).
-        ``allowed``: (rows, bool [len(rows), V]) — structured output: every other token of those rows is
-        excluded after the logits processing, for the whole batch at once; logprobs stay the model's."""
+        ``allowed``: (rows, 0/1 [len(rows), V]) — structured output: every other token of those rows is
+        excluded after the logits processing, for the whole batch at once, by adding -1e30 (a masked write is
+        ~40x slower than the add here); logprobs stay the model's."""
         R, V = logits.shape
         if not len(params) == len(generators) == len(output_token_ids) == len(prompt_token_ids) == R:
             raise ValueError(f"sample: {R} logit rows but {len(params)} params, {len(generators)} generators, "
@@ -63,7 +64,10 @@ class Sampler:
             rows, mask = allowed
             if x is logits:
                 x = x.copy()
-            x[rows] = np.where(mask, x[rows], -np.inf)
+            bias = mask.astype(np.float32)
+            bias -= 1
+            bias *= np.float32(1e30)
+            x[rows] += bias
         temperature = np.array([p.temperature for p in params], dtype=np.float32)
         greedy = temperature < GREEDY_TEMPERATURE
         if greedy.all():

@@ -123,6 +123,6 @@ class GrammarBackend:
             lnp.fill_next_token_bitmask(m, out, i)
 
     def allowed(self, bitmask: np.ndarray) -> np.ndarray:
-        """``bool [rows, vocab_size]`` from the bitmask (bit t of word t // 32, little-endian)."""
-        bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1, bitorder="little")
-        return bits[:, :self.vocab_size].astype(bool)
+        """``uint8 0/1 [rows, vocab_size]`` from the bitmask (bit t of word t // 32, little-endian)."""
+        return np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1, bitorder="little",
+                             count=self.vocab_size)
