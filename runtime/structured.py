@@ -104,8 +104,13 @@ class GrammarBackend:
         self._llg = llguidance
         self.vocab_size = vocab_size
         eos = list(eos_token_ids) or None
-        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
-        self.words = -(-vocab_size // 32)
+        tokenizer = llguidance.LLTokenizer(tokenizer_json, eos_token=eos)
+        if tokenizer.vocab_size < vocab_size:  # the logits may be wider than the tokenizer (padded embeddings)
+            tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
+        # a tokenizer wider than the logits (added tokens the model cannot produce): masked over its own width,
+        # read over the model's (allowed() cuts the rest)
+        self.tokenizer = tokenizer
+        self.words = -(-tokenizer.vocab_size // 32)
 
     def matcher(self, grammar_text: str) -> Any:
         """A fresh matcher (one per sequence: it holds that sequence's position in the grammar)."""

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omforge.runtime.engine import RequestOutput, RequestRejected
 from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
+from omforge.runtime.structured import StructuredOutput
 from omforge.runtime.tokenizer import ChatTemplateError
 from omforge.serve.async_engine import AsyncEngine, EngineUnavailable, Overloaded, RequestGroup
 from omforge.serve.metrics import ServerMetrics
@@ -36,6 +37,7 @@ from omforge.serve.protocol import (
     TokenizeRequest,
 )
 from omforge.serve.responses import SSE_DONE, ResponseBuilder, sse, token_text_fn, usage
+from omforge.serve.tools import ToolPlan, choice_mode, constraint, functions
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait; the queue moves every engine step
 
@@ -48,6 +50,7 @@ class ServerState:
     api_key: str | None
     max_model_len: int
     created: int
+    tool_format: str | None = None  # serve/tools.py FORMATS; None: tool_choice auto is refused
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -172,11 +175,14 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, f"tokens must be token ids in [0, {vocab})", param="tokens")
         return JSONResponse({"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens, False)})
 
-    def render_chat(body: ChatCompletionRequest, add_special_tokens: bool = False) -> list[int]:
-        """The chat template over the request's messages, encoded (raises APIError 400 on a template error)."""
+    def render_chat(body: ChatCompletionRequest, add_special_tokens: bool = False,
+                    tools: list[dict] | None = None) -> list[int]:
+        """The chat template over the request's messages (and ``tools``, as transformers passes them), encoded
+        (raises APIError 400 on a template error)."""
+        extra = {"tools": tools} if tools else {}
         try:
             text = tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=body.add_generation_prompt,
-                                                 **(body.chat_template_kwargs or {}))
+                                                 **extra, **(body.chat_template_kwargs or {}))
         except ChatTemplateError as exc:
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -212,16 +218,32 @@ def build_app(state: ServerState) -> FastAPI:
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer and no chat template", param="messages")
         body.conversation()  # content parts checked on the event loop: a 400 before any work
-        ids = await asyncio.to_thread(render_chat, body)
+        fns = functions(body.tools)
+        mode, name = choice_mode(body.tool_choice, fns)
+        plan = None
+        if mode == "auto" and state.tool_format is None:
+            raise APIError(400, "tool_choice auto: this model's chat template writes no tool-call format omforge "
+                           "reads (hermes, llama3_json, mistral); name one with --tool-call-parser, or use "
+                           "tool_choice required or a named function", param="tools")
+        if mode != "none":
+            plan = ToolPlan(mode, name, state.tool_format)
+        ids = await asyncio.to_thread(render_chat, body, False, body.tools if mode != "none" else None)
         params = body.sampling_params(body.max_new_tokens(), body.num_logprobs())
+        if (schema := constraint(mode, name, fns)) is not None:
+            if params.structured is not None:
+                raise APIError(400, f"tool_choice {mode} constrains the output; it cannot be combined with "
+                               f"{params.structured.param}", param="tool_choice")
+            params.structured = StructuredOutput("json", schema, "tool_choice")
         checked = check(ids, params, "max_completion_tokens" if body.max_new_tokens() else "messages")
-        return await respond(request, body, "chat", [(ids, checked)], [], bool(body.logprobs), arrival)
+        return await respond(request, body, "chat", [(ids, checked)], [], bool(body.logprobs), arrival,
+                             tools=plan)
 
     async def respond(request: Request, body: Any, kind: str, prompts: list[tuple[list[int], SamplingParams]],
-                      echo: list[str], want_logprobs: bool, arrival: float, scoring_only: bool = False) -> Response:
+                      echo: list[str], want_logprobs: bool, arrival: float, scoring_only: bool = False,
+                      tools: ToolPlan | None = None) -> Response:
         """Submit the checked prompts and answer: an SSE stream, or the whole body once done (or the client gone)."""
         rid = state.engine.new_request_id("chatcmpl" if kind == "chat" else "cmpl")
-        builder = ResponseBuilder(kind, rid, state.model_name, token_text, want_logprobs)
+        builder = ResponseBuilder(kind, rid, state.model_name, token_text, want_logprobs, tools)
         run = _Run(submit(prompts, rid, arrival), [len(ids) for ids, _ in prompts], prompts[0][1].n, echo,
                    scoring_only)
         if body.stream:
@@ -297,6 +319,10 @@ async def _stream(engine: AsyncEngine, run: _Run, builder: ResponseBuilder, incl
                         yield builder.chunk(index, "", None, "length")
                     continue
                 new_lp = out.logprobs[len(out.logprobs) - len(out.new_token_ids):] if builder.want_logprobs else None
+                if builder.tools is not None:
+                    for chunk in builder.tool_stream(index, out, new_lp):
+                        yield chunk
+                    continue
                 if out.new_text or out.finished or new_lp:
                     yield builder.chunk(index, out.new_text, new_lp, out.finish_reason if out.finished else None)
     except EngineUnavailable as exc:

@@ -3,7 +3,7 @@
 Parameter names, defaults and ranges are OpenAI's (plus vLLM's extras: ``top_k``, ``min_p``, ``min_tokens``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``), so existing clients work
 unchanged. Unknown fields are a 400 naming the field, as OpenAI answers "Unrecognized request argument";
-fields OpenAI has and we do not implement (tools, non-text response formats, ``suffix``, ``best_of`` > n) are a
+fields OpenAI has and we do not implement (``suffix``, ``best_of`` > n) are a
 400 saying so, never silently ignored. Ranges live in :meth:`SamplingParams.validate`, not here.
 """
 
@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from omforge.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
 from omforge.runtime.structured import StructuredOutput
+from omforge.serve.tools import ToolError, choice_mode, functions
 
 
 class APIError(Exception):
@@ -215,8 +216,10 @@ class ChatCompletionRequest(_Common):
             raise APIError(400, f"chat_template_kwargs: {reserved[0]!r} is set by the server, not the request "
                            "(use the request's own field, e.g. add_generation_prompt); other keys are passed to "
                            "the template as variables", param="chat_template_kwargs")
-        if self.tools and self.tool_choice != "none":
-            raise APIError(400, "tools (function calling) are not supported", param="tools")
+        try:
+            choice_mode(self.tool_choice, functions(self.tools))
+        except ToolError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
@@ -236,6 +239,13 @@ class ChatCompletionRequest(_Common):
         for i, m in enumerate(self.messages):
             msg = m.model_dump(exclude_none=True)
             msg.setdefault("content", "")
+            for call in msg.get("tool_calls") or []:  # templates index the arguments as a mapping (vLLM does this)
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except json.JSONDecodeError:
+                        pass
             if isinstance(m.content, list):
                 texts = []
                 for part in m.content:

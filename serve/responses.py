@@ -12,6 +12,7 @@ from functools import lru_cache
 from typing import Any
 
 from omforge.runtime.engine import RequestOutput
+from omforge.serve.tools import StreamSplitter, ToolPlan
 
 TokenText = Callable[[int], str]
 
@@ -96,8 +97,11 @@ def chat_logprobs(entries: list[dict], token_text: TokenText) -> dict[str, Any]:
 class ResponseBuilder:
     """Builds one response's bodies; ``kind`` is ``"completion"`` or ``"chat"``."""
 
-    def __init__(self, kind: str, request_id: str, model: str, token_text: TokenText, want_logprobs: bool):
+    def __init__(self, kind: str, request_id: str, model: str, token_text: TokenText, want_logprobs: bool,
+                 tools: ToolPlan | None = None):
         self.kind, self.id, self.model = kind, request_id, model
+        self.tools = tools
+        self._streams: dict[int, StreamSplitter | None] = {}  # tools: per choice, the held-back text
         self.created = int(time.time())
         self.token_text = token_text
         self.want_logprobs = want_logprobs
@@ -152,8 +156,15 @@ class ResponseBuilder:
             if scoring_only:
                 o = replace(o, finish_reason="length", stop_reason=None)
             if self.kind == "chat":
-                out.append({"index": index, "message": {"role": "assistant", "content": text},
-                            "logprobs": lp, "finish_reason": o.finish_reason})
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                finish = o.finish_reason
+                if self.tools is not None:
+                    content, calls = self.tools.split(text)
+                    if calls:
+                        message = {"role": "assistant", "content": content or None,
+                                   "tool_calls": [c.to_openai() for c in calls]}
+                        finish = "tool_calls" if finish == "stop" else finish
+                out.append({"index": index, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
                 out.append({"index": index, "text": text, "logprobs": lp, "finish_reason": o.finish_reason,
                             "stop_reason": o.stop_reason})
@@ -172,6 +183,32 @@ class ResponseBuilder:
             return sse(self._envelope("chat.completion.chunk", [choice], None))
         choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
         return sse(self._envelope("text_completion", [choice], None))
+
+    def tool_stream(self, index: int, out: RequestOutput, new_logprobs: list[dict] | None) -> list[str]:
+        """Chat with tools, streaming: content as it becomes safe to send, then at the end the calls as one
+        ``delta.tool_calls`` chunk and the finish reason (``tool_calls`` when there are calls)."""
+        assert self.tools is not None
+        if index not in self._streams:
+            self._streams[index] = self.tools.streamer()
+        splitter = self._streams[index]
+        chunks = []
+        text = splitter.feed(out.new_text) if splitter is not None else ""
+        if text or new_logprobs:
+            chunks.append(self.chunk(index, text, new_logprobs, None))
+        if out.finished:
+            if splitter is not None:
+                rest, calls = splitter.finish()
+            else:
+                rest, calls = self.tools.split(out.text)
+            if rest:
+                chunks.append(self.chunk(index, rest, None, None))
+            if calls:
+                delta = {"tool_calls": [c.to_openai(i) for i, c in enumerate(calls)]}
+                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+                chunks.append(sse(self._envelope("chat.completion.chunk", [choice], None)))
+            finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
+            chunks.append(self.chunk(index, "", None, finish))
+        return chunks
 
     def usage_chunk(self, usage_: dict) -> str:
         return sse(self._envelope("chat.completion.chunk" if self.kind == "chat" else "text_completion", [], usage_))

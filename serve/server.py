@@ -24,6 +24,7 @@ from omforge.runtime.engine import LLMEngine
 from omforge.serve.api import ServerState, build_app
 from omforge.serve.async_engine import AsyncEngine
 from omforge.serve.metrics import ServerMetrics
+from omforge.serve.tools import detect_format
 
 log = logging.getLogger("omforge.serve")
 
@@ -36,6 +37,7 @@ class ServeOptions:
     served_model_name: str | None = None
     drain_timeout: float = 30.0
     log_level: str = "warning"
+    tool_call_parser: str = "auto"  # auto: from the chat template (serve/tools.py); or hermes, llama3_json, mistral
 
 
 class _Server(uvicorn.Server):
@@ -64,7 +66,10 @@ def serve(bundle: str | Path, options: ServeOptions, **engine_options: Any) -> i
     metrics.after_step(engine, [], 0)  # the pool's size and an empty engine are known before the first request
     async_engine = AsyncEngine(engine, max_waiting_requests=cfg.max_waiting_requests,
                                max_queue_delay_s=cfg.max_queue_delay_us / 1e6, metrics=metrics)
-    state = ServerState(async_engine, metrics, name, options.api_key, engine.max_model_len, int(time.time()))
+    template = engine.tokenizer.chat_template if engine.tokenizer is not None else None
+    tool_format = detect_format(template) if options.tool_call_parser == "auto" else options.tool_call_parser
+    state = ServerState(async_engine, metrics, name, options.api_key, engine.max_model_len, int(time.time()),
+                        tool_format)
     app = build_app(state)
 
     @contextlib.asynccontextmanager
