@@ -270,6 +270,22 @@ class AsyncEngine:
         finally:
             self.num_arriving -= 1
 
+    def end_all(self, reason: str) -> None:
+        """On the event loop (the drain timeout): abort every sequence still in flight and end its response with
+        a 503 — a stream with an error event and ``[DONE]`` — instead of letting the server cut it."""
+        ids = list(self._groups)
+        if ids:
+            self._send(("abort", ids))
+            self._fail(ids, EngineUnavailable(reason))
+
+    def drain_deadline(self, seconds: float) -> None:
+        """From any thread: :meth:`end_all` in ``seconds`` (the server's own graceful timeout is a little longer,
+        so the ended responses are written before it closes connections)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(
+                lambda: self._loop.call_later(seconds, self.end_all,  # type: ignore[union-attr]
+                                              f"the server is shutting down: the {seconds:g}s drain timeout passed"))
+
     def _fail_all(self, error: BaseException) -> None:
         self._fail(list(self._groups), error)
 

@@ -45,12 +45,14 @@ class _Server(uvicorn.Server):
     exits 0 after a SIGTERM drain."""
 
     engine: AsyncEngine
+    drain_timeout: float = 30.0
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if not self.engine.draining:
             self.engine.draining = True
             print(f"omforge serve: shutting down, draining {self.engine.num_in_flight} sequence(s) "
-                  f"(at most {self.config.timeout_graceful_shutdown:g}s)", file=sys.stderr, flush=True)
+                  f"(at most {self.drain_timeout:g}s)", file=sys.stderr, flush=True)
+            self.engine.drain_deadline(self.drain_timeout)
         super().handle_exit(sig, frame)
         captured = getattr(self, "_captured_signals", None)
         if sig == signal.SIGTERM and captured and captured[-1] == sig:
@@ -92,10 +94,12 @@ def serve(bundle: str | Path, options: ServeOptions, **engine_options: Any) -> i
           f"{time.perf_counter() - t0:.1f}s", flush=True)
     print(f"omforge serve: listening on http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
           f"{' (API key required)' if options.api_key else ''}", flush=True)
-    config = uvicorn.Config(app, log_level=options.log_level, timeout_graceful_shutdown=options.drain_timeout,
+    # uvicorn's own graceful timeout is longer than the drain: at the drain timeout the engine ends what is left
+    # with an error event (AsyncEngine.end_all), and those responses are written before connections close
+    config = uvicorn.Config(app, log_level=options.log_level, timeout_graceful_shutdown=options.drain_timeout + 5,
                             access_log=False, lifespan="on", timeout_keep_alive=30)
     server = _Server(config)
-    server.engine = async_engine
+    server.engine, server.drain_timeout = async_engine, options.drain_timeout
     try:
         with contextlib.suppress(KeyboardInterrupt):
             server.run(sockets=[sock])
