@@ -180,7 +180,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise OmforgeError(f"{args.bundle}: not a bundle (no manifest.json); build one with omforge compile RECIPE")
     options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key or os.environ.get("OMFORGE_API_KEY"),
                            served_model_name=args.served_model_name, drain_timeout=args.drain_timeout,
-                           log_level=args.log_level, tool_call_parser=args.tool_call_parser)
+                           log_level=args.log_level, tool_call_parser=args.tool_call_parser,
+                           body_timeout=args.body_timeout)
     engine_options = {k: getattr(args, k) for k in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
                                                      "max_prefill_tokens_with_decodes", "max_waiting_requests",
                                                      "max_queue_delay_us", "max_model_len", "threads",
@@ -239,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get to finish "
                    "after SIGTERM (default 30)")
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a client gets to send a request body before a 408 (default 30)")
     s.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "mistral"],
                    help="the format the model writes tool calls in (default: detected from its chat template)")
     s.set_defaults(func=cmd_serve)

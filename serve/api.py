@@ -51,6 +51,7 @@ class ServerState:
     max_model_len: int
     created: int
     tool_format: str | None = None  # serve/tools.py FORMATS; None: tool_choice auto is refused
+    body_timeout: float = 30.0  # seconds a client gets to send its whole request body (then 408)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -84,7 +85,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def parse(request: Request, schema: type[BaseModel]) -> Any:
         authorize(request)
-        raw = await request.body()
+        try:
+            raw = await asyncio.wait_for(request.body(), state.body_timeout)
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {state.body_timeout:g}s",
+                           code="request_timeout") from None
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -193,3 +193,30 @@ def test_full_queue_is_429_with_retry_after(smollm2_bundle: Path) -> None:
         assert srv.stop() == 0
     finally:
         srv.kill()
+
+
+def test_half_sent_bodies_get_408_and_the_server_keeps_serving(smollm2_bundle: Path) -> None:
+    """50 clients that announce a body and never finish it: each gets a 408 after --body-timeout, none stays
+    open, and the server still answers."""
+    import socket
+    import time
+
+    srv = ServerProcess(smollm2_bundle, "--num-kv-blocks", "32", "--body-timeout", "1")
+    try:
+        u = urlparse(srv.url)
+        socks = []
+        for _ in range(50):
+            s = socket.create_connection((u.hostname, u.port), timeout=30)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"prompt\":")
+            socks.append(s)
+        t0 = time.monotonic()
+        for s in socks:
+            head = s.recv(4096)
+            assert head.startswith(b"HTTP/1.1 408"), head[:200]
+            s.close()
+        assert time.monotonic() - t0 < 20
+        r = srv.client().completions.create(model="smollm2-135m", prompt="Hi", max_tokens=2)
+        assert r.usage.completion_tokens >= 1
+    finally:
+        assert srv.stop() == 0, srv.log()
