@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -39,6 +40,7 @@ from omforge.serve.protocol import (
 from omforge.serve.responses import SSE_DONE, ResponseBuilder, sse, token_text_fn, usage
 from omforge.serve.tools import ToolPlan, choice_mode, constraint, functions
 
+log = logging.getLogger("omforge.serve")
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait; the queue moves every engine step
 
 
@@ -67,10 +69,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
 
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
-        return JSONResponse(err.body(), status_code=500)
+    app.add_middleware(InternalErrors)
 
     def authorize(request: Request) -> None:
         if state.api_key is None:
@@ -256,6 +255,36 @@ def build_app(state: ServerState) -> FastAPI:
         return JSONResponse(await _until_done_or_disconnect(request, _collect(state.engine, run, builder)))
 
     return app
+
+
+class InternalErrors:
+    """ASGI middleware: an unexpected exception becomes OpenAI's 500 body *here*, inside the app. Starlette's
+    own ``Exception`` handler re-raises after answering, and uvicorn then drops the keep-alive connection, so the
+    client's next request on it failed too. Once a response has started (a stream), the exception is the
+    stream's own to report (an error event); it is re-raised."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            if started:
+                raise
+            log.error("internal error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+            err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+            await JSONResponse(err.body(), status_code=500)(scope, receive, send)
 
 
 @dataclass

@@ -220,3 +220,51 @@ def test_half_sent_bodies_get_408_and_the_server_keeps_serving(smollm2_bundle: P
         assert r.usage.completion_tokens >= 1
     finally:
         assert srv.stop() == 0, srv.log()
+
+
+def test_a_500_keeps_the_keep_alive_connection() -> None:
+    """serve.api.InternalErrors on a real uvicorn server: an endpoint that raises (a route of this test; the
+    server's own endpoints have no known 500 left) answers OpenAI's 500 body, and the same keep-alive connection
+    serves the next request (Starlette's handler re-raised, and uvicorn dropped the connection)."""
+    import socket
+    import time
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    from omforge.serve.api import InternalErrors
+
+    app = FastAPI()
+    app.add_middleware(InternalErrors)
+
+    @app.get("/boom")
+    async def boom() -> dict:
+        raise RuntimeError("kaboom")
+
+    @app.get("/ok")
+    async def ok() -> dict:
+        return {"ok": True}
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="critical"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        for _ in range(100):  # bounded wait for start-up
+            if server.started:
+                break
+            time.sleep(0.05)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/boom")
+        r = conn.getresponse()
+        body = json.loads(r.read())
+        assert r.status == 500 and "kaboom" in assert_openai_error(body)["message"]
+        conn.request("GET", "/ok")  # the same connection
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read()) == {"ok": True}
+        conn.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)
