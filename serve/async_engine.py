@@ -150,7 +150,8 @@ class AsyncEngine:
         """Yield the group's outputs, one list per engine step, until every sequence finished. Leaving early
         (an exception, a cancelled task: the client disconnected) aborts the unfinished sequences at once."""
         try:
-            while group.unfinished:
+            # an ended group (_fail retires its sequences, then queues the error) still has its error to read
+            while group.unfinished or not group.queue.empty():
                 item = await group.queue.get()
                 if isinstance(item, BaseException):
                     raise item
