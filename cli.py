@@ -185,7 +185,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_options = {k: getattr(args, k) for k in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
                                                      "max_prefill_tokens_with_decodes", "max_waiting_requests",
                                                      "max_queue_delay_us", "max_model_len", "threads",
-                                                     "preemption_mode")
+                                                     "preemption_mode", "kv_cache_space_gb")
                       if getattr(args, k) is not None}
     if args.enable_prefix_caching is not None:
         engine_options["enable_prefix_caching"] = args.enable_prefix_caching
@@ -231,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override serve.max_prefill_tokens_with_decodes (prefill tokens in a step with decodes)")
     s.add_argument("--max-model-len", type=int, help="override serve.max_model_len")
     s.add_argument("--num-kv-blocks", type=int, help="override serve.num_kv_blocks")
+    s.add_argument("--kv-cache-space-gb", type=float,
+                   help="KV pool budget in GiB when no block count is given (serve.kv_cache_space_gb; default 2)")
     s.add_argument("--max-waiting-requests", type=int, help="override serve.max_waiting_requests (beyond: 429)")
     s.add_argument("--max-queue-delay-us", type=int, help="override serve.max_queue_delay_us")
     s.add_argument("--preemption-mode", choices=["recompute", "swap"], help="override serve.preemption_mode")

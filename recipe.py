@@ -200,6 +200,7 @@ class ServeSection(_Section):
     preemption_mode: Literal["swap", "recompute"] = "recompute"
     swap_space_gb: float = Field(default=1.0, ge=0, le=1024)
     num_kv_blocks: int | None = Field(default=None, ge=2)
+    kv_cache_space_gb: float | None = Field(default=None, gt=0, le=4096)  # pool budget (default 2) if no blocks
     max_waiting_requests: int = Field(default=256, ge=1, le=1_000_000)
 
 

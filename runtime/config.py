@@ -38,6 +38,7 @@ class EngineConfig:
     max_queue_delay_us: int  # the server's wait for companions before a first step
     threads: int | None  # ORT intra-op threads (None: ORT's default)
     explicit_kv_blocks: bool = False  # num_kv_blocks came from the caller, not the recipe or the default
+    kv_cache_space_gb: float | None = None  # the budget the pool was sized from (None: num_kv_blocks was given)
 
     @classmethod
     def resolve(cls, manifest: Mapping[str, Any], **overrides: Any) -> EngineConfig:
@@ -57,7 +58,11 @@ class EngineConfig:
         max_num_seqs, max_batched = pick("max_num_seqs"), pick("max_num_batched_tokens")
         block_size = manifest["kv"]["block_size"]
         bytes_per_block = manifest["kv"]["bytes_per_token"] * block_size
-        blocks = pick("num_kv_blocks") or max(2, min(DEFAULT_KV_CACHE_BYTES // bytes_per_block,
+        # the pool: num_kv_blocks as given, else as many blocks as the KV budget holds (vLLM's KV cache space),
+        # but no more than max_num_seqs full-context sequences need
+        space = pick("kv_cache_space_gb")
+        budget = int(space * (1 << 30)) if space is not None else DEFAULT_KV_CACHE_BYTES
+        blocks = pick("num_kv_blocks") or max(2, min(budget // bytes_per_block,
                                                      max_num_seqs * -(-max_model_len // block_size)))
         mode = pick("preemption_mode")
         if mode not in PREEMPTION_MODES:
@@ -73,7 +78,8 @@ class EngineConfig:
                    enable_prefix_caching=bool(pick("enable_prefix_caching")), preemption_mode=mode,
                    swap_space_gb=swap_gb, max_prefill_tokens_with_decodes=pick("max_prefill_tokens_with_decodes"),
                    max_waiting_requests=pick("max_waiting_requests"), max_queue_delay_us=pick("max_queue_delay_us"),
-                   threads=overrides.get("threads"), explicit_kv_blocks=overrides.get("num_kv_blocks") is not None)
+                   threads=overrides.get("threads"), explicit_kv_blocks=overrides.get("num_kv_blocks") is not None,
+                   kv_cache_space_gb=None if pick("num_kv_blocks") else budget / (1 << 30))
 
     def with_num_kv_blocks(self, num_blocks: int) -> EngineConfig:
         """The same configuration on a pool the executor fixed (``ExecutorCapabilities.num_blocks``)."""

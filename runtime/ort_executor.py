@@ -39,8 +39,10 @@ class OrtExecutor:
         self.session = ort.InferenceSession(str(model_path), opts, providers=providers or ["CPUExecutionProvider"])
         shape = (num_blocks, layout.block_size, layout.kv_heads, layout.row_elems)
         self.pool_dtype = POOL_NUMPY_DTYPES[layout.kv_dtype]
-        self.key_pools = [np.zeros(shape, self.pool_dtype) for _ in range(layout.num_layers)]
-        self.value_pools = [np.zeros(shape, self.pool_dtype) for _ in range(layout.num_layers)]
+        # written now (np.full, not the lazily mapped np.zeros): the pool's memory is resident from the start, so
+        # the process's RSS is known up front instead of growing as blocks are first used
+        self.key_pools = [np.full(shape, 0, self.pool_dtype) for _ in range(layout.num_layers)]
+        self.value_pools = [np.full(shape, 0, self.pool_dtype) for _ in range(layout.num_layers)]
         self.allocate_host(num_host_blocks)
         self.binding = self.session.io_binding()
         self.binding.bind_output("logits")  # first, so it stays output 0 when re-bound each run

@@ -56,3 +56,13 @@ def test_scheduler_config_carries_the_model_facts() -> None:
     sc = cfg.scheduler_config({"eos_token_ids": [2, 7], "sliding_window": 24}, mixed_batches=True)
     assert (sc.eos_token_ids, sc.sliding_window, sc.max_model_len, sc.mixed_batches) == ((2, 7), 24, 512, True)
     assert sc.max_prefill_tokens_with_decodes == 64
+
+
+def test_the_pool_is_sized_from_the_kv_cache_space_budget() -> None:
+    big = manifest(max_num_seqs=4096)
+    cfg = EngineConfig.resolve(big, kv_cache_space_gb=0.25)
+    assert cfg.num_kv_blocks == (1 << 28) // (16 * 1024) and cfg.kv_cache_space_gb == 0.25
+    assert EngineConfig.resolve(manifest(max_num_seqs=4096, kv_cache_space_gb=0.5)).num_kv_blocks == \
+        (1 << 29) // (16 * 1024)  # the recipe's budget
+    given = EngineConfig.resolve(big, kv_cache_space_gb=0.25, num_kv_blocks=10)
+    assert given.num_kv_blocks == 10 and given.kv_cache_space_gb is None  # a block count wins over a budget

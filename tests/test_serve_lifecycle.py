@@ -159,3 +159,19 @@ def test_chat_stream_closed_after_the_role_chunk_aborts(server: ServerProcess) -
     stream.close()
     server.wait_for_metric("omforge:request_success_total{finished_reason=abort}", lambda v: v == aborted + 1)
     server.wait_for_metric("omforge:kv_cache_used_blocks", lambda v: v == 0, timeout=10)
+
+
+def test_the_kv_pool_is_resident_from_start_up(smollm2_bundle: Path) -> None:
+    """--kv-cache-space-gb sizes the pool, start-up reports it, and its memory is in RSS before any request
+    (written at allocation, not touched later as blocks are first used)."""
+    srv = ServerProcess(smollm2_bundle, "--kv-cache-space-gb", "0.5")
+    try:
+        per_block = 2 * 30 * 3 * 64 * 4 * 64  # SmolLM2: K and V, 30 layers, 3 KV heads, head_dim 64, fp32, 64 tokens
+        blocks = (1 << 29) // per_block
+        assert f"{blocks} KV blocks of 64 tokens (0.50 GiB, allocated)" in srv.log()
+        assert srv.metrics()["omforge:kv_cache_total_blocks"] == blocks
+        rss = next(int(line.split()[1]) * 1024 for line in Path(f"/proc/{srv.proc.pid}/status").read_text()
+                   .splitlines() if line.startswith("VmRSS:"))
+        assert rss > 500e6 + 0.9 * (1 << 29), rss  # the weights (~540 MB) and the whole pool
+    finally:
+        assert srv.stop() == 0, srv.log()
