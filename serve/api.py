@@ -57,7 +57,8 @@ class ServerState:
 
 
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="omforge", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="omforge", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+                  version=_version())
     tokenizer = state.engine.engine.tokenizer
     token_text = token_text_fn(tokenizer) if tokenizer is not None else (lambda i: str(i))
 
@@ -156,7 +157,9 @@ def build_app(state: ServerState) -> FastAPI:
             {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "omforge",
              "max_model_len": state.max_model_len}]})
 
-    @app.post("/tokenize")
+    _describe_bodies(app)
+
+    @app.post("/tokenize", openapi_extra=_body("TokenizeRequest"))
     async def tokenize(request: Request) -> Response:
         body: TokenizeRequest = await parse(request, TokenizeRequest)
         if tokenizer is None:
@@ -169,7 +172,7 @@ def build_app(state: ServerState) -> FastAPI:
         return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
                              "token_strs": None})
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=_body("DetokenizeRequest"))
     async def detokenize(request: Request) -> Response:
         body: DetokenizeRequest = await parse(request, DetokenizeRequest)
         if tokenizer is None:
@@ -191,12 +194,12 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body("CompletionRequest"))
     async def completions(request: Request) -> Response:
         with state.engine.arriving():
             return await _completions(request, time.monotonic())
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body("ChatCompletionRequest"))
     async def chat_completions(request: Request) -> Response:
         with state.engine.arriving():
             return await _chat_completions(request, time.monotonic())
@@ -255,6 +258,43 @@ def build_app(state: ServerState) -> FastAPI:
         return JSONResponse(await _until_done_or_disconnect(request, _collect(state.engine, run, builder)))
 
     return app
+
+
+BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+
+
+def _body(name: str) -> dict[str, Any]:
+    """The request body of a route in the OpenAPI document (the routes read their bodies themselves, so FastAPI
+    does not know them): the pydantic model's schema, under components."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{name}"}}}}}
+
+
+def _describe_bodies(app: FastAPI) -> None:
+    """``/openapi.json`` with the request models as component schemas (what API fuzzers and clients read)."""
+    from pydantic.json_schema import models_json_schema
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            _, defs = models_json_schema([(m, "validation") for m in BODIES],
+                                         ref_template="#/components/schemas/{model}")
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("omforge")
+    except PackageNotFoundError:
+        return "0"
 
 
 class InternalErrors:

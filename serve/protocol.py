@@ -104,8 +104,12 @@ class _Common(BaseModel):
                              ("guided_grammar", "grammar")):
             value = getattr(self, field_)
             if value is not None:
-                found.append(StructuredOutput(kind, json.loads(value) if kind == "json" and isinstance(value, str)
-                                              else value, field_))
+                if kind == "json" and isinstance(value, str):
+                    try:
+                        value = json.loads(value)
+                    except json.JSONDecodeError as exc:
+                        raise APIError(400, f"guided_json is not a JSON schema: {exc}", param=field_) from None
+                found.append(StructuredOutput(kind, value, field_))
         if len(found) > 1:
             raise APIError(400, f"set one structured-output constraint, got {', '.join(f.param for f in found)}",
                            param=found[1].param)
@@ -271,7 +275,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (vLLM's)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None

@@ -268,3 +268,12 @@ def test_a_500_keeps_the_keep_alive_connection() -> None:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/tokenize", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "guided_json": ""}, "guided_json"),
+])
+def test_what_the_fuzzer_found_is_a_400(server: ServerProcess, path: str, body: dict, param: str) -> None:
+    status, _, data = raw_post(server.url, path, json.dumps(body).encode(), {"Authorization": f"Bearer {KEY}"})
+    assert status == 400 and assert_openai_error(data)["param"] == param, data
