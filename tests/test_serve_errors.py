@@ -97,6 +97,7 @@ def test_unknown_model_is_404(client) -> None:  # noqa: ANN001
     (dict(temperature=3.0), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(n=0), "n"),
+    (dict(n=1000), "n"),  # more sequences than max_num_seqs: never admissible, so a 400 (not a 429 to retry)
     (dict(max_tokens=0), "max_tokens"),
     (dict(presence_penalty=-2.5), "presence_penalty"),
     (dict(frequency_penalty=9), "frequency_penalty"),
