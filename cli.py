@@ -187,6 +187,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                                      "max_queue_delay_us", "max_model_len", "threads",
                                                      "preemption_mode", "kv_cache_space_gb")
                       if getattr(args, k) is not None}
+    if args.speculative_config is not None:
+        try:
+            engine_options["speculative_config"] = json.loads(args.speculative_config)
+        except json.JSONDecodeError as e:
+            raise OmforgeError(f"--speculative-config: not JSON ({e})") from None
     if args.enable_prefix_caching is not None:
         engine_options["enable_prefix_caching"] = args.enable_prefix_caching
     return serve(args.bundle, options, **engine_options)
@@ -231,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override serve.max_prefill_tokens_with_decodes (prefill tokens in a step with decodes)")
     s.add_argument("--max-model-len", type=int, help="override serve.max_model_len")
     s.add_argument("--num-kv-blocks", type=int, help="override serve.num_kv_blocks")
+    s.add_argument("--speculative-config", help='speculative decoding, vLLM\'s spelling, e.g. '
+                   '\'{"method": "ngram", "num_speculative_tokens": 4}\' (overrides serve.speculative_config)')
     s.add_argument("--kv-cache-space-gb", type=float,
                    help="KV pool budget in GiB when no block count is given (serve.kv_cache_space_gb; default 2)")
     s.add_argument("--max-waiting-requests", type=int, help="override serve.max_waiting_requests (beyond: 429)")

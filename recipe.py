@@ -201,6 +201,18 @@ class ServeSection(_Section):
     swap_space_gb: float = Field(default=1.0, ge=0, le=1024)
     num_kv_blocks: int | None = Field(default=None, ge=2)
     kv_cache_space_gb: float | None = Field(default=None, gt=0, le=4096)  # pool budget (default 2) if no blocks
+    speculative_config: dict[str, Any] | None = None  # vLLM's: {method: ngram, num_speculative_tokens, …}
+
+    @field_validator("speculative_config")
+    @classmethod
+    def _speculative(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        from omforge.runtime.spec_decode import SpeculativeConfig, SpeculativeConfigError
+
+        try:
+            SpeculativeConfig.from_dict(v)
+        except (SpeculativeConfigError, TypeError) as exc:
+            raise ValueError(str(exc)) from None
+        return v
     max_waiting_requests: int = Field(default=256, ge=1, le=1_000_000)
 
 

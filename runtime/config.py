@@ -39,6 +39,7 @@ class EngineConfig:
     threads: int | None  # ORT intra-op threads (None: ORT's default)
     explicit_kv_blocks: bool = False  # num_kv_blocks came from the caller, not the recipe or the default
     kv_cache_space_gb: float | None = None  # the budget the pool was sized from (None: num_kv_blocks was given)
+    speculative_config: dict | None = None  # runtime/spec_decode.SpeculativeConfig's fields (vLLM's spelling)
 
     @classmethod
     def resolve(cls, manifest: Mapping[str, Any], **overrides: Any) -> EngineConfig:
@@ -79,7 +80,8 @@ class EngineConfig:
                    swap_space_gb=swap_gb, max_prefill_tokens_with_decodes=pick("max_prefill_tokens_with_decodes"),
                    max_waiting_requests=pick("max_waiting_requests"), max_queue_delay_us=pick("max_queue_delay_us"),
                    threads=overrides.get("threads"), explicit_kv_blocks=overrides.get("num_kv_blocks") is not None,
-                   kv_cache_space_gb=None if pick("num_kv_blocks") else budget / (1 << 30))
+                   kv_cache_space_gb=None if pick("num_kv_blocks") else budget / (1 << 30),
+                   speculative_config=pick("speculative_config"))
 
     def with_num_kv_blocks(self, num_blocks: int) -> EngineConfig:
         """The same configuration on a pool the executor fixed (``ExecutorCapabilities.num_blocks``)."""

@@ -27,9 +27,10 @@ from omforge.runtime.executor import Executor, run_plan
 from omforge.runtime.kv_cache_manager import KVCacheManager
 from omforge.runtime.ort_executor import OrtExecutor
 from omforge.runtime.request import Request, Status, seq_ids
-from omforge.runtime.sampler import Sampler, SamplerOutput
+from omforge.runtime.sampler import GREEDY_TEMPERATURE, Sampler, SamplerOutput, _with_logprobs
 from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
 from omforge.runtime.scheduler import Scheduler
+from omforge.runtime.spec_decode import NgramDrafter, SpeculativeConfig, verify
 from omforge.runtime.structured import GrammarBackend, StructuredOutputError, compiled_grammar
 from omforge.runtime.tokenizer import TextTokenizer
 
@@ -55,6 +56,34 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished: int = 0
+    # speculative decoding (vLLM's spec_decode counters): drafts made, tokens drafted / accepted, and accepted
+    # tokens per draft position (0 = the first drafted token)
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None
+
+
+def _verifiable(p: SamplingParams, num_output: int) -> bool:
+    """Whether a point-mass draft can be verified exactly against this request's sampling: the per-row
+    distribution must not depend on earlier drafted tokens (penalties, min_tokens) nor be truncated (top-k/p,
+    min-p; verify() samples the full distribution)."""
+    plain = p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0
+    no_penalty = p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1.0
+    return (p.temperature < GREEDY_TEMPERATURE or plain) and no_penalty and num_output >= p.min_tokens
+
+
+def _raw_entry(row: np.ndarray, token: int, k: int) -> dict:
+    """A kept token's logprob entry from the model's raw logits row (the sampler's own computation)."""
+    out = _with_logprobs(row[None, :], np.array([token], np.int64), [SamplingParams(logprobs=k)])
+    entry: dict = {"token_id": int(token), "logprob": float(out.logprobs[0])}
+    if out.top_ids is not None:
+        entry["top"] = [(int(i), float(v)) for i, v in zip(out.top_ids[0, :k], out.top_logprobs[0, :k])]
+    return entry
 
 
 @dataclass
@@ -123,6 +152,12 @@ class LLMEngine:
         self.closed = False
         self.stats = EngineStats()
         self._ids = itertools.count()
+        self.speculative = SpeculativeConfig.from_dict(cfg.speculative_config)
+        if self.speculative is not None and not caps.supports_prompt_logits:
+            raise EngineConfigError("speculative decoding needs a logits row per drafted token; this bundle's "
+                                    "executor (the ascend OM models) returns one per sequence")
+        self._drafter = NgramDrafter(self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max) \
+            if self.speculative is not None else None
         self._grammars: GrammarBackend | None = None  # made at the first structured request
         self._mask_pool: ThreadPoolExecutor | None = None
 
@@ -263,6 +298,8 @@ class LLMEngine:
         if self.closed:
             raise RuntimeError("the engine is closed")
         t0 = time.perf_counter()
+        if self.speculative is not None:
+            self._draft()
         plan = self.scheduler.schedule()
         self.stats.preemptions = self.scheduler.num_preemptions
         masks = self._start_masks(plan)  # computed beside the model step (llguidance releases the GIL)
@@ -272,19 +309,28 @@ class LLMEngine:
         now = time.monotonic()
         for req, row, start, count in plan.prompt_rows:
             self._prompt_logprobs(req, logits[row:row + count], start)
+        entries: dict[str, list[dict]] = {}  # logprob entries of each request's new tokens, when it asks
+        verified = {req.request_id: self._verify(req, logits[row:row + k + 1], entries)
+                    for req, row, k in plan.spec_rows}
         reqs = [r for r, _ in plan.sample_rows]
-        result = None
         if reqs:
             rows = [row for _, row in plan.sample_rows]
-            if rows != list(range(len(logits))):  # n > 1: followers sample from their leader's row
-                logits = logits[rows]
-            result = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs],
+            chosen = logits[rows] if rows != list(range(len(logits))) else logits  # n > 1: followers share a row
+            result = self.sampler.sample(chosen, [r.params for r in reqs], [r.generator for r in reqs],
                                          [r.output_token_ids for r in reqs], [r.prompt_token_ids for r in reqs],
                                          allowed=masks.result() if masks is not None else None)
-        sampled = self.scheduler.update_from_output(plan, [] if result is None else result.token_ids.tolist())
+            for i, req in enumerate(reqs):
+                if req.params.logprobs is not None:
+                    entries[req.request_id] = [self._sampled_entry(result, i, req.params.logprobs)]
+            tokens = result.token_ids.tolist()
+        else:
+            tokens = []
+        before = {r.request_id: len(r.output_token_ids) for r in [*reqs, *(r for r, _, _ in plan.spec_rows)]}
+        sampled = self.scheduler.update_from_output(plan, tokens, verified)
         if masks is not None:
             self._advance_grammars(sampled)
-        outputs = [self._emit(req, row, result, now) for row, req in enumerate(sampled)]
+        outputs = [self._emit(req, req.output_token_ids[before[req.request_id]:], entries.get(req.request_id), now)
+                   for req in sampled]
         decode = plan.num_decode_tokens
         st = self.stats
         st.steps += 1
@@ -360,34 +406,84 @@ class LLMEngine:
                 entry["top"] = [(int(t), float(logp[i, t])) for t in top[i]]
             filled.append(entry)
 
-    def _emit(self, req: Request, row: int, result: SamplerOutput, now: float) -> RequestOutput:
-        """Record a sampled token's time and logprobs, detokenise it (stop strings end the request here)."""
-        token = req.output_token_ids[-1]
-        req.token_times.append(now)
+    @staticmethod
+    def _sampled_entry(result: SamplerOutput, row: int, k: int) -> dict:
+        token = int(result.token_ids[row])
+        entry: dict = {"token_id": token, "logprob": float(result.logprobs[row])}
+        if result.top_ids is not None:
+            entry["top"] = [(int(i), float(v)) for i, v in zip(result.top_ids[row, :k], result.top_logprobs[row, :k])]
+        return entry
+
+    def _emit(self, req: Request, new: list[int], entries: list[dict] | None, now: float) -> RequestOutput:
+        """Record this step's tokens of ``req`` (one, or a speculating request's accepted run) — times, logprobs —
+        and detokenise them one by one; a stop string ends the request there and drops the tokens after it."""
         if req.first_token_time is None:
             req.first_token_time = now
             if req.parent is None:  # a follower's prompt was its leader's
                 self.stats.prompt_tokens += len(req.prompt_token_ids)
-        self.stats.generation_tokens += 1
-        if req.params.logprobs is not None:
-            entry = {"token_id": token, "logprob": float(result.logprobs[row])}
-            if result.top_ids is not None:
-                k = req.params.logprobs
-                entry["top"] = [(int(i), float(v))
-                                for i, v in zip(result.top_ids[row, :k], result.top_logprobs[row, :k])]
-            req.logprobs.append(entry)
-        new_text = ""
-        if req.detokenizer is not None:
-            ends_on_token = req.finish_reason == "stop" and not isinstance(req.stop_reason, str)
-            new_text = "" if ends_on_token else req.detokenizer.append(token)
-            if req.detokenizer.stopped and not req.finished:
-                self.scheduler.finish(req, "stop", req.detokenizer.stopped)
-            if req.finished:
-                new_text += req.detokenizer.flush()  # held-back text that can no longer become a stop string
+        new_text, kept = "", []
+        for i, token in enumerate(new):
+            kept.append(token)
+            req.token_times.append(now)
+            self.stats.generation_tokens += 1
+            if entries is not None and i < len(entries):
+                req.logprobs.append(entries[i])
+            if req.detokenizer is not None:
+                last = i == len(new) - 1
+                ends_on_token = last and req.finish_reason == "stop" and not isinstance(req.stop_reason, str)
+                new_text += "" if ends_on_token else req.detokenizer.append(token)
+                if req.detokenizer.stopped and not req.finished:
+                    self.scheduler.finish(req, "stop", req.detokenizer.stopped)
+                if req.detokenizer.stopped:
+                    del req.output_token_ids[len(req.output_token_ids) - (len(new) - i - 1):]  # nothing after it
+                    break
+        if req.finished and req.detokenizer is not None:
+            new_text += req.detokenizer.flush()  # held-back text that can no longer become a stop string
         if req.finished:
             self.requests.pop(req.request_id, None)  # a long-running server must not keep finished requests
             self.stats.finished += 1
-        return self._output(req, new_text, [token])
+        return self._output(req, new_text, kept)
+
+    # --- speculative decoding -------------------------------------------------------------------------------
+
+    def _draft(self) -> None:
+        """Propose drafts for the decoding sequences that may speculate this step (spec_decode.py): none when the
+        batch is larger than ``max_batch`` (compute-bound), and only for sequences whose sampling a point-mass
+        draft can verify exactly (greedy or plain temperature; no penalties, min_tokens, grammar) and whose
+        acceptance has not fallen below ``min_acceptance``."""
+        spec = self.speculative
+        running = self.scheduler.running
+        if len(running) > spec.max_batch:
+            return
+        for req in running:
+            p = req.params
+            left = min(p.max_tokens - len(req.output_token_ids) if p.max_tokens is not None else 1 << 30,
+                       self.max_model_len - req.num_tokens) - 1
+            if (req.num_tokens - req.num_computed_tokens != 1 or left < 1 or req.matcher is not None
+                    or req.spec_acceptance < spec.min_acceptance or not _verifiable(p, len(req.output_token_ids))):
+                continue
+            req.draft = self._drafter.propose(req.all_token_ids, min(spec.num_speculative_tokens, left))
+
+    def _verify(self, req: Request, rows: np.ndarray, entries: dict[str, list[dict]]) -> list[int]:
+        """The tokens ``req`` keeps from its verified draft (``rows``: raw logits at its last token and each
+        draft); records acceptance and, when asked, the kept tokens' logprobs (the model's, as without drafts)."""
+        p, draft = req.params, list(req.draft)
+        x = self.sampler.process_logits(rows, [p] * len(rows), [req.output_token_ids] * len(rows),
+                                        [req.prompt_token_ids] * len(rows))
+        greedy = p.temperature < GREEDY_TEMPERATURE
+        gen = req.generator if req.generator is not None else self.sampler._rng
+        kept = verify(x, draft, greedy, gen, p.temperature)
+        accepted = len(kept) - 1
+        st = self.stats
+        st.spec_draft_tokens += len(draft)
+        st.spec_accepted_tokens += accepted
+        st.spec_drafts += 1
+        for i in range(accepted):
+            st.spec_accepted_per_position[i] = st.spec_accepted_per_position.get(i, 0) + 1
+        req.spec_acceptance = 0.7 * req.spec_acceptance + 0.3 * (accepted / len(draft))
+        if p.logprobs is not None:
+            entries[req.request_id] = [_raw_entry(rows[i], t, p.logprobs) for i, t in enumerate(kept)]
+        return kept
 
     def _output(self, req: Request, new_text: str, new_ids: list[int]) -> RequestOutput:
         text = req.detokenizer.text if req.detokenizer is not None else ""

@@ -72,11 +72,13 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     start: int  # num_computed_tokens before this step
+    num_draft: int = 0  # speculative decoding: the last of these tokens are request.draft (not yet its own)
 
     @property
     def samples(self) -> bool:
-        """After this step the request has computed all its known tokens: the step yields its next token."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        """After this step the request has computed all its known tokens: the step yields its next token
+        (speculating requests yield theirs through verification instead)."""
+        return not self.num_draft and self.start + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -94,6 +96,8 @@ class SchedulerOutput:
     sample_rows: list[tuple[Request, int]] = field(default_factory=list)
     # prompt logprobs: (request, first logits row, first position, rows), one row per token of the chunk
     prompt_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
+    # speculative decoding: (request, first logits row, drafted tokens): rows for its last token and each draft
+    spec_rows: list[tuple[Request, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -154,6 +158,12 @@ class Scheduler:
         rows = 0
         for s in out.scheduled:
             req = s.request
+            if s.num_draft:  # the last known token and the drafts, a logits row for each
+                out.work.append(SeqWork([*req.all_token_ids[s.start:], *req.draft], s.start,
+                                        self.kv.block_table(req.request_id), all_logits=True))
+                out.spec_rows.append((req, rows, s.num_draft))
+                rows += s.num_new_tokens
+                continue
             # a chunk that holds prompt positions whose next token is a prompt token: logits for all its rows
             every = req.params.prompt_logprobs is not None and s.start < len(req.prompt_token_ids) - 1
             out.work.append(SeqWork(req.all_token_ids[s.start:s.start + s.num_new_tokens], s.start,
@@ -167,16 +177,43 @@ class Scheduler:
                 rows += 1
         return out
 
-    def update_from_output(self, plan: SchedulerOutput, token_ids: Sequence[int]) -> list[Request]:
-        """Finish the step ``plan`` after it ran: ``token_ids[i]`` was sampled for ``plan.sample_rows[i]``.
-        Returns the requests that sampled, in that order, each with its token appended; those that reached a
-        token-level stop are FINISHED (``finish_reason`` set) and no longer hold blocks."""
+    def update_from_output(self, plan: SchedulerOutput, token_ids: Sequence[int],
+                           verified: dict[str, list[int]] | None = None) -> list[Request]:
+        """Finish the step ``plan`` after it ran: ``token_ids[i]`` was sampled for ``plan.sample_rows[i]``;
+        ``verified[request_id]``: a speculating request's accepted drafts plus one token (spec_decode.verify).
+        Returns the requests that got tokens, in that order, each with its tokens appended (a speculating one may
+        get several; a token-level stop among them drops the rest); those that stopped are FINISHED and no longer
+        hold blocks. Only accepted tokens are ever computed, committed or hashed: the KV a rejected draft wrote
+        lies beyond ``num_computed_tokens``, is never read, and is overwritten by the next step."""
         if len(token_ids) != len(plan.sample_rows):
             raise ValueError(f"{len(token_ids)} sampled tokens for {len(plan.sample_rows)} sampling requests")
         window = self.config.sliding_window
+        verified = verified or {}
+        sampled: list[Request] = []
+
+        def take(req: Request, tokens: list[int]) -> None:
+            """Append tokens through the token-level stops; a stop drops the tokens after it."""
+            for token in tokens:
+                req.output_token_ids.append(token)
+                reason, stop_reason = self._stop(req, token)
+                if reason is not None:
+                    self.finish(req, reason, stop_reason)
+                    break
+            sampled.append(req)
+
         for s in plan.scheduled:
             req = s.request
-            req.num_computed_tokens += s.num_new_tokens
+            if s.num_draft:
+                # it computed its last token and its drafts: the accepted drafts become its own tokens (before the
+                # commit hashes them) and count as computed; the verified token after them is new, like a sample
+                tokens = verified.get(req.request_id, [])
+                req.draft = []
+                take(req, tokens)
+                req.num_computed_tokens += max(len(tokens), 1)
+                if req.finished:
+                    continue
+            else:
+                req.num_computed_tokens += s.num_new_tokens
             self.kv.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
             if window:  # blocks no later query can see go back to the pool
                 self.kv.release_out_of_window(req.request_id, req.num_computed_tokens, window)
@@ -184,13 +221,8 @@ class Scheduler:
                 for follower in req.followers:
                     self._join(follower, req)
                 req.followers = []
-        sampled = []
         for (req, _), token in zip(plan.sample_rows, token_ids):
-            req.output_token_ids.append(int(token))
-            reason, stop_reason = self._stop(req, int(token))
-            if reason is not None:
-                self.finish(req, reason, stop_reason)
-            sampled.append(req)
+            take(req, [int(token)])
         return sampled
 
     def finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
@@ -232,6 +264,10 @@ class Scheduler:
                 i += 1  # a prefill chunk, and this step's prefill share is spent
                 continue
             n = min(left, budget, prefill) if left > 1 else 1
+            drafted = len(req.draft) if left == 1 and len(req.draft) < budget else 0
+            if left == 1 and not drafted:
+                req.draft = []  # no room in this step's budget for its drafts
+            n += drafted
             copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
             while copies is None:
                 victim = self.running[-1]
@@ -240,9 +276,10 @@ class Scheduler:
                     break
                 copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
             if copies is None:  # the request itself was preempted
+                req.draft = []
                 continue
             out.block_copies += copies
-            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
+            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens, drafted))
             budget -= n
             prefill -= n if left > 1 else 0
             i += 1
@@ -314,5 +351,6 @@ class Scheduler:
                 return
         self.kv.free(victim.request_id)  # recompute: its tokens are prefilled again when it is readmitted
         victim.num_computed_tokens = 0
+        victim.draft = []
         victim.status = Status.WAITING
         self.waiting.appendleft(victim)

@@ -63,7 +63,14 @@ class ServerMetrics:
         self.req_generation = histogram("request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS)
         self.step_seconds = histogram("step_duration_seconds", "One engine step (schedule + execute + sample).",
                                       ITL_BUCKETS)
-        self._last = {"prompt": 0, "gen": 0, "pre": 0, "q": 0, "h": 0, "steps": 0}
+        # speculative decoding, vLLM's names
+        self.spec_drafts = counter("spec_decode_num_drafts", "Draft proposals verified (one per sequence and step).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Tokens drafted.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Drafted tokens the model accepted.")
+        self.spec_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted drafted tokens by position in the draft (0 = first).", ("position",))
+        self._last = {"prompt": 0, "gen": 0, "pre": 0, "q": 0, "h": 0, "steps": 0, "sd": 0, "sdt": 0, "sa": 0}
+        self._last_pos: dict[int, int] = {}
 
     def after_step(self, engine: LLMEngine, outputs: list[RequestOutput], pending_adds: int) -> None:
         sched, st, kv = engine.scheduler, engine.stats, engine.kv.stats()
@@ -79,10 +86,17 @@ class ServerMetrics:
                                    ("gen", st.generation_tokens, self.generation_tokens),
                                    ("pre", st.preemptions, self.preemptions),
                                    ("q", kv.prefix_queries, self.prefix_queries),
-                                   ("h", kv.prefix_hits, self.prefix_hits)):
+                                   ("h", kv.prefix_hits, self.prefix_hits),
+                                   ("sd", st.spec_drafts, self.spec_drafts),
+                                   ("sdt", st.spec_draft_tokens, self.spec_draft_tokens),
+                                   ("sa", st.spec_accepted_tokens, self.spec_accepted)):
             if value > last[key]:
                 metric.inc(value - last[key])
             last[key] = value  # the KV manager is replaced by reset_prefix_cache: restart from its count
+        for pos, count in st.spec_accepted_per_position.items():
+            if count > self._last_pos.get(pos, 0):
+                self.spec_per_pos.labels(self.model, str(pos)).inc(count - self._last_pos.get(pos, 0))
+                self._last_pos[pos] = count
         if st.steps > last["steps"] and st.step_times:
             self.step_seconds.observe(st.step_times[-1])
             last["steps"] = st.steps
