@@ -453,6 +453,8 @@ class LLMEngine:
         acceptance has not fallen below ``min_acceptance``."""
         spec = self.speculative
         running = self.scheduler.running
+        for req in running:
+            req.draft = []  # a draft lives one step: never a stale one from before a preemption
         if len(running) > spec.max_batch:
             return
         for req in running:
