@@ -27,7 +27,7 @@ from omforge.runtime.executor import Executor, run_plan
 from omforge.runtime.kv_cache_manager import KVCacheManager
 from omforge.runtime.ort_executor import OrtExecutor
 from omforge.runtime.request import Request, Status, seq_ids
-from omforge.runtime.sampler import GREEDY_TEMPERATURE, Sampler, SamplerOutput, _with_logprobs
+from omforge.runtime.sampler import GREEDY_TEMPERATURE, Sampler, SamplerOutput, with_logprobs
 from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
 from omforge.runtime.scheduler import Scheduler
 from omforge.runtime.spec_decode import NgramDrafter, SpeculativeConfig, verify
@@ -79,7 +79,7 @@ def _verifiable(p: SamplingParams, num_output: int) -> bool:
 
 def _raw_entry(row: np.ndarray, token: int, k: int) -> dict:
     """A kept token's logprob entry from the model's raw logits row (the sampler's own computation)."""
-    out = _with_logprobs(row[None, :], np.array([token], np.int64), [SamplingParams(logprobs=k)])
+    out = with_logprobs(row[None, :], np.array([token], np.int64), [SamplingParams(logprobs=k)])
     entry: dict = {"token_id": int(token), "logprob": float(out.logprobs[0])}
     if out.top_ids is not None:
         entry["top"] = [(int(i), float(v)) for i, v in zip(out.top_ids[0, :k], out.top_logprobs[0, :k])]
@@ -473,7 +473,7 @@ class LLMEngine:
         x = self.sampler.process_logits(rows, [p] * len(rows), [req.output_token_ids] * len(rows),
                                         [req.prompt_token_ids] * len(rows))
         greedy = p.temperature < GREEDY_TEMPERATURE
-        gen = req.generator if req.generator is not None else self.sampler._rng
+        gen = req.generator if req.generator is not None else self.sampler.rng
         kept = verify(x, draft, greedy, gen, p.temperature)
         accepted = len(kept) - 1
         st = self.stats

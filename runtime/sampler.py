@@ -45,7 +45,7 @@ class Sampler:
 
     def __init__(self, eos_token_ids: Sequence[int], seed: int | None = None):
         self.eos_token_ids = [int(t) for t in eos_token_ids]
-        self._rng = np.random.default_rng(seed)
+        self.rng = np.random.default_rng(seed)  # the stream of rows without a seeded generator of their own
 
     def sample(self, logits: np.ndarray, params: Sequence[SamplingParams],
                generators: Sequence[np.random.Generator | None], output_token_ids: Sequence[Sequence[int]],
@@ -77,14 +77,14 @@ class Sampler:
             if greedy.any():
                 tokens[greedy] = x[greedy].argmax(axis=1)
             rows = np.flatnonzero(~greedy)
-            uniform = np.array([(generators[r] if generators[r] is not None else self._rng).random()
+            uniform = np.array([(generators[r] if generators[r] is not None else self.rng).random()
                                 for r in rows])
             sub = [params[r] for r in rows]
             tokens[rows] = _sample_rows(_rows(x, rows), temperature[rows],
                                         np.array([p.top_k for p in sub], dtype=np.int64),
                                         np.array([p.top_p for p in sub], dtype=np.float64),
                                         np.array([p.min_p for p in sub], dtype=np.float32), uniform)
-        return _with_logprobs(logits, tokens, params)
+        return with_logprobs(logits, tokens, params)
 
     def process_logits(self, logits: np.ndarray, params: Sequence[SamplingParams],
                        output_token_ids: Sequence[Sequence[int]],
@@ -309,7 +309,7 @@ def _blocked_inverse_cdf(weights: np.ndarray, uniform: np.ndarray) -> np.ndarray
     return block * CDF_BLOCK + _inverse_cdf(blocks[rows, block], within)
 
 
-def _with_logprobs(logits: np.ndarray, tokens: np.ndarray, params: Sequence[SamplingParams]) -> SamplerOutput:
+def with_logprobs(logits: np.ndarray, tokens: np.ndarray, params: Sequence[SamplingParams]) -> SamplerOutput:
     """Raw logprobs of the chosen tokens and of each row's top K (ties by token id), for the rows that asked."""
     R, V = logits.shape
     chosen = np.full(R, np.nan, dtype=np.float32)
