@@ -264,7 +264,10 @@ class Scheduler:
                 i += 1  # a prefill chunk, and this step's prefill share is spent
                 continue
             n = min(left, budget, prefill) if left > 1 else 1
-            drafted = len(req.draft) if left == 1 and len(req.draft) < budget else 0
+            # drafts only for a sequence past its prompt with no followers to fork: a 1-token last prefill chunk
+            # must sample (and fork n > 1 followers) from its own row
+            drafted = len(req.draft) if (left == 1 and req.output_token_ids and not req.followers
+                                         and len(req.draft) < budget) else 0
             if left == 1 and not drafted:
                 req.draft = []  # no room in this step's budget for its drafts
             n += drafted

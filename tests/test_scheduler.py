@@ -82,8 +82,9 @@ def request(rid: str, n_prompt: int, max_tokens: int = 100, seed: int = 0, **par
                    SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params))  # type: ignore[arg-type]
 
 
-def step(s: Scheduler, fake: FakeStep, tokens: object = 7) -> SchedulerOutput:
-    """One whole step: plan, fake execution, the context of every scheduled request read back, update."""
+def step(s: Scheduler, fake: FakeStep, tokens: object = 7, verify: object = None) -> SchedulerOutput:
+    """One whole step: plan, fake execution, the context of every scheduled request read back, update.
+    ``verify(request)``: for a speculating request, the tokens it keeps (accepted drafts + one)."""
     plan = s.schedule()
     logits = run_plan(fake, plan)
     assert (logits is None) == (not plan.scheduled)
@@ -94,7 +95,8 @@ def step(s: Scheduler, fake: FakeStep, tokens: object = 7) -> SchedulerOutput:
         want = req.all_token_ids[:n]
         assert all(g is None or g == w for g, w in zip(got, want)), (req.request_id, got, want)
     picks = [tokens(r) if callable(tokens) else tokens for r, _ in plan.sample_rows]
-    s.update_from_output(plan, picks)
+    verified = {r.request_id: verify(r) for r, _, _ in plan.spec_rows} if verify is not None else None
+    s.update_from_output(plan, picks, verified)
     return plan
 
 
@@ -258,6 +260,39 @@ def test_config_refuses_what_cannot_hold() -> None:
         SchedulerConfig(max_num_seqs=0, max_num_batched_tokens=8)
 
 
+def test_drafts_are_verified_and_only_accepted_tokens_count() -> None:
+    """A decoding request with a draft is scheduled as 1 + k tokens; of the verified tokens the accepted drafts
+    become computed and the rejected slot is rewritten by the next step (step() reads every context back)."""
+    s, fake = make(block_size=4, max_num_batched_tokens=32)
+    s.add(request("a", 6))
+    step(s, fake)  # the prompt, and the first token (7)
+    a = s.running[0]
+    a.draft = [11, 12, 13]
+    plan = step(s, fake, verify=lambda r: [11, 12, 20])  # two drafts accepted, then the correction 20
+    assert [(x.num_new_tokens, x.num_draft) for x in plan.scheduled] == [(4, 3)]
+    assert a.output_token_ids == [7, 11, 12, 20] and a.num_computed_tokens == 6 + 3 and not a.draft
+    step(s, fake)  # the slot that held the rejected draft 13 now holds 20: read back by the next step
+    assert a.output_token_ids[-1] == 7 and a.num_computed_tokens == 10
+
+
+def test_no_draft_on_a_last_prompt_token_or_before_followers_fork() -> None:
+    """A request whose last prefill chunk is one token samples (and forks its n > 1 followers) from its own row:
+    a draft set on it is ignored (found by the fuzz: the follower forked from a context holding the leader's
+    verified token)."""
+    s, fake = make(block_size=2, max_num_batched_tokens=4, mixed_batches=False)
+    leader = request("0", 9, max_tokens=4, n=2)
+    follower = Request("0-1", leader.prompt_token_ids, leader.params, parent=leader)
+    leader.followers = [follower]
+    s.add(leader)
+    step(s, fake)
+    step(s, fake)  # 8 of 9 prompt tokens computed
+    leader.draft = [21]
+    plan = step(s, fake, tokens=lambda r: 30 if r is leader else 31, verify=lambda r: [99])
+    assert [x.num_draft for x in plan.scheduled] == [0] and not plan.spec_rows
+    assert leader.output_token_ids == [30] and follower.output_token_ids == [31]
+    step(s, fake)  # both decode; their contexts read back (the follower's own token at position 9)
+
+
 @st.composite
 def lifecycles(draw: st.DrawFn) -> dict:
     block_size = draw(st.sampled_from([2, 4, 8]))
@@ -270,7 +305,7 @@ def lifecycles(draw: st.DrawFn) -> dict:
                 mode=draw(st.sampled_from(["recompute", "swap"])), host=draw(st.integers(0, 16)),
                 caching=draw(st.booleans()), mixed=draw(st.booleans()),
                 cap=draw(st.one_of(st.none(), st.integers(1, 16))), window=draw(st.sampled_from([None, 6, 13])),
-                aborts=draw(st.lists(st.integers(0, 9), max_size=3)))
+                aborts=draw(st.lists(st.integers(0, 9), max_size=3)), spec=draw(st.booleans()))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -280,7 +315,9 @@ def test_fuzz_lifecycles_keep_the_invariants(case: dict) -> None:
     prefix caching on and off, mixed batches or alternation, the decode-step cap and sliding windows. After every
     step: the budget, the cap and max_num_seqs hold, every request is in exactly one queue, no request preempted
     in a step is scheduled in it, the KV manager's invariants hold and every scheduled context reads back its own
-    tokens; at the end every request finished and every block is free."""
+    tokens; at the end every request finished and every block is free. With ``spec``, decoding requests bring
+    random drafts that are accepted in part: a rejected draft's slot must be rewritten before any context (or a
+    prefix-cache hit) reads it."""
     rng = random.Random(case["seed"])
     budget, cap, mixed = case["budget"], case["cap"], case["mixed"]
     s, fake = make(case["blocks"], case["block_size"], caching=case["caching"], host=case["host"],
@@ -312,11 +349,20 @@ def test_fuzz_lifecycles_keep_the_invariants(case: dict) -> None:
                 victim.followers = []
         if not s.has_unfinished() and t > 40:
             break
-        plan = step(s, fake, tokens=lambda r: EOS if rng.random() < 0.1 else rng.randrange(3, 40))
+        if case["spec"]:  # never past max_tokens; also on a last prompt token and on leaders, which must not draft
+            for r in s.running:
+                room = r.params.max_tokens - len(r.output_token_ids) - 1
+                one_left = r.num_tokens - r.num_computed_tokens == 1
+                r.draft = [rng.randrange(3, 40) for _ in range(min(rng.randint(0, 3), room))] if one_left else []
+
+        def keep(r: Request) -> list[int]:
+            return [*r.draft[:rng.randint(0, len(r.draft))], EOS if rng.random() < 0.1 else rng.randrange(3, 40)]
+
+        plan = step(s, fake, tokens=lambda r: EOS if rng.random() < 0.1 else rng.randrange(3, 40), verify=keep)
         assert plan.num_tokens <= budget
-        if mixed and cap and any(x.num_new_tokens == 1 and x.start >= len(x.request.prompt_token_ids)
+        if mixed and cap and any(x.num_new_tokens - x.num_draft == 1 and x.start >= len(x.request.prompt_token_ids)
                                  for x in plan.scheduled):
-            assert sum(x.num_new_tokens for x in plan.scheduled if x.num_new_tokens > 1) <= cap
+            assert sum(x.num_new_tokens for x in plan.scheduled if x.num_new_tokens > 1 and not x.num_draft) <= cap
         assert len(s.running) <= s.max_num_seqs
         assert not {id(r) for r in plan.preempted} & {id(x.request) for x in plan.scheduled}
         queues = [*s.waiting, *s.running, *s.swapped]
