@@ -40,6 +40,7 @@ class EngineConfig:
     explicit_kv_blocks: bool = False  # num_kv_blocks came from the caller, not the recipe or the default
     kv_cache_space_gb: float | None = None  # the budget the pool was sized from (None: num_kv_blocks was given)
     speculative_config: dict | None = None  # runtime/spec_decode.SpeculativeConfig's fields (vLLM's spelling)
+    prefault_kv: bool = False  # write the KV pool at start-up (omforge serve: RSS known up front)
 
     @classmethod
     def resolve(cls, manifest: Mapping[str, Any], **overrides: Any) -> EngineConfig:
@@ -81,7 +82,7 @@ class EngineConfig:
                    max_waiting_requests=pick("max_waiting_requests"), max_queue_delay_us=pick("max_queue_delay_us"),
                    threads=overrides.get("threads"), explicit_kv_blocks=overrides.get("num_kv_blocks") is not None,
                    kv_cache_space_gb=None if pick("num_kv_blocks") else budget / (1 << 30),
-                   speculative_config=pick("speculative_config"))
+                   speculative_config=pick("speculative_config"), prefault_kv=bool(overrides.get("prefault_kv")))
 
     def with_num_kv_blocks(self, num_blocks: int) -> EngineConfig:
         """The same configuration on a pool the executor fixed (``ExecutorCapabilities.num_blocks``)."""

@@ -170,7 +170,7 @@ class LLMEngine:
             raise BundleError(f"{bundle}: compiled for omforge's CPU kernel library (paged attention), which is "
                               f"unavailable here: {kernels.status().reason}; or recompile the bundle on this machine")
         return OrtExecutor(bundle / m["graphs"]["step"], self.layout, num_blocks=cfg.num_kv_blocks, threads=cfg.threads,
-                           num_host_blocks=cfg.num_host_blocks)
+                           num_host_blocks=cfg.num_host_blocks, prefault=cfg.prefault_kv)
 
     # --- requests -----------------------------------------------------------------------------------------
 

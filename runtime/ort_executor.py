@@ -29,7 +29,7 @@ class OrtExecutor:
     """The :class:`~omforge.runtime.executor.Executor` for ort bundles."""
 
     def __init__(self, model_path: Path, layout: PagedLayout, num_blocks: int, threads: int | None = None,
-                 providers: list[str] | None = None, num_host_blocks: int = 0):
+                 providers: list[str] | None = None, num_host_blocks: int = 0, prefault: bool = False):
         opts = ort.SessionOptions()
         if threads:
             opts.intra_op_num_threads = threads
@@ -39,10 +39,11 @@ class OrtExecutor:
         self.session = ort.InferenceSession(str(model_path), opts, providers=providers or ["CPUExecutionProvider"])
         shape = (num_blocks, layout.block_size, layout.kv_heads, layout.row_elems)
         self.pool_dtype = POOL_NUMPY_DTYPES[layout.kv_dtype]
-        # written now (np.full, not the lazily mapped np.zeros): the pool's memory is resident from the start, so
-        # the process's RSS is known up front instead of growing as blocks are first used
-        self.key_pools = [np.full(shape, 0, self.pool_dtype) for _ in range(layout.num_layers)]
-        self.value_pools = [np.full(shape, 0, self.pool_dtype) for _ in range(layout.num_layers)]
+        # prefault (a server): written now, so the pool is resident from the start and the process's RSS is known
+        # up front; otherwise (offline) pages become resident as blocks are first used
+        alloc = (lambda: np.full(shape, 0, self.pool_dtype)) if prefault else (lambda: np.zeros(shape, self.pool_dtype))
+        self.key_pools = [alloc() for _ in range(layout.num_layers)]
+        self.value_pools = [alloc() for _ in range(layout.num_layers)]
         self.allocate_host(num_host_blocks)
         self.binding = self.session.io_binding()
         self.binding.bind_output("logits")  # first, so it stays output 0 when re-bound each run

@@ -62,7 +62,7 @@ class _Server(uvicorn.Server):
 
 def serve(bundle: str | Path, options: ServeOptions, **engine_options: Any) -> int:
     t0 = time.perf_counter()
-    engine = LLMEngine(bundle, **engine_options)
+    engine = LLMEngine(bundle, prefault_kv=True, **engine_options)  # the pool's memory is resident from the start
     cfg = engine.engine_config
     name = options.served_model_name or engine.manifest["model"]["name"]
     metrics = ServerMetrics(name)
