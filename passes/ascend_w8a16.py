@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import onnx_ir as ir
 
-from omforge.passes.quantize_weights import _weight, group_of
+from omforge.passes.quantize_weights import group_of, weight_source
 from omforge.passes.util import drop_unused_initializers, read_weight, weight_matmuls
 
 OP = "NPUWeightQuantBatchMatmulV2"
@@ -66,7 +66,7 @@ class QuantizeW8A16(ir.passes.InPlacePass):
 
     def _matmul(self, graph: ir.Graph, node: ir.Node) -> bool:
         x, w = node.inputs
-        source, const, transposed = _weight(w)
+        source, const, transposed = weight_source(w)
         if source is None or group_of(source) not in self.matrices:
             return False
         array = read_weight(const.const_value)

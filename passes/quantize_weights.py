@@ -123,13 +123,13 @@ class QuantizeWeights(ir.passes.InPlacePass):
         """No MatMul of a chosen group is left on a float weight, unless it was kept float on purpose (_pack)."""
         for node in model.graph:
             if node.op_type == "MatMul" and len(node.inputs) > 1:
-                source, _, _ = _weight(node.inputs[1])
+                source, _, _ = weight_source(node.inputs[1])
                 if source is not None and group_of(source) in self.matrices and self._packed.get(source) is not None:
                     raise ir.passes.PostconditionError(f"{source}: its MatMul was not quantized")
 
     def _matmul(self, graph: ir.Graph, node: ir.Node) -> bool:
         x, w = node.inputs
-        source, const, transposed = _weight(w)
+        source, const, transposed = weight_source(w)
         if source is None or group_of(source) not in self.matrices:
             return False
         p = self._pack(source, lambda: _rows(const, transposed))
@@ -197,7 +197,7 @@ class QuantizeWeights(ir.passes.InPlacePass):
         return True
 
 
-def _weight(w: ir.Value | None) -> tuple[str | None, ir.Value | None, bool]:
+def weight_source(w: ir.Value | None) -> tuple[str | None, ir.Value | None, bool]:
     """Behind a MatMul's weight input: the torch weight name, the constant holding it and whether that constant
     is stored transposed (``[K, N]``); (None, None, False) when it is no export weight."""
     if w is None:
@@ -213,6 +213,6 @@ def _weight(w: ir.Value | None) -> tuple[str | None, ir.Value | None, bool]:
 
 
 def _rows(const: ir.Value, transposed: bool) -> np.ndarray:
-    """The weight ``[N, K]`` (one row per output feature) of a constant found by :func:`_weight`."""
+    """The weight ``[N, K]`` (one row per output feature) of a constant found by :func:`weight_source`."""
     array = read_weight(const.const_value)
     return np.ascontiguousarray(array.T) if transposed else array

@@ -77,13 +77,17 @@ def _verifiable(p: SamplingParams, num_output: int) -> bool:
     return (p.temperature < GREEDY_TEMPERATURE or plain) and no_penalty and num_output >= p.min_tokens
 
 
+def _entry(result: SamplerOutput, row: int, k: int) -> dict:
+    """The logprob entry of row ``row``'s token: its logprob and, when asked, the top ``k``."""
+    entry: dict = {"token_id": int(result.token_ids[row]), "logprob": float(result.logprobs[row])}
+    if result.top_ids is not None:
+        entry["top"] = [(int(i), float(v)) for i, v in zip(result.top_ids[row, :k], result.top_logprobs[row, :k])]
+    return entry
+
+
 def _raw_entry(row: np.ndarray, token: int, k: int) -> dict:
     """A kept token's logprob entry from the model's raw logits row (the sampler's own computation)."""
-    out = with_logprobs(row[None, :], np.array([token], np.int64), [SamplingParams(logprobs=k)])
-    entry: dict = {"token_id": int(token), "logprob": float(out.logprobs[0])}
-    if out.top_ids is not None:
-        entry["top"] = [(int(i), float(v)) for i, v in zip(out.top_ids[0, :k], out.top_logprobs[0, :k])]
-    return entry
+    return _entry(with_logprobs(row[None, :], np.array([token], np.int64), [SamplingParams(logprobs=k)]), 0, k)
 
 
 @dataclass
@@ -321,7 +325,7 @@ class LLMEngine:
                                          allowed=masks.result() if masks is not None else None)
             for i, req in enumerate(reqs):
                 if req.params.logprobs is not None:
-                    entries[req.request_id] = [self._sampled_entry(result, i, req.params.logprobs)]
+                    entries[req.request_id] = [_entry(result, i, req.params.logprobs)]
             tokens = result.token_ids.tolist()
         else:
             tokens = []
@@ -351,7 +355,7 @@ class LLMEngine:
 
     def _start_masks(self, plan: Any) -> Future | None:
         """The allowed tokens of every structured row this step samples, computed on a worker thread while the
-        executor runs; ``(rows, bool [k, V])``."""
+        executor runs; ``(rows, 0/1 uint8 [k, V])``."""
         rows = [i for i, (r, _) in enumerate(plan.sample_rows) if r.matcher is not None]
         if not rows:
             return None
@@ -405,14 +409,6 @@ class LLMEngine:
             if top is not None:
                 entry["top"] = [(int(t), float(logp[i, t])) for t in top[i]]
             filled.append(entry)
-
-    @staticmethod
-    def _sampled_entry(result: SamplerOutput, row: int, k: int) -> dict:
-        token = int(result.token_ids[row])
-        entry: dict = {"token_id": token, "logprob": float(result.logprobs[row])}
-        if result.top_ids is not None:
-            entry["top"] = [(int(i), float(v)) for i, v in zip(result.top_ids[row, :k], result.top_logprobs[row, :k])]
-        return entry
 
     def _emit(self, req: Request, new: list[int], entries: list[dict] | None, now: float) -> RequestOutput:
         """Record this step's tokens of ``req`` (one, or a speculating request's accepted run) — times, logprobs —

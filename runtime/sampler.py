@@ -53,8 +53,8 @@ class Sampler:
                allowed: tuple[np.ndarray, np.ndarray] | None = None) -> SamplerOutput:
         """One token per row of ``logits [R, V]``. ``generators[r]`` is row r's seeded stream (None: shared).
         ``allowed``: (rows, 0/1 [len(rows), V]) — structured output: every other token of those rows is
-        excluded after the logits processing, for the whole batch at once, by adding -1e30 (a masked write is
-        ~40x slower than the add here); logprobs stay the model's."""
+        excluded after the logits processing, for the whole batch at once, by adding a 0 / -1e30 bias (cheaper than
+        a masked write: benchmarks/RESULTS.md); logprobs stay the model's."""
         R, V = logits.shape
         if not len(params) == len(generators) == len(output_token_ids) == len(prompt_token_ids) == R:
             raise ValueError(f"sample: {R} logit rows but {len(params)} params, {len(generators)} generators, "

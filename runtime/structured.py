@@ -1,13 +1,12 @@
 """Structured output: a grammar per request (JSON schema, any JSON object, regex, a choice of strings, a Lark
 grammar) turned into a token mask per step by llguidance.
 
-Why llguidance (measured on this machine, SmolLM2's 49,152-token vocabulary, a nested JSON schema with $ref,
-enum, pattern and array bounds, 59 tokens; benchmarks/RESULTS.md): xgrammar compiles the schema up front
-(280 ms per new schema, on the request's path) and then masks in ~2 µs; llguidance compiles lazily (1.4 ms) and
-masks in ~13 µs median (1.1 ms worst) — both far below a 20–100 ms CPU step, but llguidance adds no
-first-request latency, needs neither torch nor transformers (xgrammar requires both: the serving path imports
-neither), ships one abi3 wheel, and supports formats, oneOf/anyOf, const, recursive $ref, regex and Lark
-grammars (not ``uniqueItems`` or look-around, which it names in its error). outlines-core builds a full index
+Why llguidance (the comparison, with figures: benchmarks/compare_grammar_engines.py and benchmarks/RESULTS.md):
+xgrammar compiles each new schema up front, on the request's path, then masks faster; llguidance compiles lazily
+and masks fast enough beside a CPU step, so it adds no first-request latency, needs neither torch nor
+transformers (xgrammar requires both: the serving path imports neither), ships one abi3 wheel, and supports
+formats, oneOf/anyOf, const, recursive $ref, regex and Lark grammars (not ``uniqueItems`` or look-around, which
+it names in its error). outlines-core builds a full index
 per regex up front and needs a vocabulary from the hub or hand-built byte tokens; not taken.
 
 Contract: :func:`grammar` turns a :class:`StructuredOutput` into an llguidance grammar string or raises

@@ -4,6 +4,7 @@ logprobs. Pure functions of the engine's :class:`RequestOutput` objects; no I/O.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Callable
@@ -52,7 +53,7 @@ def prompt_completion_logprobs(prompt_ids: list[int], entries: list[dict | None]
     """Echo + logprobs: the prompt's tokens in the legacy form, the first with ``null`` logprob and top (as
     OpenAI returned them), offsets from 0 into the echoed text."""
     tokens = [token_text(t) for t in prompt_ids]
-    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    offsets = [0, *itertools.accumulate(len(t) for t in tokens[:-1])]
     return {"tokens": tokens,
             "token_logprobs": [None if e is None else e["logprob"] for e in entries],
             "top_logprobs": [None if e is None else {token_text(i): lp for i, lp in e.get("top", [])}
