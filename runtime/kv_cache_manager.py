@@ -172,7 +172,7 @@ class KVCacheManager:
         """Release the request's blocks, tail first (hashed ones stay cached until evicted); unknown ids are a no-op."""
         if req_id in self._tables:
             self.pool.decref(b for b in reversed(self._tables.pop(req_id)) if b != NO_BLOCK)
-        self._host_free.extend(self._host_tables.pop(req_id, ()))
+        self._host_free.extend(h for h in self._host_tables.pop(req_id, ()) if h != NO_BLOCK)
         self._hashes.pop(req_id, None)
 
     def swap_out(self, req_id: str) -> list[tuple[int, int]] | None:

@@ -247,6 +247,27 @@ def test_sliding_window_releases_leading_blocks() -> None:
     assert kv.stats().num_used == 0
 
 
+def test_freeing_a_swapped_windowed_request_returns_only_its_host_blocks() -> None:
+    """Issue 24 defect 1: a swapped-out request with blocks out of the window is aborted; its dead entries must not
+    reach the host free list, or a later swap-out pairs a live block with host block -1 (numpy: the last one,
+    another swapped request's)."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, num_host_blocks=6)
+    run_prefill(kv, "windowed", list(range(20)))  # 5 blocks
+    assert kv.release_out_of_window("windowed", next_position=20, window=6) == 3
+    kv.swap_out("windowed")  # 2 host blocks
+    run_prefill(kv, "other", list(range(50, 62)))
+    other = kv.swap_out("other")  # 3 host blocks
+    kv.free("windowed")  # aborted while swapped
+    assert kv.stats().num_host_free == 3
+    kv.check_invariants()
+    run_prefill(kv, "late", list(range(80, 92)))
+    pairs = kv.swap_out("late")
+    assert pairs is not None and len(pairs) == 3
+    hosts = [h for _, h in pairs]
+    assert NO_BLOCK not in hosts and not set(hosts) & {h for _, h in other}
+    kv.check_invariants()
+
+
 def test_num_blocks_needed() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=4)
     assert kv.num_blocks_needed(None, 9) == 3
