@@ -270,7 +270,9 @@ class LLMEngine:
             req.parent.followers.remove(req)
         self.scheduler.remove(req)
         req.status, req.finish_reason = Status.FINISHED, "abort"
-        for follower in req.followers:  # a leader aborted before its prefill completed takes its followers along
+        # a leader aborted before its prefill completed takes its followers along (a copy: each abort removes its
+        # follower from req.followers)
+        for follower in list(req.followers):
             self.abort(follower.request_id)
         return True
 

@@ -230,3 +230,14 @@ def test_n_sequences_share_one_prefill(tiny_bundle: Path) -> None:
         assert outs[req.request_id] == alone(tiny_bundle, prompt, alone_params)
     assert engine.kv.stats().num_used == 0
     engine.kv.check_invariants()
+
+
+def test_abort_of_a_leader_takes_every_follower(tiny_bundle: Path) -> None:
+    """Issue 24 defect 4: aborting an n = 3 leader before its prefill aborts both followers (iterating the list
+    each abort shrinks skipped ``r-2``, left WAITING in no queue and held by the engine forever)."""
+    engine = LLMEngine(tiny_bundle, num_kv_blocks=64)
+    reqs = engine.add_request(prompts(1)[0], SamplingParams(n=3, max_tokens=5, ignore_eos=True), request_id="r")
+    assert engine.abort("r-0")
+    assert [(r.request_id, r.finish_reason) for r in reqs] == [("r-0", "abort"), ("r-1", "abort"), ("r-2", "abort")]
+    assert not engine.requests and not engine.has_unfinished() and not engine.step()
+    engine.kv.check_invariants()
