@@ -490,5 +490,5 @@ class LLMEngine:
         text = req.detokenizer.text if req.detokenizer is not None else ""
         return RequestOutput(req.request_id, req.index, req.prompt_token_ids, text, list(req.output_token_ids),
                              new_text, new_ids, req.finished, req.finish_reason, req.stop_reason,
-                             req.num_cached_tokens, req.logprobs, req.arrival_time, req.first_token_time,
+                             req.num_cached_tokens, list(req.logprobs), req.arrival_time, req.first_token_time,
                              list(req.token_times), req.prompt_logprobs or None)

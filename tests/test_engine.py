@@ -241,3 +241,15 @@ def test_abort_of_a_leader_takes_every_follower(tiny_bundle: Path) -> None:
     assert [(r.request_id, r.finish_reason) for r in reqs] == [("r-0", "abort"), ("r-1", "abort"), ("r-2", "abort")]
     assert not engine.requests and not engine.has_unfinished() and not engine.step()
     engine.kv.check_invariants()
+
+
+def test_each_output_keeps_its_own_logprobs(tiny_bundle: Path) -> None:
+    """Issue 24 defect 2: an output carries the logprob entries of its tokens so far, not the request's live list
+    (a server consumer a step behind sliced another token's entries)."""
+    engine = LLMEngine(tiny_bundle, num_kv_blocks=64)
+    engine.add_request(prompts(1)[0], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=1))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [len(o.logprobs) for o in outs] == [1, 2, 3, 4, 5]
+    assert all([e["token_id"] for e in o.logprobs] == o.token_ids for o in outs)
