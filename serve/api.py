@@ -11,7 +11,6 @@ thread so a long prompt never stalls the event loop.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 import time
@@ -29,6 +28,7 @@ from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
 from omforge.runtime.structured import StructuredOutput
 from omforge.runtime.tokenizer import ChatTemplateError
 from omforge.serve.async_engine import AsyncEngine, EngineUnavailable, Overloaded, RequestGroup
+from omforge.serve.body import param_of, read_json
 from omforge.serve.metrics import ServerMetrics
 from omforge.serve.protocol import (
     APIError,
@@ -85,26 +85,14 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def parse(request: Request, schema: type[BaseModel]) -> Any:
         authorize(request)
-        try:
-            raw = await asyncio.wait_for(request.body(), state.body_timeout)
-        except TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {state.body_timeout:g}s",
-                           code="request_timeout") from None
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"the request body is not valid JSON: {exc}") from None
-        except RecursionError:
-            raise APIError(400, "the request body is not valid JSON: nested too deeply") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "the request body must be a JSON object")
+        data = await read_json(request, state.body_timeout)
         try:
             body = schema.model_validate(data)
         except RecursionError:  # a deep structure inside an accepted field (logit_bias, a message …)
             raise APIError(400, "the request body nests too deeply") from None
         except ValidationError as exc:
             err = exc.errors()[0]
-            param = ".".join(str(p) for p in err["loc"] if not isinstance(p, int) or err["loc"][0] == "messages")
+            param = param_of(err["loc"])
             what = ("unrecognized request argument" if err["type"] == "extra_forbidden" else
                     "missing required argument" if err["type"] == "missing" else err["msg"])
             raise APIError(400, f"{param}: {what}", param=param) from None

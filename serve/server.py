@@ -41,6 +41,16 @@ class ServeOptions:
     body_timeout: float = 30.0  # seconds to receive a request body (a half-sent body then gets a 408)
 
 
+def _log_to_stderr(level: str) -> None:
+    """The server's own log (``omforge.serve``) on stderr at ``--log-level``, as uvicorn's is."""
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("omforge serve: %(levelname)s: %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    log.setLevel(level.upper())
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server that marks the engine draining as soon as the signal arrives (``/health`` → 503) and
     exits 0 after a SIGTERM drain."""
@@ -62,6 +72,7 @@ class _Server(uvicorn.Server):
 
 def serve(bundle: str | Path, options: ServeOptions, **engine_options: Any) -> int:
     t0 = time.perf_counter()
+    _log_to_stderr(options.log_level)
     engine = LLMEngine(bundle, prefault_kv=True, **engine_options)  # the pool's memory is resident from the start
     cfg = engine.engine_config
     name = options.served_model_name or engine.manifest["model"]["name"]

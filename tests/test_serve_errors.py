@@ -20,7 +20,8 @@ KEY = "sk-test-errors"
 
 @pytest.fixture(scope="module")
 def server(smollm2_bundle: Path):  # noqa: ANN201
-    srv = ServerProcess(smollm2_bundle, "--num-kv-blocks", "64", "--max-model-len", "1024", api_key=KEY)
+    srv = ServerProcess(smollm2_bundle, "--num-kv-blocks", "64", "--max-model-len", "1024", "--log-level", "info",
+                        api_key=KEY)
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -278,3 +279,48 @@ def test_a_500_keeps_the_keep_alive_connection() -> None:
 def test_what_the_fuzzer_found_is_a_400(server: ServerProcess, path: str, body: dict, param: str) -> None:
     status, _, data = raw_post(server.url, path, json.dumps(body).encode(), {"Authorization": f"Bearer {KEY}"})
     assert status == 400 and assert_openai_error(data)["param"] == param, data
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", json.dumps({"prompt": "hi \ud800", "max_tokens": 2}).encode(), "prompt"),
+    ("/v1/completions", json.dumps({"prompt": ["ok", "\udc00"], "max_tokens": 2}).encode(), "prompt"),
+    ("/v1/completions", b'{"prompt": "raw bytes \xed\xa0\x80", "max_tokens": 2}', "prompt"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "a\ud800b"}]}).encode(),
+     "messages.0.content"),
+    ("/tokenize", json.dumps({"prompt": "\ud800"}).encode(), "prompt"),
+])
+def test_a_lone_surrogate_is_400_naming_the_field(server: ServerProcess, path: str, body: bytes, param: str) -> None:
+    """Valid JSON, not Unicode text: the tokenizer raised a TypeError (a 500) on it."""
+    status, _, data = raw_post(server.url, path, body, {"Authorization": f"Bearer {KEY}"})
+    assert status == 400 and assert_openai_error(data)["param"] == param, data
+    assert "surrogate" in data["error"]["message"]
+
+
+@pytest.mark.parametrize("field", [b'"seed": ', b'"logit_bias": {"1": 1}, "user": "u", "metadata": '])
+def test_an_integer_literal_beyond_the_digit_limit_is_400(server: ServerProcess, field: bytes) -> None:
+    """json.loads refuses ints of over 4,300 digits with a ValueError, anywhere in the body (a 500 before)."""
+    body = b'{"prompt": "hi", "max_tokens": 2, ' + field + b"9" * 5000 + b"}"
+    status, _, data = raw_post(server.url, "/v1/completions", body, {"Authorization": f"Bearer {KEY}"})
+    assert status == 400 and "4300 digits" in assert_openai_error(data)["message"], data
+
+
+def test_a_client_hanging_up_mid_body_is_logged_as_a_disconnect(server: ServerProcess) -> None:
+    """Half a body, then the client's side of the connection closes: a disconnect in the log (the server's log
+    level here is info), no internal error and no traceback; the server keeps serving."""
+    import socket
+    import time
+
+    u = urlparse(server.url)
+    with socket.create_connection((u.hostname, u.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"prompt\":")
+        s.shutdown(socket.SHUT_WR)
+        s.recv(4096)
+    deadline = time.monotonic() + 20
+    while "client disconnected while sending the body of POST /v1/completions" not in server.log():
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.1)
+    assert "internal error" not in server.log() and "Traceback" not in server.log(), server.log()[-3000:]
+    status, _, _ = raw_post(server.url, "/v1/completions", b'{"prompt": "hi", "max_tokens": 1}',
+                            {"Authorization": f"Bearer {KEY}"})
+    assert status == 200

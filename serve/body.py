@@ -1,0 +1,81 @@
+"""Reading a request body into a JSON object, with every way a client can get it wrong answered as an
+:class:`APIError` (never a 500): a body that does not arrive in time (408), a client that hangs up while
+sending it (logged as a disconnect), malformed or too deeply nested JSON, an integer literal beyond Python's
+digit limit, and a lone UTF-16 surrogate (``"\\ud800"``, valid JSON but no Unicode text: the tokenizer refuses
+it) — each a 400 naming the field where one can be named.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+
+from omforge.serve.protocol import APIError
+
+log = logging.getLogger("omforge.serve")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# how a lone surrogate can enter a UTF-8 body (json.loads decodes with surrogatepass): an escape, or its bytes
+_SURROGATE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def param_of(loc: Sequence[str | int]) -> str:
+    """A field's path as errors name it: ``prompt``, ``messages.0.content`` (list indices kept for messages)."""
+    return ".".join(str(p) for p in loc if not isinstance(p, int) or (loc and loc[0] == "messages"))
+
+
+async def read_json(request: Request, timeout: float) -> dict[str, Any]:
+    """The body as a JSON object; raises :class:`APIError` (408, 400, or 499 for a client gone mid-body)."""
+    try:
+        raw = await asyncio.wait_for(request.body(), timeout)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g}s", code="request_timeout") from None
+    except ClientDisconnect:
+        log.info("client disconnected while sending the body of %s %s", request.method, request.url.path)
+        raise APIError(499, "the client closed the connection") from None
+    return decode(raw)
+
+
+def decode(raw: bytes) -> dict[str, Any]:
+    """``raw`` as a JSON object whose strings are all valid Unicode; raises :class:`APIError` 400."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is not valid JSON: nested too deeply") from None
+    except ValueError:  # int() of a literal over sys.get_int_max_str_digits(), raised from inside the decoder
+        raise APIError(400, f"the request body has an integer literal of more than {sys.get_int_max_str_digits()} "
+                       "digits") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    maybe = json.detect_encoding(raw) != "utf-8" or _SURROGATE_BYTES.search(raw) is not None
+    if maybe and (loc := _lone_surrogate(data)) is not None:
+        param = param_of(loc) or "body"
+        raise APIError(400, f"{param}: the text holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                       "escape), which is not Unicode text", param=param)
+    return data
+
+
+def _lone_surrogate(data: Any) -> tuple[str | int, ...] | None:
+    """The path of the first string (a value or a key) holding a lone surrogate; None when none does."""
+    stack: list[tuple[tuple[str | int, ...], Any]] = [((), data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if _SURROGATE.search(key):
+                    return path  # not the key itself: the error message must stay encodable
+                stack.append(((*path, key), item))
+        elif isinstance(value, list):
+            stack.extend(((*path, i), item) for i, item in reversed(list(enumerate(value))))
+    return None
