@@ -289,8 +289,10 @@ class Scheduler:
         if decode_step:
             return
 
-        while not out.preempted and self.swapped and self._occupied() < self.max_num_seqs and budget > 0:
+        while not out.preempted and self.swapped and budget > 0:
             req = self.swapped[0]
+            if self._occupied() + self._seats(req) > self.max_num_seqs:
+                break  # a leader swapped out before its prefill completed still brings its followers' seats
             left = req.num_tokens - req.num_computed_tokens
             if left > 1 and prefill <= 0:
                 break

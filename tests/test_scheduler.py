@@ -226,6 +226,32 @@ def test_n_needs_all_its_seats() -> None:
     assert shape(step(s, fake)) == [("x", 1)]  # 1 running + 3 seats > 3: the request waits whole
 
 
+def test_swap_in_counts_the_followers_seats() -> None:
+    """Issue 24 defect 3: an n = 3 leader swapped out before its prefill completed comes back only when its
+    followers' seats are free too (swap-in counted the leader alone: 6 running at max_num_seqs = 4)."""
+    s, fake = make(blocks=9, host=16, max_num_seqs=4, max_num_batched_tokens=16, preemption_mode="swap")
+
+    def sequences(rid: str, n_prompt: int, max_tokens: int) -> Request:
+        leader = request(f"{rid}-0", n_prompt, max_tokens=max_tokens, n=3)
+        leader.followers = [Request(f"{rid}-{i}", leader.prompt_token_ids, leader.params, parent=leader)
+                            for i in (1, 2)]
+        return leader
+
+    s.add(request("a", 20, max_tokens=7))
+    b = sequences("b", 16, max_tokens=4)
+    s.add(b)  # admitted beside "a" (4 seats), then swapped out mid-prefill as "a" grows
+    was_swapped = False
+    for t in range(40):
+        if t == 1:
+            s.add(sequences("c", 2, max_tokens=3))  # runs while "b" is swapped out
+        step(s, fake)
+        was_swapped |= b in s.swapped
+        assert sum(1 + len(r.followers) for r in s.running) <= 4 and len(s.running) <= 4, t
+        if not s.has_unfinished():
+            break
+    assert was_swapped and not s.has_unfinished() and b.finished and len(b.output_token_ids) == 4
+
+
 @pytest.mark.parametrize("case", ["eos", "min_tokens", "stop_token", "max_tokens", "context"])
 def test_token_level_stops(case: str) -> None:
     s, fake = make(max_model_len=12)
@@ -363,7 +389,7 @@ def test_fuzz_lifecycles_keep_the_invariants(case: dict) -> None:
         if mixed and cap and any(x.num_new_tokens - x.num_draft == 1 and x.start >= len(x.request.prompt_token_ids)
                                  for x in plan.scheduled):
             assert sum(x.num_new_tokens for x in plan.scheduled if x.num_new_tokens > 1 and not x.num_draft) <= cap
-        assert len(s.running) <= s.max_num_seqs
+        assert sum(1 + len(r.followers) for r in s.running) <= s.max_num_seqs  # seats: unforked followers too
         assert not {id(r) for r in plan.preempted} & {id(x.request) for x in plan.scheduled}
         queues = [*s.waiting, *s.running, *s.swapped]
         assert len({id(r) for r in queues}) == len(queues) and not any(r.finished for r in queues)
