@@ -178,10 +178,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if not (Path(args.bundle) / "manifest.json").is_file():
         raise OmforgeError(f"{args.bundle}: not a bundle (no manifest.json); build one with omforge compile RECIPE")
+    if args.max_request_body_bytes < 1:
+        raise OmforgeError(f"--max-request-body-bytes must be positive, got {args.max_request_body_bytes}")
     options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key or os.environ.get("OMFORGE_API_KEY"),
                            served_model_name=args.served_model_name, drain_timeout=args.drain_timeout,
                            log_level=args.log_level, tool_call_parser=args.tool_call_parser,
-                           body_timeout=args.body_timeout)
+                           body_timeout=args.body_timeout, max_request_body_bytes=args.max_request_body_bytes)
     engine_options = {k: getattr(args, k) for k in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
                                                      "max_prefill_tokens_with_decodes", "max_waiting_requests",
                                                      "max_queue_delay_us", "max_model_len", "threads",
@@ -251,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a client gets to send a request body before a 408 (default 30)")
+    s.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
+                   help="the largest request body accepted; a larger one gets a 413 (default 8388608, 8 MiB)")
     s.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "mistral"],
                    help="the format the model writes tool calls in (default: detected from its chat template)")
     s.set_defaults(func=cmd_serve)

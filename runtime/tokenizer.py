@@ -71,8 +71,10 @@ class TextTokenizer:
 
         ``add_special_tokens`` lets the tokenizer's post-processor add BOS (Llama 3 does, SmolLM2 does not);
         pass False for a rendered chat prompt, whose template writes BOS itself (as transformers does).
+        Through ``encode_batch``, which releases the GIL (``encode`` holds it: a long prompt stalled every other
+        thread, the server's event loop included).
         """
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -3,20 +3,24 @@ and ``/metrics``. Routing, parsing, auth and streaming only; the model runs on t
 (:mod:`omforge.serve.async_engine`), bodies are built by :mod:`omforge.serve.responses`.
 
 Every error is OpenAI's JSON shape with the matching status: 400 malformed JSON / invalid parameter (``param``
-names it) / context exceeded, 401 missing or wrong key, 404 unknown model or route, 429 queue full (with
-``Retry-After``), 503 shutting down or engine failed. Tokenization and chat-template rendering run in a worker
-thread so a long prompt never stalls the event loop.
+names it) / context exceeded, 401 missing or wrong key, 404 unknown model or route, 408 / 413 a body too slow /
+too large, 429 queue full (with ``Retry-After``), 503 shutting down or engine failed. Tokenization, chat-template
+rendering and the admission check run on a small pool of worker threads (the tokenizer releases the GIL), so a
+long prompt never stalls the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -42,6 +46,8 @@ from omforge.serve.tools import ToolPlan, choice_mode, constraint, functions
 
 log = logging.getLogger("omforge.serve")
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait; the queue moves every engine step
+TOKENIZE_THREADS = 4  # worker threads for tokenization and chat templates (the tokenizer releases the GIL)
+T = TypeVar("T")
 
 
 @dataclass
@@ -54,6 +60,7 @@ class ServerState:
     created: int
     tool_format: str | None = None  # serve/tools.py FORMATS; None: tool_choice auto is refused
     body_timeout: float = 30.0  # seconds a client gets to send its whole request body (then 408)
+    max_body_bytes: int = 8 << 20  # a larger request body is refused with a 413
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -61,6 +68,12 @@ def build_app(state: ServerState) -> FastAPI:
                   version=_version())
     tokenizer = state.engine.engine.tokenizer
     token_text = token_text_fn(tokenizer) if tokenizer is not None else (lambda i: str(i))
+    workers = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="omforge-tokenize")
+
+    async def offload(fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on a tokenizer worker (tokenizing, templates, JSON of token lists): the event loop
+        keeps answering, and at most ``TOKENIZE_THREADS`` such jobs run at once."""
+        return await asyncio.get_running_loop().run_in_executor(workers, functools.partial(fn, *args))
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -85,7 +98,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def parse(request: Request, schema: type[BaseModel]) -> Any:
         authorize(request)
-        data = await read_json(request, state.body_timeout)
+        data = await read_json(request, state.body_timeout, state.max_body_bytes)
         try:
             body = schema.model_validate(data)
         except RecursionError:  # a deep structure inside an accepted field (logit_bias, a message …)
@@ -154,11 +167,11 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, "this model has no tokenizer", param="prompt")
         if body.prompt is not None:
             special = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = await asyncio.to_thread(tokenizer.encode, body.prompt, special)
+            ids = await offload(tokenizer.encode, body.prompt, special)
         else:
-            ids = await asyncio.to_thread(render_chat, body.chat(), bool(body.add_special_tokens))
-        return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
-                             "token_strs": None})
+            ids = await offload(render_chat, body.chat(), bool(body.add_special_tokens))
+        answer = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": None}
+        return Response(await offload(json.dumps, answer), media_type="application/json")
 
     @app.post("/detokenize", openapi_extra=_body("DetokenizeRequest"))
     async def detokenize(request: Request) -> Response:
@@ -168,7 +181,7 @@ def build_app(state: ServerState) -> FastAPI:
         vocab = state.engine.engine.config["vocab_size"]
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"tokens must be token ids in [0, {vocab})", param="tokens")
-        return JSONResponse({"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens, False)})
+        return JSONResponse({"prompt": await offload(tokenizer.decode, body.tokens, False)})
 
     def render_chat(body: ChatCompletionRequest, add_special_tokens: bool = False,
                     tools: list[dict] | None = None) -> list[int]:
@@ -198,13 +211,14 @@ def build_app(state: ServerState) -> FastAPI:
         texts = [p if isinstance(p, str) else None for p in prompts]
         if any(t is not None for t in texts) and tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send prompt token ids", param="prompt")
-        ids = await asyncio.to_thread(
-            lambda: [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts])
+        ids = await offload(lambda: [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts])
         params = body.engine_params()
-        checked = [(i, check(i, params, "max_tokens" if body.max_tokens else "prompt")) for i in ids]
+        checked = await offload(lambda: [(i, check(i, params, "max_tokens" if body.max_tokens else "prompt"))
+                                         for i in ids])
         echo = []
         if body.echo:
-            echo = [t if t is not None else (tokenizer.decode(i) if tokenizer else "") for t, i in zip(texts, ids)]
+            echo = await offload(lambda: [t if t is not None else (tokenizer.decode(i) if tokenizer else "")
+                                          for t, i in zip(texts, ids)])
         return await respond(request, body, "completion", checked, echo, body.logprobs is not None, arrival,
                              scoring_only=body.scoring_only)
 
@@ -222,14 +236,14 @@ def build_app(state: ServerState) -> FastAPI:
                            "tool_choice required or a named function", param="tools")
         if mode != "none":
             plan = ToolPlan(mode, name, state.tool_format)
-        ids = await asyncio.to_thread(render_chat, body, False, body.tools if mode != "none" else None)
+        ids = await offload(render_chat, body, False, body.tools if mode != "none" else None)
         params = body.sampling_params(body.max_new_tokens(), body.num_logprobs())
         if (schema := constraint(mode, name, fns)) is not None:
             if params.structured is not None:
                 raise APIError(400, f"tool_choice {mode} constrains the output; it cannot be combined with "
                                f"{params.structured.param}", param="tool_choice")
             params.structured = StructuredOutput("json", schema, "tool_choice")
-        checked = check(ids, params, "max_completion_tokens" if body.max_new_tokens() else "messages")
+        checked = await offload(check, ids, params, "max_completion_tokens" if body.max_new_tokens() else "messages")
         return await respond(request, body, "chat", [(ids, checked)], [], bool(body.logprobs), arrival,
                              tools=plan)
 

@@ -1,8 +1,8 @@
 """Reading a request body into a JSON object, with every way a client can get it wrong answered as an
-:class:`APIError` (never a 500): a body that does not arrive in time (408), a client that hangs up while
-sending it (logged as a disconnect), malformed or too deeply nested JSON, an integer literal beyond Python's
-digit limit, and a lone UTF-16 surrogate (``"\\ud800"``, valid JSON but no Unicode text: the tokenizer refuses
-it) — each a 400 naming the field where one can be named.
+:class:`APIError` (never a 500): a body over the size limit (413), one that does not arrive in time (408), a
+client that hangs up while sending it (logged as a disconnect), malformed or too deeply nested JSON, an integer
+literal beyond Python's digit limit, and a lone UTF-16 surrogate (``"\\ud800"``, valid JSON but no Unicode text:
+the tokenizer refuses it) — each a 400 naming the field where one can be named.
 """
 
 from __future__ import annotations
@@ -30,16 +30,37 @@ def param_of(loc: Sequence[str | int]) -> str:
     return ".".join(str(p) for p in loc if not isinstance(p, int) or (loc and loc[0] == "messages"))
 
 
-async def read_json(request: Request, timeout: float) -> dict[str, Any]:
-    """The body as a JSON object; raises :class:`APIError` (408, 400, or 499 for a client gone mid-body)."""
+async def read_json(request: Request, timeout: float, limit: int) -> dict[str, Any]:
+    """The body (at most ``limit`` bytes, else 413) as a JSON object; raises :class:`APIError` (408, 413, 400, or
+    499 for a client gone mid-body)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
     try:
-        raw = await asyncio.wait_for(request.body(), timeout)
+        raw = await asyncio.wait_for(_read(request, limit), timeout)
     except TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g}s", code="request_timeout") from None
     except ClientDisconnect:
         log.info("client disconnected while sending the body of %s %s", request.method, request.url.path)
         raise APIError(499, "the client closed the connection") from None
     return decode(raw)
+
+
+async def _read(request: Request, limit: int) -> bytes:
+    """The body, counted as it arrives (a chunked body declares no length)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than this server accepts ({limit} bytes; "
+                    "--max-request-body-bytes)", code="request_too_large",
+                    headers={"Connection": "close"})  # the rest of the body is not read: this connection ends
 
 
 def decode(raw: bytes) -> dict[str, Any]:

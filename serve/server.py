@@ -39,6 +39,7 @@ class ServeOptions:
     log_level: str = "warning"
     tool_call_parser: str = "auto"  # auto: from the chat template (serve/tools.py); or hermes, llama3_json, mistral
     body_timeout: float = 30.0  # seconds to receive a request body (a half-sent body then gets a 408)
+    max_request_body_bytes: int = 8 << 20  # a larger request body gets a 413
 
 
 def _log_to_stderr(level: str) -> None:
@@ -83,7 +84,7 @@ def serve(bundle: str | Path, options: ServeOptions, **engine_options: Any) -> i
     template = engine.tokenizer.chat_template if engine.tokenizer is not None else None
     tool_format = detect_format(template) if options.tool_call_parser == "auto" else options.tool_call_parser
     state = ServerState(async_engine, metrics, name, options.api_key, engine.max_model_len, int(time.time()),
-                        tool_format, options.body_timeout)
+                        tool_format, options.body_timeout, options.max_request_body_bytes)
     app = build_app(state)
 
     @contextlib.asynccontextmanager

@@ -324,3 +324,50 @@ def test_a_client_hanging_up_mid_body_is_logged_as_a_disconnect(server: ServerPr
     status, _, _ = raw_post(server.url, "/v1/completions", b'{"prompt": "hi", "max_tokens": 1}',
                             {"Authorization": f"Bearer {KEY}"})
     assert status == 200
+
+
+def test_a_body_over_max_request_body_bytes_is_413(server: ServerProcess, client) -> None:  # noqa: ANN001
+    """Refused on its Content-Length, before the body is read (and through the official client, which sends one)."""
+    import socket
+
+    u = urlparse(server.url)
+    with socket.create_connection((u.hostname, u.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 9000000\r\n\r\n")
+        resp = http.client.HTTPResponse(s)
+        resp.begin()
+        assert resp.status == 413 and resp.headers["Connection"] == "close"
+        assert assert_openai_error(json.loads(resp.read()))["code"] == "request_too_large"
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model="smollm2-135m", prompt="a " * (9 << 19), max_tokens=1)
+    assert e.value.status_code == 413 and "--max-request-body-bytes" in e.value.body["message"]
+
+
+def test_health_answers_while_a_long_prompt_is_tokenized(server: ServerProcess) -> None:
+    """A ~2 MB /tokenize prompt takes seconds to encode; /health, polled meanwhile, keeps answering at once
+    (the tokenizer's encode held the GIL in its worker thread and stalled the event loop for the whole time)."""
+    import random
+    import time
+
+    rng = random.Random(0)
+    words = ["hello", "world", "the", "quick", "brown", "fox", "über", "naïve", "code"]
+    prompt = " ".join(rng.choice(words) + str(rng.randrange(1000)) for _ in range(200_000))
+    result: dict[str, Any] = {}
+
+    def tokenize() -> None:
+        t0 = time.monotonic()
+        status, _, body = raw_post(server.url, "/tokenize", json.dumps({"prompt": prompt}).encode(),
+                                   {"Authorization": f"Bearer {KEY}"})
+        result.update(status=status, count=body.get("count"), seconds=time.monotonic() - t0)
+
+    thread = threading.Thread(target=tokenize)
+    thread.start()
+    latencies = []
+    while thread.is_alive():
+        t0 = time.monotonic()
+        assert server.get("/health")[0] == 200
+        latencies.append(time.monotonic() - t0)
+        time.sleep(0.02)
+    thread.join()
+    assert result["status"] == 200 and result["count"] > 200_000, result
+    assert len(latencies) >= 3 and max(latencies) < result["seconds"] / 3, (latencies, result)
