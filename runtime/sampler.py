@@ -13,7 +13,7 @@ batch; the tests check this across batch compositions.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -54,11 +54,14 @@ class Sampler:
         """One token per row of ``logits [R, V]``. ``generators[r]`` is row r's seeded stream (None: shared).
         ``allowed``: (rows, 0/1 [len(rows), V]) — structured output: every other token of those rows is
         excluded after the logits processing, for the whole batch at once, by adding a 0 / -1e30 bias (cheaper than
-        a masked write: benchmarks/RESULTS.md); logprobs stay the model's."""
+        a masked write: benchmarks/RESULTS.md); logprobs stay the model's. A grammar that allows nothing but the
+        tokens min_tokens masks (it is complete: only EOS) wins over min_tokens."""
         R, V = logits.shape
         if not len(params) == len(generators) == len(output_token_ids) == len(prompt_token_ids) == R:
             raise ValueError(f"sample: {R} logit rows but {len(params)} params, {len(generators)} generators, "
                              f"{len(output_token_ids)} outputs and {len(prompt_token_ids)} prompts")
+        if allowed is not None:
+            params = self._grammar_ends(params, output_token_ids, allowed)
         x = self.process_logits(logits, params, output_token_ids, prompt_token_ids)
         if allowed is not None:
             rows, mask = allowed
@@ -85,6 +88,23 @@ class Sampler:
                                         np.array([p.top_p for p in sub], dtype=np.float64),
                                         np.array([p.min_p for p in sub], dtype=np.float32), uniform)
         return with_logprobs(logits, tokens, params)
+
+    def _grammar_ends(self, params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int]],
+                      allowed: tuple[np.ndarray, np.ndarray]) -> Sequence[SamplingParams]:
+        """``params`` with min_tokens lifted on the rows whose grammar allows only tokens min_tokens would mask:
+        masking them leaves no allowed token, and the row would sample one its grammar forbids."""
+        rows, mask = allowed
+        out = None
+        for i, r in enumerate(np.asarray(rows).tolist()):
+            p = params[r]
+            if len(output_token_ids[r]) >= p.min_tokens:
+                continue
+            stops = {*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)}
+            ok = np.flatnonzero(mask[i])
+            if ok.size and stops.issuperset(ok.tolist()):
+                out = out or list(params)
+                out[r] = replace(p, min_tokens=0)
+        return out or params
 
     def process_logits(self, logits: np.ndarray, params: Sequence[SamplingParams],
                        output_token_ids: Sequence[Sequence[int]],

@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import TINY_RECIPE, compile_bundle
+from helpers import TINY_RECIPE, compile_bundle, make_tiny_hf_dir, write_recipe
 from omforge.runtime.engine import LLMEngine, RequestRejected
 from omforge.runtime.llm import LLM
 from omforge.runtime.sampling_params import SamplingParams
+from omforge.runtime.structured import StructuredOutput
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -23,6 +24,16 @@ def tiny_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("tiny-engine")
     recipe = root / "tiny.yaml"  # small blocks so short prompts cross many block boundaries
     recipe.write_text(TINY_RECIPE.read_text().replace("compile:\n", "compile:\n  kv_block_size: 4\n"))
+    return compile_bundle(recipe, root / "bundle", root / "cache")
+
+
+@pytest.fixture(scope="module")
+def text_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random llama with a real BPE tokenizer: text, stop strings and grammars."""
+    root = tmp_path_factory.mktemp("tiny-text")
+    make_tiny_hf_dir(root / "hf", "llama")
+    recipe = write_recipe(root / "recipe.yaml", {"name": "tiny-text", "source": "hf", "path": "hf"},
+                          compile={"max_seq_len": 256})
     return compile_bundle(recipe, root / "bundle", root / "cache")
 
 
@@ -253,3 +264,15 @@ def test_each_output_keeps_its_own_logprobs(tiny_bundle: Path) -> None:
         outs += engine.step()
     assert [len(o.logprobs) for o in outs] == [1, 2, 3, 4, 5]
     assert all([e["token_id"] for e in o.logprobs] == o.token_ids for o in outs)
+
+
+def test_min_tokens_yields_to_a_complete_grammar(text_bundle: Path) -> None:
+    """Issue 24 defect 5: once its grammar is complete a request ends with EOS even before min_tokens (with EOS
+    masked, greedy took a token the grammar forbids and the request ended in a "grammar error")."""
+    llm = LLM(text_bundle, num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=10,
+                            structured=StructuredOutput("choice", ["yes", "no"]))
+    (out,) = llm.generate(["hello world"], params, use_tqdm=False)
+    assert (out.text, out.finish_reason, out.stop_reason) in (("yes", "stop", None), ("no", "stop", None))
+    assert out.token_ids[-1] in llm.engine.config["eos_token_ids"]
+

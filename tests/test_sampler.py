@@ -247,6 +247,21 @@ def test_min_tokens_masks_eos_and_stop_tokens() -> None:
     assert run(x, [replace(params, ignore_eos=True)], outputs=[[9]]).token_ids[0] == EOS  # EOS is no stop
 
 
+def test_a_complete_grammar_wins_over_min_tokens() -> None:
+    """Issue 24 defect 5: a row whose grammar allows only EOS (it is complete) samples EOS before min_tokens; with
+    EOS masked too it took token 0, which its grammar forbids. A grammar that allows more keeps min_tokens."""
+    x = np.zeros((2, 10), dtype=np.float32)
+    x[:, 1], x[:, 5] = 3.0, 1.0
+    params = [SamplingParams(temperature=0.0, min_tokens=4)] * 2
+    only_eos, more = np.zeros((2, 10), np.uint8), np.zeros((2, 10), np.uint8)
+    only_eos[:, EOS] = 1
+    more[:, [EOS, 5]] = 1
+    sampler = Sampler([EOS], seed=0)
+    args = (x, params, [None, None], [[9], [9]], [[], []])
+    assert sampler.sample(*args, allowed=(np.array([0]), only_eos[:1])).token_ids.tolist() == [EOS, 1]
+    assert sampler.sample(*args, allowed=(np.array([0, 1]), more)).token_ids.tolist() == [5, 5]
+
+
 def test_logprobs_are_raw_and_sorted() -> None:
     rng = np.random.default_rng(6)
     x = peaked_logits(rng, 4)
