@@ -430,9 +430,8 @@ class LLMEngine:
                 last = i == len(new) - 1
                 ends_on_token = last and req.finish_reason == "stop" and not isinstance(req.stop_reason, str)
                 new_text += "" if ends_on_token else req.detokenizer.append(token)
-                if req.detokenizer.stopped and not req.finished:
+                if req.detokenizer.stopped:  # it wins over a length limit or stop token at this or a later token
                     self.scheduler.finish(req, "stop", req.detokenizer.stopped)
-                if req.detokenizer.stopped:
                     del req.output_token_ids[len(req.output_token_ids) - (len(new) - i - 1):]  # nothing after it
                     break
         if req.finished and req.detokenizer is not None:

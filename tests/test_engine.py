@@ -276,3 +276,24 @@ def test_min_tokens_yields_to_a_complete_grammar(text_bundle: Path) -> None:
     assert (out.text, out.finish_reason, out.stop_reason) in (("yes", "stop", None), ("no", "stop", None))
     assert out.token_ids[-1] in llm.engine.config["eos_token_ids"]
 
+
+def test_a_stop_string_on_the_last_allowed_token_is_a_stop(text_bundle: Path) -> None:
+    """Issue 24 defect 6: a stop string completed by the token that reaches max_tokens ends the request with
+    "stop" and the string (OpenAI, vLLM), not "length"."""
+    llm = LLM(text_bundle, num_kv_blocks=64)
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine = llm.engine
+    engine.add_request("hello world", free, request_id="free")
+    texts = []  # the text after each token
+    while engine.has_unfinished():
+        texts += [o.text for o in engine.step()]
+    k = next(k for k in range(len(texts) - 1, 0, -1) if len(texts[k]) > len(texts[k - 1])) + 1  # adds text
+    whole, before = texts[k - 1], texts[k - 2]
+    at = len(before) - 1 if before else 0
+    while whole.find(whole[at:]) != at:  # the stop string first occurs at ``at``: the k-th token completes it
+        at -= 1
+    stop = whole[at:]
+    (out,) = llm.generate(["hello world"], replace(free, max_tokens=k, stop=[stop]), use_tqdm=False)
+    assert (out.finish_reason, out.stop_reason, out.text) == ("stop", stop, whole[:at])
+    assert len(out.token_ids) == k
+
