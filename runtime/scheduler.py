@@ -105,7 +105,8 @@ class SchedulerOutput:
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(1 for s in self.scheduled if s.start >= len(s.request.prompt_token_ids))
+        """Tokens of decoding sequences: one each, plus a speculating one's drafts (decode work, not prefill)."""
+        return sum(1 + s.num_draft for s in self.scheduled if s.start >= len(s.request.prompt_token_ids))
 
 
 class Scheduler:

@@ -297,3 +297,16 @@ def test_a_stop_string_on_the_last_allowed_token_is_a_stop(text_bundle: Path) ->
     assert (out.finish_reason, out.stop_reason, out.text) == ("stop", stop, whole[:at])
     assert len(out.token_ids) == k
 
+
+def test_drafts_are_not_counted_as_prefill(tiny_bundle: Path) -> None:
+    """Issue 24 defect 6: speculative drafts are decode work; the prefill count is the prompt's tokens alone."""
+    prompt = [5, 6, 7, 8, 9] * 6  # repeats: the n-gram drafter finds matches
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "min_acceptance": 0.0}
+    llm = LLM(tiny_bundle, num_kv_blocks=64, speculative_config=spec)
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    st = llm.engine.stats
+    assert st.spec_draft_tokens > 0 and len(out.token_ids) == 30
+    assert st.prefill_tokens == len(prompt)
+    # each decode step computes its last token and its drafts; the accepted drafts needed no step of their own
+    assert st.decode_tokens == 29 - st.spec_accepted_tokens + st.spec_draft_tokens
