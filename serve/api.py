@@ -32,7 +32,7 @@ from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
 from omforge.runtime.structured import StructuredOutput
 from omforge.runtime.tokenizer import ChatTemplateError
 from omforge.serve.async_engine import AsyncEngine, EngineUnavailable, Overloaded, RequestGroup
-from omforge.serve.body import param_of, read_json
+from omforge.serve.body import read_json
 from omforge.serve.metrics import ServerMetrics
 from omforge.serve.protocol import (
     APIError,
@@ -40,6 +40,8 @@ from omforge.serve.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    check_satisfiable,
+    validation_message,
 )
 from omforge.serve.responses import SSE_DONE, ResponseBuilder, sse, token_text_fn, usage
 from omforge.serve.tools import ToolPlan, choice_mode, constraint, functions
@@ -77,6 +79,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        if exc.status == 400:  # every 400 is counted, by what was wrong
+            state.metrics.rejected("too_long" if exc.code == "context_length_exceeded" else "invalid_parameter")
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -104,10 +108,7 @@ def build_app(state: ServerState) -> FastAPI:
         except RecursionError:  # a deep structure inside an accepted field (logit_bias, a message …)
             raise APIError(400, "the request body nests too deeply") from None
         except ValidationError as exc:
-            err = exc.errors()[0]
-            param = param_of(err["loc"])
-            what = ("unrecognized request argument" if err["type"] == "extra_forbidden" else
-                    "missing required argument" if err["type"] == "missing" else err["msg"])
+            param, what = validation_message(exc)
             raise APIError(400, f"{param}: {what}", param=param) from None
         if body.model is not None and body.model != state.model_name:
             raise APIError(404, f"the model '{body.model}' does not exist; this server serves "
@@ -117,16 +118,16 @@ def build_app(state: ServerState) -> FastAPI:
 
     def check(ids: list[int], params: SamplingParams, length_param: str) -> SamplingParams:
         try:
-            return state.engine.check(ids, params)
+            checked = state.engine.check(ids, params)
         except SamplingParamsError as exc:
-            state.metrics.rejected("invalid_parameter")
             raise APIError(400, str(exc), param=exc.param) from None
         except RequestRejected as exc:
             if exc.param is not None:  # not a length: e.g. prompt token ids outside the vocabulary
-                state.metrics.rejected("invalid_parameter")
                 raise APIError(400, str(exc), param=exc.param) from None
-            state.metrics.rejected("too_long")
             raise APIError(400, str(exc), param=length_param, code="context_length_exceeded") from None
+        if checked.structured is not None:
+            check_satisfiable(checked.structured)
+        return checked
 
     def submit(prompts: list[tuple[list[int], SamplingParams]], request_id: str, arrival: float) -> RequestGroup:
         try:

@@ -12,22 +12,16 @@ import json
 import logging
 import re
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
-from omforge.serve.protocol import APIError
+from omforge.serve.protocol import APIError, param_of
 
 log = logging.getLogger("omforge.serve")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 # how a lone surrogate can enter a UTF-8 body (json.loads decodes with surrogatepass): an escape, or its bytes
 _SURROGATE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
-
-
-def param_of(loc: Sequence[str | int]) -> str:
-    """A field's path as errors name it: ``prompt``, ``messages.0.content`` (list indices kept for messages)."""
-    return ".".join(str(p) for p in loc if not isinstance(p, int) or (loc and loc[0] == "messages"))
 
 
 async def read_json(request: Request, timeout: float, limit: int) -> dict[str, Any]:

@@ -9,13 +9,15 @@ fields OpenAI has and we do not implement (``suffix``, ``best_of`` > n) are a
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from omforge.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
-from omforge.runtime.structured import StructuredOutput
+from omforge.runtime.structured import StructuredOutput, compiled_grammar
 from omforge.serve.tools import ToolError, choice_mode, functions
 
 
@@ -32,16 +34,77 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def validation_message(exc: ValidationError) -> tuple[str, str]:
+    """(param, what was wrong) of a request that failed validation. A value that matches no member of a union
+    (``prompt: [true]``) names the types the field takes, not the first member's complaint."""
+    errors = exc.errors()
+    err = errors[0]
+    param = param_of([p for p in err["loc"] if not _union_tag(p)])
+    if err["type"] == "extra_forbidden":
+        return param, "unrecognized request argument"
+    if err["type"] == "missing":
+        return param, "missing required argument"
+    tags = [next(p for p in e["loc"] if _union_tag(p)) for e in errors
+            if any(_union_tag(p) for p in e["loc"]) and param_of([p for p in e["loc"] if not _union_tag(p)]) == param]
+    if tags:
+        return param, f"must be {' or '.join(dict.fromkeys(str(t) for t in tags))}"
+    return param, err["msg"]
+
+
+def _union_tag(segment: str | int) -> bool:
+    """A location segment pydantic adds for a union member (``str``, ``list[int]``), not a field name."""
+    return isinstance(segment, str) and (segment in ("str", "int", "float", "bool") or "[" in segment)
+
+
+def param_of(loc: Sequence[str | int]) -> str:
+    """A field's path as errors name it: ``prompt``, ``messages.0.content`` (list indices kept for messages)."""
+    return ".".join(str(p) for p in loc if not isinstance(p, int) or (loc and loc[0] == "messages"))
+
+
+def check_satisfiable(spec: StructuredOutput) -> None:
+    """A JSON constraint must admit some output. A schema that is only a ``$ref`` loop compiles, and then allows no
+    token but EOS: the request ended at once, an empty 200. Asked of llguidance over a byte vocabulary (the model's
+    tokenizer is the engine thread's); raises :class:`APIError` 400 naming the field."""
+    if spec.kind not in ("json", "json_object"):
+        return
+    import llguidance
+    import llguidance.numpy
+    import numpy as np
+
+    tokenizer = _byte_tokenizer()
+    matcher = llguidance.LLMatcher(tokenizer, compiled_grammar(spec))
+    llguidance.numpy.fill_next_token_bitmask(matcher, np.zeros((1, -(-tokenizer.vocab_size // 32)), np.int32), 0)
+    if matcher.is_error():
+        raise APIError(400, f"{spec.param}: no JSON value matches this schema (e.g. a $ref that only refers to "
+                       "itself)", param=spec.param)
+
+
+@functools.cache
+def _byte_tokenizer() -> Any:
+    """An llguidance tokenizer of the 256 bytes and an EOS: enough to ask whether a grammar admits any text."""
+    import llguidance
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab={**vocab, "<eos>": len(vocab)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<eos>"])
+    return llguidance.LLTokenizer(tok.to_str(), eos_token=len(vocab))
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
 class _Common(BaseModel):
-    """Fields both endpoints share. ``None`` means "the default" everywhere, as OpenAI clients send null."""
+    """Fields both endpoints share. ``None`` means "the default" everywhere, as OpenAI clients send null. Types are
+    strict, as OpenAI's are: ``"10"`` is not an integer, ``"yes"`` not a boolean, ``true`` not a token id (an
+    integer still passes for a float)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     n: int | None = 1
@@ -190,10 +253,28 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 """``chat_template_kwargs`` keys the server renders itself; any other key is a template variable."""
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI's JSON text; a mapping is what templates read (conversation())
+
+
+class ToolCallParam(BaseModel):
+    """An assistant message's earlier tool call, as the client sends it back."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, … pass through to the template
-    role: str
+    model_config = ConfigDict(extra="allow", strict=True)  # other keys pass through to the template
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's roles
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -272,7 +353,7 @@ class TokenizeRequest(BaseModel):
     """``POST /tokenize`` (vLLM's): ``prompt`` as the completions endpoint encodes it, or ``messages`` through the
     chat template as the chat endpoint renders them."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
@@ -294,7 +375,7 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     """``POST /detokenize`` (vLLM's): token ids back to text."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     tokens: list[int]
 

@@ -371,3 +371,56 @@ def test_health_answers_while_a_long_prompt_is_tokenized(server: ServerProcess) 
     thread.join()
     assert result["status"] == 200 and result["count"] > 200_000, result
     assert len(latencies) >= 3 and max(latencies) < result["seconds"] / 3, (latencies, result)
+
+
+HI = [{"role": "user", "content": "hi"}]
+LOOP = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "", "content": "hi"}]}, "messages.0.role"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "10"}, "max_tokens"),
+    ("/v1/completions", {"prompt": [True, False]}, "prompt"),
+    ("/v1/completions", {"prompt": [[1, True]]}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{**CALL, "tool_calls": [{**CALL["tool_calls"][0], "id": 5}]}, *HI]},
+     "messages.0.tool_calls.0.id"),
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_schema",
+                                                                  "json_schema": {"name": "x", "schema": LOOP}}},
+     "response_format"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"json": {"$ref": "#"}}}, "structured_outputs.json"),
+])
+def test_loose_types_and_unsatisfiable_schemas_are_400(server: ServerProcess, path: str, body: dict,
+                                                       param: str) -> None:
+    """Strict types (pydantic coerced these into a request), roles outside OpenAI's, and a schema no JSON value
+    matches (it ended at once: an empty 200); each 400 is counted as invalid_parameter."""
+    name = "omforge:request_rejected_total{reason=invalid_parameter}"
+    before = server.metrics().get(name, 0.0)
+    status, _, data = raw_post(server.url, path, json.dumps({"max_tokens": 4, **body}).encode(),
+                               {"Authorization": f"Bearer {KEY}"})
+    assert status == 400 and assert_openai_error(data)["param"] == param, data
+    assert server.metrics()[name] == before + 1
+
+
+def test_what_strict_types_still_accept(client) -> None:  # noqa: ANN001
+    """An integer where a float is due, nulls, a tool call sent back, token-id prompts: as before."""
+    r = client.chat.completions.create(model="smollm2-135m", messages=[CALL, {"role": "tool", "tool_call_id": "call_1",
+                                       "content": "7 degrees"}, *HI], max_tokens=2, temperature=0, top_p=1,
+                                       extra_body={"seed": None, "logit_bias": {"1": 5}})
+    assert r.usage.completion_tokens >= 1
+    r = client.completions.create(model="smollm2-135m", prompt=[[1, 2, 3], [4, 5]], max_tokens=1, temperature=0)
+    assert len(r.choices) == 2
+
+
+def test_every_400_is_counted(server: ServerProcess) -> None:
+    """Malformed JSON, a surrogate, an unknown field, an out-of-range value: request_rejected_total counts each."""
+    name = "omforge:request_rejected_total{reason=invalid_parameter}"
+    before = server.metrics().get(name, 0.0)
+    bodies = [b"{not json", b'{"prompt": "\\ud800"}', b'{"prompt": "hi", "frobnicate": 1}',
+              b'{"prompt": "hi", "temperature": 9}']
+    for body in bodies:
+        assert raw_post(server.url, "/v1/completions", body, {"Authorization": f"Bearer {KEY}"})[0] == 400
+    assert server.metrics()[name] == before + len(bodies)
