@@ -130,6 +130,11 @@ def build_app(state: ServerState) -> FastAPI:
         return checked
 
     def submit(prompts: list[tuple[list[int], SamplingParams]], request_id: str, arrival: float) -> RequestGroup:
+        num_seqs = sum(p.n for _, p in prompts)
+        if num_seqs > state.engine.capacity:  # never admissible: a 429 would have the client retry forever
+            raise APIError(400, f"prompt: {len(prompts)} prompt(s) × n make {num_seqs} sequences, more than this "
+                           f"server ever holds ({state.engine.capacity}: max_num_seqs + max_waiting_requests); "
+                           "send fewer per request", param="prompt")
         try:
             return state.engine.submit(prompts, request_id, arrival)
         except Overloaded as exc:

@@ -424,3 +424,10 @@ def test_every_400_is_counted(server: ServerProcess) -> None:
     for body in bodies:
         assert raw_post(server.url, "/v1/completions", body, {"Authorization": f"Bearer {KEY}"})[0] == 400
     assert server.metrics()[name] == before + len(bodies)
+
+
+def test_a_batch_that_can_never_fit_is_400_naming_prompt(client) -> None:  # noqa: ANN001
+    """More prompts than max_num_seqs + max_waiting_requests: no retry could ever succeed (it was a 429)."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smollm2-135m", prompt=[[1, 2]] * 2000, max_tokens=1)
+    assert e.value.body["param"] == "prompt" and "2000" in e.value.body["message"]
