@@ -1,9 +1,10 @@
 """The ascend target's compile stages: the lowered, simplified step graph, then everything the ATC step needs.
 
 ``lower_step_graph`` (cached with the passes): fusions → paged KV → Ascend lowering → onnxsim → ``step.onnx``.
-``prepare_and_run`` (in the bundle): one ATC model per bucket profile (prefill, decode) with its exact
-command line, the fusion switch file, plugin sources for our own op types, ``build.sh``; then ``atc`` is run
-when it is on PATH. Without it, :class:`AtcMissing` names the step left and the command: never a fake .om.
+``prepare_and_run`` (in the bundle): ONE ATC model whose gears cover both bucket profiles (prefill, decode), with
+its exact command line, plugin sources for our own op types, ``build.sh``; then ``atc`` is run when it is on PATH.
+Without it, :class:`AtcMissing` names the step left and the command: never a fake .om. ``memory_plan``: what the
+bundle needs of the device (weights once, the KV pool, step buffers, a workspace estimate).
 """
 
 from __future__ import annotations
@@ -19,19 +20,19 @@ import onnx
 import onnx_ir as ir
 
 from omforge.compile.atc import (
-    FUSION_SWITCH_FILE,
     AtcError,
     AtcModelSpec,
     atc_command,
+    find_om,
     input_shapes_from_onnx,
-    om_path,
+    output_prefix,
     render_build_script,
     render_command,
     run_atc,
-    write_fusion_switch,
 )
 from omforge.compile.atc_plugins import render_plugins
-from omforge.contract.buckets import BucketPlan
+from omforge.contract.ascend import OM_MODEL
+from omforge.contract.buckets import STEP_DIMS, BucketPlan, om_gears
 from omforge.passes.pipeline import Pipeline, histogram, interface
 from omforge.recipe import Recipe
 
@@ -44,7 +45,8 @@ def lower_step_graph(export_dir: Path, out: Path, recipe: Recipe, block_size: in
     c = recipe.compile
     quantize = {"group_size": c.quantization.group_size, "matrices": c.quantization.matrices} \
         if c.weights == "int8" else None
-    run = Pipeline("ascend", c.fusions, block_size, {"plain": plain}, quantize=quantize,
+    run = Pipeline("ascend", c.fusions, block_size, {"plain": plain, "num_slots": num_slots(recipe, block_size)},
+                   quantize=quantize,
                    float16=c.weights != "float32").run(model)
     counts, layout, lowering = run.fusion_counts, run.layout, run.lowering.result
     ir.save(model, out / "step.onnx", external_data="step.onnx.data")
@@ -90,13 +92,7 @@ def prepare_and_run(bundle: Path, recipe: Recipe, plan: BucketPlan, report: dict
     Raises :class:`AtcMissing` (after writing everything) when ``atc`` is not on PATH, naming ``build.sh`` and
     the commands; :class:`AtcError` when a run fails (its log is kept under ``ascend/logs``)."""
     asc = bundle / "ascend"
-    slots = num_slots(recipe, plan.block_size)
-    switches = write_fusion_switch(recipe.compile.fusions, asc / FUSION_SWITCH_FILE)
-    commands = []
-    for profile in plan.profiles:
-        shapes = input_shapes_from_onnx(asc / "step.onnx", {**profile.shape, "num_slots": slots})
-        spec = AtcModelSpec(profile.name, Path("step.onnx"), shapes, list(profile.gears or ()), list(profile.dims))
-        commands.append(atc_command(spec, recipe.compile, Path("om"), Path(switches.name)))
+    commands = [atc_command(step_spec(asc / "step.onnx", plan), recipe.compile, Path("om"))]
     plugins = render_plugins(report["lowering"], asc / "plugins")
     script = render_build_script(commands, asc / "build.sh", plugins)
     (asc / "atc_commands.txt").write_text("".join(render_command(c) + "\n" for c in commands))
@@ -108,10 +104,42 @@ def prepare_and_run(bundle: Path, recipe: Recipe, plan: BucketPlan, report: dict
             rc = subprocess.run(["bash", str(script)], cwd=asc, stdout=f, stderr=subprocess.STDOUT).returncode
         if rc != 0:
             raise AtcError(f"{script} failed (exit {rc}); see {log}")
-        oms = [asc / om_path(c) for c in commands]
-        missing = [str(o) for o in oms if not o.is_file()]
-        if missing:
-            raise AtcError(f"{script} finished but wrote no {', '.join(missing)}; see {log}")
+        oms = [find_om(asc / output_prefix(c)) for c in commands]
+        if None in oms:
+            raise AtcError(f"{script} finished but wrote no {OM_MODEL}*.om; see {log}")
     else:
         oms = run_atc(commands, asc / "logs", cwd=asc, script=script)
-    return sorted(set(written + oms + [p for p in (asc / "logs").rglob("*") if p.is_file()]))
+    return sorted(set(written + [o for o in oms if o is not None]
+                      + [p for p in (asc / "logs").rglob("*") if p.is_file()]))
+
+
+def step_spec(step_onnx: Path, plan: BucketPlan) -> AtcModelSpec:
+    """The one OM of the bundle: the graph inputs with a dynamic dim (every step dim is a gear dim; the KV pool is
+    static and not listed, reference/ascend.md §3.4), the gears of every profile over the common step dims."""
+    shapes = input_shapes_from_onnx(step_onnx, {d: d for d in STEP_DIMS})
+    listed = {name: dims for name, dims in shapes.items() if any(isinstance(d, str) for d in dims)}
+    return AtcModelSpec(OM_MODEL, Path(step_onnx.name), listed, list(om_gears(plan)), list(STEP_DIMS))
+
+
+def memory_plan(recipe: Recipe, plan: BucketPlan, step_dir: Path, layout: dict[str, Any],
+                config: dict[str, Any]) -> dict[str, Any]:
+    """What the bundle needs of the device, in bytes: the weights (once: one OM), the KV pool, the step's input
+    and output buffers at the largest gear, and an estimate of the OM's workspace (the largest gear's
+    activations of one layer, twice; ATC's real figure is ``aclmdlQuerySize``'s, which ``omforge serve`` reads
+    when it can). ``omforge serve`` refuses a plan above the device's free memory (``acl.rt.get_mem_info``)."""
+    itemsize = 2 if recipe.compile.weights != "float32" else 4
+    slot = layout["num_layers"] * 2 * layout["kv_heads"] * layout["head_dim"] * itemsize
+    weights = sum(f.stat().st_size for f in step_dir.iterdir() if f.name.startswith("step.onnx"))
+    gears = om_gears(plan)
+    vocab_size, hidden = config["vocab_size"], config["hidden_size"]
+    io = max(8 * (3 * t + b * m + b * q + n) + 4 * n * vocab_size + t * slot for t, b, q, n, m in gears)
+    inter, heads = config["intermediate_size"], config["num_attention_heads"]
+    bs = plan.block_size
+    work = max(t * (4 * hidden + 2 * inter) * itemsize + 4 * b * heads * q * m * bs + 2 * b * m * bs * slot
+               // layout["num_layers"] for t, b, q, n, m in gears) * 2
+    pool = num_slots(recipe, bs) * slot
+    return {"soc_version": recipe.compile.soc_version, "om_models": 1, "gears": len(gears), "weights_bytes": weights,
+            "kv_pool_bytes": pool, "io_bytes": io, "workspace_bytes_estimate": work,
+            "total_bytes": weights + pool + io + work,
+            "note": "weights once (one OM for prefill and decode); the workspace is an estimate until the OM is "
+                    "built (aclmdlQuerySize gives ATC's figure); not measured on hardware"}

@@ -1,39 +1,42 @@
-"""The Ascend toolchain step: exact ``atc`` command lines, the fusion switch file and the bundle's ``build.sh``;
-``atc`` itself runs only where it is on PATH (reference/ascend.md §1). Our ONNX parser plugins are rendered by
-:mod:`omforge.compile.atc_plugins`.
+"""The Ascend toolchain step: exact ``atc`` command lines and the bundle's ``build.sh``; ``atc`` itself runs only
+where it is on PATH (reference/ascend.md §1). Our ONNX parser plugins are rendered by
+:mod:`omforge.compile.atc_plugins`; the rules CANN applies to what we write are checked by
+:mod:`omforge.compile.atc_conformance`.
 
-One ATC model per profile (``AtcModelSpec``: "prefill", "decode", …), its command line (§1.1–1.5)::
+One ATC model per bundle, ``step`` (``AtcModelSpec``), whose gears cover every bucket profile (prefill chunks
+and decode batches) over the common step dims, so the weights are loaded on the device once (each loaded OM
+allocates its own weight memory, §5.1). Its command line (§1.1–1.5)::
 
-  atc --model=<onnx> --framework=5 --output=<dir>/<name> --soc_version=<compile.soc_version> --input_format=ND
-      --input_shape="input_ids:1,-1;…;key_cache.0:65536,3,64;…" --dynamic_dims="128,128,16,128,128;512,…"
-      --precision_mode=<compile.precision_mode> --fusion_switch_file=<dir>/fusion_switch.cfg --log=error
+  atc --model=step.onnx --framework=5 --output=om/step --soc_version=<compile.soc_version> --input_format=ND
+      --input_shape="input_ids:1,-1;position_ids:1,-1;block_tables:-1,-1;query_index:-1,-1;token_index:-1;
+      logits_indices:-1" --dynamic_dims="128,128,1,4,1,128,128,1;…" --precision_mode=<…> --log=error
 
-``--input_shape`` lists every graph input in graph order, ``-1`` for a dim that a gear sets. A gear gives one
-value per *dynamic dim* (``dim_order``, e.g. ``(chunk_len, max_blocks)``); ``--dynamic_dims`` repeats that value
-at each ``-1`` the dim occupies, in input order then dim order (§1.3; ATC's own example ``data:1,1,40,-1;
-label:1,-1;mask:-1,-1`` with one T takes four values per gear). ATC writes ``<dir>/<name>.om``.
+``--input_shape`` lists only the graph inputs with a dim a gear sets (``-1``): "all dynamic nodes must be set"
+(hicann/ge ``CheckAndParseDynamicData``), and the dims list a gear model carries at run time is built from the
+listed inputs, static dims included, capped at 128 (``ACL_MAX_DIM_CNT``, hicann/ge ``model_om2.cpp``; §3.4) —
+so the KV pool, static in the graph, is left out. A gear gives one value per *dynamic dim* (``dim_order``);
+``--dynamic_dims`` repeats that value at each ``-1`` the dim occupies, in input order then dim order (§1.3).
+ATC writes ``<output>.om``, or ``<output>_<os>_<cpu>.om`` for a model with dynamic-shape parts (hicann/ge
+``model_helper.cc``; §5.1): :func:`find_om` looks for ``<output>*.om``.
 
 Decisions and known limits:
 
-* ``--out_nodes`` is not emitted: it only sets or limits the model outputs and their order (§1.5), and the step
-  graph's outputs are already exactly what the runtime reads (``logits``, ``key_new.N``, ``value_new.N``).
-  [inference] ATC keeps the ONNX graph outputs in order by default.
-* Fusion switch file (§1.5, JSON form): our recipe switches (``compile.fusions``) drive OUR passes, whose
-  result is already in the ONNX graph; what ATC must not do is re-fuse or split what we chose. The reference
-  names no CANN fusion pass that does either, so no pass is switched off: the file has the documented
-  structure with ``"ALL": "on"`` for GraphFusion and UBFusion, and our switches under a top-level ``"omforge"``
-  key (JSON has no comments). [unverified] that ATC ignores that extra key. To switch a CANN pass off, add
-  ``"<PassName>": "off"`` beside ``ALL``; ATC lists the passes it applied in ``fusion_result.json`` (kept per
-  model in the log folder).
+* ``--out_nodes`` is not emitted: it only sets or limits the model outputs and their order (§1.5); the ONNX
+  parser keeps the graph's output order (Ascend/parser ``onnx_parser.cc`` GetGraphOutputs), which is what the
+  runtime matches by index (``logits``, ``kv_new``).
+* No ``--fusion_switch_file``: our recipe switches (``compile.fusions``) drive OUR passes, whose result is already
+  in the ONNX graph (the manifest records them); no CANN pass is known to re-fuse or split what we chose, and a
+  switch file is not neutral — its entries take precedence over CANN's defaults, and its JSON form admits only
+  the first-level keys ``Switch`` and ``Priority`` (hicann/ge ``fusion_config_parser.cc``; §1.5).
 * Older ATC docs allow at most 4 dynamic dims per gear; current docs (8.0+) state no such limit. The step
-  graph has 5 (prefill) to 7 (decode) ``-1`` per gear. [unverified] on CANN releases before 8.0.
+  graph has 8 ``-1`` per gear. [unverified] on CANN releases before 8.0.
 * Plugins (§1.7, §2.2): one C++ ONNX parser plugin per op type the lowering marks ``own_plugin``, each mapping
   ``ai.onnx::<opset>::<op>`` to a GE op and copying the node's attributes (ATC hands a
   ``ParseParamsByOperatorFn`` plugin the ONNX attributes as one JSON string attribute named ``attribute``:
   Ascend/parser ``Message2Operator`` + ``Pb2Json``, and CANN's plugin development guide). They build into
   ``libcust_onnx_parsers.so``, installed as the OPP vendor ``omforge``. None was compiled against a real CANN
-  toolkit here (no CANN, no hardware): the tests compile them against stub headers (tests/stubs/).
-  ``PagedAttention`` also needs a GE op prototype and a kernel of our own, which are not provided.
+  toolkit here (no CANN, no hardware): the tests compile them against stub headers (tests/stubs/) and a real
+  nlohmann/json. ``PagedAttention`` also needs a GE op prototype and a kernel of our own, which are not provided.
 """
 
 from __future__ import annotations
@@ -47,12 +50,13 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jinja2
 
+from omforge.contract import ascend as ascend_contract
 from omforge.errors import OmforgeError
-from omforge.recipe import FUSIONS, CompileSection
+from omforge.recipe import CompileSection
 
 if TYPE_CHECKING:
     from omforge.compile.atc_plugins import PluginProject
@@ -60,7 +64,6 @@ if TYPE_CHECKING:
 ATC = "atc"
 FRAMEWORK_ONNX = 5
 MIN_GEARS, MAX_GEARS = 2, 100  # --dynamic_dims takes (1, 100] gears (reference/ascend.md §1.3)
-FUSION_SWITCH_FILE = "fusion_switch.cfg"  # the name ATC's docs give their (JSON) example
 PLUGIN_LIBRARY = "libcust_onnx_parsers.so"
 PLUGIN_VENDOR = "omforge"
 
@@ -183,15 +186,12 @@ def input_shapes_from_onnx(onnx_path: Path, dims: Mapping[str, int | str]) -> di
     return shapes
 
 
-def atc_command(spec: AtcModelSpec, compile: CompileSection, out_dir: Path,
-                fusion_switch_file: Path | None = None) -> list[str]:
-    """The exact argv that builds ``<out_dir>/<spec.name>.om``. Paths are written as given (build.sh runs from
-    its own folder, so give them relative to it there). ``fusion_switch_file`` defaults to
-    ``<out_dir>/fusion_switch.cfg`` (see :func:`write_fusion_switch`)."""
+def atc_command(spec: AtcModelSpec, compile: CompileSection, out_dir: Path) -> list[str]:
+    """The exact argv that builds ``<out_dir>/<spec.name>*.om``. Paths are written as given (build.sh runs from
+    its own folder, so give them relative to it there)."""
     if not _SOC.fullmatch(compile.soc_version):
         raise AtcError(f"compile.soc_version: {compile.soc_version!r} is not an ATC SoC name ('Ascend' + the chip "
                        "name npu-smi reports, e.g. Ascend910B3, Ascend310P3, Ascend910_9392)")
-    switches = fusion_switch_file if fusion_switch_file is not None else out_dir / FUSION_SWITCH_FILE
     return [
         ATC,
         f"--model={spec.onnx_path}",
@@ -202,17 +202,24 @@ def atc_command(spec: AtcModelSpec, compile: CompileSection, out_dir: Path,
         f"--input_shape={spec.input_shape_arg()}",
         f"--dynamic_dims={spec.dynamic_dims_arg()}",
         f"--precision_mode={compile.precision_mode}",
-        f"--fusion_switch_file={switches}",
         "--log=error",
     ]
 
 
-def om_path(argv: Sequence[str]) -> Path:
-    """The .om an atc command writes: its ``--output`` prefix + ``.om`` (§1.1)."""
+def output_prefix(argv: Sequence[str]) -> Path:
+    """The ``--output`` prefix of an atc command: it writes ``<prefix>.om`` or ``<prefix>_<os>_<cpu>.om``."""
     for arg in argv:
         if arg.startswith("--output="):
-            return Path(arg.removeprefix("--output=") + ".om")
+            return Path(arg.removeprefix("--output="))
     raise AtcError(f"not an atc command with --output: {render_command(argv)}")
+
+
+def find_om(prefix: Path) -> Path | None:
+    """:func:`omforge.contract.ascend.find_om`, a name clash as :class:`AtcError`."""
+    try:
+        return ascend_contract.find_om(prefix)
+    except ascend_contract.OmNameClash as e:
+        raise AtcError(str(e)) from None
 
 
 def _quote(arg: str) -> str:
@@ -233,31 +240,6 @@ def _quote(arg: str) -> str:
 def render_command(argv: Sequence[str]) -> str:
     """One shell line that runs ``argv`` (``shlex.split`` gives ``argv`` back)."""
     return " ".join(_quote(a) for a in argv)
-
-
-def fusion_switch_config(fusions: Mapping[str, bool]) -> dict[str, Any]:
-    """The fusion switch file's content (module docstring): documented structure, every CANN pass left on, our
-    own switches recorded under ``"omforge"``."""
-    unknown = sorted(set(fusions) - set(FUSIONS))
-    if unknown:
-        raise AtcError(f"compile.fusions: unknown fusion(s) {unknown}; allowed: {', '.join(FUSIONS)}")
-    return {
-        "Switch": {"GraphFusion": {"ALL": "on"}, "UBFusion": {"ALL": "on"}},
-        "omforge": {
-            "note": "omforge's own fusion passes (recipe compile.fusions), already applied to the ONNX graph. "
-                    "No CANN pass is switched off: none is known to re-fuse or split these ops. Add "
-                    "\"<PassName>\": \"off\" under Switch.GraphFusion / Switch.UBFusion to disable one; "
-                    "fusion_result.json lists the passes ATC applied.",
-            "fusions": {name: "on" if fusions.get(name, True) else "off" for name in FUSIONS},
-        },
-    }
-
-
-def write_fusion_switch(fusions: Mapping[str, bool], path: Path) -> Path:
-    """Write the fusion switch file (JSON form of §1.5) for ``--fusion_switch_file``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(fusion_switch_config(fusions), indent=2) + "\n")
-    return path
 
 
 def templates() -> jinja2.Environment:
@@ -282,8 +264,8 @@ def render_build_script(commands: Sequence[Sequence[str]], path: Path, plugins: 
     folder: give the commands' paths relative to ``path.parent``."""
     if not commands:
         raise AtcError("build.sh: no atc commands to write")
-    models = [{"name": om_path(c).name.removesuffix(".om"), "om": str(om_path(c)),
-               "args": [_quote(a) for a in c]} for c in commands]
+    models = [{"name": output_prefix(c).name, "prefix": str(output_prefix(c)), "args": [_quote(a) for a in c]}
+              for c in commands]
     plugins_dir = os.path.relpath(plugins.dir, path.parent) if plugins is not None else None
     if plugins_dir is not None and not _SAFE_IN_DOUBLE_QUOTES.fullmatch(plugins_dir):
         raise AtcError(f"build.sh: the plugin folder {plugins_dir!r} contains a character a shell string cannot hold")
@@ -301,20 +283,21 @@ def run_atc(commands: Sequence[Sequence[str]], log_dir: Path, cwd: Path | None =
             script: Path | None = None) -> list[Path]:
     """Run each atc command (relative paths in them are relative to ``cwd``, default the current directory),
     output in ``<log_dir>/atc-<name>.log`` and ATC's ``fusion_result.json`` kept as
-    ``<log_dir>/<name>.fusion_result.json``; returns the .om paths. Raises :class:`AtcMissing` (naming
-    ``script`` and the commands) when ``atc`` is not on PATH, :class:`AtcError` naming the log when a run fails
-    or leaves no .om. Never writes an .om itself."""
+    ``<log_dir>/<name>.fusion_result.json``; returns the .om paths (:func:`find_om`). Raises :class:`AtcMissing`
+    (naming ``script`` and the commands) when ``atc`` is not on PATH, :class:`AtcError` naming the log when a run
+    fails or leaves no .om. Never writes an .om itself."""
     if shutil.which(ATC) is None:
         raise AtcMissing(commands, script)
     base = (cwd or Path.cwd()).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
     built = []
     for argv in commands:
-        om = base / om_path(argv)  # an absolute --output stays as it is
-        name = om.name.removesuffix(".om")
+        prefix = base / output_prefix(argv)  # an absolute --output stays as it is
+        name = prefix.name
         log = log_dir / f"atc-{name}.log"
-        om.parent.mkdir(parents=True, exist_ok=True)
-        om.unlink(missing_ok=True)  # a stale .om must not pass for this run's
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        while (stale := find_om(prefix)) is not None:  # a stale .om must not pass for this run's
+            stale.unlink()
         with log.open("wb") as f:
             f.write(f"$ {render_command(argv)}\n".encode())
             f.flush()
@@ -324,8 +307,9 @@ def run_atc(commands: Sequence[Sequence[str]], log_dir: Path, cwd: Path | None =
             result.replace(log_dir / f"{name}.fusion_result.json")
         if rc != 0:
             raise AtcError(f"atc failed for model '{name}' (exit {rc}); see {log}{_last_line(log)}")
-        if not om.is_file():
-            raise AtcError(f"atc exited 0 for model '{name}' but wrote no {om}; see {log}")
+        om = find_om(prefix)
+        if om is None:
+            raise AtcError(f"atc exited 0 for model '{name}' but wrote no {prefix}*.om; see {log}")
         built.append(om)
     return built
 

@@ -67,6 +67,7 @@ PLUGINS: dict[str, PluginSpec] = {
     )),
     "PagedAttention": PluginSpec(_attrs(
         ("scale_value", "float"), ("num_heads", "int"), ("num_key_value_heads", "int"), ("block_size", "int"),
+        ("layer", "int"), ("num_layers", "int"),
     ), (
         "No GE op PagedAttention exists in CANN (ATB's PagedAttention is a library operator, not a GE op).",
         "This plugin needs an op prototype (REG_OP) and a kernel of our own; NEITHER IS PROVIDED (see README.md).",

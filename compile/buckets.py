@@ -3,9 +3,9 @@
 A step (the ABI of :mod:`omforge.passes.paged_kv`) has five symbolic dims, :data:`STEP_DIMS`: ``num_tokens`` (T),
 ``num_seqs`` (B), ``max_query_len`` (Q), ``num_logits`` (L) and ``max_blocks`` (M, block-table width).
 
-**ascend** compiles two models per bundle, each with two dynamic dims so that gears stay few (ATC takes one value
-per ``-1`` dim per gear, 2..100 gears per model and advises few; older CANN allows ≤ 4 dynamic dims per gear;
-reference/ascend.md §1.3):
+**ascend** plans two gear profiles, each with two dynamic dims so that gears stay few (2..100 gears per model,
+ATC advises few; reference/ascend.md §1.3), and compiles them into ONE OM whose gears are both profiles' gears over
+the five step dims (:func:`~omforge.contract.buckets.om_gears`; the weights are then on the device once, §5.1):
 
   ``prefill``  one sequence's chunk: B = L = 1, T = Q = the chunk length.  Gear ``(num_tokens, max_blocks)``.
   ``decode``   one new token per sequence: Q = 1, T = L = B.              Gear ``(num_seqs, max_blocks)``.
@@ -48,7 +48,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 # the plan's types live in the contract (the runtime's side); the planner builds them
-from omforge.contract.buckets import MAX_GEARS, MIN_GEARS, STEP_DIMS, TARGETS, BucketError, BucketPlan, Profile
+from omforge.contract.buckets import (
+    MAX_GEARS,
+    MIN_GEARS,
+    STEP_DIMS,
+    TARGETS,
+    BucketError,
+    BucketPlan,
+    Profile,
+    om_gears,
+)
 from omforge.recipe import CompileSection
 
 WARN_GEARS = 8
@@ -122,7 +131,12 @@ def plan(compile_section: CompileSection, *, target: str, block_size: int) -> Bu
                           f"compiled subgraph, so ATC's compile time and the OM's size grow with the count (its "
                           f"docs advise few); {WARN_GEARS} or fewer keep it quick", BucketWarning, stacklevel=2)
         profiles.append(Profile(name, dims, shape, tuple(sorted(gears))))
-    return BucketPlan(**base, profiles=tuple(profiles))
+    result = BucketPlan(**base, profiles=tuple(profiles))
+    total = len(om_gears(result))  # one OM serves both profiles (weights once on the device)
+    if total > MAX_GEARS:
+        raise BucketError(f"compile.buckets: the OM's gears (prefill and decode together) number {total}; ATC allows "
+                          f"at most {MAX_GEARS} per model; give fewer values in compile.buckets")
+    return result
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from omforge.compile.bundle import file_entries, write_manifest
 from omforge.compile.cache import Stage, cache_root, copy_into, stage_key
 from omforge.contract import DEFAULT_BLOCK_SIZE, PagedLayout
 from omforge.errors import OmforgeError
-from omforge.recipe import Recipe
+from omforge.recipe import FUSIONS, Recipe
 from omforge.runtime import kernels
 
 TOOLS = ("onnx", "onnxruntime", "onnxscript", "onnx-ir", "onnxsim", "torch")
@@ -137,6 +137,7 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
         "weights": weights, "quantization": recipe.compile.quantization.model_dump() if weights != "float32" else None,
         "passes_source": _source_digest(stage_sources(target)),
         "tools": tool_versions(),
+        "num_slots": _static_slots(recipe, target, block_size),
     })
     passes = Stage(f"passes-{target}", passes_key, root)
     cached["passes"] = passes.done
@@ -182,7 +183,9 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
         "kernels": kernels.status().manifest_entry() if report.get("paged_attention") == "kernel" else None,
         "kv": {**PagedLayout(**layout).manifest_entry(),
                "write": "in place: bind key_cache_out.N to key_cache.N's buffer" if target == "ort"
-               else "out of place: the graph returns key_new.N; the runtime copies rows to slot_mapping"},
+               else "out of place: one pool kv_cache [num_slots, num_layers, 2, kv_heads, head_dim]; the graph returns "
+                    "kv_new [num_tokens, num_layers, 2, kv_heads, head_dim]; the runtime copies each run of "
+                    "consecutive slots with one device copy"},
         "limits": {"max_seq_len": recipe.compile.max_seq_len, "max_batch_size": recipe.compile.max_batch_size,
                    "max_num_tokens": recipe.compile.max_num_tokens},
         "serve": recipe.serve.model_dump(),
@@ -193,7 +196,8 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
         "export": {"recipe_digest": digest, "dir": str(export_dir),
                    "note": "the unfused export is not copied into the bundle (no second copy of the weights); it "
                            "lives in the stage cache, and `omforge export RECIPE -o DIR` rebuilds it"},
-        **({"ascend": ascend_section(recipe, plan, built=atc_missing is None)} if target == "ascend" else {}),
+        **({"ascend": ascend_section(recipe, plan, atc_missing is None, out, layout, cfg)}
+           if target == "ascend" else {}),
         "toolchain": tool_versions(),
         "timings": progress.timings,
         "files": file_entries(out, files),
@@ -205,14 +209,30 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
     return result
 
 
-def ascend_section(recipe: Recipe, plan: bucket_planner.BucketPlan, built: bool) -> dict[str, Any]:
-    """What the ACL executor needs beyond the ABI: the OM file of each profile, the pool size compiled into them
-    (``num_slots``, a static dim of every cache input) and whether ATC ran."""
+def ascend_section(recipe: Recipe, plan: bucket_planner.BucketPlan, built: bool, bundle: Path,
+                   layout: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """What the ACL executor needs beyond the ABI: the one OM (its ``--output`` prefix: ATC may add
+    ``_<os>_<cpu>``), the inputs ATC's ``--input_shape`` lists in order (they make the gears' dims lists), the OM's
+    gears over the step dims, the pool's slot count (static in the graph), the device memory plan, whether ATC
+    ran, and omforge's own fusion switches (applied to the ONNX graph; nothing of ours goes to ATC)."""
     from omforge.compile import ascend
 
-    return {"models": {p.name: f"ascend/om/{p.name}.om" for p in plan.profiles},
+    spec = ascend.step_spec(bundle / "ascend" / "step.onnx", plan)
+    return {"model": f"ascend/om/{spec.name}", "input_shape": [[n, d] for n, d in spec.input_shapes.items()],
+            "gears": [list(g) for g in spec.gears], "gear_dims": list(spec.dim_order),
             "num_slots": ascend.num_slots(recipe, plan.block_size), "soc_version": recipe.compile.soc_version,
-            "precision_mode": recipe.compile.precision_mode, "atc": "done" if built else "left"}
+            "precision_mode": recipe.compile.precision_mode, "atc": "done" if built else "left",
+            "fusions": {name: recipe.compile.fusions.get(name, True) for name in FUSIONS},
+            "memory": ascend.memory_plan(recipe, plan, bundle / "ascend", layout, config)}
+
+
+def _static_slots(recipe: Recipe, target: str, block_size: int) -> int | None:
+    """The pool's slot count where the step graph holds it statically (ascend), else None."""
+    if target != "ascend":
+        return None
+    from omforge.compile import ascend
+
+    return ascend.num_slots(recipe, block_size)
 
 
 def kernel_lowering(target: str, quiet: bool = False) -> bool:

@@ -198,6 +198,19 @@ class BucketPlan:
         return cls(target=data["target"], profiles=tuple(profiles), **maxima)
 
 
+def om_gears(plan: BucketPlan) -> tuple[tuple[int, ...], ...]:
+    """The gears of the ONE OM that serves every gear profile of ``plan`` (ascend): each profile gear's padded
+    step dims in :data:`STEP_DIMS` order, distinct and sorted. One model holds the weights once on the device
+    (each loaded OM allocates its own weight memory, reference/ascend.md §5.1); :func:`pick` still chooses by
+    profile, and a choice's OM gear is ``(num_tokens, num_seqs, max_query_len, num_logits, max_blocks)``."""
+    return tuple(sorted({p.padded(g) for p in plan.profiles for g in p.gears or ()}))
+
+
+def om_gear(choice: Choice) -> tuple[int, ...]:
+    """The OM gear (see :func:`om_gears`) a choice runs on."""
+    return (choice.num_tokens, choice.num_seqs, choice.max_query_len, choice.num_logits, choice.max_blocks)
+
+
 def pick(plan: BucketPlan, *, num_tokens: int, num_seqs: int, max_query_len: int, num_logits: int,
          max_blocks: int) -> Choice:
     """The profile and padded dims a step runs with. Pure: same plan and step, same choice.

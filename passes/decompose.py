@@ -146,11 +146,12 @@ def paged_attention(op, q, k, v, key_cache, value_cache, slot_mapping, block_tab
 
 def paged_attention_new_rows(op, q, k, v, key_cache, value_cache, block_tables, query_index, token_index,  # noqa: ANN001, ANN201
                              position_ids: ir.Value, *, scale: float, q_heads: int, kv_heads: int, block_size: int,
-                             attend: Callable | None = None, window: int = 0):
+                             attend: Callable | None = None, window: int = 0, gather: Callable | None = None):
     """The step ABI's paged attention without writing the pools: returns ``(o, key_new, value_new)``.
 
     Each sequence's blocks are gathered from the pool as it was before this step into ``[B, M * bs, kv * D]``
-    (:func:`paged_attention`'s layout); the step's own K/V rows are scattered into that gathered
+    (:func:`paged_attention`'s layout; ``gather(op, pool, block_tables)`` replaces the gather for another pool
+    layout); the step's own K/V rows are scattered into that gathered
     context at (sequence, position) — token t belongs to sequence ``token_index[t] // Q`` — so attention sees
     them although the pool does not hold them yet. Queries, the mask by position and the attention are
     :func:`paged_attention`'s (``attend`` as there).
@@ -163,7 +164,8 @@ def paged_attention_new_rows(op, q, k, v, key_cache, value_cache, block_tables, 
     at = op.Concat(op.Unsqueeze(seq, one), op.Unsqueeze(pos, one), axis=1)  # [T, 2]: (sequence, position)
 
     def context(pool, new):  # noqa: ANN001, ANN202 - [S, kv, D] pool + [T, kv, D] rows -> [B, M*bs, kv*D]
-        gathered = _gather_blocks(op, pool, block_tables, block_size=block_size, kv_heads=kv_heads, head_dim=head_dim)
+        gathered = gather(op, pool, block_tables) if gather is not None else _gather_blocks(
+            op, pool, block_tables, block_size=block_size, kv_heads=kv_heads, head_dim=head_dim)
         return op.ScatterND(gathered, at, op.Reshape(new, op.Constant(value_ints=[0, -1])))
 
     out = _attend_over_context(op, q, context(key_cache, k_new), context(value_cache, v_new), query_index,

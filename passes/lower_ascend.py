@@ -31,18 +31,23 @@ GE op, so most need no kernel of ours, §1.7):
                 registering ``ai.onnx::18::NPUPromptFlashAttention`` → GE PromptFlashAttention (no kernel).
                 [unverified: that such a registration coexists with CANN's; that the parser passes the empty
                 pse_shift input through; PFA under fp32 graphs and ATC's precision modes]
-  PagedAttention → the step graph, out of place (an OM cannot update an input, §0.2 / §2.4): instead of
-                ``key_cache_out.N``/``value_cache_out.N`` the graph outputs the new rows ``key_new.N`` /
-                ``value_new.N`` ``[num_tokens, kv_heads, head_dim]``, and the runtime copies them into the resident
-                pools at ``slot_mapping`` (one D2D copy per row); ``slot_mapping`` is then unused and leaves the
-                graph's inputs. Within the step, attention still sees the new tokens:
+  PagedAttention → the step graph, out of place (an OM cannot update an input, §0.2 / §2.4), over ONE pool
+                ``kv_cache [num_slots, num_layers, 2, kv_heads, head_dim]`` (slot-major: every layer's K and V
+                row of a slot side by side, §2.4 / §5.1) with a static slot count (``num_slots``), so the pool
+                stays out of ATC's ``--input_shape`` and the dims list of the gears (≤ 128, §3.4). Instead of
+                ``key_cache_out.N``/``value_cache_out.N`` the graph outputs the step's new rows of every layer as
+                ``kv_new [num_tokens, num_layers, 2, kv_heads, head_dim]``: the new rows of consecutive slots are
+                one contiguous range in both, so the runtime stores a run of slots with ONE device copy.
+                ``slot_mapping`` is then unused and leaves the graph's inputs. Within the step, attention still
+                sees the new tokens:
                   ``paged_attention="plain"`` (default: our plugin needs a CANN build to exist): gather each
-                  sequence's blocks from the not-yet-updated pool into a small context ``[B, M·bs, kv·D]``, ScatterND
-                  the new rows into it at (sequence, position), then plain-op attention; cost follows the context,
-                  never the pool;
-                  ``paged_attention="plugin"``: our op ``PagedAttention(query, key, value, key_cache, value_cache,
-                  block_tables, query_index, token_index, position_ids; scale_value, num_heads, num_key_value_heads,
-                  block_size) -> attention_out`` with the same semantics (own plugin AND own kernel).
+                  sequence's slots of layer N's K (and V) rows from the not-yet-updated pool, viewed as rows
+                  ``[num_slots · 2L, kv·D]`` (row ``slot·2L + 2N + kind``: only that layer's rows are read), into a
+                  small context ``[B, M·bs, kv·D]``, ScatterND the new rows into it at (sequence, position), then
+                  plain-op attention; cost follows the context, never the pool;
+                  ``paged_attention="plugin"``: our op ``PagedAttention(query, key, value, kv_cache, block_tables,
+                  query_index, token_index, position_ids; scale_value, num_heads, num_key_value_heads, block_size,
+                  layer, num_layers) -> attention_out`` with the same semantics (own plugin AND own kernel).
   anything else neutral → its plain decomposition (:mod:`omforge.passes.decompose`).
 
 ``plain=True`` lowers every op to standard ONNX ops *with the numerics of the chosen lowering*: with
@@ -62,6 +67,7 @@ exact numerics); ``"cann"`` needs no plugin build and records the mismatch in
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -69,8 +75,8 @@ from typing import Any, Literal
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from omforge.contract.ascend import KV_NEW, KV_POOL
 from omforge.passes import decompose, ops
-from omforge.passes.paged_kv import new_rows_as_outputs
 
 CANN_RMSNORM_EPS = 1e-6
 """The epsilon CANN's NPURmsNorm/NPUAddRmsNorm plugins hard-code (reference/ascend.md §2.2)."""
@@ -108,8 +114,8 @@ SPECS: dict[str, OpSpec] = {
     "NPUPromptFlashAttention": OpSpec("PromptFlashAttention", (*range(11, 17), 19), False,
                                       ("query", "key", "value", "pse_shift", "atten_mask"), ("attention_out",)),
     "PagedAttention": OpSpec("PagedAttention", (), True,
-                             ("query", "key", "value", "key_cache", "value_cache", "block_tables", "query_index",
-                              "token_index", "position_ids"), ("attention_out",)),
+                             ("query", "key", "value", "kv_cache", "block_tables", "query_index", "token_index",
+                              "position_ids"), ("attention_out",)),
 }
 """Every non-standard op type this lowering can emit."""
 
@@ -138,8 +144,8 @@ class AscendLowering:
     lowered: dict[str, int]  # neutral op type → nodes lowered
     custom_ops: dict[str, CustomOp] = field(default_factory=dict)
     epsilon_note: str | None = None
-    new_kv_outputs: list[str] = field(default_factory=list)  # key_new.N / value_new.N: the host copies at slot_mapping
-    removed_inputs: list[str] = field(default_factory=list)
+    new_kv_outputs: list[str] = field(default_factory=list)  # kv_new: the rows the host copies to slot_mapping
+    removed_inputs: list[str] = field(default_factory=list)  # the per-layer pools and slot_mapping
 
     @property
     def own_plugins(self) -> list[str]:
@@ -209,19 +215,89 @@ class NPUPromptFlashAttention(decompose.DecomposeAttention):
 
 
 class PagedAttentionNewRows(decompose.DecomposePagedAttention):
-    """PagedAttention → (o, new K rows, new V rows): plain ops, or our ``PagedAttention`` op when ``plugin``."""
+    """PagedAttention → (o, new K rows, new V rows) over the interleaved pool ``pool``: plain ops, or our
+    ``PagedAttention`` op when ``plugin``. The layer is the one of the node's ``key_cache.N`` input."""
 
-    def __init__(self, plugin: bool):
+    def __init__(self, plugin: bool, pool: ir.Value, num_layers: int):
         super().__init__(f"ascend_paged_attention_{'plugin' if plugin else 'plain'}")
-        self.plugin = plugin
+        self.plugin, self.pool, self.num_layers = plugin, pool, num_layers
 
     def rewrite(self, op, q, k, v, kc, vc, slots, tables, qidx, tidx, pos, o, **_):  # noqa: ANN001, ANN201
         a = {name: o.producer().attributes[name].value for name in ("scale", "q_heads", "kv_heads", "block_size")}
+        layer = int(kc.name.rsplit(".", 1)[1])
         if not self.plugin:
-            return decompose.paged_attention_new_rows(op, q, k, v, kc, vc, tables, qidx, tidx, pos, **a)
-        out = op.PagedAttention(q, k, v, kc, vc, tables, qidx, tidx, pos, scale_value=a["scale"],
-                                num_heads=a["q_heads"], num_key_value_heads=a["kv_heads"], block_size=a["block_size"])
+            head_dim = q.shape[-1]
+            rows = op.Reshape(self.pool, op.Constant(value_ints=[-1, a["kv_heads"] * head_dim]))
+
+            def gather(op, pool, block_tables):  # noqa: ANN001, ANN202 - layer `layer`'s K (or V) rows of each slot
+                kind = 0 if pool is kc else 1
+                bs, two_l = a["block_size"], 2 * self.num_layers
+                slot = op.Add(op.Mul(op.Unsqueeze(block_tables, op.Constant(value_ints=[2])),
+                                     op.Constant(value_int=bs)), op.Constant(value_ints=list(range(bs))))
+                row = op.Add(op.Mul(slot, op.Constant(value_int=two_l)), op.Constant(value_int=2 * layer + kind))
+                return op.Gather(rows, op.Reshape(row, op.Constant(value_ints=[0, -1])), axis=0)
+
+            return decompose.paged_attention_new_rows(op, q, k, v, kc, vc, tables, qidx, tidx, pos, **a,
+                                                      gather=gather)
+        out = op.PagedAttention(q, k, v, self.pool, tables, qidx, tidx, pos, scale_value=a["scale"],
+                                num_heads=a["q_heads"], num_key_value_heads=a["kv_heads"], block_size=a["block_size"],
+                                layer=layer, num_layers=self.num_layers)
         return out, decompose.token_major(op, k), decompose.token_major(op, v)
+
+
+def _pool_input(graph: ir.Graph, num_slots: int | None) -> tuple[ir.Value, int] | None:
+    """The interleaved pool input (not yet in the graph) shaped after the per-layer ``key_cache.N`` pools, and
+    the layer count; None without pools."""
+    pools = [v for v in graph.inputs if re.fullmatch(r"key_cache\.\d+", v.name or "")]
+    if not pools:
+        return None
+    _, kv_heads, head_dim = pools[0].shape
+    shape = ir.Shape([num_slots if num_slots is not None else "num_slots", len(pools), 2, kv_heads, head_dim])
+    return ir.Value(name=KV_POOL, shape=shape, type=pools[0].type), len(pools)
+
+
+def _stack_new_rows(graph: ir.Graph, pool: ir.Value, num_layers: int) -> list[str]:
+    """Replace the per-layer pool inputs by ``pool`` and the per-layer new-row outputs (left under the names
+    ``key_cache_out.N`` / ``value_cache_out.N``) by one ``kv_new [num_tokens, L, 2, kv, D]``; drop the then
+    unused ``slot_mapping``. Returns the inputs removed."""
+    rows: dict[tuple[int, int], ir.Value] = {}
+    for value in graph.outputs:
+        m = re.fullmatch(r"(key|value)_cache_out\.(\d+)", value.name or "")
+        if m is not None:
+            rows[int(m[2]), 0 if m[1] == "key" else 1] = value
+    if sorted(rows) != [(n, k) for n in range(num_layers) for k in (0, 1)]:
+        raise RuntimeError(f"ascend lowering: new K/V rows of {num_layers} layers expected, found {sorted(rows)}")
+    nodes: list[ir.Node] = []
+    axis1 = ir.node("Constant", [], attributes={"value_ints": [1]}, name="kv_new_axis")
+    nodes.append(axis1)
+    parts = []
+    for n in range(num_layers):
+        for k in (0, 1):
+            nodes.append(ir.node("Unsqueeze", [rows[n, k], axis1.outputs[0]], name=f"kv_new_unsqueeze_{n}_{k}"))
+            parts.append(nodes[-1].outputs[0])
+    nodes.append(ir.node("Concat", parts, attributes={"axis": 1}, name="kv_new_concat"))
+    *_, kv_heads, head_dim = pool.shape
+    nodes.append(ir.node("Constant", [], attributes={"value_ints": [0, num_layers, 2, kv_heads, head_dim]},
+                         name="kv_new_shape"))
+    nodes.append(ir.node("Reshape", [nodes[-2].outputs[0], nodes[-1].outputs[0]], name="kv_new_reshape"))
+    out = nodes[-1].outputs[0]
+    out.name, out.type = KV_NEW, rows[0, 0].type
+    out.shape = ir.Shape(["num_tokens", num_layers, 2, kv_heads, head_dim])
+    graph.extend(nodes)
+    kept = [v for v in graph.outputs if v not in rows.values()]
+    graph.outputs.clear()
+    graph.outputs.extend([*kept, out])
+    for (n, k), value in rows.items():  # the per-layer rows stay, as the Unsqueezes' inputs, no longer outputs
+        value.name = f"{('key', 'value')[k]}_new.{n}"
+        value.shape = ir.Shape(["num_tokens", kv_heads, head_dim])
+    removed = []
+    for value in list(graph.inputs):
+        if (re.fullmatch(r"(key|value)_cache\.\d+", value.name or "") or value.name == "slot_mapping") \
+                and not value.uses():
+            graph.inputs.remove(value)
+            removed.append(value.name)
+    graph.inputs.append(pool)
+    return removed
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -231,8 +307,9 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
 
 def lower(model: ir.Model, *, rmsnorm_plugin: Literal["cann", "omforge"] = DEFAULT_RMSNORM_PLUGIN,
           attention: Literal["plain", "pfa"] = "plain", paged_attention: Literal["plain", "plugin"] = "plain",
-          plain: bool = False) -> AscendLowering:
-    """Lower every neutral op in ``model`` in place for ATC (see the module docstring for each choice)."""
+          plain: bool = False, num_slots: int | None = None) -> AscendLowering:
+    """Lower every neutral op in ``model`` in place for ATC (see the module docstring for each choice).
+    ``num_slots``: the pool's slot count, static in the graph (ATC needs it so: §3.4); None keeps it symbolic."""
     _choice("rmsnorm_plugin", rmsnorm_plugin, RMSNORM_PLUGINS)
     _choice("attention", attention, ATTENTION_MODES)
     _choice("paged_attention", paged_attention, PAGED_ATTENTION_MODES)
@@ -253,8 +330,10 @@ def lower(model: ir.Model, *, rmsnorm_plugin: Literal["cann", "omforge"] = DEFAU
     norm, add_norm = (None, None) if plain else _NORM_OPS[rmsnorm_plugin]
     plain_eps = CANN_RMSNORM_EPS if plain and rmsnorm_plugin == "cann" else None  # emulate CANN's numerics
     pfa = attention == "pfa" and not plain
+    pool = _pool_input(model.graph, num_slots) if neutral.get("PagedAttention") else None
     rules = pattern.RewriteRuleSet([
-        PagedAttentionNewRows.rule(plugin=paged_attention == "plugin" and not plain),
+        *([PagedAttentionNewRows.rule(plugin=paged_attention == "plugin" and not plain, pool=pool[0],
+                                      num_layers=pool[1])] if pool is not None else []),
         AddRMSNormRule.rule(add_norm, plain_eps),
         RMSNormRule.rule(norm, plain_eps),
         decompose.RULES["Rotary"] if plain else NPURotary.rule("ascend_rotary"),
@@ -270,10 +349,9 @@ def lower(model: ir.Model, *, rmsnorm_plugin: Literal["cann", "omforge"] = DEFAU
 
     result = AscendLowering(opset=opset, lowered=dict(neutral), options=dict(
         rmsnorm_plugin=rmsnorm_plugin, attention=attention, paged_attention=paged_attention, plain=plain))
-    if neutral.get("PagedAttention"):
-        renamed, removed = new_rows_as_outputs(model.graph)
-        result.new_kv_outputs += renamed
-        result.removed_inputs += removed
+    if pool is not None:
+        result.removed_inputs += _stack_new_rows(model.graph, *pool)
+        result.new_kv_outputs.append(KV_NEW)
     result.custom_ops = _custom_ops(model.graph, opset)
     if rmsnorm_plugin == "cann" and any(abs(e - CANN_RMSNORM_EPS) > 1e-12 for e in epsilons):
         result.epsilon_note = (

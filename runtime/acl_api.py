@@ -12,12 +12,14 @@ import importlib
 from collections.abc import Sequence
 from typing import Any
 
+from omforge.contract.ascend import DYNAMIC_INPUT
 from omforge.errors import OmforgeError
-from omforge.runtime.acl_plan import DYNAMIC_INPUT, ModelDesc, TensorDesc
+from omforge.runtime.acl_plan import ModelDesc, TensorDesc
 
 ACL_SUCCESS = 0
 MEMCPY_HOST_TO_DEVICE, MEMCPY_DEVICE_TO_HOST, MEMCPY_DEVICE_TO_DEVICE = 1, 2, 3
 MALLOC_HUGE_FIRST = 0
+HBM_MEM = 1  # aclrtMemAttr ACL_HBM_MEM: the device's high-bandwidth memory (acl.rt.get_mem_info)
 
 
 class AclUnavailable(OmforgeError):
@@ -147,6 +149,26 @@ class AclRuntime:
 
     def device_to_device(self, dst: int, dst_max: int, src: int, count: int) -> None:
         self.memcpy(dst, dst_max, src, count, MEMCPY_DEVICE_TO_DEVICE)
+
+    def device_to_device_async(self, dst: int, dst_max: int, src: int, count: int, stream: Any) -> None:
+        """Queue a D2D copy on ``stream``; it is done after :meth:`synchronize` (§3.2)."""
+        self._ok(self.acl.rt.memcpy_async(dst, dst_max, src, count, MEMCPY_DEVICE_TO_DEVICE, stream),
+                 f"acl.rt.memcpy_async(D2D, {count} bytes)")
+
+    def synchronize(self, stream: Any) -> None:
+        self._ok(self.acl.rt.synchronize_stream(stream), "acl.rt.synchronize_stream")
+
+    def free_device_memory(self) -> tuple[int, int]:
+        """``(free, total)`` bytes of the current device's HBM (``acl.rt.get_mem_info(ACL_HBM_MEM)``)."""
+        free, total, ret = self.acl.rt.get_mem_info(HBM_MEM)
+        self._ok(ret, "acl.rt.get_mem_info(ACL_HBM_MEM)")
+        return int(free), int(total)
+
+    def query_size(self, path: str) -> tuple[int, int] | None:
+        """``(work, weight)`` bytes an OM needs (``acl.mdl.query_size``, aclmdlQuerySize), or None when ACL cannot
+        tell (its docs: not for models whose input shapes are unknown)."""
+        work, weight, ret = self.acl.mdl.query_size(path)
+        return (int(work), int(weight)) if ret == ACL_SUCCESS else None
 
     # --- models (§3.3, §3.4) ---
     def load_model(self, path: str) -> int:

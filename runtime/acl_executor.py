@@ -1,18 +1,23 @@
-"""The AscendCL executor: runs an ascend bundle's OM models as an :class:`~omforge.runtime.executor.Executor`
+"""The AscendCL executor: runs an ascend bundle's OM as an :class:`~omforge.runtime.executor.Executor`
 (``execute(work) -> logits``, ``copy_blocks``, ``swap_out``, ``swap_in``, ``close``, ``capabilities``).
 
-Set-up (reference/ascend.md §3.2–3.4): ``acl.init``, device, context, stream; every OM of the bundle loaded, its
-description read and checked against the manifest (:func:`acl_plan.check_desc`); the per-layer K and V pools
-allocated once in device memory (zeroed) and put, as the same buffers, into both models' input datasets — they
-stay resident and are never copied whole; one device buffer per step input and output, sized for the largest gear;
-one pinned host buffer for logits. Each run of a step (:func:`acl_plan.plan_runs`): the padded step inputs go
-host → device, the gear is selected through the dynamic-dims input, the model executes, the logits rows that are
-needed come device → host, and the new K/V rows are copied device → device into the pools at their slots, one
-copy per run of consecutive slots (§3.6). Teardown runs in reverse order of set-up, also when set-up fails half
-way, and goes on past a failing release (the first error is raised at the end).
+Set-up (reference/ascend.md §3.2–3.4): ``acl.init``, device, context, stream; the device memory plan checked
+against the device's free HBM (``acl.rt.get_mem_info``; a plan that does not fit is refused in one line); the
+bundle's ONE OM loaded (its gears cover prefill and decode, so the weights are on the device once), its
+description read and checked against the manifest (:func:`acl_plan.check_desc`: outputs by index, ACL's
+``op:edge:name`` form); the KV pool ``[num_slots, num_layers, 2, kv_heads, head_dim]`` allocated once in device
+memory (zeroed) and put, as the same buffer, into the input dataset — it stays resident and is never copied whole;
+one device buffer per step input and output, sized for the largest gear; one pinned host buffer for logits. Each
+run of a step (:func:`acl_plan.plan_runs`): the padded step inputs go host → device, the gear is selected through
+the dynamic-dims input, the model executes, the logits rows that are needed come device → host, and the new rows
+of every layer (``kv_new``, slot-major like the pool) are queued device → device into the pool with ONE
+``memcpy_async`` per run of consecutive slots on the executor's stream, then one ``synchronize_stream`` — a decode
+step of B sequences makes B copies (was 2 × layers × B synchronous ones). Teardown runs in reverse order of
+set-up, also when set-up fails half way, and goes on past a failing release (the first error is raised at the end).
 
 NOT RUN ON HARDWARE: written from the reference; tested against ``tests/fake_acl.py`` only (a fake ``acl`` that
-runs the plain-op twin of the step graph on onnxruntime). What needs an NPU to confirm is marked [unverified].
+runs the plain-op twin of the step graph on onnxruntime and enforces CANN's documented rules). What needs an NPU
+to confirm is marked [unverified].
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from typing import Any
 import numpy as np
 
 from omforge.contract import PagedLayout
-from omforge.contract.buckets import BucketPlan
+from omforge.contract.ascend import KV_NEW, KV_POOL, OmNameClash, find_om
+from omforge.contract.buckets import BucketPlan, om_gear
 from omforge.errors import OmforgeError
 from omforge.runtime.acl_api import AclRuntime, AclUnavailable, import_acl
 from omforge.runtime.acl_plan import (
@@ -47,12 +53,15 @@ from omforge.runtime.step import SeqWork
 
 
 class OmModelsMissing(OmforgeError):
-    """The bundle's OM models were never built (its ATC step is left)."""
+    """The bundle's OM was never built (its ATC step is left)."""
+
+
+class DeviceMemoryTooSmall(OmforgeError):
+    """The bundle's device memory plan does not fit the NPU's free memory."""
 
 
 @dataclass
 class _Model:
-    name: str
     model_id: int
     desc: ModelDesc
     in_ptr: dict[str, int] = field(default_factory=dict)
@@ -63,16 +72,22 @@ class _Model:
     out_dataset: Any = None
 
 
-def check_bundle(bundle: Path, manifest: dict[str, Any]) -> list[Path]:
-    """The OM files of an ascend bundle; :class:`OmModelsMissing` (one line) when they were not built."""
-    asc = manifest.get("ascend") or {}
-    paths = [bundle / p for p in (asc.get("models") or {}).values()]
-    missing = [p for p in paths if not p.is_file()]
-    if not paths or missing:
-        raise OmModelsMissing(f"{bundle}: the OM models were not built "
-                              f"({', '.join(str(p) for p in missing) or 'none listed'}"
-                              f"): the ATC step is left; run `bash {bundle}/ascend/build.sh` where CANN is installed")
-    return paths
+def check_bundle(bundle: Path, manifest: dict[str, Any]) -> Path:
+    """The OM of an ascend bundle (``<prefix>.om`` or ``<prefix>_<os>_<cpu>.om``); :class:`OmModelsMissing` (one
+    line) when it was not built."""
+    prefix = (manifest.get("ascend") or {}).get("model")
+    try:
+        om = find_om(bundle / prefix) if prefix else None
+    except OmNameClash as e:
+        raise OmModelsMissing(str(e)) from None
+    if om is None:
+        raise OmModelsMissing(f"{bundle}: the OM model was not built ({bundle / str(prefix)}*.om is missing): the "
+                              f"ATC step is left; run `bash {bundle}/ascend/build.sh` where CANN is installed")
+    return om
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 class AclExecutor:
@@ -90,7 +105,7 @@ class AclExecutor:
                 except OmModelsMissing as missing:
                     raise AclUnavailable(f"{e}; and {missing}") from None
                 raise
-        check_bundle(bundle, manifest)
+        self.om = check_bundle(bundle, manifest)
         self.rt = AclRuntime(acl)
         kv, asc = manifest["kv"], manifest["ascend"]
         self.layout = PagedLayout.from_manifest(kv)
@@ -104,14 +119,16 @@ class AclExecutor:
                                                  num_blocks=self.num_blocks)
         self.vocab = int(manifest["model"]["config"]["vocab_size"])
         abi = manifest["abi"]
-        self.inputs = [(t["name"], t["shape"]) for t in abi["inputs"]]
-        self.outputs = [(t["name"], t["shape"]) for t in abi["outputs"]]
+        self.inputs = [t["name"] for t in abi["inputs"]]
+        self.outputs = [t["name"] for t in abi["outputs"]]
+        self.input_shape = [(name, dims) for name, dims in asc["input_shape"]]  # what ATC's --input_shape listed
+        self.om_gears = [tuple(g) for g in asc["gears"]]
+        self.memory = asc.get("memory") or {}
         self.device = device
         self._undo: list[tuple[str, Callable[[], None]]] = []
         self._lock = threading.Lock()  # a model must not execute on two threads at once (§3.3)
-        self.models: dict[str, _Model] = {}
         try:
-            self._open(bundle, asc)
+            self._open()
         except BaseException:
             self.close()
             raise
@@ -122,7 +139,7 @@ class AclExecutor:
     def _push(self, what: str, release: Callable[[], None]) -> None:
         self._undo.append((what, release))
 
-    def _open(self, bundle: Path, asc: dict[str, Any]) -> None:
+    def _open(self) -> None:
         rt = self.rt
         rt.init()
         self._push("acl.finalize", rt.finalize)
@@ -133,51 +150,63 @@ class AclExecutor:
         self.stream = rt.create_stream()
         self._push("acl.rt.destroy_stream", lambda: rt.destroy_stream(self.stream))
         lay = self.layout
-        self.pool_dtype = np.dtype(lay.kv_dtype)  # float32, or float16 for an fp16 graph; checked against each OM
-        self.row_bytes = lay.kv_heads * lay.head_dim * self.pool_dtype.itemsize
-        self.pool_bytes = self.num_slots * self.row_bytes
-        self.pools: dict[str, int] = {}
-        for layer in range(lay.num_layers):
-            for kind in ("key", "value"):
-                self.pools[f"{kind}_cache.{layer}"] = self._malloc(self.pool_bytes)
-                rt.memset(self.pools[f"{kind}_cache.{layer}"], self.pool_bytes)  # masked slots must not be NaN
-        for name, rel in asc["models"].items():
-            self.models[name] = self._load(name, bundle / rel)
-        logits_bytes = max(m.out_size["logits"] for m in self.models.values())
-        self.host_logits_size = logits_bytes
-        self.host_logits = rt.malloc_host(logits_bytes)
+        self.pool_dtype = np.dtype(lay.kv_dtype)  # float32, or float16 for an fp16 graph; checked against the OM
+        self.slot_bytes = lay.num_layers * 2 * lay.kv_heads * lay.head_dim * self.pool_dtype.itemsize
+        self.pool_bytes = self.num_slots * self.slot_bytes
+        self._check_memory()
+        self.pool = self._malloc(self.pool_bytes)
+        rt.memset(self.pool, self.pool_bytes)  # masked slots must not be NaN
+        self.model = self._load(self.om)
+        self.host_logits_size = self.model.out_size["logits"]
+        self.host_logits = rt.malloc_host(self.host_logits_size)
         self._push("acl.rt.free_host", lambda: rt.free_host(self.host_logits))
-        self.block_bytes = lay.block_size * self.row_bytes
+        self.block_bytes = lay.block_size * self.slot_bytes
         self.host_block = rt.malloc_host(self.block_bytes)
         self._push("acl.rt.free_host", lambda: rt.free_host(self.host_block))
 
+    def _check_memory(self) -> None:
+        """Refuse, in one line, a device memory plan above the NPU's free HBM. ATC's own figures for the OM
+        (``aclmdlQuerySize``: weights, workspace) replace the compile-time estimate when ACL gives them."""
+        plan = self.memory
+        if not plan:
+            return
+        sizes = self.rt.query_size(str(self.om))
+        weights, work = (sizes[1], sizes[0]) if sizes else (plan["weights_bytes"], plan["workspace_bytes_estimate"])
+        need = weights + work + self.pool_bytes + plan["io_bytes"]
+        free, total = self.rt.free_device_memory()
+        if need > free:
+            raise DeviceMemoryTooSmall(
+                f"{self.om}: the bundle needs {_gib(need)} of device memory (weights {_gib(weights)}, KV pool "
+                f"{_gib(self.pool_bytes)}, step buffers {_gib(plan['io_bytes'])}, workspace {_gib(work)}"
+                f"{'' if sizes else ' estimated'}) and NPU {self.device} has {_gib(free)} free of {_gib(total)}: "
+                "compile with a smaller serve.num_kv_blocks (or max_batch_size / max_seq_len)")
     def _malloc(self, size: int) -> int:
         ptr = self.rt.malloc(size)
         self._push("acl.rt.free", lambda: self.rt.free(ptr))
         return ptr
 
-    def _load(self, name: str, path: Path) -> _Model:
+    def _load(self, path: Path) -> _Model:
         rt = self.rt
         model_id = rt.load_model(str(path))
         self._push("acl.mdl.unload", lambda: rt.unload_model(model_id))
         desc_handle = rt.create_desc(model_id)
         self._push("acl.mdl.destroy_desc", lambda: rt.destroy_desc(desc_handle))
         desc = rt.describe(desc_handle)
-        check_desc(name, desc, self.plan.profile(name), self.inputs, self.outputs, self.num_slots)
-        m = _Model(name, model_id, desc)
+        check_desc(desc, self.inputs, self.outputs, self.input_shape, self.om_gears, (KV_POOL, self.pool_bytes))
+        m = _Model(model_id, desc)
         for t in desc.inputs:
-            if t.name in self.pools:
+            if t.name == KV_POOL:
                 if ACL_DTYPES.get(t.dtype) != self.pool_dtype:
-                    raise AclModelMismatch(f"OM model '{name}': pool input {t.name} is aclDataType {t.dtype}, "
-                                           f"the pools are {self.pool_dtype}")
-                m.in_ptr[t.name], m.in_size[t.name] = self.pools[t.name], self.pool_bytes
+                    raise AclModelMismatch(f"OM: pool input {t.name} is aclDataType {t.dtype}, the pool is "
+                                           f"{self.pool_dtype}")
+                m.in_ptr[t.name], m.in_size[t.name] = self.pool, self.pool_bytes
             else:  # a step input, or the dynamic-dims input (allocated, never written: §3.4)
                 m.in_ptr[t.name], m.in_size[t.name] = self._malloc(t.size), t.size
-        for t in desc.outputs:
-            m.out_ptr[t.name], m.out_size[t.name] = self._malloc(t.size), t.size
+        for name, t in zip(self.outputs, desc.outputs):  # outputs by index: ACL names them op:edge:name
+            m.out_ptr[name], m.out_size[name] = self._malloc(t.size), t.size
         m.in_dataset, in_bufs = rt.create_dataset([(m.in_ptr[t.name], m.in_size[t.name]) for t in desc.inputs])
         self._push("acl.mdl.destroy_dataset", lambda: rt.destroy_dataset(m.in_dataset, in_bufs))
-        m.out_dataset, out_bufs = rt.create_dataset([(m.out_ptr[t.name], m.out_size[t.name]) for t in desc.outputs])
+        m.out_dataset, out_bufs = rt.create_dataset([(m.out_ptr[n], m.out_size[n]) for n in self.outputs])
         self._push("acl.mdl.destroy_dataset", lambda: rt.destroy_dataset(m.out_dataset, out_bufs))
         return m
 
@@ -208,66 +237,63 @@ class AclExecutor:
         row_of = {item: r for r, item in enumerate(needing)}
         out = np.empty((len(needing), self.vocab), np.float32)
         with self._lock:
-            self.rt.set_context(self.context)  # the engine thread is not the thread that loaded the models
+            self.rt.set_context(self.context)  # the engine thread is not the thread that loaded the model
             for run in plan_runs(work, self.plan):
                 packed = pack_run(run, work, self.layout.block_size)
-                m = self.models[run.choice.model]
-                self._run(m, run.choice.gear, packed.inputs)
+                self._run(om_gear(run.choice), packed.inputs)
                 if packed.logit_rows:
-                    logits = self._logits(m, run.choice.num_logits)
+                    logits = self._logits(run.choice.num_logits)
                     for model_row, item in packed.logit_rows:
                         out[row_of[item]] = logits[model_row]
-                self._store_rows(m, packed.slots)
+                self._store_rows(packed.slots)
         return out
 
-    def _run(self, m: _Model, gear: tuple[int, ...], inputs: dict[str, np.ndarray]) -> None:
-        rt = self.rt
+    def _run(self, gear: tuple[int, ...], inputs: dict[str, np.ndarray]) -> None:
+        rt, m = self.rt, self.model
         for name in STEP_GRAPH_INPUTS:
             t = m.desc.input(name)
             data = as_dtype(inputs[name], t.dtype, name).tobytes()
             rt.host_to_device(m.in_ptr[name], m.in_size[name], data)
-        dims = gear_dims(self.plan.profile(m.name), gear, self.inputs, self.num_slots)
-        rt.set_dynamic_dims(m.model_id, m.in_dataset, m.desc.dynamic_index, dims)
+        rt.set_dynamic_dims(m.model_id, m.in_dataset, m.desc.dynamic_index, gear_dims(gear, self.input_shape))
         rt.execute(m.model_id, m.in_dataset, m.out_dataset)
 
-    def _logits(self, m: _Model, rows: int) -> np.ndarray:
-        t = next(o for o in m.desc.outputs if o.name == "logits")
+    def _logits(self, rows: int) -> np.ndarray:
+        t = self.model.desc.outputs[self.outputs.index("logits")]
         dtype = ACL_DTYPES[t.dtype]
         count = rows * self.vocab * dtype.itemsize
-        raw = self.rt.device_to_host(self.host_logits, self.host_logits_size, m.out_ptr["logits"], count)
+        raw = self.rt.device_to_host(self.host_logits, self.host_logits_size, self.model.out_ptr["logits"], count)
         return np.frombuffer(raw, dtype).reshape(rows, self.vocab).astype(np.float32)
 
-    def _store_rows(self, m: _Model, slots: np.ndarray) -> None:
-        """The new K/V rows of every layer into the pools at their slots, one D2D copy per consecutive run."""
-        rb = self.row_bytes
+    def _store_rows(self, slots: np.ndarray) -> None:
+        """The new rows of every layer into the pool at their slots: one async D2D copy per run of consecutive
+        slots (a slot holds all layers' K and V rows, in the pool and in ``kv_new`` alike), one synchronize."""
+        sb, src = self.slot_bytes, self.model.out_ptr[KV_NEW]
         for copy in slot_copy_plan(slots):
-            dst_off, src_off, count = copy.dst_slot * rb, copy.src_row * rb, copy.rows * rb
-            for layer in range(self.layout.num_layers):
-                for kind in ("key", "value"):
-                    self.rt.device_to_device(self.pools[f"{kind}_cache.{layer}"] + dst_off, self.pool_bytes - dst_off,
-                                             m.out_ptr[f"{kind}_new.{layer}"] + src_off, count)
+            dst_off = copy.dst_slot * sb
+            self.rt.device_to_device_async(self.pool + dst_off, self.pool_bytes - dst_off, src + copy.src_row * sb,
+                                           copy.rows * sb, self.stream)
+        self.rt.synchronize(self.stream)  # the next run reads the pool
 
     # --- block copies: copy-on-write and the host swap tier -----------------------------------------------
 
-    def _block(self, pool: str, block: int) -> tuple[int, int]:
+    def _block(self, block: int) -> tuple[int, int]:
         off = block * self.block_bytes
-        return self.pools[pool] + off, self.pool_bytes - off
+        return self.pool + off, self.pool_bytes - off
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks ``src → dst`` in every pool (device to device)."""
+        """Copy whole blocks ``src → dst`` (device to device; a block holds every layer: one copy each)."""
         if not pairs:
             return
         with self._lock:
             self.rt.set_context(self.context)
-            for pool in self.pools:
-                for src, dst in pairs:
-                    d, d_max = self._block(pool, dst)
-                    self.rt.device_to_device(d, d_max, self._block(pool, src)[0], self.block_bytes)
+            for src, dst in pairs:
+                d, d_max = self._block(dst)
+                self.rt.device_to_device_async(d, d_max, self._block(src)[0], self.block_bytes, self.stream)
+            self.rt.synchronize(self.stream)
 
     def allocate_host(self, num_host_blocks: int) -> None:
-        """The host swap tier: ``num_host_blocks`` blocks per pool, in host memory."""
-        shape = (num_host_blocks, self.block_bytes)
-        self.host_pools = {pool: np.zeros(shape, np.uint8) for pool in self.pools}
+        """The host swap tier: ``num_host_blocks`` blocks, in host memory."""
+        self.host_pool = np.zeros((num_host_blocks, self.block_bytes), np.uint8)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Device blocks to host blocks, ``(device, host)`` pairs (through the pinned staging block)."""
@@ -275,11 +301,9 @@ class AclExecutor:
             return
         with self._lock:
             self.rt.set_context(self.context)
-            for pool, host in self.host_pools.items():
-                for dev, h in pairs:
-                    raw = self.rt.device_to_host(self.host_block, self.block_bytes, self._block(pool, dev)[0],
-                                                 self.block_bytes)
-                    host[h] = np.frombuffer(raw, np.uint8)
+            for dev, h in pairs:
+                raw = self.rt.device_to_host(self.host_block, self.block_bytes, self._block(dev)[0], self.block_bytes)
+                self.host_pool[h] = np.frombuffer(raw, np.uint8)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Host blocks back to device blocks, ``(host, device)`` pairs."""
@@ -287,7 +311,6 @@ class AclExecutor:
             return
         with self._lock:
             self.rt.set_context(self.context)
-            for pool, host in self.host_pools.items():
-                for h, dev in pairs:
-                    d, d_max = self._block(pool, dev)
-                    self.rt.host_to_device(d, d_max, host[h].tobytes())
+            for h, dev in pairs:
+                d, d_max = self._block(dev)
+                self.rt.host_to_device(d, d_max, self.host_pool[h].tobytes())

@@ -1,10 +1,11 @@
-"""The ACL executor's logic, as plain Python: which compiled model and gear each part of a step runs on, the padded
-inputs of each execution, the dims list that selects the gear, the device-copy plan for the new K/V rows, and the
-check of a loaded model's description against the bundle. No ``acl`` here (that is :mod:`omforge.runtime.acl_api`),
-so all of it is unit-tested on any machine.
+"""The ACL executor's logic, as plain Python: which gear each part of a step runs on, the padded inputs of each
+execution, the dims list that selects the gear, the device-copy plan for the new K/V rows, and the check of a loaded
+model's description against the bundle. No ``acl`` here (that is :mod:`omforge.runtime.acl_api`), so all of it is
+unit-tested on any machine.
 
-An ascend bundle has two gear models (:mod:`omforge.compile.buckets`): ``prefill`` (one sequence's chunk,
-``num_tokens × max_blocks`` gears) and ``decode`` (one token per sequence, ``num_seqs × max_blocks`` gears). The
+An ascend bundle has ONE OM whose gears cover two bucket profiles (:mod:`omforge.compile.buckets`): ``prefill``
+(one sequence's chunk, ``num_tokens × max_blocks``) and ``decode`` (one token per sequence, ``num_seqs ×
+max_blocks``), each gear a point of the five step dims (:func:`~omforge.contract.buckets.om_gears`). The
 scheduler's steps mix prefill chunks of several sequences and decodes, so :func:`plan_runs` splits a step into
 executions, in order:
 
@@ -27,12 +28,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from omforge.contract.buckets import STEP_DIMS, BucketError, BucketPlan, Choice, Profile, pick
+from omforge.contract.ascend import DYNAMIC_INPUT
+from omforge.contract.buckets import STEP_DIMS, BucketError, BucketPlan, Choice, pick
 from omforge.errors import OmforgeError
 from omforge.runtime.step import SeqWork
-
-DYNAMIC_INPUT = "ascend_mbatch_shape_data"
-"""The input ATC adds to a gear model (ACL_DYNAMIC_TENSOR_NAME, reference/ascend.md §3.4): allocated, never written."""
 
 ACL_DTYPES: dict[int, np.dtype] = {0: np.dtype(np.float32), 1: np.dtype(np.float16), 2: np.dtype(np.int8),
                                    3: np.dtype(np.int32), 4: np.dtype(np.uint8), 9: np.dtype(np.int64),
@@ -41,6 +40,9 @@ ACL_DTYPES: dict[int, np.dtype] = {0: np.dtype(np.float32), 1: np.dtype(np.float
 
 STEP_GRAPH_INPUTS = ("input_ids", "position_ids", "block_tables", "query_index", "token_index", "logits_indices")
 """The ascend step graph's step inputs (the ABI less ``slot_mapping``: the runtime places the new rows itself)."""
+
+MAX_DIM_CNT = 128
+"""ACL_MAX_DIM_CNT: a gear's dims list holds at most 128 values (hicann/ge ``model_om2.cpp``; reference §3.4)."""
 
 
 class AclModelMismatch(OmforgeError):
@@ -71,48 +73,46 @@ class ModelDesc:
         return next(t for t in self.inputs if t.name == name)
 
 
-def resolved_dims(profile: Profile, gear: Sequence[int], dims: Sequence[int | str], num_slots: int) -> list[int]:
-    """One input's dims on ``gear``: a step dim becomes its gear or constant value, ``num_slots`` the pool size."""
-    padded = dict(zip(STEP_DIMS, profile.padded(gear)))
-    return [d if isinstance(d, int) else num_slots if d == "num_slots" else padded[d] for d in dims]
+def gear_dims(gear: Sequence[int], input_shape: Sequence[tuple[str, Sequence[int | str]]]) -> list[int]:
+    """The ``dims`` of ``acl.mdl.set_input_dynamic_dims`` for an OM gear (its step dims in :data:`STEP_DIMS`
+    order, :func:`~omforge.contract.buckets.om_gear`): every dim of each input ATC's ``--input_shape`` listed, in
+    that order, static dims included (hicann/ge ``multi_batch_clone_pass.cc`` builds the list so; reference §3.4)."""
+    padded = dict(zip(STEP_DIMS, gear))
+    return [d if isinstance(d, int) else padded[d] for _, dims in input_shape for d in dims]
 
 
-def gear_dims(profile: Profile, gear: Sequence[int], inputs: Sequence[tuple[str, Sequence[int | str]]],
-              num_slots: int) -> list[int]:
-    """The ``dims`` of ``acl.mdl.set_input_dynamic_dims`` for ``gear``: every dim of every data input in graph order,
-    static ones included (reference §3.4), the gear's values where ATC compiled ``-1``.
-    [unverified: whether the list is all inputs' dims, as the reference reads the docs, or only the -1 dims]"""
-    return [v for name, dims in inputs for v in resolved_dims(profile, gear, dims, num_slots)]
+def output_name(acl_name: str) -> str:
+    """The ONNX output name in ACL's ``op-name:edge-index:tensor-name`` form for ONNX-converted models (the part
+    after the last ``:``; aclmdlGetOutputNameByIndex, reference §3.3); a bare name stays as it is."""
+    return acl_name.rsplit(":", 1)[-1]
 
 
-def check_desc(model: str, desc: ModelDesc, profile: Profile, inputs: Sequence[tuple[str, Sequence[int | str]]],
-               outputs: Sequence[tuple[str, Sequence[int | str]]], num_slots: int) -> None:
-    """Raise :class:`AclModelMismatch` naming the first difference between an OM and the manifest: input and output
-    names in order, the gear count and every gear's dims, the pool inputs' sizes."""
-    where = f"OM model '{model}'"
+def check_desc(desc: ModelDesc, inputs: Sequence[str], outputs: Sequence[str],
+               input_shape: Sequence[tuple[str, Sequence[int | str]]], gears: Sequence[Sequence[int]],
+               pool: tuple[str, int]) -> None:
+    """Raise :class:`AclModelMismatch` naming the first difference between the OM and the manifest: input names in
+    order; outputs by index (the ONNX parser keeps the graph's output order, Ascend/parser ``onnx_parser.cc``),
+    each ACL name ending in the manifest's; the compiled gears against the manifest's; the pool input's size."""
     names = [t.name for t in desc.inputs if t.name != DYNAMIC_INPUT]
-    if names != [n for n, _ in inputs]:
-        raise AclModelMismatch(f"{where}: inputs {names} differ from the manifest's {[n for n, _ in inputs]}")
+    if names != list(inputs):
+        raise AclModelMismatch(f"OM: inputs {names} differ from the manifest's {list(inputs)}")
     if desc.dynamic_index is None:
-        raise AclModelMismatch(f"{where}: no {DYNAMIC_INPUT} input: it was not compiled with gears (--dynamic_dims)")
-    out_names = [t.name for t in desc.outputs]
-    if out_names != [n for n, _ in outputs]:
-        raise AclModelMismatch(f"{where}: outputs {out_names} differ from the manifest's {[n for n, _ in outputs]}")
-    want = [tuple(gear_dims(profile, g, inputs, num_slots)) for g in profile.gears or ()]
-    if len(desc.gears) != len(want):
-        raise AclModelMismatch(f"{where}: {len(desc.gears)} gears compiled, the manifest has {len(want)}")
-    missing = [g for g in want if g not in set(desc.gears)]
+        raise AclModelMismatch(f"OM: no {DYNAMIC_INPUT} input: it was not compiled with gears (--dynamic_dims)")
+    if len(desc.outputs) != len(outputs):
+        raise AclModelMismatch(f"OM: {len(desc.outputs)} outputs, the manifest has {len(outputs)} ({list(outputs)})")
+    for i, (t, want) in enumerate(zip(desc.outputs, outputs)):
+        if output_name(t.name) != want:
+            raise AclModelMismatch(f"OM: output {i} is '{t.name}', the manifest's is '{want}'")
+    want_gears = [tuple(gear_dims(g, input_shape)) for g in gears]
+    if len(desc.gears) != len(want_gears):
+        raise AclModelMismatch(f"OM: {len(desc.gears)} gears compiled, the manifest has {len(want_gears)}")
+    missing = [g for g in want_gears if g not in set(desc.gears)]
     if missing:
-        raise AclModelMismatch(f"{where}: the manifest's gear dims {list(missing[0])} are not among the compiled gears")
-    for name, dims in inputs:
-        if "num_slots" in dims:
-            t = desc.input(name)
-            dtype = ACL_DTYPES.get(t.dtype)
-            expect = int(np.prod(resolved_dims(profile, profile.gears[0], dims, num_slots))) * (
-                dtype.itemsize if dtype is not None else 0)
-            if t.size != expect:
-                raise AclModelMismatch(f"{where}: input '{name}' holds {t.size} bytes, the manifest's pool of "
-                                       f"{num_slots} slots needs {expect}")
+        raise AclModelMismatch(f"OM: the manifest's gear dims {list(missing[0])} are not among the compiled gears")
+    name, nbytes = pool
+    if desc.input(name).size != nbytes:
+        raise AclModelMismatch(f"OM: input '{name}' holds {desc.input(name).size} bytes, the manifest's pool needs "
+                               f"{nbytes}")
 
 
 # --- splitting a step into executions -----------------------------------------------------------------------

@@ -78,7 +78,8 @@ def tiny_ascend_step(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Pa
     root = tmp_path_factory.mktemp("atc-tiny")
     export_recipe(load_recipe(TINY_RECIPE), root / "export", quiet=True)
     step = ir.load(root / "export" / "model.onnx")
-    paged = Pipeline("ascend", block_size=16, lowering={"paged_attention": "plugin"}).run(step).lowering.result
+    paged = Pipeline("ascend", block_size=16, lowering={"paged_attention": "plugin", "num_slots": 4096}).run(
+        step).lowering.result
     ir.save(step, root / "step.onnx", external_data="step.onnx.data")
     full = ir.load(root / "export" / "model.onnx")
     pfa = Pipeline("ascend", lowering={"attention": "pfa"}).run(full).lowering.result

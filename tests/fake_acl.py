@@ -2,11 +2,22 @@
 
 ``FakeAcl`` offers the part of the ``acl`` module omforge calls (reference/ascend.md §3), with the checks a real
 runtime makes that catch executor bugs: memory is host ``bytearray``s behind integer "pointers"; copies check their
-kind (host/device), bounds and ``dst_max``; a double free or a leak shows in :attr:`FakeAcl.live`; a model executes
-only with dims equal to one compiled gear and output buffers large enough. A "model" is a ``.om`` file holding a
-JSON pointer (written by :func:`write_fake_oms`) to the plain-op twin of the bundle's ascend step graph
-(``lower_ascend.lower(plain=True)``), which runs on onnxruntime: the numerics are the ORT lowering's, so an engine
-on this fake must produce the ORT engine's tokens.
+kind (host/device), bounds and ``dst_max``; a double free or a leak shows in :attr:`FakeAcl.live`. A "model" is a
+FAKE ``.om`` written by ``tests/fake_atc.py`` from the exact atc command: a JSON pointer to the plain-op twin of
+the bundle's ascend step graph (``lower_ascend.lower(plain=True)``), which runs on onnxruntime — the numerics are
+the ORT lowering's, so an engine on this fake must produce the ORT engine's tokens. What it enforces of CANN's
+documented behaviour, each with its source:
+
+- a gear model's dims list is built from the inputs ``--input_shape`` listed, in that order, static dims included
+  (hicann/ge ``multi_batch_clone_pass.cc``); ``get_input_dynamic_dims`` fails with ACL_ERROR_FAILURE when it holds
+  more than 128 (``ACL_MAX_DIM_CNT``, hicann/ge ``model_om2.cpp``); ``set_input_dynamic_dims`` takes only a compiled
+  gear's dims, exactly (aclpythondevg_01_0159; reference §3.4);
+- output names are ``op-name:edge-index:tensor-name`` for ONNX-converted models (aclmdlGetOutputNameByIndex,
+  aclcppdevg_03_1457; reference §3.3);
+- ``memcpy`` does not wait for earlier async work (aclpythondevg_01_0124): a sync copy or an execute that touches
+  memory an unsynchronized ``memcpy_async`` writes fails, and a stream destroyed with work pending fails;
+- one model must not run on several threads at once (aclpythondevg_01_0145): a re-entrant execute fails;
+- ``get_mem_info`` reports the device's free and total HBM (set by the test); ``query_size`` the OM's sizes.
 """
 
 from __future__ import annotations
@@ -18,13 +29,19 @@ from typing import Any
 import numpy as np
 
 ERR_PARAM = 100000
+ERR_FAILURE = 500001  # ACL_ERROR_FAILURE
+MAX_DIM_CNT = 128
 SPACE = 1 << 40  # each allocation owns [base, base + SPACE)
 _ACL_OF_NP = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.int32): 3, np.dtype(np.int64): 9}
 _NP_OF_ONNX = {1: np.float32, 10: np.float16, 6: np.int32, 7: np.int64}
 
 
 class FakeAcl:
-    def __init__(self) -> None:
+    """``hbm_free`` / ``hbm_total``: what ``acl.rt.get_mem_info(ACL_HBM_MEM)`` reports (default 64 GiB free)."""
+
+    def __init__(self, hbm_free: int = 64 << 30, hbm_total: int = 64 << 30) -> None:
+        self.hbm = (hbm_free, hbm_total)
+        self.pending: dict[Any, list[tuple[int, int, Any]]] = {}  # stream -> queued (dst, count, run)
         self.calls: list[str] = []
         self.mem: dict[int, tuple[bytearray, str]] = {}  # base -> (buffer, "device" | "host" | "host-bytes")
         self._next = 1
@@ -48,6 +65,13 @@ class FakeAcl:
         if off + count > len(buf):
             raise _Fail(f"{count} bytes at offset {off} overrun a {len(buf)}-byte allocation")
         return buf, off, kind
+
+    def check_not_pending(self, ptr: int, count: int, what: str) -> None:
+        """Fail when ``[ptr, ptr + count)`` overlaps memory an unsynchronized async copy writes."""
+        for stream, queue in self.pending.items():
+            for dst, n, _ in queue:
+                if dst < ptr + count and ptr < dst + n:
+                    raise _Fail(f"{what} touches memory an async copy on {stream} still writes: synchronize first")
 
     @property
     def live(self) -> list[str]:
@@ -90,7 +114,7 @@ def _guard(fn):  # noqa: ANN001, ANN202 - a failed check becomes the ACL paramet
 
 _BARE_RET = {"set_device", "reset_device", "destroy_context", "set_context", "destroy_stream", "free", "free_host",
              "memcpy", "memset", "unload", "get_desc", "destroy_desc", "destroy_dataset", "set_input_dynamic_dims",
-             "execute"}
+             "execute", "memcpy_async", "synchronize_stream"}
 
 
 class _Rt:
@@ -132,8 +156,38 @@ class _Rt:
 
     @_guard
     def destroy_stream(self, stream: Any) -> int:
+        if self.acl.pending.get(stream):
+            raise _Fail("destroy_stream with async work pending")
         self.acl.calls.append("destroy_stream")
         return 0
+
+    @_guard
+    def memcpy_async(self, dst: int, dst_max: int, src: int, count: int, kind: int, stream: Any) -> int:
+        if stream != "stream":
+            raise _Fail("unknown stream")
+        if count > dst_max:
+            raise _Fail(f"count {count} > dst_max {dst_max}")
+        self.acl.resolve(dst, count)
+        self.acl.resolve(src, count)
+
+        def run() -> None:
+            self._copy(dst, src, count, kind)
+
+        self.acl.pending.setdefault(stream, []).append((dst, count, run))
+        self.acl.calls.append("memcpy_async")
+        return 0
+
+    @_guard
+    def synchronize_stream(self, stream: Any) -> int:
+        for _, _, run in self.acl.pending.pop(stream, []):
+            run()
+        self.acl.calls.append("synchronize_stream")
+        return 0
+
+    def get_mem_info(self, attr: int) -> tuple[int, int, int]:
+        if attr != 1:  # ACL_HBM_MEM
+            return 0, 0, ERR_PARAM
+        return *self.acl.hbm, 0
 
     @_guard
     def malloc(self, size: int, policy: int) -> tuple[int, int]:
@@ -171,6 +225,13 @@ class _Rt:
     def memcpy(self, dst: int, dst_max: int, src: int, count: int, kind: int) -> int:
         if count > dst_max:
             raise _Fail(f"count {count} > dst_max {dst_max}")
+        self.acl.check_not_pending(dst, count, "memcpy's destination")
+        self.acl.check_not_pending(src, count, "memcpy's source")
+        self._copy(dst, src, count, kind)
+        self.acl.calls.append(f"memcpy {kind}")
+        return 0
+
+    def _copy(self, dst: int, src: int, count: int, kind: int) -> None:
         dbuf, doff, dkind = self.acl.resolve(dst, count)
         sbuf, soff, skind = self.acl.resolve(src, count)
         want = {1: ("host", "device"), 2: ("device", "host"), 3: ("device", "device")}.get(kind)
@@ -179,7 +240,6 @@ class _Rt:
         dbuf[doff:doff + count] = sbuf[soff:soff + count]
         if skind == "host-bytes":
             del self.acl.mem[src - src % SPACE]  # the staging copy of a bytes object, used once
-        return 0
 
 
 class _Util:
@@ -196,7 +256,9 @@ class _Util:
 
 
 class _Model:
-    """A loaded fake OM: its ORT session, its inputs with dims per gear, and the gear dims lists."""
+    """A loaded FAKE OM: its ORT session, and what ATC would have compiled from the command (tests/fake_atc.py):
+    the dims list of each gear built from the listed inputs (static dims included), each input's and output's
+    dims per gear."""
 
     def __init__(self, spec: dict[str, Any]):
         import onnx
@@ -204,30 +266,36 @@ class _Model:
 
         graph = onnx.load(spec["onnx"], load_external_data=False).graph
         weights = {t.name for t in graph.initializer}
-        profile = spec["profile"]  # {"dims": [...], "shape": {step dim: const | gear dim}, "gears": [[...]]}
         self.session = ort.InferenceSession(spec["onnx"], providers=["CPUExecutionProvider"])
-
-        def dims_of(value: Any, gear: list[int] | None) -> list[int]:
-            out = []
-            for d in value.type.tensor_type.shape.dim:
-                if d.HasField("dim_value"):
-                    out.append(d.dim_value)
-                elif d.dim_param == "num_slots":
-                    out.append(spec["num_slots"])
-                else:
-                    to = profile["shape"][d.dim_param]
-                    out.append(to if isinstance(to, int) else (-1 if gear is None else gear[profile["dims"].index(to)]))
-            return out
-
+        listed = [(name, list(dims)) for name, dims in spec["input_shape"]]
         self.inputs = [(v.name, _NP_OF_ONNX[v.type.tensor_type.elem_type], v) for v in graph.input
                        if v.name not in weights]
         self.outputs = [(v.name, _NP_OF_ONNX[v.type.tensor_type.elem_type], v) for v in graph.output]
-        gears = profile["gears"]
-        self.gear_dims = [[x for _, _, v in self.inputs for x in dims_of(v, g)] for g in gears]
-        self.in_dims = {n: [dims_of(v, g) for g in gears] for n, _, v in self.inputs}
-        self.out_dims = {n: [dims_of(v, g) for g in gears] for n, _, v in self.outputs}
+        producer = {o: (n.name, i) for n in graph.node for i, o in enumerate(n.output)}
+        self.output_names = [f"{producer[n][0]}:{producer[n][1]}:{n}" for n, _, _ in self.outputs]
+        by_name = {n: v for n, _, v in self.inputs}
+        self.gear_dims, symbols = [], []
+        for gear in spec["gears"]:
+            values, dims_list, sym = iter(gear), [], {}
+            for name, dims in listed:
+                filled = [next(values) if d == -1 else d for d in dims]
+                dims_list += filled
+                for d, value in zip(by_name[name].type.tensor_type.shape.dim, filled):
+                    if d.dim_param:
+                        sym[d.dim_param] = value
+            self.gear_dims.append(dims_list)
+            symbols.append(sym)
+
+        def dims_of(value: Any, sym: dict[str, int] | None) -> list[int]:
+            return [d.dim_value if d.HasField("dim_value") else (-1 if sym is None else sym[d.dim_param])
+                    for d in value.type.tensor_type.shape.dim]
+
+        self.in_dims = {n: [dims_of(v, s) for s in symbols] for n, _, v in self.inputs}
+        self.out_dims = {n: [dims_of(v, s) for s in symbols] for n, _, v in self.outputs}
         self.compiled = {n: dims_of(v, None) for n, _, v in self.inputs + self.outputs}
         self.dtypes = {n: np.dtype(t) for n, t, _ in self.inputs + self.outputs}
+        self.weight_bytes = sum(f.stat().st_size for f in Path(spec["onnx"]).parent.glob(Path(spec["onnx"]).name + "*"))
+        self.busy = False
 
     def size(self, name: str, dims_per_gear: dict[str, list[list[int]]]) -> int:
         return max(int(np.prod(d)) for d in dims_per_gear[name]) * self.dtypes[name].itemsize
@@ -288,7 +356,7 @@ class _Mdl:
         return self._in(desc)[i]
 
     def get_output_name_by_index(self, desc: _Desc, i: int) -> str:
-        return desc.model.outputs[i][0]
+        return desc.model.output_names[i]  # op-name:edge-index:tensor-name (aclcppdevg_03_1457)
 
     def get_input_dims(self, desc: _Desc, i: int) -> tuple[dict, int]:
         name = self._in(desc)[i]
@@ -297,7 +365,8 @@ class _Mdl:
 
     def get_output_dims(self, desc: _Desc, i: int) -> tuple[dict, int]:
         name = desc.model.outputs[i][0]
-        return {"name": name, "dimCount": len(desc.model.compiled[name]), "dims": desc.model.compiled[name]}, 0
+        return {"name": desc.model.output_names[i], "dimCount": len(desc.model.compiled[name]),
+                "dims": desc.model.compiled[name]}, 0
 
     def get_input_size_by_index(self, desc: _Desc, i: int) -> int:
         name = self._in(desc)[i]
@@ -322,8 +391,20 @@ class _Mdl:
     def get_input_dynamic_gear_count(self, desc: _Desc, index: int) -> tuple[int, int]:
         return len(desc.model.gear_dims), 0
 
-    def get_input_dynamic_dims(self, desc: _Desc, index: int, count: int) -> tuple[list[dict], int]:
+    def get_input_dynamic_dims(self, desc: _Desc, index: int, count: int) -> tuple[list[dict] | None, int]:
+        if any(len(g) > MAX_DIM_CNT for g in desc.model.gear_dims):  # hicann/ge model_om2.cpp
+            self.acl.calls.append(f"FAILED get_input_dynamic_dims: {len(desc.model.gear_dims[0])} dims > {MAX_DIM_CNT}")
+            return None, ERR_FAILURE
         return [{"dimCount": len(g), "dims": list(g)} for g in desc.model.gear_dims[:count]], 0
+
+    def query_size(self, path: str) -> tuple[int, int, int]:
+        """(work, weight, ret): the FAKE OM's weights are its twin's files; a fixed 64 MiB workspace."""
+        try:
+            spec = json.loads(Path(path).read_text())
+        except (OSError, ValueError):
+            return 0, 0, ERR_PARAM
+        files = Path(spec["onnx"]).parent.glob(Path(spec["onnx"]).name + "*")
+        return 64 << 20, sum(f.stat().st_size for f in files), 0
 
     def create_dataset(self) -> dict:
         return {"buffers": [], "dims": None}
@@ -340,7 +421,9 @@ class _Mdl:
     @_guard
     def set_input_dynamic_dims(self, model_id: int, dataset: dict, index: int, dims: dict) -> int:
         model = self.models[model_id]
-        if dims["dims"] not in model.gear_dims or dims["dimCount"] != len(dims["dims"]):
+        if dims["dimCount"] != len(dims["dims"]) or dims["dimCount"] > MAX_DIM_CNT:
+            raise _Fail(f"dimCount {dims['dimCount']} for {len(dims['dims'])} dims (at most {MAX_DIM_CNT})")
+        if dims["dims"] not in model.gear_dims:
             raise _Fail(f"dims {dims['dims']} are not a compiled gear")
         if index != len(model.inputs):
             raise _Fail(f"index {index} is not the dynamic-dims input")
@@ -353,6 +436,8 @@ class _Mdl:
         gear = inputs["dims"]
         if gear is None:
             raise _Fail("execute before set_input_dynamic_dims")
+        if model.busy:
+            raise _Fail("the model is executing on another thread")
         if len(inputs["buffers"]) != len(model.inputs) + 1 or len(outputs["buffers"]) != len(model.outputs):
             raise _Fail("dataset sizes differ from the model's inputs/outputs")
         feeds = {}
@@ -361,27 +446,22 @@ class _Mdl:
             count = int(np.prod(dims)) * np.dtype(dtype).itemsize
             if count > size:
                 raise _Fail(f"input {name} buffer of {size} bytes < {count}")
+            self.acl.check_not_pending(ptr, count, f"execute's input {name}")
             buf, off, _ = self.acl.resolve(ptr, count)
             feeds[name] = np.frombuffer(buf, dtype, int(np.prod(dims)), off).reshape(dims)
-        results = model.session.run([n for n, _, _ in model.outputs], feeds)
+        model.busy = True
+        try:
+            results = model.session.run([n for n, _, _ in model.outputs], feeds)
+        finally:
+            model.busy = False
         for (name, _, _), (_, ptr, size), value in zip(model.outputs, outputs["buffers"], results):
             if list(value.shape) != model.out_dims[name][gear]:
                 raise _Fail(f"output {name} has shape {value.shape}, the gear says {model.out_dims[name][gear]}")
             data = np.ascontiguousarray(value).tobytes()
             if len(data) > size:
                 raise _Fail(f"output {name} needs {len(data)} bytes, its buffer has {size}")
+            self.acl.check_not_pending(ptr, len(data), f"execute's output {name}")
             buf, off, _ = self.acl.resolve(ptr, len(data))
             buf[off:off + len(data)] = data
         self.acl.calls.append("execute")
         return 0
-
-
-def write_fake_oms(bundle: Path, plain_onnx: Path) -> None:
-    """Write ``bundle/ascend/om/<profile>.om`` as FAKE pointers to ``plain_onnx`` (for :class:`FakeAcl` only)."""
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    for profile in manifest["buckets"]["profiles"]:
-        path = bundle / manifest["ascend"]["models"][profile["name"]]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"fake_om": True, "note": "FAKE OM for tests/fake_acl.py, not an ATC output",
-                                    "onnx": str(plain_onnx), "profile": profile,
-                                    "num_slots": manifest["ascend"]["num_slots"]}))

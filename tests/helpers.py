@@ -246,7 +246,8 @@ def lowering_dict(opset: int = 18) -> dict:
         "NPUPromptFlashAttention": {"input_layout": ["BNSD"], "num_heads": [9], "num_key_value_heads": [3],
                                     "scale_value": [0.125], "pre_tokens": [2**31 - 1], "next_tokens": [0],
                                     "sparse_mode": [0], "inner_precise": [0]},
-        "PagedAttention": {"scale_value": [0.125], "num_heads": [9], "num_key_value_heads": [3], "block_size": [128]},
+        "PagedAttention": {"scale_value": [0.125], "num_heads": [9], "num_key_value_heads": [3], "block_size": [128],
+                           "layer": [0, 1], "num_layers": [2]},
     }
     ops = {}
     for op_type, attrs in attributes.items():

@@ -1,6 +1,8 @@
 """The AscendCL executor (runtime/acl_executor.py, runtime/acl_api.py) against tests/fake_acl.py — a FAKE pyACL
-whose "OM models" run the plain-op twin of the ascend step graph on onnxruntime. This checks the executor's own
-work (set-up, description checks, buffers, datasets, gear selection, the D2D row copies into resident pools,
+whose "OM" (written by tests/fake_atc.py from the bundle's exact atc command) runs the plain-op twin of the ascend
+step graph on onnxruntime and enforces CANN's documented rules (output names in ``op:edge:name`` form, ≤ 128
+gear dims built from the listed inputs, async copies synchronized before use). This checks the executor's own
+work (set-up, description checks, buffers, datasets, gear selection, the row copies into the resident pool,
 logits, teardown) end to end; it says nothing about real NPU behaviour, which has not been run. Tests that need
 the real pyACL are skipped where it is not importable."""
 
@@ -13,10 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fake_atc
 import numpy as np
 import pytest
 
-from fake_acl import FakeAcl, write_fake_oms
+from fake_acl import FakeAcl
 from helpers import TINY_RECIPE, compile_bundle
 from omforge.runtime.acl_api import AclError, AclParameterError, AclResourceError, AclUnavailable, acl_error
 
@@ -42,7 +45,7 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("acl")
     cache = root / "cache"
     asc = compile_bundle(TINY_RECIPE, root / "ascend", cache, target="ascend")
-    write_fake_oms(asc, plain_twin(asc, root / "plain"))
+    fake_atc.build_bundle(asc, plain_twin(asc, root / "plain"))
     return asc, compile_bundle(TINY_RECIPE, root / "ort", cache)
 
 
@@ -76,7 +79,7 @@ def test_teardown_releases_everything_in_reverse_order(bundles: tuple[Path, Path
     assert fake.live == []
     tail = [c for c in fake.calls if c in ("unload", "destroy_stream", "destroy_context", "reset_device", "finalize")]
     assert tail[-4:] == ["destroy_stream", "destroy_context", "reset_device", "finalize"]
-    assert tail.count("unload") == 2
+    assert tail.count("unload") == 1  # one OM for prefill and decode: the weights are on the device once
     engine.executor.close()  # idempotent
 
 
@@ -86,11 +89,16 @@ def test_failed_setup_releases_what_it_took(bundles: tuple[Path, Path], tmp_path
     bundle = tmp_path / "b"
     shutil.copytree(bundles[0], bundle)
     manifest = json.loads((bundle / "manifest.json").read_text())
-    (bundle / manifest["ascend"]["models"]["decode"]).write_text("not an OM")
+    (bundle / "ascend" / "om" / "step_linux_x86_64.om").write_text("not an OM")
     fake = FakeAcl()
     with pytest.raises(AclParameterError, match="acl.mdl.load_from_file"):
         AclExecutor(bundle, manifest, acl=fake)
     assert fake.live == [] and fake.calls[-1] == "finalize"
+
+
+def _om(bundle: Path) -> Path:
+    (om,) = (bundle / "ascend" / "om").glob("step*.om")
+    return om
 
 
 def test_a_stale_om_is_refused_with_the_difference(bundles: tuple[Path, Path], tmp_path: Path) -> None:
@@ -100,14 +108,105 @@ def test_a_stale_om_is_refused_with_the_difference(bundles: tuple[Path, Path], t
     bundle = tmp_path / "b"
     shutil.copytree(bundles[0], bundle)
     manifest = json.loads((bundle / "manifest.json").read_text())
-    om = bundle / manifest["ascend"]["models"]["decode"]
+    om = _om(bundle)
     spec = json.loads(om.read_text())
-    spec["profile"]["gears"] = spec["profile"]["gears"][:-1]  # compiled with one gear fewer than the manifest says
+    spec["gears"] = spec["gears"][:-1]  # compiled with one gear fewer than the manifest says
     om.write_text(json.dumps(spec))
     fake = FakeAcl()
-    with pytest.raises(AclModelMismatch, match="decode.*gears"):
+    with pytest.raises(AclModelMismatch, match="gears"):
         AclExecutor(bundle, manifest, acl=fake)
     assert fake.live == []
+
+
+def test_the_om_is_found_with_atcs_os_cpu_suffix(bundles: tuple[Path, Path]) -> None:
+    """Issue 20: ATC may write ``<output>_<os>_<cpu>.om`` (hicann/ge model_helper.cc); the fake ATC does, and the
+    executor loads it (it looked for ``<output>.om`` before)."""
+    from omforge.runtime.acl_executor import check_bundle
+
+    manifest = json.loads((bundles[0] / "manifest.json").read_text())
+    assert check_bundle(bundles[0], manifest).name == "step_linux_x86_64.om"
+
+
+def test_outputs_are_matched_by_index_in_canns_name_form(bundles: tuple[Path, Path]) -> None:
+    """Issue 20 defect 3: ACL names an ONNX model's outputs ``op-name:edge-index:tensor-name``; the executor
+    matches outputs by index and checks the part after the last ':' (bare-name matching failed at load)."""
+    from omforge.runtime.acl_api import AclRuntime
+    from omforge.runtime.acl_executor import AclExecutor
+
+    manifest = json.loads((bundles[0] / "manifest.json").read_text())
+    fake = FakeAcl()
+    with AclExecutor(bundles[0], manifest, acl=fake) as ex:
+        names = [t.name for t in AclRuntime(fake).describe(_desc(fake, ex.model.model_id)).outputs]
+        assert [n.count(":") for n in names] == [2, 2] and [n.rsplit(":", 1)[1] for n in names] == ["logits", "kv_new"]
+    assert fake.live == []
+
+
+def _desc(fake: FakeAcl, model_id: int):  # noqa: ANN202
+    desc = fake.mdl.create_desc()
+    fake.mdl.get_desc(desc, model_id)
+    return desc
+
+
+def test_a_gear_model_over_128_dims_fails_to_describe(tmp_path: Path) -> None:
+    """Issue 20 defect 2, on the FAKE pyACL: a gear model's dims list holds every dim of every input listed in
+    --input_shape; with 33 listed 4-D inputs (132 dims) aclmdlGetInputDynamicDims fails (ACL_MAX_DIM_CNT, hicann/ge
+    model_om2.cpp) — as it would have for SmolLM2's step graph with its 60 pools listed (190 dims)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from omforge.runtime.acl_api import AclInternalError, AclRuntime
+
+    inputs = [helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [2, 2, 2, "n"]) for i in range(33)]
+    graph = helper.make_graph([helper.make_node("Identity", ["x0"], ["y"])], "g", inputs,
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2, 2, "n"])])
+    path = tmp_path / "g.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(path))
+    om = tmp_path / "g.om"
+    om.write_text(json.dumps({"fake_om": True, "onnx": str(path), "gears": [[1] * 33, [2] * 33],
+                              "input_shape": [[f"x{i}", [2, 2, 2, -1]] for i in range(33)]}))
+    fake = FakeAcl()
+    rt = AclRuntime(fake)
+    rt.init()
+    rt.set_device(0)
+    desc = rt.create_desc(rt.load_model(str(om)))
+    with pytest.raises(AclInternalError, match="get_input_dynamic_dims"):
+        rt.describe(desc)
+
+
+def test_a_plan_above_the_devices_free_memory_is_refused(bundles: tuple[Path, Path]) -> None:
+    """Issue 20 deliverable 3: serve refuses, in one line, a device memory plan that does not fit."""
+    from omforge.runtime.acl_executor import AclExecutor, DeviceMemoryTooSmall
+
+    manifest = json.loads((bundles[0] / "manifest.json").read_text())
+    plan = manifest["ascend"]["memory"]
+    assert plan["om_models"] == 1 and plan["total_bytes"] == sum(
+        plan[k] for k in ("weights_bytes", "kv_pool_bytes", "io_bytes", "workspace_bytes_estimate"))
+    fake = FakeAcl(hbm_free=plan["kv_pool_bytes"], hbm_total=1 << 30)
+    with pytest.raises(DeviceMemoryTooSmall, match="KV pool") as e:
+        AclExecutor(bundles[0], manifest, acl=fake)
+    assert "\n" not in str(e.value) and "num_kv_blocks" in str(e.value)
+    assert fake.live == []
+
+
+def test_a_decode_step_makes_one_copy_per_run_of_slots(bundles: tuple[Path, Path]) -> None:
+    """Issue 20 deliverable 4: the new rows of every layer reach the pool with ONE async copy per run of
+    consecutive slots and one synchronize per run (was 2 x layers synchronous copies per run)."""
+    from omforge.runtime.acl_executor import AclExecutor
+    from omforge.runtime.step import SeqWork
+
+    manifest = json.loads((bundles[0] / "manifest.json").read_text())
+    fake = FakeAcl()
+    with AclExecutor(bundles[0], manifest, acl=fake) as ex:
+        seqs = [SeqWork(list(range(3, 40)), 0, [b]) for b in range(4)]
+        for w in seqs:
+            ex.execute([w])  # prefill 4 sequences, one block each
+        before = len(fake.calls)
+        ex.execute([SeqWork([5], 37, [b], needs_logits=True) for b in range(4)])  # one decode step of 4
+        step = fake.calls[before:]
+    assert step.count("execute") == 1
+    assert step.count("memcpy_async") == 4 and step.count("synchronize_stream") == 1
+    assert step.count("memcpy 3") == 0  # no synchronous device-to-device copy
+    assert not [c for c in fake.calls if c.startswith("FAILED")]
 
 
 def test_block_copies_and_swaps_move_whole_blocks(bundles: tuple[Path, Path]) -> None:
@@ -118,7 +217,7 @@ def test_block_copies_and_swaps_move_whole_blocks(bundles: tuple[Path, Path]) ->
     fake = FakeAcl()
     with AclExecutor(bundles[0], manifest, acl=fake, num_host_blocks=2) as ex:
         ex.execute([SeqWork(list(range(3, 60)), 0, [4])])  # fills slots of block 4
-        pool = ex.pools["key_cache.1"]
+        pool = ex.pool
 
         def block(b: int) -> bytes:
             buf, off, _ = fake.resolve(pool + b * ex.block_bytes, ex.block_bytes)
@@ -165,7 +264,7 @@ def test_serve_on_an_ascend_bundle_without_cann_fails_in_one_line(bundles: tuple
     assert r.returncode == 2 and r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
-    assert "pyACL is not importable" in lines[0] and "CANN" in lines[0] and "OM models were not built" in lines[0]
+    assert "pyACL is not importable" in lines[0] and "CANN" in lines[0] and "OM model was not built" in lines[0]
     with pytest.raises(AclUnavailable):
         from omforge.runtime.acl_api import import_acl
 

@@ -3,6 +3,8 @@ dims that select a gear, the coalesced slot-copy plan, and the description check
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -10,10 +12,10 @@ from hypothesis import strategies as st
 
 from helpers import SMOLLM2_RECIPE
 from omforge.compile.buckets import plan
-from omforge.contract.buckets import BucketError
+from omforge.contract.ascend import DYNAMIC_INPUT
+from omforge.contract.buckets import BucketError, om_gear, om_gears
 from omforge.recipe import load_recipe
 from omforge.runtime.acl_plan import (
-    DYNAMIC_INPUT,
     AclModelMismatch,
     ModelDesc,
     TensorDesc,
@@ -31,13 +33,13 @@ PLAN = plan(load_recipe(SMOLLM2_RECIPE).compile, target="ascend", block_size=BS)
 MAX_LEN = PLAN.max_seq_len
 MAX_PROMPT = max_prompt_len(PLAN)
 NUM_SLOTS = 64 * 16 * BS
-# the ascend step graph's data inputs as the manifest's ABI lists them (SmolLM2: 30 layers, 3 KV heads, 64 dims)
-INPUTS = [("input_ids", [1, "num_tokens"]), ("position_ids", [1, "num_tokens"]),
-          ("block_tables", ["num_seqs", "max_blocks"]), ("query_index", ["num_seqs", "max_query_len"]),
-          ("token_index", ["num_tokens"]), ("logits_indices", ["num_logits"])] + [
-    (f"{k}_cache.{i}", ["num_slots", 3, 64]) for i in range(2) for k in ("key", "value")]
-OUTPUTS = [("logits", [1, "num_logits", 49152])] + [(f"{k}_new.{i}", ["num_tokens", 3, 64]) for i in range(2)
-                                                   for k in ("key", "value")]
+# the ascend step graph's data inputs in graph order, and those ATC's --input_shape lists (the pool is static)
+INPUT_SHAPE = [("input_ids", [1, "num_tokens"]), ("position_ids", [1, "num_tokens"]),
+               ("block_tables", ["num_seqs", "max_blocks"]), ("query_index", ["num_seqs", "max_query_len"]),
+               ("token_index", ["num_tokens"]), ("logits_indices", ["num_logits"])]
+INPUTS = [n for n, _ in INPUT_SHAPE] + ["kv_cache"]
+POOL_BYTES = 4 * 30 * 2 * 3 * 64 * NUM_SLOTS  # SmolLM2: 30 layers, 3 KV heads of 64
+OUTPUTS = ["logits", "kv_new"]
 
 
 def table_for(rng: np.random.Generator, tokens: int) -> list[int]:
@@ -150,44 +152,56 @@ def test_slot_copy_plan_of_a_prefill_chunk_is_one_copy_per_block() -> None:
     assert [(c.dst_slot, c.rows) for c in slot_copy_plan(slots)] == [(7 * BS + 100, 28), (3 * BS, 128), (9 * BS, 44)]
 
 
-def _desc(profile_name: str, **changes: object) -> ModelDesc:
-    profile = PLAN.profile(profile_name)
-    inputs = tuple(TensorDesc(n, 4 * 3 * 64 * NUM_SLOTS if "cache" in n else 64, tuple(-1 for _ in d),
-                              0 if "cache" in n else 9)
-                   for n, d in INPUTS) + (TensorDesc(DYNAMIC_INPUT, 8, (1,), 9),)
-    outputs = tuple(TensorDesc(n, 64, (), 0) for n, _ in OUTPUTS)
-    gears = tuple(tuple(gear_dims(profile, g, INPUTS, NUM_SLOTS)) for g in profile.gears)
+def _desc(**changes: object) -> ModelDesc:
+    inputs = tuple(TensorDesc(n, POOL_BYTES if n == "kv_cache" else 64, (), 0 if n == "kv_cache" else 9)
+                   for n in INPUTS) + (TensorDesc(DYNAMIC_INPUT, 8, (1,), 9),)
+    outputs = tuple(TensorDesc(f"node_{i}:0:{n}", 64, (), 0) for i, n in enumerate(OUTPUTS))  # ACL's form
+    gears = tuple(tuple(gear_dims(g, INPUT_SHAPE)) for g in om_gears(PLAN))
     fields = {"inputs": inputs, "outputs": outputs, "gears": gears, "dynamic_index": len(inputs) - 1, **changes}
     return ModelDesc(**fields)
 
 
 def test_check_desc_accepts_the_matching_model_and_names_each_mismatch() -> None:
-    for name in ("prefill", "decode"):
-        check_desc(name, _desc(name), PLAN.profile(name), INPUTS, OUTPUTS, NUM_SLOTS)
-    good = _desc("decode")
+    check_desc(_desc(), INPUTS, OUTPUTS, INPUT_SHAPE, om_gears(PLAN), ("kv_cache", POOL_BYTES))
+    good = _desc()
     cases = {
         "inputs": good.__class__(good.inputs[1:], good.outputs, good.gears, good.dynamic_index),
-        "no ascend_mbatch_shape_data": _desc("decode", dynamic_index=None),
-        "outputs": _desc("decode", outputs=good.outputs[:-1]),
-        "gears compiled": _desc("decode", gears=good.gears[:-1]),
-        "not among the compiled gears": _desc("decode", gears=good.gears[:-1] + ((1, 2, 3),)),
-        "slots needs": _desc("decode", inputs=tuple(TensorDesc(t.name, 99, t.dims, t.dtype) if "cache" in t.name
-                                                       else t for t in good.inputs)),
+        "no ascend_mbatch_shape_data": _desc(dynamic_index=None),
+        "1 outputs": _desc(outputs=good.outputs[:-1]),
+        "output 1 is 'node_1:0:kv'": _desc(outputs=(good.outputs[0], TensorDesc("node_1:0:kv", 64, (), 0))),
+        "gears compiled": _desc(gears=good.gears[:-1]),
+        "not among the compiled gears": _desc(gears=good.gears[:-1] + ((1, 2, 3),)),
+        "pool needs": _desc(inputs=tuple(TensorDesc(t.name, 99, t.dims, t.dtype) if t.name == "kv_cache" else t
+                                         for t in good.inputs)),
     }
     for message, desc in cases.items():
         with pytest.raises(AclModelMismatch, match=message):
-            check_desc("decode", desc, PLAN.profile("decode"), INPUTS, OUTPUTS, NUM_SLOTS)
+            check_desc(desc, INPUTS, OUTPUTS, INPUT_SHAPE, om_gears(PLAN), ("kv_cache", POOL_BYTES))
+
+
+def test_bare_output_names_still_match_and_cann_names_are_cut_at_the_last_colon() -> None:
+    """Issue 20 defect 3: CANN names an ONNX model's outputs ``op-name:edge-index:tensor-name``."""
+    from omforge.runtime.acl_plan import output_name
+
+    assert output_name("logits_f32:0:logits") == "logits" and output_name("logits") == "logits"
+    bare = _desc(outputs=tuple(TensorDesc(n, 64, (), 0) for n in OUTPUTS))
+    check_desc(bare, INPUTS, OUTPUTS, INPUT_SHAPE, om_gears(PLAN), ("kv_cache", POOL_BYTES))
 
 
 def test_gear_dims_agree_with_the_atc_command() -> None:
-    """The dims set at run time carry, at ATC's -1 positions, exactly the values of ATC's --dynamic_dims."""
-    for name in ("prefill", "decode"):
-        profile = PLAN.profile(name)
-        shape = profile.input_shape_string(INPUTS, {"num_slots": NUM_SLOTS})
-        minus = [i for i, v in enumerate(v for part in shape.split(";") for v in part.split(":")[1].split(","))
-                 if v == "-1"]
-        atc_gears = [[int(v) for v in g.split(",")] for g in profile.dynamic_dims_string(INPUTS).split(";")]
-        for gear, atc in zip(profile.gears, atc_gears):
-            dims = gear_dims(profile, gear, INPUTS, NUM_SLOTS)
-            assert len(dims) == sum(len(d) for _, d in INPUTS)
-            assert [dims[i] for i in minus] == atc
+    """The dims set at run time carry, at ATC's -1 positions, exactly the values of ATC's --dynamic_dims, and the
+    list stays far below ACL's 128 (only the step inputs are listed)."""
+    from omforge.compile.atc import AtcModelSpec
+    from omforge.contract.buckets import STEP_DIMS
+
+    spec = AtcModelSpec("step", Path("step.onnx"), dict(INPUT_SHAPE), list(om_gears(PLAN)), list(STEP_DIMS))
+    shape = spec.input_shape_arg()
+    minus = [i for i, v in enumerate(v for part in shape.split(";") for v in part.split(":")[1].split(","))
+             if v == "-1"]
+    atc_gears = [[int(v) for v in g.split(",")] for g in spec.dynamic_dims_arg().split(";")]
+    for gear, atc in zip(om_gears(PLAN), atc_gears, strict=True):
+        dims = gear_dims(gear, INPUT_SHAPE)
+        assert len(dims) == 10 <= 128
+        assert [dims[i] for i in minus] == atc
+    for runs in (plan_runs([SeqWork([1] * 300, 0, list(range(3)))], PLAN), ):
+        assert all(om_gear(r.choice) in om_gears(PLAN) for r in runs)

@@ -7,7 +7,6 @@ No CANN here: goldens were reviewed by hand against reference/ascend.md §1.1–
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import shutil
@@ -18,8 +17,10 @@ import pytest
 
 from helpers import lowering_dict
 from omforge.compile import atc, atc_plugins
+from omforge.compile import buckets as bucket_planner
 from omforge.compile.atc import AtcError, AtcMissing, AtcModelSpec
-from omforge.recipe import FUSIONS, CompileSection
+from omforge.contract.buckets import STEP_DIMS, om_gears
+from omforge.recipe import CompileSection
 
 TESTS = Path(__file__).resolve().parent
 GOLDEN = TESTS / "golden" / "atc"
@@ -31,49 +32,29 @@ REAL_JSON = next((d for d in (Path("/usr/include"), Path("/usr/local/include"))
 FAILED = 0xFFFFFFFF  # domi::FAILED
 
 
-def step_shapes(layers: int, kv_heads: int, head_dim: int, num_slots: int, *, tokens: str, seqs: int | str,
-                query: int | str, logits: int | str) -> dict[str, list[int | str]]:
-    """The step graph's inputs in graph order (passes/paged_kv.py ABI, lowered for ascend: no slot_mapping),
-    with the pool size static as an OM needs it."""
-    shapes: dict[str, list[int | str]] = {
-        "input_ids": [1, tokens], "position_ids": [1, tokens], "block_tables": [seqs, "max_blocks"],
-        "query_index": [seqs, query], "token_index": [tokens], "logits_indices": [logits]}
-    for n in range(layers):
-        shapes[f"key_cache.{n}"] = [num_slots, kv_heads, head_dim]
-        shapes[f"value_cache.{n}"] = [num_slots, kv_heads, head_dim]
-    return shapes
+STEP_INPUTS: dict[str, list[int | str]] = {
+    "input_ids": [1, "num_tokens"], "position_ids": [1, "num_tokens"], "block_tables": ["num_seqs", "max_blocks"],
+    "query_index": ["num_seqs", "max_query_len"], "token_index": ["num_tokens"], "logits_indices": ["num_logits"]}
+"""The ascend step graph's inputs with a dynamic dim, in graph order (passes/paged_kv.py ABI lowered for ascend:
+no slot_mapping; the one pool ``kv_cache`` has a static shape and is not listed)."""
 
 
-def profiles(layers: int, kv_heads: int, head_dim: int, num_slots: int, prefill: list[tuple[int, int]],
-             decode: list[tuple[int, int]]) -> list[AtcModelSpec]:
-    """The two OM models of a bundle, both from one step graph: prefill (one sequence, chunk_len tokens) and
-    decode (batch sequences, one token each); gears as compile/buckets.py gives them."""
-    onnx_path = Path("step.onnx")
-    return [
-        AtcModelSpec("prefill", onnx_path, step_shapes(layers, kv_heads, head_dim, num_slots, tokens="chunk_len",
-                                                       seqs=1, query="chunk_len", logits=1),
-                     prefill, ["chunk_len", "max_blocks"]),
-        AtcModelSpec("decode", onnx_path, step_shapes(layers, kv_heads, head_dim, num_slots, tokens="batch",
-                                                      seqs="batch", query=1, logits="batch"),
-                     decode, ["batch", "max_blocks"]),
-    ]
+def om_spec(compile: CompileSection, block_size: int = 128) -> AtcModelSpec:
+    """The one OM of a bundle: both profiles' gears (compile/buckets.py) over the step dims."""
+    plan = bucket_planner.plan(compile, target="ascend", block_size=block_size)
+    return AtcModelSpec("step", Path("step.onnx"), STEP_INPUTS, list(om_gears(plan)), list(STEP_DIMS))
 
 
-# name -> (compile section, model profiles): SmolLM2-135M (30 layers, 3 KV heads of 64), Llama-3-8B (32 layers,
-# 8 KV heads of 128), Qwen2-0.5B (24 layers, 2 KV heads of 64); block size 128 (max_blocks = max_seq_len / 128).
-VARIANTS: dict[str, tuple[CompileSection, list[AtcModelSpec]]] = {
-    "smollm2-910b3": (
-        CompileSection(target="ascend", soc_version="Ascend910B3", precision_mode="allow_fp32_to_fp16"),
-        profiles(30, 3, 64, 65536, prefill=[(128, 16), (512, 16)], decode=[(1, 16), (16, 16), (64, 16)])),
-    "llama3-910b4": (
-        CompileSection(target="ascend", soc_version="Ascend910B4", precision_mode="force_fp32", max_seq_len=8192),
-        profiles(32, 8, 128, 32768, prefill=[(256, 64), (1024, 64), (4096, 64)], decode=[(1, 64), (8, 64), (32, 64)])),
-    "qwen2-310p3": (
-        CompileSection(target="ascend", soc_version="Ascend310P3", precision_mode="must_keep_origin_dtype",
-                       max_seq_len=1024, fusions={"attention": False}),
-        profiles(24, 2, 64, 16384, prefill=[(64, 8), (128, 8), (256, 8), (512, 8)],
-                 decode=[(1, 8), (2, 8), (4, 8), (8, 8)])),
-}
+# name -> (compile section, [the OM's spec]): SmolLM2-135M, Llama-3-8B, Qwen2-0.5B shapes of compile sections
+VARIANTS: dict[str, tuple[CompileSection, list[AtcModelSpec]]] = {}
+for _name, _compile in {
+    "smollm2-910b3": CompileSection(target="ascend", soc_version="Ascend910B3", precision_mode="allow_fp32_to_fp16"),
+    "llama3-910b4": CompileSection(target="ascend", soc_version="Ascend910B4", precision_mode="force_fp32",
+                                   max_seq_len=8192, max_num_tokens=4096, max_batch_size=32),
+    "qwen2-310p3": CompileSection(target="ascend", soc_version="Ascend310P3", precision_mode="must_keep_origin_dtype",
+                                  max_seq_len=1024, max_batch_size=8, fusions={"attention": False}),
+}.items():
+    VARIANTS[_name] = (_compile, [om_spec(_compile)])
 
 
 def check_golden(path: Path, text: str) -> None:
@@ -101,12 +82,11 @@ def test_command_lines_match_golden(variant: str) -> None:
         flags = [a.split("=", 1)[0] for a in argv[1:]]
         assert argv[0] == "atc" and flags == [
             "--model", "--framework", "--output", "--soc_version", "--input_format", "--input_shape",
-            "--dynamic_dims", "--precision_mode", "--fusion_switch_file", "--log"]
+            "--dynamic_dims", "--precision_mode", "--log"]  # no fusion switch file: nothing of CANN's is off
         args = dict(a.split("=", 1) for a in argv[1:])
         assert args["--framework"] == "5" and args["--input_format"] == "ND" and args["--log"] == "error"
         assert args["--soc_version"] == compile.soc_version and args["--precision_mode"] == compile.precision_mode
-        assert args["--output"] == f"om/{spec.name}" and atc.om_path(argv) == Path(f"om/{spec.name}.om")
-        assert args["--fusion_switch_file"] == "om/fusion_switch.cfg"
+        assert args["--output"] == f"om/{spec.name}" and atc.output_prefix(argv) == Path(f"om/{spec.name}")
         assert "--out_nodes" not in flags  # the graph's own outputs are the model's (module docstring)
         # one value per -1, every gear; a dim shared by several inputs repeats its gear value (§1.3)
         minus_ones = args["--input_shape"].count("-1")
@@ -114,6 +94,8 @@ def test_command_lines_match_golden(variant: str) -> None:
         assert len(gears) == len(spec.gears) and {len(g) for g in gears} == {minus_ones}
         names = [part.split(":")[0] for part in args["--input_shape"].split(";")]
         assert names == list(spec.input_shapes)  # graph input order
+        # the gears' dims lists are built from the listed inputs, static dims included: at most 128 (§3.4)
+        assert sum(len(d) for d in spec.input_shapes.values()) <= 128
 
 
 def test_render_command_quotes_like_the_atc_docs() -> None:
@@ -169,22 +151,6 @@ def test_gear_values_fill_every_minus_one_in_input_then_dim_order() -> None:
     assert spec_with(gears=[(b, 8) for b in range(1, 101)]).dynamic_dims_arg().count(";") == 99  # 100 gears: fine
 
 
-# --- fusion switch file -----------------------------------------------------------------------------------------
-
-
-def test_fusion_switch_file_has_the_documented_structure(tmp_path: Path) -> None:
-    compile = VARIANTS["qwen2-310p3"][0]
-    path = atc.write_fusion_switch(compile.fusions, tmp_path / "om" / atc.FUSION_SWITCH_FILE)
-    data = json.loads(path.read_text())
-    # §1.5: {"Switch":{"GraphFusion":{...},"UBFusion":{...}}}; no CANN pass named in the reference, so all on
-    assert data["Switch"] == {"GraphFusion": {"ALL": "on"}, "UBFusion": {"ALL": "on"}}
-    assert set(data) == {"Switch", "omforge"}
-    assert data["omforge"]["fusions"] == {f: "off" if f == "attention" else "on" for f in FUSIONS}
-    assert list(data["omforge"]["fusions"]) == list(FUSIONS)
-    with pytest.raises(AtcError, match="unknown fusion"):
-        atc.fusion_switch_config({"rmsnorm": True})
-
-
 # --- build.sh ---------------------------------------------------------------------------------------------------
 
 
@@ -200,20 +166,21 @@ def test_build_script_matches_golden(tmp_path: Path) -> None:
     text = plain.read_text()
     subprocess.run(["bash", "-n", str(plain)], check=True)
     assert "plugins" not in text and "ASCEND_CUSTOM_OPP_PATH" not in text
-    assert "\n  " + " \\\n  ".join(atc._quote(a) for a in commands[1]) + "\n" in text
+    assert "\n  " + " \\\n  ".join(atc._quote(a) for a in commands[0]) + "\n" in text
 
 
 # --- running atc ------------------------------------------------------------------------------------------------
 
 FAKE_ATC = """#!/bin/sh
-# FAKE atc for tests/test_atc.py only, NOT CANN's ATC: it records its arguments, then writes <--output>.om and a
+# FAKE atc for tests/test_atc.py only, NOT CANN's ATC: it records its arguments, then writes
+# <--output>_linux_x86_64.om (the suffix ATC adds for dynamic-shape parts, hicann/ge model_helper.cc) and a
 # fusion_result.json like ATC does; FAKE_ATC_FAIL makes it fail like ATC, FAKE_ATC_NO_OM exit 0 without an .om.
 printf '%s\\n' "$@" '--end--' >> "$FAKE_ATC_RECORD"
 if [ -n "${FAKE_ATC_FAIL:-}" ]; then echo 'ATC start working now, please wait for a moment.'; \
 echo 'E16005: fake failure for the test' >&2; exit 1; fi
 for arg in "$@"; do case "$arg" in --output=*) out="${arg#--output=}" ;; esac; done
 echo '{"graph_fusion": {}}' > fusion_result.json
-if [ -z "${FAKE_ATC_NO_OM:-}" ]; then printf 'fake om\\n' > "$out.om"; fi
+if [ -z "${FAKE_ATC_NO_OM:-}" ]; then printf 'fake om\\n' > "${out}_linux_x86_64.om"; fi
 echo 'ATC run success, welcome to the next use.'
 """
 
@@ -234,39 +201,39 @@ def test_run_atc_with_a_fake_atc_on_path(tmp_path: Path, monkeypatch: pytest.Mon
     bundle.mkdir()
     compile, specs = VARIANTS["qwen2-310p3"]
     commands = [atc.atc_command(spec, compile, Path("om")) for spec in specs]
+    om = bundle / "om" / "step_linux_x86_64.om"
     oms = atc.run_atc(commands, bundle / "logs", cwd=bundle)
-    assert oms == [bundle / "om" / "prefill.om", bundle / "om" / "decode.om"]
+    assert oms == [om]  # found by its --output prefix, suffix and all
     calls = record.read_text().split("--end--\n")[:-1]
     assert [c.splitlines() for c in calls] == [c[1:] for c in commands]  # each argv, unchanged
-    for name in ("prefill", "decode"):
-        log = (bundle / "logs" / f"atc-{name}.log").read_text()
-        assert log.startswith(f"$ {atc.render_command(commands[0 if name == 'prefill' else 1])}\n")
-        assert "ATC run success" in log
-        assert (bundle / "logs" / f"{name}.fusion_result.json").is_file()
+    log = (bundle / "logs" / "atc-step.log").read_text()
+    assert log.startswith(f"$ {atc.render_command(commands[0])}\n") and "ATC run success" in log
+    assert (bundle / "logs" / "step.fusion_result.json").is_file()
     assert not (bundle / "fusion_result.json").exists()
 
     monkeypatch.setenv("FAKE_ATC_FAIL", "1")
     with pytest.raises(AtcError) as failed:
-        atc.run_atc(commands[1:], bundle / "logs", cwd=bundle)
-    assert f"atc failed for model 'decode' (exit 1); see {bundle / 'logs' / 'atc-decode.log'}" in str(failed.value)
+        atc.run_atc(commands, bundle / "logs", cwd=bundle)
+    assert f"atc failed for model 'step' (exit 1); see {bundle / 'logs' / 'atc-step.log'}" in str(failed.value)
     assert "E16005: fake failure" in str(failed.value)
     monkeypatch.delenv("FAKE_ATC_FAIL")
 
-    monkeypatch.setenv("FAKE_ATC_NO_OM", "1")  # decode.om of the first run is still there: it must not count
-    with pytest.raises(AtcError, match="atc exited 0 for model 'decode' but wrote no .*decode.om; see .*decode.log"):
-        atc.run_atc(commands[1:], bundle / "logs", cwd=bundle)
-    assert not (bundle / "om" / "decode.om").exists()  # never a stand-in .om
+    om.write_text("stale")
+    monkeypatch.setenv("FAKE_ATC_NO_OM", "1")  # the .om of an earlier run is still there: it must not count
+    with pytest.raises(AtcError, match="atc exited 0 for model 'step' but wrote no .*step\\*.om; see .*step.log"):
+        atc.run_atc(commands, bundle / "logs", cwd=bundle)
+    assert not om.exists()  # never a stand-in .om
     monkeypatch.delenv("FAKE_ATC_NO_OM")
 
     shutil.rmtree(bundle / "om")
     script = atc.render_build_script(commands, bundle / "build.sh")
     run = subprocess.run(["bash", str(script)], cwd=tmp_path, capture_output=True, text=True, check=False)
     assert run.returncode == 0, run.stderr
-    assert (bundle / "om" / "prefill.om").is_file() and (bundle / "om" / "decode.om").is_file()
-    assert (bundle / "logs" / "decode.fusion_result.json").is_file()
+    assert om.is_file() and f"wrote om/{om.name}" in run.stdout
+    assert (bundle / "logs" / "step.fusion_result.json").is_file()
     monkeypatch.setenv("FAKE_ATC_FAIL", "1")
     run = subprocess.run(["bash", str(script)], capture_output=True, text=True, check=False)
-    assert run.returncode == 1 and "atc failed for prefill" in run.stderr and "E16005" in run.stderr
+    assert run.returncode == 1 and "atc failed for step" in run.stderr and "E16005" in run.stderr
 
 
 def test_without_atc_the_step_is_left_and_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -288,15 +255,15 @@ def test_without_atc_the_step_is_left_and_named(tmp_path: Path, monkeypatch: pyt
 
 
 def test_input_shapes_from_the_real_step_graph(tiny_ascend_step: tuple[dict, Path]) -> None:
+    """The step graph's pool is static (issue 20 defect 2): only the step inputs have dims a gear sets."""
     _, step = tiny_ascend_step
-    prefill = {"num_tokens": "chunk_len", "max_query_len": "chunk_len", "num_seqs": 1, "num_logits": 1,
-               "max_blocks": "max_blocks", "num_slots": 4096}
-    shapes = atc.input_shapes_from_onnx(step, prefill)
-    assert shapes == step_shapes(2, 2, 16, 4096, tokens="chunk_len", seqs=1, query="chunk_len", logits=1)
-    spec = AtcModelSpec("prefill", step, shapes, [(16, 4), (64, 8)], ["chunk_len", "max_blocks"])
+    shapes = atc.input_shapes_from_onnx(step, {d: d for d in STEP_DIMS})
+    assert {n: d for n, d in shapes.items() if n != "kv_cache"} == STEP_INPUTS
+    assert all(isinstance(d, int) for d in shapes["kv_cache"])
+    spec = AtcModelSpec("step", step, STEP_INPUTS, [(16, 1, 16, 1, 4), (1, 1, 1, 1, 8)], list(STEP_DIMS))
     argv = atc.atc_command(spec, CompileSection(target="ascend"), step.parent / "om")
-    assert "--dynamic_dims=16,16,4,16,16;64,64,8,64,64" in argv
-    with pytest.raises(AtcError, match="input 'key_cache.0' has dim 'num_slots' with no size or gear dim given"):
-        atc.input_shapes_from_onnx(step, {k: v for k, v in prefill.items() if k != "num_slots"})
+    assert "--dynamic_dims=16,16,1,4,1,16,16,1;1,1,1,8,1,1,1,1" in argv
+    with pytest.raises(AtcError, match="input 'input_ids' has dim 'num_tokens' with no size or gear dim given"):
+        atc.input_shapes_from_onnx(step, {})
     with pytest.raises(AtcError, match="cannot read the ONNX graph"):
-        atc.input_shapes_from_onnx(step.parent / "missing.onnx", prefill)
+        atc.input_shapes_from_onnx(step.parent / "missing.onnx", {})

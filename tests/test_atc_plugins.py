@@ -42,7 +42,7 @@ def test_plugin_project_files(tmp_path: Path) -> None:
     assert ".ParseParamsByOperatorFn(ParseOmRmsNorm)" in rms and ".ImplyType(ImplyType::TVM);" in rms
     assert 'op_dest.SetAttr("epsilon", epsilon);' in rms and "[unverified]" in rms
     pa = (tmp_path / "plugins" / "paged_attention_onnx_plugin.cc").read_text()
-    for attr in ("scale_value", "num_heads", "num_key_value_heads", "block_size"):
+    for attr in ("scale_value", "num_heads", "num_key_value_heads", "block_size", "layer", "num_layers"):
         assert f'op_dest.SetAttr("{attr}", {attr});' in pa
     readme = (tmp_path / "plugins" / "README.md").read_text()
     assert "the GE op prototype (`REG_OP`) and the\nkernel are not provided" in readme
@@ -141,9 +141,11 @@ def test_plugin_parse_functions_copy_the_onnx_attributes(tmp_path: Path) -> None
     status, attrs, _ = parse("ai.onnx::18::SwiGlu", pb2json(dim=-1))
     assert status == 0 and attrs == {"dim": "int -1"}
     status, attrs, _ = parse("ai.onnx::18::PagedAttention",
-                             pb2json(scale_value=0.125, num_heads=9, num_key_value_heads=3, block_size=128))
+                             pb2json(scale_value=0.125, num_heads=9, num_key_value_heads=3, block_size=128, layer=1,
+                                     num_layers=30))
     assert status == 0 and attrs == {"scale_value": "float 0.125", "num_heads": "int 9",
-                                     "num_key_value_heads": "int 3", "block_size": "int 128"}
+                                     "num_key_value_heads": "int 3", "block_size": "int 128", "layer": "int 1",
+                                     "num_layers": "int 30"}
     pfa = dict(num_heads=9, input_layout="BNSD", scale_value=0.125, pre_tokens=2**31 - 1, next_tokens=0,
                num_key_value_heads=3, sparse_mode=0, inner_precise=0)
     status, attrs, _ = parse("ai.onnx::18::NPUPromptFlashAttention", pb2json(**pfa))

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from helpers import TINY_RECIPE
 from omforge.compile.buckets import DEFAULT_GEAR_CAP, BucketWarning, plan
-from omforge.contract.buckets import MAX_GEARS, STEP_DIMS, BucketError, BucketPlan, Choice, pick
+from omforge.contract.buckets import MAX_GEARS, STEP_DIMS, BucketError, BucketPlan, Choice, om_gears, pick
 from omforge.recipe import Buckets, CompileSection, load_recipe
 
 
@@ -126,10 +126,14 @@ def test_101_gears_is_an_error_100_warns() -> None:
                                           r"fewer values in compile\.buckets\.decode_batch_sizes"):
         plan(_section(max_batch_size=128, decode_batch_sizes=batches, context_lens=[512]), target="ascend",
              block_size=64)
+    # the one OM holds both profiles' gears: 97 decode + the 3 prefill gears (1 shared with decode 1) fit 100
     with pytest.warns(BucketWarning):
-        p = plan(_section(max_batch_size=128, decode_batch_sizes=batches[:MAX_GEARS], context_lens=[512]),
+        p = plan(_section(max_batch_size=128, decode_batch_sizes=batches[:97], context_lens=[512]),
                  target="ascend", block_size=64)
-    assert len(p.profile("decode").gears or ()) == 100
+    assert len(p.profile("decode").gears or ()) == 97 and len(om_gears(p)) <= MAX_GEARS
+    with pytest.raises(BucketError, match=r"the OM's gears \(prefill and decode together\) number 10[0-9]"):
+        plan(_section(max_batch_size=128, decode_batch_sizes=batches[:MAX_GEARS], context_lens=[512]),
+             target="ascend", block_size=64)
 
 
 @pytest.mark.parametrize("target", ["ascend", "ort"])

@@ -155,59 +155,70 @@ def test_plain_graph_matches_the_ort_lowering(export_dir: Path, tmp_path: Path, 
 
 
 def test_step_graph_returns_new_rows_and_drops_pool_outputs(export_dir: Path) -> None:
+    """One pool ``kv_cache [num_slots, L, 2, kv, D]`` in, the step's new rows of every layer ``kv_new`` out
+    (slot-major in both: one device copy per run of slots, issue 20)."""
     model, result = lowered(export_dir, paged=True, paged_attention="plugin")
     assert_atc_parsable(model)
-    new_rows = [f"{k}_new.{i}" for i in range(LAYERS) for k in ("key", "value")]
-    assert [o.name for o in model.graph.outputs] == ["logits", *new_rows]
-    assert result.new_kv_outputs == new_rows and result.removed_inputs == ["slot_mapping"]
-    inputs = [i.name for i in model.graph.inputs]
-    assert "slot_mapping" not in inputs and not any("cache_out" in n for n in inputs)
-    for out in model.graph.outputs[1:]:
-        assert list(out.shape) == [ir.SymbolicDim("num_tokens"), KV_HEADS, HEAD_DIM] and out.dtype == ir.DataType.FLOAT
+    assert [o.name for o in model.graph.outputs] == ["logits", "kv_new"]
+    pools = [f"{k}_cache.{i}" for i in range(LAYERS) for k in ("key", "value")]
+    assert result.new_kv_outputs == ["kv_new"] and sorted(result.removed_inputs) == sorted([*pools, "slot_mapping"])
+    inputs = {i.name: i for i in model.graph.inputs}
+    assert "slot_mapping" not in inputs and not any("cache." in n or "cache_out" in n for n in inputs)
+    assert list(inputs["kv_cache"].shape) == [ir.SymbolicDim("num_slots"), LAYERS, 2, KV_HEADS, HEAD_DIM]
+    out = model.graph.outputs[1]
+    assert list(out.shape) == [ir.SymbolicDim("num_tokens"), LAYERS, 2, KV_HEADS, HEAD_DIM]
+    assert out.dtype == ir.DataType.FLOAT
     paged = nodes(model, "PagedAttention")
     assert len(paged) == LAYERS
     for layer, node in enumerate(paged):
         assert attrs(node) == {"scale_value": pytest.approx(HEAD_DIM ** -0.5), "num_heads": HEADS,
-                               "num_key_value_heads": KV_HEADS, "block_size": BLOCK}
+                               "num_key_value_heads": KV_HEADS, "block_size": BLOCK, "layer": layer,
+                               "num_layers": LAYERS}
         names = [v.name for v in node.inputs]
-        assert names[3:] == [f"key_cache.{layer}", f"value_cache.{layer}", "block_tables", "query_index",
-                             "token_index", "position_ids"]
+        assert names[3:] == ["kv_cache", "block_tables", "query_index", "token_index", "position_ids"]
         assert len(node.outputs) == 1
     op = result.custom_ops["PagedAttention"]
-    assert op.own_plugin and op.own_kernel and op.inputs[3:5] == ("key_cache", "value_cache")
+    assert op.own_plugin and op.own_kernel and op.inputs[3] == "kv_cache"
     assert result.own_kernels == ["PagedAttention"]
+
+
+def test_static_slot_count_leaves_only_step_inputs_dynamic(export_dir: Path) -> None:
+    """Issue 20 defect 2: ``num_slots`` given, the pool is static, so ATC's --input_shape need not list it."""
+    model, _ = lowered(export_dir, paged=True, paged_attention="plain", num_slots=32 * BLOCK)
+    dynamic = [i.name for i in model.graph.inputs if any(not isinstance(d, int) for d in i.shape)]
+    assert dynamic == ["input_ids", "position_ids", "block_tables", "query_index", "token_index", "logits_indices"]
+    pool = next(i for i in model.graph.inputs if i.name == "kv_cache")
+    assert list(pool.shape) == [32 * BLOCK, LAYERS, 2, KV_HEADS, HEAD_DIM]
 
 
 def test_plain_step_graph_with_host_copies_matches_the_ort_executor(export_dir: Path, tmp_path: Path) -> None:
     """The OM's contract emulated on ORT: the graph returns the new rows, the host copies them at slot_mapping
-    (ACL's D2D copy); logits and pools equal the ORT step graph's in-place ScatterND."""
+    (ACL's D2D copy, one per slot); logits and pools equal the ORT step graph's in-place ScatterND."""
     report = build(export_dir, tmp_path / "ort" / "model.onnx", block_size=BLOCK)
     num_blocks = 32
     ref = OrtExecutor(tmp_path / "ort" / "model.onnx", report.layout, num_blocks=num_blocks, threads=2)
-    model, result = lowered(export_dir, paged=True, paged_attention="plain", plain=True)
+    model, result = lowered(export_dir, paged=True, paged_attention="plain", plain=True, num_slots=num_blocks * BLOCK)
     assert_atc_parsable(model)
-    assert not result.custom_ops and result.removed_inputs == ["slot_mapping"]
+    assert not result.custom_ops and "slot_mapping" in result.removed_inputs
     assert {n.op_type for n in model.graph} >= {"ScatterND", "Gather"}
     sess = session(model, tmp_path / "ascend.onnx")
     feeds = {i.name for i in sess.get_inputs()}
     outputs = [o.name for o in sess.get_outputs()]
     slots = (num_blocks * BLOCK, KV_HEADS, HEAD_DIM)
-    pools = {f"{k}_cache.{i}": np.zeros(slots, np.float32) for i in range(LAYERS) for k in ("key", "value")}
+    pool = np.zeros((num_blocks * BLOCK, LAYERS, 2, KV_HEADS, HEAD_DIM), np.float32)
 
     def run(step: dict[str, np.ndarray]) -> np.ndarray:
-        values = dict(zip(outputs, sess.run(None, {**{k: v for k, v in step.items() if k in feeds}, **pools})))
-        for name, rows in values.items():
-            if name != "logits":
-                kind, layer = name.split("_new.")
-                pools[f"{kind}_cache.{layer}"][step["slot_mapping"]] = rows
+        values = dict(zip(outputs, sess.run(None, {**{k: v for k, v in step.items() if k in feeds},
+                                                   "kv_cache": pool})))
+        pool[step["slot_mapping"]] = values["kv_new"]
         return values["logits"][0]
 
     def check(step: dict[str, np.ndarray]) -> np.ndarray:
         ours, theirs = run(step), ref.run(step)
         np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
         for layer in range(LAYERS):  # same rows at the same slots (ORT's RotaryEmbedding rounds a little differently)
-            np.testing.assert_allclose(pools[f"key_cache.{layer}"], ref.key_pools[layer].reshape(slots), atol=1e-6)
-            np.testing.assert_allclose(pools[f"value_cache.{layer}"], ref.value_pools[layer].reshape(slots), atol=1e-6)
+            np.testing.assert_allclose(pool[:, layer, 0], ref.key_pools[layer].reshape(slots), atol=1e-6)
+            np.testing.assert_allclose(pool[:, layer, 1], ref.value_pools[layer].reshape(slots), atol=1e-6)
         return ours
 
     rng = np.random.default_rng(3)

@@ -29,12 +29,15 @@ export ASCEND_CUSTOM_OPP_PATH="$opp/vendors/omforge${ASCEND_CUSTOM_OPP_PATH:+:$A
 echo "build.sh: note: PagedAttention needs a GE op prototype and kernel that omforge does not provide (plugins/README.md); atc fails on it unless one is installed" >&2
 
 mkdir -p logs
-run_atc() {  # run_atc MODEL OM_FILE atc ARGS...
-  local name="$1" om="$2"
+find_om() {  # find_om PREFIX: ATC writes PREFIX.om, or PREFIX_<os>_<cpu>.om for dynamic-shape parts
+  compgen -G "$1.om" || compgen -G "$1_*.om" || true
+}
+run_atc() {  # run_atc MODEL OUTPUT_PREFIX atc ARGS...
+  local name="$1" prefix="$2" om
   shift 2
-  echo "build.sh: atc $name -> $om"
-  mkdir -p "$(dirname "$om")"
-  rm -f "$om"  # a stale .om must not pass for this run's
+  echo "build.sh: atc $name -> $prefix*.om"
+  mkdir -p "$(dirname "$prefix")"
+  rm -f "$prefix.om" "$prefix"_*.om  # a stale .om must not pass for this run's
   if ! "$@" >"logs/atc-$name.log" 2>&1; then
     echo "build.sh: atc failed for $name; the end of logs/atc-$name.log:" >&2
     tail -n 20 "logs/atc-$name.log" >&2
@@ -43,34 +46,23 @@ run_atc() {  # run_atc MODEL OM_FILE atc ARGS...
   if [[ -f fusion_result.json ]]; then
     mv -f fusion_result.json "logs/$name.fusion_result.json"
   fi
-  if [[ ! -f "$om" ]]; then
-    echo "build.sh: atc exited 0 for $name but $om is missing; see logs/atc-$name.log" >&2
+  om="$(find_om "$prefix" | head -n 1)"
+  if [[ -z "$om" ]]; then
+    echo "build.sh: atc exited 0 for $name but wrote no $prefix*.om; see logs/atc-$name.log" >&2
     exit 1
   fi
+  echo "build.sh: wrote $om"
 }
 
-run_atc prefill om/prefill.om \
+run_atc step om/step \
   atc \
   --model=step.onnx \
   --framework=5 \
-  --output=om/prefill \
+  --output=om/step \
   --soc_version=Ascend910B3 \
   --input_format=ND \
-  --input_shape="input_ids:1,-1;position_ids:1,-1;block_tables:1,-1;query_index:1,-1;token_index:-1;logits_indices:1;key_cache.0:65536,3,64;value_cache.0:65536,3,64;key_cache.1:65536,3,64;value_cache.1:65536,3,64;key_cache.2:65536,3,64;value_cache.2:65536,3,64;key_cache.3:65536,3,64;value_cache.3:65536,3,64;key_cache.4:65536,3,64;value_cache.4:65536,3,64;key_cache.5:65536,3,64;value_cache.5:65536,3,64;key_cache.6:65536,3,64;value_cache.6:65536,3,64;key_cache.7:65536,3,64;value_cache.7:65536,3,64;key_cache.8:65536,3,64;value_cache.8:65536,3,64;key_cache.9:65536,3,64;value_cache.9:65536,3,64;key_cache.10:65536,3,64;value_cache.10:65536,3,64;key_cache.11:65536,3,64;value_cache.11:65536,3,64;key_cache.12:65536,3,64;value_cache.12:65536,3,64;key_cache.13:65536,3,64;value_cache.13:65536,3,64;key_cache.14:65536,3,64;value_cache.14:65536,3,64;key_cache.15:65536,3,64;value_cache.15:65536,3,64;key_cache.16:65536,3,64;value_cache.16:65536,3,64;key_cache.17:65536,3,64;value_cache.17:65536,3,64;key_cache.18:65536,3,64;value_cache.18:65536,3,64;key_cache.19:65536,3,64;value_cache.19:65536,3,64;key_cache.20:65536,3,64;value_cache.20:65536,3,64;key_cache.21:65536,3,64;value_cache.21:65536,3,64;key_cache.22:65536,3,64;value_cache.22:65536,3,64;key_cache.23:65536,3,64;value_cache.23:65536,3,64;key_cache.24:65536,3,64;value_cache.24:65536,3,64;key_cache.25:65536,3,64;value_cache.25:65536,3,64;key_cache.26:65536,3,64;value_cache.26:65536,3,64;key_cache.27:65536,3,64;value_cache.27:65536,3,64;key_cache.28:65536,3,64;value_cache.28:65536,3,64;key_cache.29:65536,3,64;value_cache.29:65536,3,64" \
-  --dynamic_dims="128,128,16,128,128;512,512,16,512,512" \
+  --input_shape="input_ids:1,-1;position_ids:1,-1;block_tables:-1,-1;query_index:-1,-1;token_index:-1;logits_indices:-1" \
+  --dynamic_dims="1,1,1,4,1,1,1,1;1,1,1,16,1,1,1,1;4,4,4,4,4,1,4,4;4,4,4,16,4,1,4,4;16,16,16,4,16,1,16,16;16,16,16,16,16,1,16,16;64,64,64,4,64,1,64,64;64,64,64,16,64,1,64,64;128,128,1,4,1,128,128,1;128,128,1,16,1,128,128,1;256,256,1,4,1,256,256,1;256,256,1,16,1,256,256,1;1024,1024,1,4,1,1024,1024,1;1024,1024,1,16,1,1024,1024,1;2048,2048,1,16,1,2048,2048,1" \
   --precision_mode=allow_fp32_to_fp16 \
-  --fusion_switch_file=om/fusion_switch.cfg \
   --log=error
-run_atc decode om/decode.om \
-  atc \
-  --model=step.onnx \
-  --framework=5 \
-  --output=om/decode \
-  --soc_version=Ascend910B3 \
-  --input_format=ND \
-  --input_shape="input_ids:1,-1;position_ids:1,-1;block_tables:-1,-1;query_index:-1,1;token_index:-1;logits_indices:-1;key_cache.0:65536,3,64;value_cache.0:65536,3,64;key_cache.1:65536,3,64;value_cache.1:65536,3,64;key_cache.2:65536,3,64;value_cache.2:65536,3,64;key_cache.3:65536,3,64;value_cache.3:65536,3,64;key_cache.4:65536,3,64;value_cache.4:65536,3,64;key_cache.5:65536,3,64;value_cache.5:65536,3,64;key_cache.6:65536,3,64;value_cache.6:65536,3,64;key_cache.7:65536,3,64;value_cache.7:65536,3,64;key_cache.8:65536,3,64;value_cache.8:65536,3,64;key_cache.9:65536,3,64;value_cache.9:65536,3,64;key_cache.10:65536,3,64;value_cache.10:65536,3,64;key_cache.11:65536,3,64;value_cache.11:65536,3,64;key_cache.12:65536,3,64;value_cache.12:65536,3,64;key_cache.13:65536,3,64;value_cache.13:65536,3,64;key_cache.14:65536,3,64;value_cache.14:65536,3,64;key_cache.15:65536,3,64;value_cache.15:65536,3,64;key_cache.16:65536,3,64;value_cache.16:65536,3,64;key_cache.17:65536,3,64;value_cache.17:65536,3,64;key_cache.18:65536,3,64;value_cache.18:65536,3,64;key_cache.19:65536,3,64;value_cache.19:65536,3,64;key_cache.20:65536,3,64;value_cache.20:65536,3,64;key_cache.21:65536,3,64;value_cache.21:65536,3,64;key_cache.22:65536,3,64;value_cache.22:65536,3,64;key_cache.23:65536,3,64;value_cache.23:65536,3,64;key_cache.24:65536,3,64;value_cache.24:65536,3,64;key_cache.25:65536,3,64;value_cache.25:65536,3,64;key_cache.26:65536,3,64;value_cache.26:65536,3,64;key_cache.27:65536,3,64;value_cache.27:65536,3,64;key_cache.28:65536,3,64;value_cache.28:65536,3,64;key_cache.29:65536,3,64;value_cache.29:65536,3,64" \
-  --dynamic_dims="1,1,1,16,1,1,1;16,16,16,16,16,16,16;64,64,64,16,64,64,64" \
-  --precision_mode=allow_fp32_to_fp16 \
-  --fusion_switch_file=om/fusion_switch.cfg \
-  --log=error
-echo "build.sh: done (2 OM models)"
+echo "build.sh: done (1 OM model)"
