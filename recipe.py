@@ -86,9 +86,12 @@ QUANT_MATRICES = ("attention", "mlp", "lm_head")
 
 
 class QuantizationSection(_Section):
-    """How ``compile.weights: int8 | int4`` quantizes (weight-only, round to nearest, per group along K)."""
+    """How ``compile.weights: int8 | int4`` quantizes (weight-only, round to nearest, per group along K).
 
-    group_size: Literal[32, 64, 128] = 32
+    ``group_size`` 0 is per channel (one scale per output column): ascend int8 only, and its default there
+    (``passes/ascend_w8a16.py``: the form of WeightQuantBatchMatmulV2 every CANN accepts)."""
+
+    group_size: Literal[0, 32, 64, 128] = 32
     symmetric: bool = True
     matrices: list[Literal["attention", "mlp", "lm_head"]] = Field(default_factory=lambda: list(QUANT_MATRICES))
     embedding: Literal["quantized", "float"] = "quantized"
@@ -149,6 +152,17 @@ class CompileSection(_Section):
             data = {"precision_mode": "must_keep_origin_dtype", **data}
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _w8a16_group(cls, data: Any) -> Any:
+        """Ascend int8 (W8A16) is per channel unless quantization.group_size says otherwise: the form every CANN
+        version's WeightQuantBatchMatmulV2 accepts (passes/ascend_w8a16.py)."""
+        if isinstance(data, dict) and data.get("target") == "ascend" and data.get("weights") == "int8":
+            q = data.get("quantization", {})
+            if isinstance(q, dict) and "group_size" not in q:
+                data = {**data, "quantization": {**q, "group_size": 0}}
+        return data
+
     @model_validator(mode="after")
     def _weights_per_target(self) -> CompileSection:
         if self.weights in ("float32", "float16") and self.quantization.model_fields_set:  # never a no-op setting
@@ -164,6 +178,15 @@ class CompileSection(_Section):
         if self.weights == "int4" and self.target == "ascend":
             raise _KeyError("weights", "int4 weights on ascend (WeightQuantBatchMatmulV2's INT4Pack) are not built; "
                             "use float16, or int8 (W8A16)")
+        if self.quantization.group_size == 0 and not (self.target == "ascend" and self.weights == "int8"):
+            raise _KeyError("quantization", f"group_size 0 (one scale per output column) is for ascend int8 "
+                            f"weights (WeightQuantBatchMatmulV2); {self.weights} on {self.target} quantizes per "
+                            "block of 32, 64 or 128")
+        if self.weights == "int8" and self.target == "ascend":
+            from omforge.passes.ascend_w8a16 import soc_refusal
+
+            if (why := soc_refusal(self.soc_version)) is not None:
+                raise _KeyError("weights", why)
         if self.target == "ascend" and self.weights != "float32":
             if self.precision_mode != "must_keep_origin_dtype":  # the default is set by _fp16_precision_mode
                 raise _KeyError("precision_mode", f"{self.precision_mode} with {self.weights} weights: an fp16 graph "

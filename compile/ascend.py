@@ -33,6 +33,7 @@ from omforge.compile.atc import (
 from omforge.compile.atc_plugins import render_plugins
 from omforge.contract.ascend import OM_MODEL
 from omforge.contract.buckets import STEP_DIMS, BucketPlan, om_gears
+from omforge.passes.ascend_w8a16 import lowering_note
 from omforge.passes.pipeline import Pipeline, histogram, interface
 from omforge.recipe import Recipe
 
@@ -57,7 +58,8 @@ def lower_step_graph(export_dir: Path, out: Path, recipe: Recipe, block_size: in
             "lowering": lowering.to_dict(), "onnxsim": simplified,
             "weights": {"precision": c.weights, "quantized": run.quantized, "accuracy_level": None,
                         "graph": "float16 (float32 islands: RMSNorm statistics, softmax, rotary angles)"
-                        if c.weights != "float32" else "float32"}}
+                        if c.weights != "float32" else "float32",
+                        **({"w8a16": lowering_note(c.quantization.group_size)} if c.weights == "int8" else {})}}
 
 
 def _onnxsim(path: Path) -> str:
