@@ -167,8 +167,26 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from omforge.contract.manifest import load_manifest
 
     manifest = load_manifest(Path(args.bundle), verify=not args.no_verify)
-    print(json.dumps(manifest, indent=2) if args.json else describe(manifest))
-    return 0
+    conformance = None
+    if manifest["target"] == "ascend":  # CANN's rules over the ATC step's inputs, checked without CANN
+        from omforge.compile.atc_conformance import check_bundle
+
+        conformance = check_bundle(Path(args.bundle))
+    if args.json:
+        if conformance is not None:
+            manifest = {**manifest, "atc_conformance": {
+                out: [{"rule": r.rule, "source": r.source, "ok": r.ok, "detail": r.detail} for r in results]
+                for out, results in conformance.items()}}
+        print(json.dumps(manifest, indent=2))
+    else:
+        print(describe(manifest))
+        for out, results in (conformance or {}).items():
+            print(f"  ATC conformance of --output={out} (CANN's rules, checked here without CANN; passing them is "
+                  "necessary, not sufficient: nothing of this has run on an NPU)")
+            for r in results:
+                print(f"    {r.line()}")
+    failed = [r for results in (conformance or {}).values() for r in results if not r.ok]
+    return 1 if failed else 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

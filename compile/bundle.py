@@ -60,6 +60,14 @@ def describe(manifest: dict[str, Any]) -> str:
             more = " (… one per layer)" if e["name"].endswith(".0") else ""
             lines.append(f"    {io[:-1]:6s} {e['name']:22s} {e['dtype']:7s} {e['shape']}{more}")
     lines.append("  buckets    " + json.dumps(manifest["buckets"]))
+    asc = manifest.get("ascend")
+    if asc:
+        mem = asc.get("memory") or {}
+        lines.append(f"  ascend     OM {asc['model']}*.om ({asc['atc']}), SoC {asc['soc_version']}, "
+                     f"{len(asc['gears'])} gears over {', '.join(asc['gear_dims'])}, pool {asc['num_slots']} slots")
+        if mem:
+            lines.append("  device mem " + ", ".join(f"{k.removesuffix('_bytes')} {mem[k] / 2**20:.1f} MiB" for k in (
+                "weights_bytes", "kv_pool_bytes", "io_bytes", "workspace_bytes_estimate", "total_bytes")))
     lines.append("  toolchain  " + ", ".join(f"{k} {v}" for k, v in manifest["toolchain"].items()))
     size = sum(e["size"] for e in manifest["files"].values())
     lines.append(f"  files      {len(manifest['files'])} files, {size / 1e6:.1f} MB")
