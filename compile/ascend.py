@@ -62,11 +62,20 @@ def lower_step_graph(export_dir: Path, out: Path, recipe: Recipe, block_size: in
                         **({"w8a16": lowering_note(c.quantization.group_size)} if c.weights == "int8" else {})}}
 
 
+ONNXSIM_LIMIT = 2**31 - 2**26
+"""Above this many bytes of weights onnxsim is not run: it loads the whole model into one protobuf (< 2 GiB)."""
+
+
 def _onnxsim(path: Path) -> str:
     """Simplify in place with onnxsim (constant folding, dead code); keep the input graph if onnxsim cannot
     handle it (our own op types are unknown to its ORT-based folding) and say why."""
     import onnxsim
 
+    data = path.with_name(path.name + ".data")
+    if data.is_file() and data.stat().st_size > ONNXSIM_LIMIT:
+        reason = f"skipped: {data.stat().st_size / 2**30:.1f} GiB of weights (onnxsim holds one protobuf, < 2 GiB)"
+        print(f"[compile] onnxsim {reason}", file=sys.stderr)
+        return reason
     try:
         proto = onnx.load(str(path))
         simplified, ok = onnxsim.simplify(proto, check_n=0, skip_shape_inference=True)
@@ -75,7 +84,6 @@ def _onnxsim(path: Path) -> str:
         return f"skipped: {type(e).__name__}"
     if not ok:
         return "skipped: check failed"
-    data = path.with_name(path.name + ".data")
     data.unlink(missing_ok=True)
     onnx.save(simplified, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name)
     return f"simplified: {len(proto.graph.node)} → {len(simplified.graph.node)} nodes"

@@ -5,6 +5,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# nlohmann/json (Debian's nlohmann-json3-dev): the tests compile our ATC parser plugins' attribute parsing
+# against it (tests/test_atc_plugins.py); header-only, used by nothing at run time.
+if [ ! -f /usr/include/nlohmann/json.hpp ] && command -v apt-get >/dev/null 2>&1; then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo -n"
+  echo "[setup] installing nlohmann-json3-dev (header-only, for the plugin tests)" >&2
+  $sudo apt-get install -y -q nlohmann-json3-dev >/dev/null 2>&1 \
+    || { $sudo apt-get update -q >/dev/null 2>&1 && $sudo apt-get install -y -q nlohmann-json3-dev >/dev/null 2>&1; } \
+    || echo "[setup] warning: could not install nlohmann-json3-dev; the plugin parse test will be skipped" >&2
+fi
 stamp=.venv/.omforge-setup
 want=$(cat pyproject.toml setup.py scripts/setup.sh runtime/kernels/*.cpp runtime/kernels/*.h | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
