@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from omforge.errors import OmforgeError
 
 FUSIONS = ("rms_norm", "add_rms_norm", "rotary", "qkv_merge", "gate_up_swiglu", "attention")
-"""Fusion switches, in pass order (the analogue of ATC's fusion switch file)."""
+"""Fusion switches, in pass order (omforge's own passes; recorded in the manifest, never sent to ATC)."""
 
 
 class RecipeError(OmforgeError):

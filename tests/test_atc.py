@@ -1,4 +1,4 @@
-"""The ATC step (omforge.compile.atc): command lines against golden files, the fusion switch file, gear checks,
+"""The ATC step (omforge.compile.atc): command lines against golden files, gear checks,
 build.sh, and running ``atc`` — with a FAKE ``atc`` in one test only. The plugins: test_atc_plugins.py.
 
 No CANN here: goldens were reviewed by hand against reference/ascend.md §1.1–1.5. Regenerate them with
