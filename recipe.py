@@ -22,10 +22,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from omforge.contract import FUSIONS
+from omforge.contract.speculative import SpeculativeConfig, SpeculativeConfigError
 from omforge.errors import OmforgeError
-
-FUSIONS = ("rms_norm", "add_rms_norm", "rotary", "qkv_merge", "gate_up_swiglu", "attention")
-"""Fusion switches, in pass order (omforge's own passes; recorded in the manifest, never sent to ATC)."""
 
 
 class RecipeError(OmforgeError):
@@ -229,8 +228,6 @@ class ServeSection(_Section):
     @field_validator("speculative_config")
     @classmethod
     def _speculative(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        from omforge.runtime.spec_decode import SpeculativeConfig, SpeculativeConfigError
-
         try:
             SpeculativeConfig.from_dict(v)
         except (SpeculativeConfigError, TypeError) as exc:

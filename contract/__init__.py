@@ -1,5 +1,7 @@
-"""The contract between compile and the runtime: the step ABI's names, the KV pool layout, block-size defaults
-(here), the manifest reader (:mod:`omforge.contract.manifest`) and the bucket plan (:mod:`omforge.contract.buckets`).
+"""The contract between compile and the runtime: the step ABI's names, the fusion switches, the KV pool layout,
+block-size defaults (here), the manifest reader (:mod:`omforge.contract.manifest`), the bucket plan
+(:mod:`omforge.contract.buckets`), the kernel library's op contract (:mod:`omforge.contract.kernel_abi`) and the
+speculative decoding configuration (:mod:`omforge.contract.speculative`).
 
 Dependency-free (stdlib and omforge.errors only), so that serving a bundle never imports the graph tooling
 (onnx_ir, onnxscript, torch) that produces it. ``passes/paged_kv.py`` builds graphs with this ABI (its docstring
@@ -10,6 +12,10 @@ pools by it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+FUSIONS = ("rms_norm", "add_rms_norm", "rotary", "qkv_merge", "gate_up_swiglu", "attention")
+"""Fusion switches (recipe ``compile.fusions``), in pass order: omforge's own passes, whose counts the manifest
+records under these names (never sent to ATC)."""
 
 DEFAULT_BLOCK_SIZE = {"ort": 64, "ascend": 128}
 """Tokens per KV block by target. ascend: 128, what MindIE and vllm-ascend use and IFA recommends. ort: 64, the

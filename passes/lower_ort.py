@@ -27,10 +27,10 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from omforge.contract import row_elems
+from omforge.contract.kernel_abi import DOMAIN as KERNEL_DOMAIN
+from omforge.contract.kernel_abi import HEAD_DIMS
 from omforge.passes import decompose, ops
 from omforge.passes.paged_kv import add_decode_group_inputs, new_rows_as_outputs
-from omforge.runtime.kernels import DOMAIN as KERNEL_DOMAIN
-from omforge.runtime.kernels import HEAD_DIMS
 
 ORT_OPSET = 23
 MS_DOMAIN = "com.microsoft"

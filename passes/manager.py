@@ -14,8 +14,8 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 from onnxscript.rewriter import pattern
 
+from omforge.contract import FUSIONS
 from omforge.passes import add_rms_norm, attention, gate_up_swiglu, qkv_merge, rms_norm, rotary
-from omforge.recipe import FUSIONS
 
 _PASSES: dict[str, Callable[[ir.Model], int] | pattern.RewriteRuleSet] = {
     "rms_norm": rms_norm.RULES,

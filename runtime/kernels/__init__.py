@@ -19,12 +19,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-DOMAIN = "omforge.kernels"
-ABI_VERSION = 1
-"""The op contract version this Python side speaks; the library reports its own (must match)."""
+from omforge.contract.kernel_abi import ABI_VERSION, DOMAIN
+from omforge.contract.kernel_abi import HEAD_DIMS as HEAD_DIMS
+
 MIN_ORT = (1, 17)
-HEAD_DIMS = (16, 32, 64, 96, 128, 256)
-"""Head sizes the kernel is instantiated for; the lowering keeps plain ops for any other."""
 
 
 @dataclass(frozen=True)

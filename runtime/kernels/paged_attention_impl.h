@@ -364,7 +364,7 @@ bool attend(const omf::PagedProblem& P, size_t item, const char** error) {
       case omf::KvType::kInt8: return attend_item<d, int8_t>(P, it, error);       \
       default: return attend_item<d, float>(P, it, error);                      \
     }
-  switch (P.head_dim) {  // keep in step with kHeadDims (custom_op.cpp) and HEAD_DIMS (kernels/__init__.py)
+  switch (P.head_dim) {  // keep in step with kHeadDims (custom_op.cpp) and HEAD_DIMS (contract/kernel_abi.py)
     OMF_HEAD_DIM(16)
     OMF_HEAD_DIM(32)
     OMF_HEAD_DIM(64)

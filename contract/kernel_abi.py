@@ -1,0 +1,11 @@
+"""What the ORT lowering and omforge's kernel library (``runtime/kernels``) agree on: the custom-op domain, the op
+contract's version and the head sizes the kernels are instantiated for. Dependency-free (stdlib only), so the
+passes read them without importing the runtime."""
+
+from __future__ import annotations
+
+DOMAIN = "omforge.kernels"
+ABI_VERSION = 1
+"""The op contract version this Python side speaks; the library reports its own (must match)."""
+HEAD_DIMS = (16, 32, 64, 96, 128, 256)
+"""Head sizes the kernel is instantiated for; the lowering keeps plain ops for any other."""
