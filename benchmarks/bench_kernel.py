@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from bench_passes import interleaved_ms
 
-from omforge.passes.pipeline import build
+from omforge.compile.ort import build
 from omforge.runtime.ort_executor import OrtExecutor
 from omforge.runtime.step import SeqWork, build_step
 

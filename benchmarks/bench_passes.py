@@ -23,9 +23,10 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
+from omforge.compile.ort import build
 from omforge.passes.decompose import paged_attention
 from omforge.passes.lower_ort import LowerPagedAttention
-from omforge.passes.pipeline import InsertPagedKV, Pipeline, build
+from omforge.passes.pipeline import InsertPagedKV, Pipeline
 from omforge.recipe import FUSIONS
 from omforge.runtime.ort_executor import OrtExecutor
 from omforge.runtime.step import SeqWork, build_step

@@ -52,10 +52,13 @@ _ROOT = Path(__file__).resolve().parent.parent
 
 def stage_sources(target: str) -> list[Path]:
     """The Python sources the passes stage of ``target`` runs: its output is stale when any of them changes.
-    ort: the passes (fusions, paged KV, lowering, pipeline) and the contract; ascend: those and compile/ascend.py
-    with what it imports of compile/ (ATC command lines, plugin templates' renderer, buckets)."""
+    ort: the passes (fusions, paged KV, lowering, pipeline), the contract and compile/ort.py; ascend: the passes,
+    the contract and compile/ascend.py with what it imports of compile/ (ATC command lines, plugin templates'
+    renderer, buckets). Whether the kernel library is usable is part of the stage key itself."""
     files = sorted((_ROOT / "passes").rglob("*.py"))
-    files += sorted((_ROOT / "contract").glob("*.py")) + [_ROOT / "runtime" / "kernels" / "__init__.py"]
+    files += sorted((_ROOT / "contract").glob("*.py"))
+    if target == "ort":
+        files.append(_ROOT / "compile" / "ort.py")
     if target == "ascend":
         files += [_ROOT / "compile" / name for name in ("ascend.py", "atc.py", "atc_plugins.py", "buckets.py")]
         files += sorted((_ROOT / "compile" / "templates").glob("*"))
@@ -256,7 +259,7 @@ def _run_passes(export_dir: Path, stage: Stage, recipe: Recipe, target: str, blo
                 kv_dtype: str = "float32") -> None:
     from dataclasses import asdict
 
-    from omforge.passes.pipeline import build
+    from omforge.compile.ort import build
 
     out = stage.begin()
     if target == "ort":

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import onnx_ir as ir
 
+from omforge.compile import ort
 from omforge.errors import OmforgeError, one_line
-from omforge.passes import pipeline
 from omforge.passes.diff_parity import OutputDrift, Runner, drift
 from omforge.passes.diff_provenance import Provenance
 from omforge.passes.diff_render import render_html, render_text
@@ -143,7 +143,7 @@ def _diff_export(export_dir: Path, options: DiffOptions, say: Progress) -> DiffR
     with tempfile.TemporaryDirectory(prefix="omforge-diff-") as tmp:
         b_path = Path(tmp) / "fused.onnx"
         say("building the fused graph (all fusions, ORT lowering)")
-        report = pipeline.build(export_dir, b_path, fusions=None, block_size=None)
+        report = ort.build(export_dir, b_path, fusions=None, block_size=None)
         model_a, model_b = _load(a_path), _load(b_path)
         check_interfaces(a_path, model_a, b_path, model_b)
         say("replaying the fusions on A for provenance")
@@ -158,7 +158,7 @@ def _diff_export(export_dir: Path, options: DiffOptions, say: Progress) -> DiffR
                 say(f"per fusion: {name}" + (f" (with {', '.join(e for e in enabled if e != name)})"
                                              if len(enabled) > 1 else ""))
                 path = Path(tmp) / f"{name}.onnx"
-                single = pipeline.build(export_dir, path, fusions={f: f in enabled for f in FUSIONS}, block_size=None)
+                single = ort.build(export_dir, path, fusions={f: f in enabled for f in FUSIONS}, block_size=None)
                 sweep.append(_fusion_drift(name, enabled, single.fusion_counts[name], single.num_nodes,
                                            reference.compare(path), options.tol))
                 for f in (path, path.with_name(path.name + ".data")):

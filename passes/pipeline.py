@@ -4,19 +4,18 @@
           → weight quantization (int8 / int4 weights: MatMulNBits) → cleanup
   ascend: fusions (recipe switches) → cleanup → paged-KV insertion → Ascend lowering → cleanup
 
-:class:`Pipeline` is the one description that ``build`` (the ort bundle), the ascend stage
-(``compile/ascend.py``) and ``omforge diff``'s replay run. Every pass is an ``onnx_ir`` in-place pass; its
+:class:`Pipeline` is the one description that the ort build (``compile/ort.py``), the ascend stage
+(``compile/ascend.py``) and ``omforge diff``'s replay run; they decide its options (which lowering, which
+weights) and hand them in. Every pass is an ``onnx_ir`` in-place pass; its
 ``requires`` / ``ensures`` hooks state the contract between them (the paged-KV insertion needs fused or
 fusible attention and leaves the step ABI's inputs; a lowering leaves no neutral op).
 """
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import onnx_ir as ir
@@ -27,7 +26,6 @@ from omforge.passes.ascend_w8a16 import QuantizeW8A16
 from omforge.passes.float16 import CastToFloat16
 from omforge.passes.paged_kv import insert_paged_kv
 from omforge.passes.quantize_weights import QuantizeWeights
-from omforge.runtime import kernels
 
 TARGETS = ("ort", "ascend")
 
@@ -160,20 +158,6 @@ class PipelineRun:
         return next((p.report for p in self.passes if isinstance(p, QuantizeWeights | QuantizeW8A16)), {})
 
 
-@dataclass
-class PassReport:
-    fusion_counts: dict[str, int]
-    num_nodes: int
-    op_histogram: dict[str, int]
-    layout: PagedLayout | None = None
-    extra: dict[str, object] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, object]:
-        d = asdict(self)
-        d["layout"] = asdict(self.layout) if self.layout else None
-        return d
-
-
 def interface(model: ir.Model) -> dict[str, list[dict[str, object]]]:
     """The graph's inputs and outputs (name, dtype, shape with symbolic dims as names): the ABI as data."""
     def describe(v: ir.Value) -> dict[str, object]:
@@ -186,52 +170,3 @@ def interface(model: ir.Model) -> dict[str, list[dict[str, object]]]:
 def histogram(model: ir.Model) -> dict[str, int]:
     return dict(Counter(f"{n.domain + '::' if n.domain not in ('', 'ai.onnx') else ''}{n.op_type}"
                         for n in model.graph).most_common())
-
-
-WEIGHT_BITS = {"int8": 8, "int4": 4}
-
-
-def quantize_options(weights: str, quantization: Mapping[str, Any] | None,
-                     blocks: Mapping[str, tuple[str, Any, int]] | None) -> dict[str, Any] | None:
-    """:class:`QuantizeWeights` options for the recipe's ``weights`` and ``quantization``; None for float."""
-    if weights == "float32":
-        return None
-    if weights not in WEIGHT_BITS:
-        raise ValueError(f"weights {weights!r}: the ort pipeline builds float32, int8 or int4 weights")
-    q = dict(quantization or {})
-    use_blocks = q.pop("source_blocks", True)
-    return {"bits": WEIGHT_BITS[weights], **q, "blocks": blocks if use_blocks else None}
-
-
-def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | None = None,
-          block_size: int | None = None, target: str = "ort", kv_write: str = "graph",
-          kernel: bool | None = None, kv_cache_dtype: str = "float32", weights: str = "float32",
-          quantization: Mapping[str, Any] | None = None,
-          blocks: Mapping[str, tuple[str, Any, int]] | None = None) -> PassReport:
-    """Fuse (switches ``fusions``), page the KV cache when ``block_size`` is given, lower to ``target``,
-    and save ``out_path`` with its weights in ``out_path.name + '.data'`` beside it. ``kernel``: lower paged
-    attention to omforge's CPU kernel (None: when the kernel library is usable here and ``kv_write="graph"``);
-    ``kv_cache_dtype``: the pools' element type (not float32: needs the kernel). ``weights`` int8 / int4:
-    weight-only quantization with the recipe's ``quantization`` options (``recipe.QuantizationSection``), taking
-    the export's GGUF ``blocks`` as they are where they fit (``passes/quantize_weights.py``)."""
-    if target != "ort":
-        raise ValueError(f"target '{target}' is built by compile/ascend.py, not here")
-    model = ir.load(export_dir / "model.onnx")
-    if kernel is None:
-        kernel = kv_write == "graph" and kernels.status().available
-    run = Pipeline(target, fusions or {}, block_size,
-                   {"kv_write": kv_write, "kernel": kernel, "kv_cache_dtype": kv_cache_dtype},
-                   quantize_options(weights, quantization, blocks)).run(model)
-    counts, layout = run.fusion_counts, run.layout
-    if layout is not None:
-        layout = replace(layout, kv_dtype=kv_cache_dtype)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    ir.save(model, out_path, external_data=out_path.name + ".data")
-    report = PassReport(counts, len(list(model.graph)), histogram(model), layout,
-                        {"abi": interface(model), "kv_write": kv_write if layout else None,
-                         "paged_attention": ("kernel" if kernel else "plain") if layout else None,
-                         "weights": {"precision": weights, "quantized": run.quantized,
-                                     "accuracy_level": (quantization or {}).get("accuracy_level", 4)
-                                     if weights != "float32" else None}})
-    out_path.with_suffix(".json").write_text(json.dumps(report.to_dict(), indent=2))
-    return report

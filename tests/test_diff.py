@@ -15,7 +15,7 @@ from onnx import numpy_helper
 
 from helpers import TINY_RECIPE
 from omforge.cli import main
-from omforge.passes import pipeline
+from omforge.compile import ort
 from omforge.recipe import FUSIONS
 
 
@@ -34,10 +34,10 @@ def export(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fused(export: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, pipeline.PassReport]:
+def fused(export: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ort.PassReport]:
     """The pipeline's fused graph of the export, with its report (fused.json) beside it."""
     path = tmp_path_factory.mktemp("diff-fused") / "fused.onnx"
-    return path, pipeline.build(export, path)
+    return path, ort.build(export, path)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def diff_json(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict
     return code, json.loads(capsys.readouterr().out)
 
 
-def test_terminal_lists_every_fusion(export: Path, fused: tuple[Path, pipeline.PassReport],
+def test_terminal_lists_every_fusion(export: Path, fused: tuple[Path, ort.PassReport],
                                      capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["diff", str(export)]) == 0
     out = capsys.readouterr().out
@@ -76,7 +76,7 @@ def test_terminal_lists_every_fusion(export: Path, fused: tuple[Path, pipeline.P
     assert lines[-1].startswith("PASS: max abs drift")
 
 
-def test_json_has_histograms_regions_and_drift(export: Path, fused: tuple[Path, pipeline.PassReport],
+def test_json_has_histograms_regions_and_drift(export: Path, fused: tuple[Path, ort.PassReport],
                                                capsys: pytest.CaptureFixture[str]) -> None:
     code, d = diff_json(capsys, str(export), "--seq", "16", "--batch", "2", "--seed", "3")
     assert code == 0 and d["passed"] is True
@@ -145,13 +145,13 @@ def test_per_fusion_sweep(export: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert "per-fusion drift on logits" in out and "add_rms_norm" in out
 
 
-def test_two_onnx_files(export: Path, fused: tuple[Path, pipeline.PassReport], tmp_path: Path,
+def test_two_onnx_files(export: Path, fused: tuple[Path, ort.PassReport], tmp_path: Path,
                         capsys: pytest.CaptureFixture[str]) -> None:
     code, d = diff_json(capsys, str(export / "model.onnx"), str(fused[0]))
     assert code == 0 and d["provenance"]["available"] and d["parity"][0]["max_abs"] < 1e-4
     # A B built with attention off: its report beside it says so, and the replay follows it.
     partial = tmp_path / "no-attention.onnx"
-    pipeline.build(export, partial, fusions={"attention": False})
+    ort.build(export, partial, fusions={"attention": False})
     code, d = diff_json(capsys, str(export / "model.onnx"), str(partial))
     fusions = {f["name"]: f for f in d["provenance"]["fusions"]}
     assert code == 0 and d["provenance"]["available"]
@@ -194,7 +194,7 @@ def test_bad_input_exits_2(export: Path, tmp_path_factory: pytest.TempPathFactor
                            args: list[str], message: str) -> None:
     paged = tmp_path_factory.getbasetemp() / "diff-paged.onnx"
     if not paged.exists():
-        pipeline.build(export, paged, block_size=16)
+        ort.build(export, paged, block_size=16)
     fill = {"a": export / "model.onnx", "paged": paged, "export": export, "recipe": TINY_RECIPE}
     capsys.readouterr()
     assert main(["diff", *(a.format(**fill) for a in args)]) == 2

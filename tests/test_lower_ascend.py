@@ -12,11 +12,11 @@ import onnxruntime as ort
 import pytest
 
 from helpers import TINY_RECIPE
+from omforge.compile.ort import build
 from omforge.export.onnx_export import export_recipe
 from omforge.passes import lower_ascend, lower_ort, manager
 from omforge.passes.lower_ascend import AscendLowering
 from omforge.passes.paged_kv import insert_paged_kv
-from omforge.passes.pipeline import build
 from omforge.recipe import load_recipe
 from omforge.runtime.ort_executor import OrtExecutor
 from omforge.runtime.step import SeqWork, build_step

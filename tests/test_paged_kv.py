@@ -9,9 +9,9 @@ import onnx
 import pytest
 
 from helpers import TINY_RECIPE
+from omforge.compile.ort import build
 from omforge.contract import DECODE_GROUP_INPUTS, STEP_INPUTS
 from omforge.export.onnx_export import export_recipe
-from omforge.passes.pipeline import build
 from omforge.recipe import load_recipe
 from omforge.runtime.full_recompute import ExportedModel
 from omforge.runtime.ort_executor import OrtExecutor

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from helpers import NUM_LAYERS, TINY_HF_CONFIGS, compile_bundle, export_tiny, load_export, write_recipe
+from omforge.compile.ort import build
 from omforge.passes import lower_ascend, manager, ops
-from omforge.passes.pipeline import build
 from omforge.runtime import kernels
 from omforge.runtime.full_recompute import ExportedModel
 from omforge.runtime.kv_cache_manager import NO_BLOCK

@@ -1,0 +1,81 @@
+"""The ort target's passes stage: an export → the fused, paged, lowered step graph ``step.onnx`` with its weights
+beside it, and a :class:`PassReport` of what the passes did. The pass sequence is :class:`Pipeline`'s; here its
+options are decided (the kernel or the plain lowering of paged attention, the weights' quantization) and handed in.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import onnx_ir as ir
+
+from omforge.contract import PagedLayout
+from omforge.passes.pipeline import Pipeline, histogram, interface
+from omforge.runtime import kernels
+
+
+@dataclass
+class PassReport:
+    fusion_counts: dict[str, int]
+    num_nodes: int
+    op_histogram: dict[str, int]
+    layout: PagedLayout | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        d["layout"] = asdict(self.layout) if self.layout else None
+        return d
+
+
+WEIGHT_BITS = {"int8": 8, "int4": 4}
+
+
+def quantize_options(weights: str, quantization: Mapping[str, Any] | None,
+                     blocks: Mapping[str, tuple[str, Any, int]] | None) -> dict[str, Any] | None:
+    """:class:`QuantizeWeights` options for the recipe's ``weights`` and ``quantization``; None for float."""
+    if weights == "float32":
+        return None
+    if weights not in WEIGHT_BITS:
+        raise ValueError(f"weights {weights!r}: the ort pipeline builds float32, int8 or int4 weights")
+    q = dict(quantization or {})
+    use_blocks = q.pop("source_blocks", True)
+    return {"bits": WEIGHT_BITS[weights], **q, "blocks": blocks if use_blocks else None}
+
+
+def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | None = None,
+          block_size: int | None = None, target: str = "ort", kv_write: str = "graph",
+          kernel: bool | None = None, kv_cache_dtype: str = "float32", weights: str = "float32",
+          quantization: Mapping[str, Any] | None = None,
+          blocks: Mapping[str, tuple[str, Any, int]] | None = None) -> PassReport:
+    """Fuse (switches ``fusions``), page the KV cache when ``block_size`` is given, lower to ``target``,
+    and save ``out_path`` with its weights in ``out_path.name + '.data'`` beside it. ``kernel``: lower paged
+    attention to omforge's CPU kernel (None: when the kernel library is usable here and ``kv_write="graph"``);
+    ``kv_cache_dtype``: the pools' element type (not float32: needs the kernel). ``weights`` int8 / int4:
+    weight-only quantization with the recipe's ``quantization`` options (``recipe.QuantizationSection``), taking
+    the export's GGUF ``blocks`` as they are where they fit (``passes/quantize_weights.py``)."""
+    if target != "ort":
+        raise ValueError(f"target '{target}' is built by compile/ascend.py, not here")
+    model = ir.load(export_dir / "model.onnx")
+    if kernel is None:
+        kernel = kv_write == "graph" and kernels.status().available
+    run = Pipeline(target, fusions or {}, block_size,
+                   {"kv_write": kv_write, "kernel": kernel, "kv_cache_dtype": kv_cache_dtype},
+                   quantize_options(weights, quantization, blocks)).run(model)
+    counts, layout = run.fusion_counts, run.layout
+    if layout is not None:
+        layout = replace(layout, kv_dtype=kv_cache_dtype)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    ir.save(model, out_path, external_data=out_path.name + ".data")
+    report = PassReport(counts, len(list(model.graph)), histogram(model), layout,
+                        {"abi": interface(model), "kv_write": kv_write if layout else None,
+                         "paged_attention": ("kernel" if kernel else "plain") if layout else None,
+                         "weights": {"precision": weights, "quantized": run.quantized,
+                                     "accuracy_level": (quantization or {}).get("accuracy_level", 4)
+                                     if weights != "float32" else None}})
+    out_path.with_suffix(".json").write_text(json.dumps(report.to_dict(), indent=2))
+    return report
