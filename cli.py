@@ -103,26 +103,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from omforge.passes import bundle_diff
+    from omforge.diff import bundles
 
-    if args.b and bundle_diff.is_bundle(Path(args.a)) and bundle_diff.is_bundle(Path(args.b)):
-        result = bundle_diff.diff_bundles(Path(args.a), Path(args.b), max_tokens=args.max_tokens)
-        print(json.dumps(result.to_dict(), indent=2) if args.json else bundle_diff.render_text(result))
+    if args.b and bundles.is_bundle(Path(args.a)) and bundles.is_bundle(Path(args.b)):
+        result = bundles.diff_bundles(Path(args.a), Path(args.b), max_tokens=args.max_tokens)
+        print(json.dumps(result.to_dict(), indent=2) if args.json else bundles.render_text(result))
         return 0 if result.max_abs <= args.tol else 1
-    from omforge.passes import diff
+    from omforge.diff import graphs, render
+    from omforge.diff.types import DiffOptions
 
     if args.html and not Path(args.html).resolve().parent.is_dir():
         raise OmforgeError(f"{args.html}: its directory does not exist")
-    options = diff.DiffOptions(seq=args.seq, batch=args.batch, seed=args.seed, tol=args.tol, per_fusion=args.per_fusion)
-    result = diff.run(Path(args.a), Path(args.b) if args.b else None, options,
-                      progress=lambda msg: print(f"[diff] {msg} …", file=sys.stderr, flush=True))
+    options = DiffOptions(seq=args.seq, batch=args.batch, seed=args.seed, tol=args.tol, per_fusion=args.per_fusion)
+    result = graphs.run(Path(args.a), Path(args.b) if args.b else None, options,
+                        progress=lambda msg: print(f"[diff] {msg} …", file=sys.stderr, flush=True))
     if args.html:
-        Path(args.html).write_text(diff.render_html(result))
+        Path(args.html).write_text(render.render_html(result))
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
         print(result.verdict, file=sys.stderr)
     else:
-        print(diff.render_text(result))
+        print(render.render_text(result))
         if args.html:
             print(f"HTML report: {args.html}")
         print(result.verdict)

@@ -203,7 +203,7 @@ def test_bad_input_exits_2(export: Path, tmp_path_factory: pytest.TempPathFactor
 
 
 def test_relative_error_is_normwise() -> None:
-    from omforge.passes.diff import drift
+    from omforge.diff.parity import drift
 
     ref = np.array([[[10.0, 0.0], [0.0, -5.0]]], np.float32)
     got = ref + np.array([[[0.0, 1e-3], [0.0, 0.0]]], np.float32)  # an error where A is 0 stays finite

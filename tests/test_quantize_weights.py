@@ -106,7 +106,7 @@ def test_smollm2_from_its_own_q4_1_blocks(smollm2_cache: Path, smollm2_export: P
     within float32 accumulation noise, with identical greedy text on 5 chat prompts."""
     import json
 
-    from omforge.passes.bundle_diff import CHAT_PROMPTS, diff_bundles
+    from omforge.diff.bundles import CHAT_PROMPTS, diff_bundles
 
     recipe = tmp_path / "smollm2-int4.yaml"
     recipe.write_text(SMOLLM2_RECIPE.read_text().replace(

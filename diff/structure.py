@@ -1,58 +1,19 @@
 """``omforge diff``, structure: op-type histograms of A and B, totals, nodes per decoder layer (from the
-exporter's ``omforge.scope`` metadata), and the provenance of B's fused regions (:mod:`diff_provenance`)."""
+exporter's ``omforge.scope`` metadata), and the provenance of B's fused regions (:mod:`~omforge.diff.provenance`)."""
 
 from __future__ import annotations
 
 import re
-import statistics
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
 import onnx_ir as ir
 
+from omforge.diff.provenance import Replay, op_key, scope_of, trace_fusions
+from omforge.diff.types import LayerCount, OpCount, Provenance, Structure
 from omforge.errors import one_line
-from omforge.passes.diff_provenance import Provenance, Replay, op_key, scope_of, trace_fusions
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)(?:\.|$)")
-
-
-@dataclass
-class OpCount:
-    op: str
-    a: int
-    b: int
-
-    @property
-    def delta(self) -> int:
-        return self.b - self.a
-
-
-@dataclass
-class LayerCount:
-    layer: int
-    a: int
-    b: int
-
-
-@dataclass
-class Structure:
-    """Op histograms of A and B; ``layers`` is empty when the graphs carry no decoder-layer scopes."""
-
-    ops: list[OpCount]
-    total_a: int
-    total_b: int
-    layers: list[LayerCount]
-
-    @property
-    def new_ops(self) -> list[str]:
-        """Op types B has and A has not: the fused ops."""
-        return [o.op for o in self.ops if o.a == 0 and o.b > 0]
-
-    def layer_median(self) -> tuple[float, float] | None:
-        if not self.layers:
-            return None
-        return statistics.median(c.a for c in self.layers), statistics.median(c.b for c in self.layers)
 
 
 def compare_structure(a: ir.Model, b: ir.Model, switches: Mapping[str, bool] | None) -> tuple[Structure, Provenance]:

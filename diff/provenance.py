@@ -17,60 +17,12 @@ from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
+from omforge.contract import FUSIONS
+from omforge.diff.types import FusedRegion, FusionSummary, NodeRef, Provenance
 from omforge.passes import manager
 from omforge.passes.pipeline import Pipeline
-from omforge.recipe import FUSIONS
 
 LOWERING = "ort_lowering"
-EXAMPLES = 3
-
-
-@dataclass
-class NodeRef:
-    op: str
-    name: str
-    scope: str
-
-
-@dataclass
-class FusedRegion:
-    """One rewrite as it stands in B: the nodes B runs (``fused``) for the nodes of A they replaced."""
-
-    fusion: str
-    scope: str
-    fused: list[str]
-    replaced: list[NodeRef]
-    absorbed: list[str] = field(default_factory=list)  # earlier fusions this region took in (rms_norm …)
-
-    def fused_summary(self) -> str:
-        return _summary(self.fused)
-
-    def replaced_summary(self) -> str:
-        return _summary([r.op for r in self.replaced])
-
-
-@dataclass
-class FusionSummary:
-    """Per fusion: how often it matched, and the regions of B it accounts for (fewer when a later fusion
-    absorbed some of its matches)."""
-
-    name: str
-    matches: int
-    regions: list[FusedRegion]
-    absorbed_by: dict[str, int]
-
-    @property
-    def examples(self) -> list[FusedRegion]:
-        return self.regions[:EXAMPLES]
-
-
-@dataclass
-class Provenance:
-    available: bool
-    note: str
-    fusions: list[FusionSummary]
-    unattributed: int  # nodes of A removed outside any region (dead code, merged duplicates)
-
 
 
 def op_key(node: ir.Node) -> str:
@@ -200,7 +152,7 @@ class Replay:
 
 
 def trace_fusions(model: ir.Model, switches: Mapping[str, bool] | None = None) -> Replay:
-    """Fuse and lower ``model`` in place as :func:`pipeline.build` does (without paging), one pass at a
+    """Fuse and lower ``model`` in place as the ort build (``compile/ort.py``) does (without paging), one pass at a
     time, recording which original nodes each fused node stands for."""
     switches = dict(switches or {})
     nodes = list(model.graph)
@@ -309,9 +261,3 @@ def _common_scope(scopes: list[str]) -> str:
             n += 1
         common = common[:n]
     return ".".join(common)
-
-
-def _summary(ops: list[str]) -> str:
-    counts = Counter(ops)
-    return ", ".join(op if counts[op] == 1 else f"{op}×{counts[op]}" for op in dict.fromkeys(ops))
-

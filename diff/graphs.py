@@ -17,11 +17,12 @@ Three views of a pair of graphs A (reference) and B (candidate) with the same in
   error (max abs error over max |A|, normwise, so near-zero logits do not blow it up) and top-1
   agreement per output; with ``per_fusion``, the same for a graph per fusion.
 
-One module per view: :mod:`diff_structure`, :mod:`diff_provenance`, :mod:`diff_parity`, :mod:`diff_render`; this
-one holds the options, the result and the entry point.
+One module per view: :mod:`~omforge.diff.structure`, :mod:`~omforge.diff.provenance`, :mod:`~omforge.diff.parity`,
+:mod:`~omforge.diff.render`; the options and the result are in :mod:`~omforge.diff.types`; this one holds the entry
+point.
 
-Entry point: :func:`run` → :class:`DiffResult`; :func:`render_text` / :func:`render_html` /
-:meth:`DiffResult.to_dict` present it.
+Entry point: :func:`run` → :class:`~omforge.diff.types.DiffResult`; :func:`~omforge.diff.render.render_text` /
+:func:`~omforge.diff.render.render_html` / :meth:`~omforge.diff.types.DiffResult.to_dict` present it.
 """
 
 from __future__ import annotations
@@ -29,90 +30,22 @@ from __future__ import annotations
 import json
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import onnx_ir as ir
 
 from omforge.compile import ort
+from omforge.contract import FUSIONS
+from omforge.diff.parity import Runner
+from omforge.diff.structure import compare_structure
+from omforge.diff.types import DiffOptions, DiffResult, FusionDrift, OutputDrift
 from omforge.errors import OmforgeError, one_line
-from omforge.passes.diff_parity import OutputDrift, Runner, drift
-from omforge.passes.diff_provenance import Provenance
-from omforge.passes.diff_render import render_html, render_text
-from omforge.passes.diff_structure import Structure, compare_structure
-from omforge.recipe import FUSIONS
-
-__all__ = ["DiffOptions", "DiffResult", "FusionDrift", "check_interfaces", "drift", "render_html", "render_text", "run"]
 
 INPUTS = ("input_ids", "position_ids")
 BUILDS_ON: dict[str, tuple[str, ...]] = {"add_rms_norm": ("rms_norm",)}
 """Fusions that only match on another's output: a per-fusion graph enables those too (else it matches 0)."""
 
 Progress = Callable[[str], None]
-
-
-# ---------------------------------------------------------------------------------------- result types
-
-
-@dataclass
-class DiffOptions:
-    seq: int = 32
-    batch: int = 1
-    seed: int = 0
-    tol: float = 1e-3
-    per_fusion: bool = False
-
-
-@dataclass
-class FusionDrift:
-    """One graph of the per-fusion sweep: ``fusion`` (with what it builds on) enabled alone, or ``all``."""
-
-    fusion: str
-    enabled: list[str]
-    matches: int
-    nodes: int
-    max_abs: float
-    max_rel: float
-    passed: bool
-
-
-@dataclass
-class DiffResult:
-    a: str
-    b: str
-    options: DiffOptions
-    structure: Structure
-    provenance: Provenance
-    parity: list[OutputDrift]
-    per_fusion: list[FusionDrift]
-
-    @property
-    def max_abs(self) -> float:
-        drifts = [o.max_abs for o in self.parity] + [f.max_abs for f in self.per_fusion]
-        return max(drifts, default=0.0)
-
-    @property
-    def passed(self) -> bool:
-        return self.max_abs <= self.options.tol
-
-    @property
-    def verdict(self) -> str:
-        if self.passed:
-            return f"PASS: max abs drift {self.max_abs:.3g} <= tol {self.options.tol:g}"
-        where = [o.name for o in self.parity if o.max_abs > self.options.tol]
-        where += [f"{f.fusion} alone" for f in self.per_fusion if not f.passed and f.fusion != "all"]
-        return f"FAIL: max abs drift {self.max_abs:.3g} exceeds tol {self.options.tol:g} ({', '.join(where)})"
-
-    def to_dict(self) -> dict[str, object]:
-        d = asdict(self)
-        d["structure"]["new_ops"] = self.structure.new_ops
-        for row, op in zip(d["structure"]["ops"], self.structure.ops):
-            row["delta"] = op.delta
-        for fs in d["provenance"]["fusions"]:
-            for region in fs["regions"]:
-                region["replaced"] = [[r["op"], r["name"], r["scope"]] for r in region["replaced"]]
-        d.update(max_abs=self.max_abs, passed=self.passed, verdict=self.verdict)
-        return d
 
 
 # ---------------------------------------------------------------------------------------- entry point
@@ -204,8 +137,8 @@ def _load(path: Path) -> ir.Model:
 
 
 def _recorded_switches(b_path: Path) -> dict[str, bool] | None:
-    """The fusions a pipeline-built B had on, from the report ``pipeline.build`` writes beside it: a fusion
-    that matched nothing changes nothing, so "matched" stands in for "switched on"."""
+    """The fusions a pipeline-built B had on, from the report the ort build (``compile/ort.py``) writes beside it: a
+    fusion that matched nothing changes nothing, so "matched" stands in for "switched on"."""
     report = b_path.with_suffix(".json")
     if not report.is_file():
         return None

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from omforge.passes.diff_provenance import EXAMPLES
-
-if TYPE_CHECKING:
-    from omforge.passes.diff import DiffResult
+from omforge.diff.types import EXAMPLES, DiffResult
 
 
 def render_text(result: DiffResult) -> str:
@@ -63,7 +58,7 @@ def render_html(result: DiffResult) -> str:
     """A self-contained page (inline CSS, no scripts) from ``templates/diff.html.j2``."""
     import jinja2
 
-    env = jinja2.Environment(loader=jinja2.PackageLoader("omforge.passes", "templates"), autoescape=True,
+    env = jinja2.Environment(loader=jinja2.PackageLoader("omforge.diff", "templates"), autoescape=True,
                              trim_blocks=True, lstrip_blocks=True)
     env.filters["g"] = lambda x: f"{x:.3g}"
     return env.get_template("diff.html.j2").render(r=result, s=result.structure, p=result.provenance,

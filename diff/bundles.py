@@ -12,13 +12,13 @@ figure users feel (how soon a bf16 or int8 KV cache changes the text).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from omforge.contract import PagedLayout
 from omforge.contract.manifest import MANIFEST, load_manifest
+from omforge.diff.types import BundleDiff, PromptDrift
 from omforge.errors import OmforgeError
 
 CHAT_PROMPTS = [
@@ -30,38 +30,6 @@ CHAT_PROMPTS = [
     "Describe a rainbow in ten words.", "Who wrote Romeo and Juliet?", "What is the boiling point of water?",
     "Give a tip for learning to code.", "What is the largest ocean on Earth?",
 ]
-
-
-@dataclass
-class PromptDrift:
-    prompt: str
-    steps: int
-    max_abs: float          # max |logits A − logits B| over the teacher-forced steps
-    top1_agreement: float   # fraction of those steps where both bundles' argmax agree
-    identical_prefix: int   # free-running greedy: leading tokens identical
-
-
-@dataclass
-class BundleDiff:
-    a: str
-    b: str
-    kv_dtypes: tuple[str, str]
-    paged_attention: tuple[str, str]
-    max_tokens: int
-    prompts: list[PromptDrift]
-    weights: tuple[str, str] = ("float32", "float32")  # compile.weights of A and B
-
-    @property
-    def max_abs(self) -> float:
-        return max(p.max_abs for p in self.prompts)
-
-    @property
-    def identical_outputs(self) -> float:
-        """Fraction of prompts whose whole greedy output is identical in both bundles."""
-        return sum(p.identical_prefix == self.max_tokens for p in self.prompts) / len(self.prompts)
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "max_abs": self.max_abs, "identical_outputs": self.identical_outputs}
 
 
 def is_bundle(path: Path) -> bool:

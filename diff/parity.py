@@ -4,29 +4,16 @@ error (max abs error over max |A|, normwise, so near-zero logits do not blow it 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from omforge.diff.types import DiffOptions, OutputDrift
 from omforge.errors import OmforgeError, one_line
 
 if TYPE_CHECKING:
     import onnxruntime
-
-    from omforge.passes.diff import DiffOptions
-
-
-@dataclass
-class OutputDrift:
-    name: str
-    shape: list[int]
-    max_abs: float
-    max_rel: float
-    top1_agree: int
-    rows: int
-
 
 
 class Runner:
