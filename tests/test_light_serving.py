@@ -57,13 +57,14 @@ sys.exit(main(["compile", {str(TINY_RECIPE)!r}, "-o", {str(tmp_path / "b")!r}]))
     assert "needs the export extra" in lines[0] and "pip install" in lines[0] and "omforge compile" in lines[0]
 
 
-def test_runtime_and_serve_import_nothing_of_passes_compile_or_export() -> None:
+def test_runtime_and_serve_import_nothing_of_passes_compile_export_or_diff() -> None:
     """The import graph (issue 12): serving reads bundles through omforge.contract; passes, compile and export are
-    the compiler's. Checked on the sources with ``ast`` (lazy imports inside functions included)."""
+    the compiler's, diff a tool above both. Checked on the sources with ``ast`` (lazy imports inside functions
+    included)."""
     import ast
 
     root = Path(__file__).resolve().parent.parent
-    forbidden = ("omforge.passes", "omforge.compile", "omforge.export")
+    forbidden = ("omforge.passes", "omforge.compile", "omforge.export", "omforge.diff")
     found = []
     for folder in ("runtime", "serve", "contract"):
         for f in sorted((root / folder).rglob("*.py")):
