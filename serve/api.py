@@ -4,7 +4,9 @@ and ``/metrics``. Routing, parsing, auth and streaming only; the model runs on t
 
 Every error is OpenAI's JSON shape with the matching status: 400 malformed JSON / invalid parameter (``param``
 names it) / context exceeded, 401 missing or wrong key, 404 unknown model or route, 408 / 413 a body too slow /
-too large, 429 queue full (with ``Retry-After``), 503 shutting down or engine failed. Tokenization, chat-template
+too large, 429 queue full (with ``Retry-After``), 503 shutting down or engine failed. A client that goes away
+leaves the engine at once, streaming or not: before its request is queued (it never is: 499, counted as
+``request_rejected{client_disconnected}``), while it waits, or while it runs. Tokenization, chat-template
 rendering and the admission check run on a small pool of worker threads (the tokenizer releases the GIL), so a
 long prompt never stalls the event loop.
 """
@@ -81,6 +83,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         if exc.status == 400:  # every 400 is counted, by what was wrong
             state.metrics.rejected("too_long" if exc.code == "context_length_exceeded" else "invalid_parameter")
+        elif exc.code == "client_disconnected":
+            state.metrics.rejected("client_disconnected")
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -257,13 +261,17 @@ def build_app(state: ServerState) -> FastAPI:
                       echo: list[str], want_logprobs: bool, arrival: float, scoring_only: bool = False,
                       tools: ToolPlan | None = None) -> Response:
         """Submit the checked prompts and answer: an SSE stream, or the whole body once done (or the client gone)."""
+        if await request.is_disconnected():  # gone while its prompt was tokenized: never queue it
+            raise APIError(499, "the client closed the connection", code="client_disconnected")
         rid = state.engine.new_request_id("chatcmpl" if kind == "chat" else "cmpl")
         builder = ResponseBuilder(kind, rid, state.model_name, token_text, want_logprobs, tools)
         run = _Run(submit(prompts, rid, arrival), [len(ids) for ids, _ in prompts], prompts[0][1].n, echo,
                    scoring_only)
         if body.stream:
-            return _sse(_stream(state.engine, run, builder, body.include_usage))
-        return JSONResponse(await _until_done_or_disconnect(request, _collect(state.engine, run, builder)))
+            return _EngineStream(_stream(state.engine, run, builder, body.include_usage),
+                                 functools.partial(state.engine.cancel, run.group))
+        return JSONResponse(await _until_done_or_disconnect(request, _collect(state.engine, run, builder),
+                                                            functools.partial(state.engine.cancel, run.group)))
 
     return app
 
@@ -418,13 +426,27 @@ async def _stream(engine: AsyncEngine, run: _Run, builder: ResponseBuilder, incl
     yield SSE_DONE
 
 
-def _sse(chunks: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(chunks, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+class _EngineStream(StreamingResponse):
+    """An SSE response that aborts its request (``on_close``, idempotent) the moment the response ends for any
+    reason — Starlette saw the client disconnect, the send failed, the stream finished. The generator's own
+    ``finally`` is not enough: a client already gone when the response starts has the stream task cancelled
+    before the generator ever runs, and the request then stayed queued until its first output."""
+
+    def __init__(self, chunks: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(chunks, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
-async def _until_done_or_disconnect(request: Request, work: Any) -> dict:
-    """Await ``work`` unless the client disconnects first; then cancel it (which aborts the request)."""
+async def _until_done_or_disconnect(request: Request, work: Any, on_gone: Callable[[], None]) -> dict:
+    """Await ``work`` unless the client disconnects first; then cancel it and call ``on_gone`` (which aborts the
+    request at once, whether or not ``work`` had started)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
@@ -435,6 +457,7 @@ async def _until_done_or_disconnect(request: Request, work: Any) -> dict:
             except EngineUnavailable as exc:
                 raise APIError(503, str(exc), type="server_error") from None
         task.cancel()
+        on_gone()
         await asyncio.gather(task, return_exceptions=True)
         raise APIError(499, "the client closed the connection")
     finally:

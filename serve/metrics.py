@@ -52,6 +52,10 @@ class ServerMetrics:
         self.prefix_hits = counter("prefix_cache_hits", "Blocks found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Sequences preempted (swap or recompute).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced a first token.")
+        # the engine's own accounting of prefill work: beside prompt_tokens (counted at a first token) it shows
+        # prompt work spent on requests that never produced one (aborted mid-prefill, recomputed after preemption)
+        self.prefill_tokens = counter("prefill_tokens", "Prompt tokens computed by prefill steps (prefix-cache hits "
+                                      "excluded, recomputation counted again), whether or not a token followed.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.success = counter("request_success", "Finished requests (sequences) by finish reason.",
                                ("finished_reason",))
@@ -69,7 +73,7 @@ class ServerMetrics:
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Drafted tokens the model accepted.")
         self.spec_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                     "Accepted drafted tokens by position in the draft (0 = first).", ("position",))
-        self._last = {"prompt": 0, "gen": 0, "pre": 0, "q": 0, "h": 0, "steps": 0, "sd": 0, "sdt": 0, "sa": 0}
+        self._last = dict.fromkeys(("prompt", "prefill", "gen", "pre", "q", "h", "steps", "sd", "sdt", "sa"), 0)
         self._last_pos: dict[int, int] = {}
 
     def after_step(self, engine: LLMEngine, outputs: list[RequestOutput], pending_adds: int) -> None:
@@ -83,6 +87,7 @@ class ServerMetrics:
         self.hit_rate.set(kv.hit_rate)
         last = self._last
         for key, value, metric in (("prompt", st.prompt_tokens, self.prompt_tokens),
+                                   ("prefill", st.prefill_tokens, self.prefill_tokens),
                                    ("gen", st.generation_tokens, self.generation_tokens),
                                    ("pre", st.preemptions, self.preemptions),
                                    ("q", kv.prefix_queries, self.prefix_queries),

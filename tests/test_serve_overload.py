@@ -1,0 +1,120 @@
+"""`omforge serve` overloaded: clients that give up must cost the engine nothing more, and a queue that cannot be
+served in time answers early instead of letting clients time out. Real servers on 127.0.0.1, real clients (the
+official ``openai`` client, raw sockets for a client that vanishes); the engine's own counters
+(``omforge:prefill_tokens``: prompt tokens computed) say whether any prefill was spent on them."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from server_process import ServerProcess
+
+PREFILL = "omforge:prefill_tokens_total"
+ABORTED = "omforge:request_success_total{finished_reason=abort}"
+GONE = "omforge:request_rejected_total{reason=client_disconnected}"
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_bundle: Path):  # noqa: ANN201
+    srv = ServerProcess(smollm2_bundle, "--num-kv-blocks", "64", "--max-num-seqs", "2", "--threads", "1")
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def _raw(srv: ServerProcess, path: str, body: dict) -> socket.socket:
+    host, port = srv.url.removeprefix("http://").split(":")
+    raw = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                 % (path.encode(), len(raw), raw))
+    return sock
+
+
+def _bodies(prompt: str) -> list[tuple[str, dict]]:
+    """Both endpoints, streaming and not; one of them n = 2."""
+    return [("/v1/completions", {"prompt": prompt, "max_tokens": 8, "stream": True}),
+            ("/v1/completions", {"prompt": prompt, "max_tokens": 8, "n": 2}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}], "max_tokens": 8,
+                                      "stream": True}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}], "max_tokens": 8})]
+
+
+def test_a_client_gone_before_its_request_is_queued_never_reaches_the_engine(server: ServerProcess) -> None:
+    """Clients that leave while their prompts wait for a tokenizer thread (all four are busy with large
+    /tokenize bodies): on the old code each was queued anyway — and a stream whose client was gone when its
+    response started stayed queued until its first output, prefilled for nobody."""
+    before = server.metrics()
+    big = "hello world, this is text. " * 120_000  # seconds of tokenizing each
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        busy = [pool.submit(lambda: _raw(server, "/tokenize", {"prompt": big}).recv(16)) for _ in range(4)]
+        time.sleep(1.0)  # the tokenizer threads are taken
+        socks = [_raw(server, path, body) for path, body in _bodies("Tell me a story about a lighthouse. " * 20)]
+        time.sleep(0.3)  # the bodies have arrived
+        for sock in socks:
+            sock.close()  # gone while the prompt waits to be tokenized
+        for f in busy:
+            assert f.result(60)
+    server.wait_for_metric(GONE, lambda v: v >= before.get(GONE, 0) + 4, timeout=60)
+    after = server.metrics()
+    assert after[GONE] == before.get(GONE, 0) + 4
+    assert after[PREFILL] == before[PREFILL]  # nothing prefilled for them
+    assert after.get(ABORTED, 0) == before.get(ABORTED, 0)  # nothing queued, so nothing to abort
+    assert after["omforge:num_requests_waiting"] == 0 and after["omforge:num_requests_running"] == 0
+
+
+def test_clients_that_time_out_while_queued_leave_at_once_unprefilled(server: ServerProcess) -> None:
+    """Two requests run (max_num_seqs 2); clients of every kind time out while queued behind them. Each leaves
+    the queue while the running ones still run, and none is ever prefilled."""
+    client = server.client()
+    longs = [client.completions.create(model="smollm2-135m", prompt=f"Write a very long story {i}:", max_tokens=1000,
+                                       temperature=0.0, stream=True, extra_body={"ignore_eos": True}) for i in (1, 2)]
+    for long in longs:
+        next(iter(long))  # it runs, its prompt computed
+    before = server.metrics()
+    impatient = server.client(timeout=1.0)
+    prompt = "Queued behind a long story, " * 10
+
+    def give_up(kind: str) -> str:
+        try:
+            if kind == "completion":
+                r = impatient.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=8, n=2)
+                return f"answered {r.usage}"
+            if kind == "completion-stream":
+                for _ in impatient.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=8,
+                                                      stream=True):
+                    pass
+            else:
+                stream = kind == "chat-stream"
+                r = impatient.chat.completions.create(model="smollm2-135m", max_tokens=8, stream=stream,
+                                                      messages=[{"role": "user", "content": prompt}])
+                for _ in r if stream else ():
+                    pass
+            return "answered"
+        except openai.APITimeoutError:
+            return "timed out"
+
+    kinds = ["completion", "completion-stream", "chat", "chat-stream"]
+    with concurrent.futures.ThreadPoolExecutor(len(kinds)) as pool:
+        assert list(pool.map(give_up, kinds)) == ["timed out"] * 4
+    server.wait_for_metric(ABORTED, lambda v: v == before.get(ABORTED, 0) + 5, timeout=10)  # n = 2: two sequences
+    after = server.metrics()
+    assert after["omforge:num_requests_waiting"] == 0
+    assert after["omforge:num_requests_running"] == 2  # the long ones still run: they left without waiting
+    assert after[PREFILL] == before[PREFILL]  # none of them was prefilled
+    for long in longs:
+        long.close()
+    server.wait_for_metric("omforge:num_requests_running", lambda v: v == 0)
+    assert server.metrics()[PREFILL] == before[PREFILL]
+
+
+def test_the_server_answers_after_clients_vanished(server: ServerProcess) -> None:
+    r = server.client().completions.create(model="smollm2-135m", prompt="Hi", max_tokens=3)
+    assert r.usage.completion_tokens >= 1
+    assert server.get("/health")[0] == 200
