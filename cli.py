@@ -206,7 +206,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_options = {k: getattr(args, k) for k in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
                                                      "max_prefill_tokens_with_decodes", "max_waiting_requests",
                                                      "max_queue_delay_us", "max_model_len", "threads",
-                                                     "preemption_mode", "kv_cache_space_gb")
+                                                     "preemption_mode", "kv_cache_space_gb", "max_queue_time_s")
                       if getattr(args, k) is not None}
     if args.speculative_config is not None:
         try:
@@ -263,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV pool budget in GiB when no block count is given (serve.kv_cache_space_gb; default 2)")
     s.add_argument("--max-waiting-requests", type=int, help="override serve.max_waiting_requests (beyond: 429)")
     s.add_argument("--max-queue-delay-us", type=int, help="override serve.max_queue_delay_us")
+    s.add_argument("--max-queue-time", type=float, dest="max_queue_time_s", metavar="SECONDS",
+                   help="override serve.max_queue_time_s: a request still waiting after this long ends with a "
+                        "retryable 503 (default 60)")
     s.add_argument("--preemption-mode", choices=["recompute", "swap"], help="override serve.preemption_mode")
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="override serve.enable_prefix_caching")

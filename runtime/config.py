@@ -17,6 +17,13 @@ from omforge.errors import OmforgeError
 from omforge.runtime.scheduler import PREEMPTION_MODES, SchedulerConfig
 
 DEFAULT_KV_CACHE_BYTES = 2 << 30  # the pool size when neither the recipe nor the caller gives num_kv_blocks
+DEFAULT_MAX_QUEUE_TIME_S = 60.0  # a request still waiting after this long ends with a retryable 503
+QUEUE_BATCHES = 2
+"""The default ``max_waiting_requests`` is this many full batches (``QUEUE_BATCHES * max_num_seqs``): a waiting
+request starts when a running one finishes, so a queue of ``k`` batches drains in about ``k`` request lifetimes
+at a full batch. Two lifetimes is what fits ``DEFAULT_MAX_QUEUE_TIME_S`` for requests of up to about 30 s under
+load (a few hundred tokens at the decode rates of CPU serving); a deeper queue would only turn an early 429 into a
+late 503 after the client has waited the whole bound."""
 
 
 class EngineConfigError(OmforgeError):
@@ -34,7 +41,8 @@ class EngineConfig:
     preemption_mode: str
     swap_space_gb: float
     max_prefill_tokens_with_decodes: int | None
-    max_waiting_requests: int  # the server's queue beyond max_num_seqs (past it: 429)
+    max_waiting_requests: int  # the server's queue beyond max_num_seqs (past it: 429); default QUEUE_BATCHES batches
+    max_queue_time_s: float | None  # a request waiting longer ends with a retryable 503 (None: no bound)
     max_queue_delay_us: int  # the server's wait for companions before a first step
     threads: int | None  # ORT intra-op threads (None: ORT's default)
     explicit_kv_blocks: bool = False  # num_kv_blocks came from the caller, not the recipe or the default
@@ -79,7 +87,8 @@ class EngineConfig:
                    num_host_blocks=int(swap_gb * (1 << 30) // bytes_per_block) if mode == "swap" else 0,
                    enable_prefix_caching=bool(pick("enable_prefix_caching")), preemption_mode=mode,
                    swap_space_gb=swap_gb, max_prefill_tokens_with_decodes=pick("max_prefill_tokens_with_decodes"),
-                   max_waiting_requests=pick("max_waiting_requests"), max_queue_delay_us=pick("max_queue_delay_us"),
+                   max_waiting_requests=pick("max_waiting_requests") or QUEUE_BATCHES * max_num_seqs,
+                   max_queue_time_s=_queue_time(serve, overrides), max_queue_delay_us=pick("max_queue_delay_us"),
                    threads=overrides.get("threads"), explicit_kv_blocks=overrides.get("num_kv_blocks") is not None,
                    kv_cache_space_gb=None if pick("num_kv_blocks") else budget / (1 << 30),
                    speculative_config=pick("speculative_config"), prefault_kv=bool(overrides.get("prefault_kv")))
@@ -98,3 +107,14 @@ class EngineConfig:
                                max_model_len=self.max_model_len,
                                eos_token_ids=tuple(model_config["eos_token_ids"]),
                                sliding_window=model_config.get("sliding_window"))
+
+
+def _queue_time(serve: Mapping[str, Any], overrides: Mapping[str, Any]) -> float | None:
+    """``max_queue_time_s``: the caller's, else the bundle's (null there: no bound), else the default (a bundle
+    compiled before the key existed)."""
+    given = overrides.get("max_queue_time_s")
+    if given is not None:
+        if given <= 0:
+            raise EngineConfigError(f"max_queue_time_s must be positive, got {given}")
+        return float(given)
+    return serve.get("max_queue_time_s", DEFAULT_MAX_QUEUE_TIME_S)

@@ -276,6 +276,19 @@ class LLMEngine:
             self.abort(follower.request_id)
         return True
 
+    def expire_waiting(self, max_wait_s: float, now: float | None = None) -> list[str]:
+        """Abort every request that has waited longer than ``max_wait_s`` since its arrival without ever running
+        (the server's queue time bound); returns the sequence ids aborted (a leader's followers included). A
+        request that ran and went back to the queue (preempted for recompute) has been served and stays."""
+        now = time.monotonic() if now is None else now
+        expired = [r for r in self.scheduler.waiting
+                   if r.num_preemptions == 0 and r.first_token_time is None and now - r.arrival_time > max_wait_s]
+        ids = []
+        for req in expired:
+            ids += [req.request_id, *(f.request_id for f in req.followers)]
+            self.abort(req.request_id)
+        return ids
+
     def close(self) -> None:
         """Release the executor's resources (the AscendCL device, streams and buffers; nothing by hand for ORT).
         Idempotent; the engine cannot step afterwards."""

@@ -4,7 +4,8 @@ and ``/metrics``. Routing, parsing, auth and streaming only; the model runs on t
 
 Every error is OpenAI's JSON shape with the matching status: 400 malformed JSON / invalid parameter (``param``
 names it) / context exceeded, 401 missing or wrong key, 404 unknown model or route, 408 / 413 a body too slow /
-too large, 429 queue full (with ``Retry-After``), 503 shutting down or engine failed. A client that goes away
+too large, 429 queue full (with ``Retry-After``), 503 shutting down, engine failed, or a request that waited past
+``max_queue_time_s`` (with ``Retry-After``; streaming: an error event and ``[DONE]``). A client that goes away
 leaves the engine at once, streaming or not: before its request is queued (it never is: 499, counted as
 ``request_rejected{client_disconnected}``), while it waits, or while it runs. Tokenization, chat-template
 rendering and the admission check run on a small pool of worker threads (the tokenizer releases the GIL), so a
@@ -33,7 +34,7 @@ from omforge.runtime.engine import RequestOutput, RequestRejected
 from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
 from omforge.runtime.structured import StructuredOutput
 from omforge.runtime.tokenizer import ChatTemplateError
-from omforge.serve.async_engine import AsyncEngine, EngineUnavailable, Overloaded, RequestGroup
+from omforge.serve.async_engine import AsyncEngine, EngineUnavailable, Overloaded, QueueTimeout, RequestGroup
 from omforge.serve.body import read_json
 from omforge.serve.metrics import ServerMetrics
 from omforge.serve.protocol import (
@@ -416,7 +417,7 @@ async def _stream(engine: AsyncEngine, run: _Run, builder: ResponseBuilder, incl
                 if out.new_text or out.finished or new_lp:
                     yield builder.chunk(index, out.new_text, new_lp, out.finish_reason if out.finished else None)
     except EngineUnavailable as exc:
-        yield sse(APIError(503, str(exc), type="server_error").body())
+        yield sse(_unavailable(exc).body())
         yield SSE_DONE
         return
     finally:  # closed early (the client went away, even before the first output): abort what is left, now
@@ -455,13 +456,21 @@ async def _until_done_or_disconnect(request: Request, work: Any, on_gone: Callab
             try:
                 return task.result()
             except EngineUnavailable as exc:
-                raise APIError(503, str(exc), type="server_error") from None
+                raise _unavailable(exc) from None
         task.cancel()
         on_gone()
         await asyncio.gather(task, return_exceptions=True)
         raise APIError(499, "the client closed the connection")
     finally:
         watcher.cancel()
+
+
+def _unavailable(exc: EngineUnavailable) -> APIError:
+    """The 503 of an ended request: a queue timeout is retryable (``Retry-After``, ``code: queue_timeout``)."""
+    if isinstance(exc, QueueTimeout):
+        return APIError(503, str(exc), type="server_overloaded", code="queue_timeout",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
+    return APIError(503, str(exc), type="server_error")
 
 
 async def _disconnected(request: Request) -> None:

@@ -13,6 +13,8 @@ Invariants:
   bound.
 - A stream whose consumer stops early (client gone) aborts its request; the engine thread frees its blocks
   before its next step.
+- No request waits longer than ``max_queue_time_s`` (checked before every step): one that has not started by then
+  is aborted and its group ends with :class:`QueueTimeout`, counted as ``request_rejected{queue_timeout}``.
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ class EngineUnavailable(OmforgeError):
     """The engine is shutting down or has failed (answer 503)."""
 
 
+class QueueTimeout(EngineUnavailable):
+    """The request waited longer than ``max_queue_time_s`` without starting (answer a retryable 503)."""
+
+
 @dataclass
 class RequestGroup:
     """One HTTP request: one engine request per prompt (``n`` sequences each), all feeding one queue.
@@ -68,8 +74,9 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: LLMEngine, *, max_waiting_requests: int, max_queue_delay_s: float = 0.002,
-                 metrics: object | None = None):
+                 metrics: object | None = None, max_queue_time_s: float | None = None):
         self.engine = engine
+        self.max_queue_time_s = max_queue_time_s
         self.capacity = engine.scheduler.max_num_seqs + max_waiting_requests
         self.max_queue_delay_s = max_queue_delay_s
         self.metrics = metrics  # omforge.serve.metrics.ServerMetrics, updated from the engine thread
@@ -189,6 +196,19 @@ class AsyncEngine:
             self._retire([o.request_id for o in outs if o.finished])
             group.queue.put_nowait(outs)
 
+    def _time_out(self, ids: list[str]) -> None:
+        """On the event loop: these sequences waited past ``max_queue_time_s`` (the engine aborted them); end each
+        group once with :class:`QueueTimeout`, aborting its other sequences (other prompts of the request)."""
+        for sid in ids:
+            group = self._groups.get(sid)
+            if group is None:
+                continue  # its group already ended (another of its sequences, or the client left meanwhile)
+            if self.metrics is not None:
+                self.metrics.rejected("queue_timeout")
+            self._send(("abort", list(group.unfinished)))
+            self._fail([sid], QueueTimeout(f"the request waited {self.max_queue_time_s:g}s in the queue without "
+                                           "starting (max_queue_time_s); the server is overloaded, retry later"))
+
     def _fail(self, ids: list[str], error: BaseException) -> None:
         """On the event loop: end these sequences' groups with ``error`` (a refused add, a failed engine)."""
         for sid in ids:
@@ -241,9 +261,11 @@ class AsyncEngine:
                 was_idle = not engine.has_unfinished()
                 if self._apply(cmds) and was_idle and self.max_queue_delay_s > 0:
                     self._fill_batch()
+                if self.max_queue_time_s is not None and (expired := engine.expire_waiting(self.max_queue_time_s)):
+                    self._call_soon(self._time_out, expired)
                 outputs = engine.step() if engine.has_unfinished() else []
                 if self.metrics is not None:  # before delivery: a client that has its answer sees it counted
-                    self.metrics.after_step(engine, outputs, len(self._cmds))
+                    self.metrics.after_step(engine, outputs, sum(c[0] == "add" for c in list(self._cmds)))
                 if outputs:
                     self._call_soon(self._deliver, outputs)
         except BaseException as exc:

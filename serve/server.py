@@ -80,7 +80,8 @@ def serve(bundle: str | Path, options: ServeOptions, **engine_options: Any) -> i
     metrics = ServerMetrics(name)
     metrics.after_step(engine, [], 0)  # the pool's size and an empty engine are known before the first request
     async_engine = AsyncEngine(engine, max_waiting_requests=cfg.max_waiting_requests,
-                               max_queue_delay_s=cfg.max_queue_delay_us / 1e6, metrics=metrics)
+                               max_queue_delay_s=cfg.max_queue_delay_us / 1e6, metrics=metrics,
+                               max_queue_time_s=cfg.max_queue_time_s)
     template = engine.tokenizer.chat_template if engine.tokenizer is not None else None
     tool_format = detect_format(template) if options.tool_call_parser == "auto" else options.tool_call_parser
     state = ServerState(async_engine, metrics, name, options.api_key, engine.max_model_len, int(time.time()),

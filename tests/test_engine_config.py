@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from omforge.runtime.config import DEFAULT_KV_CACHE_BYTES, EngineConfig, EngineConfigError
+from omforge.runtime.config import (
+    DEFAULT_KV_CACHE_BYTES,
+    DEFAULT_MAX_QUEUE_TIME_S,
+    QUEUE_BATCHES,
+    EngineConfig,
+    EngineConfigError,
+)
 
 SERVE = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "max_prefill_tokens_with_decodes": None,
          "max_model_len": None, "enable_prefix_caching": True, "max_queue_delay_us": 2000,
@@ -66,3 +72,16 @@ def test_the_pool_is_sized_from_the_kv_cache_space_budget() -> None:
         (1 << 29) // (16 * 1024)  # the recipe's budget
     given = EngineConfig.resolve(big, kv_cache_space_gb=0.25, num_kv_blocks=10)
     assert given.num_kv_blocks == 10 and given.kv_cache_space_gb is None  # a block count wins over a budget
+
+
+def test_the_queue_is_bounded_in_time_and_its_default_depth_follows_max_num_seqs() -> None:
+    """issue 24, defect 10: a default depth of two full batches (it was a fixed 256 whatever the batch), and a
+    queue time bound (default 60 s; a bundle's null: none; an override wins)."""
+    cfg = EngineConfig.resolve(manifest(max_waiting_requests=None))
+    assert cfg.max_waiting_requests == QUEUE_BATCHES * 8 == 16
+    assert cfg.max_queue_time_s == DEFAULT_MAX_QUEUE_TIME_S == 60.0  # a bundle compiled before the key existed
+    assert EngineConfig.resolve(manifest(max_queue_time_s=None)).max_queue_time_s is None
+    assert EngineConfig.resolve(manifest(max_queue_time_s=None), max_queue_time_s=2).max_queue_time_s == 2.0
+    assert EngineConfig.resolve(manifest(max_waiting_requests=5)).max_waiting_requests == 5
+    with pytest.raises(EngineConfigError, match="max_queue_time_s"):
+        EngineConfig.resolve(manifest(), max_queue_time_s=-1)

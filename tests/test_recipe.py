@@ -33,7 +33,7 @@ COMPILE_KEYS = ("target, dtype, opset, kv_block_size, kv_cache_dtype, max_batch_
 BUCKET_KEYS = "prefill_seq_lens, decode_batch_sizes, context_lens"
 SERVE_KEYS = ("max_num_seqs, max_num_batched_tokens, max_prefill_tokens_with_decodes, max_model_len, "
               "enable_prefix_caching, max_queue_delay_us, preemption_mode, swap_space_gb, num_kv_blocks, "
-              "kv_cache_space_gb, speculative_config, max_waiting_requests")
+              "kv_cache_space_gb, speculative_config, max_waiting_requests, max_queue_time_s")
 
 
 @pytest.fixture
@@ -290,7 +290,7 @@ def test_tiny_llama_loads_with_defaults() -> None:
     s = r.serve
     assert (s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len) == (64, 512, None)
     assert (s.enable_prefix_caching, s.preemption_mode, s.max_queue_delay_us) == (True, "recompute", 2000)
-    assert (s.swap_space_gb, s.num_kv_blocks, s.max_waiting_requests) == (1.0, None, 256)
+    assert (s.swap_space_gb, s.num_kv_blocks, s.max_waiting_requests, s.max_queue_time_s) == (1.0, None, None, 60.0)
     assert r.model_len == 256
     with pytest.raises(RecipeError, match=r"model\.source: random weights have no file"):
         r.weights_path()

@@ -6,6 +6,7 @@ official ``openai`` client, raw sockets for a client that vanishes); the engine'
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
 import json
 import socket
 import time
@@ -23,15 +24,16 @@ GONE = "omforge:request_rejected_total{reason=client_disconnected}"
 
 @pytest.fixture(scope="module")
 def server(smollm2_bundle: Path):  # noqa: ANN201
-    srv = ServerProcess(smollm2_bundle, "--num-kv-blocks", "64", "--max-num-seqs", "2", "--threads", "1")
+    srv = ServerProcess(smollm2_bundle, "--num-kv-blocks", "64", "--max-num-seqs", "2", "--threads", "1",
+                        "--max-waiting-requests", "16")
     yield srv
     assert srv.stop() == 0, srv.log()
 
 
-def _raw(srv: ServerProcess, path: str, body: dict) -> socket.socket:
+def _raw(srv: ServerProcess, path: str, body: dict, timeout: float = 30) -> socket.socket:
     host, port = srv.url.removeprefix("http://").split(":")
     raw = json.dumps(body).encode()
-    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock = socket.create_connection((host, int(port)), timeout=timeout)
     sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
                  % (path.encode(), len(raw), raw))
     return sock
@@ -51,16 +53,16 @@ def test_a_client_gone_before_its_request_is_queued_never_reaches_the_engine(ser
     /tokenize bodies): on the old code each was queued anyway — and a stream whose client was gone when its
     response started stayed queued until its first output, prefilled for nobody."""
     before = server.metrics()
-    big = "hello world, this is text. " * 120_000  # seconds of tokenizing each
+    big = "hello world, this is text. " * 80_000  # seconds of tokenizing each
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        busy = [pool.submit(lambda: _raw(server, "/tokenize", {"prompt": big}).recv(16)) for _ in range(4)]
+        busy = [pool.submit(lambda: _raw(server, "/tokenize", {"prompt": big}, 180).recv(16)) for _ in range(4)]
         time.sleep(1.0)  # the tokenizer threads are taken
         socks = [_raw(server, path, body) for path, body in _bodies("Tell me a story about a lighthouse. " * 20)]
         time.sleep(0.3)  # the bodies have arrived
         for sock in socks:
             sock.close()  # gone while the prompt waits to be tokenized
         for f in busy:
-            assert f.result(60)
+            assert f.result(180)
     server.wait_for_metric(GONE, lambda v: v >= before.get(GONE, 0) + 4, timeout=60)
     after = server.metrics()
     assert after[GONE] == before.get(GONE, 0) + 4
@@ -118,3 +120,40 @@ def test_the_server_answers_after_clients_vanished(server: ServerProcess) -> Non
     r = server.client().completions.create(model="smollm2-135m", prompt="Hi", max_tokens=3)
     assert r.usage.completion_tokens >= 1
     assert server.get("/health")[0] == 200
+
+
+def test_a_request_waiting_past_max_queue_time_gets_a_retryable_503(smollm2_bundle: Path) -> None:
+    """issue 24, defect 10: behind a long request (max_num_seqs 1), one queued request of each kind waits past
+    --max-queue-time 1: the whole one gets a 503 with Retry-After (code queue_timeout), the stream an error event
+    and [DONE]; neither is prefilled, both are counted, the running request is unharmed."""
+    srv = ServerProcess(smollm2_bundle, "--num-kv-blocks", "64", "--max-num-seqs", "1", "--threads", "1",
+                        "--max-queue-time", "1")
+    try:
+        client = srv.client()
+        long = client.completions.create(model="smollm2-135m", prompt="Write a very long story:", max_tokens=1000,
+                                         temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+        next(iter(long))
+        before = srv.metrics()
+        t0 = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(model="smollm2-135m", prompt="Queued", max_tokens=4)
+        assert info.value.status_code == 503 and int(info.value.response.headers["Retry-After"]) >= 1
+        assert info.value.body["code"] == "queue_timeout"
+        assert time.monotonic() - t0 < 30  # heard early: the bound, plus at most a step
+        conn = http.client.HTTPConnection("127.0.0.1", int(srv.url.rsplit(":", 1)[1]), timeout=60)
+        conn.request("POST", "/v1/chat/completions", json.dumps(
+            {"messages": [{"role": "user", "content": "Queued"}], "max_tokens": 4, "stream": True}),
+            {"Content-Type": "application/json"})
+        text = conn.getresponse().read().decode()  # chunked: http.client joins the chunks
+        conn.close()
+        assert text.endswith("data: [DONE]\n\n"), text
+        events = [json.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: {")]
+        assert events[-1]["error"]["code"] == "queue_timeout", events
+        after = srv.metrics()
+        assert after["omforge:request_rejected_total{reason=queue_timeout}"] == 2
+        assert after[PREFILL] == before[PREFILL]
+        srv.wait_for_metric("omforge:num_requests_waiting", lambda v: v == 0, timeout=10)
+        assert srv.metrics()["omforge:num_requests_running"] == 1  # the long one runs on, unharmed
+        long.close()
+    finally:
+        assert srv.stop() == 0, srv.log()
