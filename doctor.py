@@ -55,7 +55,7 @@ def _acl() -> tuple[bool, str, int | None]:
         import acl
     except Exception as e:
         return False, f"import failed: {type(e).__name__}: {e}", None
-    from omforge.runtime.acl_api import device_count  # every acl call lives in acl_api
+    from omforge.runtime.ascend.acl_api import device_count  # every acl call lives in acl_api
 
     try:
         return True, "imports", device_count(acl)
@@ -93,7 +93,7 @@ def gather(env: dict[str, str] | None = None) -> dict[str, Any]:
                        None if npus else "no NPU visible"])) or "atc, pyACL and an NPU present"},
     }
     try:
-        from omforge.runtime import kernels
+        from omforge.runtime.ort import kernels
 
         k = kernels.status()
         kernel_report = {"built": kernels.library_path() is not None, "available": k.available, "isa": k.isa,

@@ -1,17 +1,17 @@
-"""Builds omforge's native kernel library (runtime/kernels/*.cpp) with the normal install.
+"""Builds omforge's native kernel library (runtime/ort/kernels/*.cpp) with the normal install.
 
 Everything else is declared in pyproject.toml. The library is a plain shared object that ONNX Runtime loads
 as a custom-op library (it is not a Python module and needs no Python or ORT headers). It is optional:
 when it cannot be built (no C++ compiler, another platform) the install goes on without it, and compile
-falls back to the plain-op lowering (see omforge.runtime.kernels).
+falls back to the plain-op lowering (see omforge.runtime.ort.kernels).
 """
 
 from setuptools import Extension, setup
 
 KERNELS = Extension(
-    "omforge.runtime.kernels._omforge_kernels",
-    sources=[f"runtime/kernels/{name}.cpp" for name in ("custom_op", "pa_avx512", "pa_avx2", "pa_generic")],
-    depends=[f"runtime/kernels/{name}.h" for name in ("ort_abi", "paged_attention", "paged_attention_impl")],
+    "omforge.runtime.ort.kernels._omforge_kernels",
+    sources=[f"runtime/ort/kernels/{name}.cpp" for name in ("custom_op", "pa_avx512", "pa_avx2", "pa_generic")],
+    depends=[f"runtime/ort/kernels/{name}.h" for name in ("ort_abi", "paged_attention", "paged_attention_impl")],
     language="c++",
     extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden", "-Wno-maybe-uninitialized"],
     extra_link_args=["-s"],  # stripped: the wheel carries ~1 MB instead of ~7

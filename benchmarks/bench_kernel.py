@@ -24,7 +24,7 @@ import numpy as np
 from bench_passes import interleaved_ms
 
 from omforge.compile.ort import build
-from omforge.runtime.ort_executor import OrtExecutor
+from omforge.runtime.ort.ort_executor import OrtExecutor
 from omforge.runtime.step import SeqWork, build_step
 
 

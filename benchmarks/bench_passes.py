@@ -28,7 +28,7 @@ from omforge.passes.decompose import paged_attention
 from omforge.passes.lower_ort import LowerPagedAttention
 from omforge.passes.pipeline import InsertPagedKV, Pipeline
 from omforge.recipe import FUSIONS
-from omforge.runtime.ort_executor import OrtExecutor
+from omforge.runtime.ort.ort_executor import OrtExecutor
 from omforge.runtime.step import SeqWork, build_step
 
 

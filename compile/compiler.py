@@ -28,7 +28,7 @@ from omforge.compile.cache import Stage, cache_root, copy_into, stage_key
 from omforge.contract import DEFAULT_BLOCK_SIZE, PagedLayout
 from omforge.errors import OmforgeError
 from omforge.recipe import FUSIONS, Recipe
-from omforge.runtime import kernels
+from omforge.runtime.ort import kernels
 
 TOOLS = ("onnx", "onnxruntime", "onnxscript", "onnx-ir", "onnxsim", "torch")
 

@@ -15,7 +15,7 @@ import onnx_ir as ir
 
 from omforge.contract import PagedLayout
 from omforge.passes.pipeline import Pipeline, histogram, interface
-from omforge.runtime import kernels
+from omforge.runtime.ort import kernels
 
 
 @dataclass

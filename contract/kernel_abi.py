@@ -1,4 +1,4 @@
-"""What the ORT lowering and omforge's kernel library (``runtime/kernels``) agree on: the custom-op domain, the op
+"""What the ORT lowering and omforge's kernel library (``runtime/ort/kernels``) agree on: the custom-op domain, the op
 contract's version and the head sizes the kernels are instantiated for. Dependency-free (stdlib only), so the
 passes read them without importing the runtime."""
 

@@ -7,7 +7,7 @@
                 (ORT has no CPU SwiGLU kernel; it fuses the Sigmoid·Mul into QuickGelu, the Split stays)
   Attention   → Attention (opset 23), ``is_causal``, GQA through ``q_num_heads``/``kv_num_heads``
   PagedAttention → with ``kernel=True``: ``omforge.kernels.PagedAttention``, omforge's own CPU kernel
-                   (runtime/kernels): one node per layer that writes the step's K/V rows in place and attends
+                   (runtime/ort/kernels): one node per layer that writes the step's K/V rows in place and attends
                    straight from the pools through the block tables (main and decode group in one call).
                    Otherwise (the plain lowering, any ORT): ScatterND KV write + Gather of the block table +
                    Attention (opset 23, 3-D BSH inputs, so the gathered context needs no transpose) with a boolean
@@ -73,7 +73,7 @@ class LowerPagedAttention(decompose.DecomposePagedAttention):
     ``graph`` — ScatterND into the pool (bound in place by IOBinding), block gather, then the fused ``Attention``
     with a boolean mask, once for the step's main group and once for its decode group (``decode_group``: the
     graph inputs ``contract.DECODE_GROUP_INPUTS``). ``kernel`` — omforge's native kernel
-    (``omforge.kernels.PagedAttention*``, contract in runtime/kernels/custom_op.cpp): the same step inputs plus
+    (``omforge.kernels.PagedAttention*``, contract in runtime/ort/kernels/custom_op.cpp): the same step inputs plus
     the decode group, the pools written in place; the ``graph`` form where no kernel exists for the head size or
     the recipe switched the attention fusion off. ``runtime`` — the pools are read-only inputs, the step's new rows
     are outputs (``key_new.N``) that the executor stores at ``slot_mapping``, and attention sees them through a
@@ -129,7 +129,7 @@ def lower(model: ir.Model, kv_write: str = "graph", kernel: bool = False, kv_cac
     binds in place) or the runtime (the graph returns the rows; attention sees them through a scatter into the
     gathered context; the graph write measured faster: benchmarks/RESULTS.md, "kv_write"). ``kernel`` (with
     ``kv_write="graph"``) lowers paged attention to omforge's CPU kernel instead of plain ops; the session must
-    then register the kernel library (runtime/kernels). ``kv_cache_dtype`` other than float32 (the pools'
+    then register the kernel library (runtime/ort/kernels). ``kv_cache_dtype`` other than float32 (the pools'
     element type, see ``contract.KV_DTYPES``) needs the kernel."""
     if kv_write not in KV_WRITES:
         raise ValueError(f"kv_write={kv_write!r} is not one of {KV_WRITES}")

@@ -20,12 +20,12 @@ import numpy as np
 from omforge.contract import PagedLayout
 from omforge.contract.manifest import BundleError, load_manifest
 from omforge.errors import OmforgeError
-from omforge.runtime import kernels
 from omforge.runtime.config import EngineConfig, EngineConfigError
 from omforge.runtime.detokenizer import IncrementalDetokenizer
 from omforge.runtime.executor import Executor, run_plan
 from omforge.runtime.kv_cache_manager import KVCacheManager
-from omforge.runtime.ort_executor import OrtExecutor
+from omforge.runtime.ort import kernels
+from omforge.runtime.ort.ort_executor import OrtExecutor
 from omforge.runtime.request import Request, Status, seq_ids
 from omforge.runtime.sampler import GREEDY_TEMPERATURE, Sampler, SamplerOutput, with_logprobs
 from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
@@ -167,7 +167,7 @@ class LLMEngine:
 
     def _executor(self, bundle: Path, m: dict[str, Any], cfg: EngineConfig, acl_module: object) -> Executor:
         if m["target"] == "ascend":
-            from omforge.runtime.acl_executor import AclExecutor
+            from omforge.runtime.ascend.acl_executor import AclExecutor
 
             return AclExecutor(bundle, m, acl=acl_module, num_host_blocks=cfg.num_host_blocks)
         if m.get("kernels") and not kernels.status().available:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv and install omforge with what export and the tests need, building the native kernel library
-# (runtime/kernels, g++). Idempotent: re-running after a finished install only checks a stamp (the hash of
+# (runtime/ort/kernels, g++). Idempotent: re-running after a finished install only checks a stamp (the hash of
 # pyproject.toml, setup.py, this script and the kernel sources; an edited kernel is rebuilt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +15,7 @@ if [ ! -f /usr/include/nlohmann/json.hpp ] && command -v apt-get >/dev/null 2>&1
     || echo "[setup] warning: could not install nlohmann-json3-dev; the plugin parse test will be skipped" >&2
 fi
 stamp=.venv/.omforge-setup
-want=$(cat pyproject.toml setup.py scripts/setup.sh runtime/kernels/*.cpp runtime/kernels/*.h | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml setup.py scripts/setup.sh runtime/ort/kernels/*.cpp runtime/ort/kernels/*.h | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
 echo "[setup] creating .venv and installing dependencies (a few minutes on a fresh machine)" >&2
 [ -x .venv/bin/python ] || "$PY" -m venv .venv

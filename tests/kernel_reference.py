@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from omforge.runtime.kernels import DOMAIN
+from omforge.runtime.ort.kernels import DOMAIN
 
 INPUTS = ("q", "k", "v", "key_cache", "value_cache", "slot_mapping", "block_tables", "query_index", "token_index",
           "position_ids", "decode_block_tables", "decode_query_index")

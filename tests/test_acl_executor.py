@@ -1,6 +1,6 @@
-"""The AscendCL executor (runtime/acl_executor.py, runtime/acl_api.py) against tests/fake_acl.py — a FAKE pyACL
-whose "OM" (written by tests/fake_atc.py from the bundle's exact atc command) runs the plain-op twin of the ascend
-step graph on onnxruntime and enforces CANN's documented rules (output names in ``op:edge:name`` form, ≤ 128
+"""The AscendCL executor (runtime/ascend/acl_executor.py, runtime/ascend/acl_api.py) against tests/fake_acl.py —
+a FAKE pyACL whose "OM" (written by tests/fake_atc.py from the bundle's exact atc command) runs the plain-op twin of
+the ascend step graph on onnxruntime and enforces CANN's documented rules (output names in ``op:edge:name`` form, ≤ 128
 gear dims built from the listed inputs, async copies synchronized before use). This checks the executor's own
 work (set-up, description checks, buffers, datasets, gear selection, the row copies into the resident pool,
 logits, teardown) end to end; it says nothing about real NPU behaviour, which has not been run. Tests that need
@@ -21,7 +21,7 @@ import pytest
 
 from fake_acl import FakeAcl
 from helpers import TINY_RECIPE, compile_bundle
-from omforge.runtime.acl_api import AclError, AclParameterError, AclResourceError, AclUnavailable, acl_error
+from omforge.runtime.ascend.acl_api import AclError, AclParameterError, AclResourceError, AclUnavailable, acl_error
 
 HAS_ACL = importlib.util.find_spec("acl") is not None
 
@@ -84,7 +84,7 @@ def test_teardown_releases_everything_in_reverse_order(bundles: tuple[Path, Path
 
 
 def test_failed_setup_releases_what_it_took(bundles: tuple[Path, Path], tmp_path: Path) -> None:
-    from omforge.runtime.acl_executor import AclExecutor
+    from omforge.runtime.ascend.acl_executor import AclExecutor
 
     bundle = tmp_path / "b"
     shutil.copytree(bundles[0], bundle)
@@ -102,8 +102,8 @@ def _om(bundle: Path) -> Path:
 
 
 def test_a_stale_om_is_refused_with_the_difference(bundles: tuple[Path, Path], tmp_path: Path) -> None:
-    from omforge.runtime.acl_executor import AclExecutor
-    from omforge.runtime.acl_plan import AclModelMismatch
+    from omforge.runtime.ascend.acl_executor import AclExecutor
+    from omforge.runtime.ascend.acl_plan import AclModelMismatch
 
     bundle = tmp_path / "b"
     shutil.copytree(bundles[0], bundle)
@@ -121,7 +121,7 @@ def test_a_stale_om_is_refused_with_the_difference(bundles: tuple[Path, Path], t
 def test_the_om_is_found_with_atcs_os_cpu_suffix(bundles: tuple[Path, Path]) -> None:
     """Issue 20: ATC may write ``<output>_<os>_<cpu>.om`` (hicann/ge model_helper.cc); the fake ATC does, and the
     executor loads it (it looked for ``<output>.om`` before)."""
-    from omforge.runtime.acl_executor import check_bundle
+    from omforge.runtime.ascend.acl_executor import check_bundle
 
     manifest = json.loads((bundles[0] / "manifest.json").read_text())
     assert check_bundle(bundles[0], manifest).name == "step_linux_x86_64.om"
@@ -130,8 +130,8 @@ def test_the_om_is_found_with_atcs_os_cpu_suffix(bundles: tuple[Path, Path]) -> 
 def test_outputs_are_matched_by_index_in_canns_name_form(bundles: tuple[Path, Path]) -> None:
     """Issue 20 defect 3: ACL names an ONNX model's outputs ``op-name:edge-index:tensor-name``; the executor
     matches outputs by index and checks the part after the last ':' (bare-name matching failed at load)."""
-    from omforge.runtime.acl_api import AclRuntime
-    from omforge.runtime.acl_executor import AclExecutor
+    from omforge.runtime.ascend.acl_api import AclRuntime
+    from omforge.runtime.ascend.acl_executor import AclExecutor
 
     manifest = json.loads((bundles[0] / "manifest.json").read_text())
     fake = FakeAcl()
@@ -154,7 +154,7 @@ def test_a_gear_model_over_128_dims_fails_to_describe(tmp_path: Path) -> None:
     import onnx
     from onnx import TensorProto, helper
 
-    from omforge.runtime.acl_api import AclInternalError, AclRuntime
+    from omforge.runtime.ascend.acl_api import AclInternalError, AclRuntime
 
     inputs = [helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [2, 2, 2, "n"]) for i in range(33)]
     graph = helper.make_graph([helper.make_node("Identity", ["x0"], ["y"])], "g", inputs,
@@ -175,7 +175,7 @@ def test_a_gear_model_over_128_dims_fails_to_describe(tmp_path: Path) -> None:
 
 def test_a_plan_above_the_devices_free_memory_is_refused(bundles: tuple[Path, Path]) -> None:
     """Issue 20 deliverable 3: serve refuses, in one line, a device memory plan that does not fit."""
-    from omforge.runtime.acl_executor import AclExecutor, DeviceMemoryTooSmall
+    from omforge.runtime.ascend.acl_executor import AclExecutor, DeviceMemoryTooSmall
 
     manifest = json.loads((bundles[0] / "manifest.json").read_text())
     plan = manifest["ascend"]["memory"]
@@ -191,7 +191,7 @@ def test_a_plan_above_the_devices_free_memory_is_refused(bundles: tuple[Path, Pa
 def test_a_decode_step_makes_one_copy_per_run_of_slots(bundles: tuple[Path, Path]) -> None:
     """Issue 20 deliverable 4: the new rows of every layer reach the pool with ONE async copy per run of
     consecutive slots and one synchronize per run (was 2 x layers synchronous copies per run)."""
-    from omforge.runtime.acl_executor import AclExecutor
+    from omforge.runtime.ascend.acl_executor import AclExecutor
     from omforge.runtime.step import SeqWork
 
     manifest = json.loads((bundles[0] / "manifest.json").read_text())
@@ -210,7 +210,7 @@ def test_a_decode_step_makes_one_copy_per_run_of_slots(bundles: tuple[Path, Path
 
 
 def test_block_copies_and_swaps_move_whole_blocks(bundles: tuple[Path, Path]) -> None:
-    from omforge.runtime.acl_executor import AclExecutor
+    from omforge.runtime.ascend.acl_executor import AclExecutor
     from omforge.runtime.step import SeqWork
 
     manifest = json.loads((bundles[0] / "manifest.json").read_text())
@@ -266,14 +266,14 @@ def test_serve_on_an_ascend_bundle_without_cann_fails_in_one_line(bundles: tuple
     assert len(lines) == 1, r.stderr
     assert "pyACL is not importable" in lines[0] and "CANN" in lines[0] and "OM model was not built" in lines[0]
     with pytest.raises(AclUnavailable):
-        from omforge.runtime.acl_api import import_acl
+        from omforge.runtime.ascend.acl_api import import_acl
 
         import_acl()
 
 
 @pytest.mark.skipif(not HAS_ACL, reason="needs pyACL (the CANN toolkit) and an Ascend NPU; not available here")
 def test_real_acl_initializes_a_device() -> None:  # pragma: no cover - hardware only
-    from omforge.runtime.acl_api import AclRuntime, import_acl
+    from omforge.runtime.ascend.acl_api import AclRuntime, import_acl
 
     rt = AclRuntime(import_acl())
     rt.init()

@@ -1,5 +1,5 @@
-"""The ACL executor's pure logic (runtime/acl_plan.py): splitting scheduler steps into gear runs, padding them, the
-dims that select a gear, the coalesced slot-copy plan, and the description check. No acl needed."""
+"""The ACL executor's pure logic (runtime/ascend/acl_plan.py): splitting scheduler steps into gear runs, padding
+them, the dims that select a gear, the coalesced slot-copy plan, and the description check. No acl needed."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from omforge.compile.buckets import plan
 from omforge.contract.ascend import DYNAMIC_INPUT
 from omforge.contract.buckets import BucketError, om_gear, om_gears
 from omforge.recipe import load_recipe
-from omforge.runtime.acl_plan import (
+from omforge.runtime.ascend.acl_plan import (
     AclModelMismatch,
     ModelDesc,
     TensorDesc,
@@ -181,7 +181,7 @@ def test_check_desc_accepts_the_matching_model_and_names_each_mismatch() -> None
 
 def test_bare_output_names_still_match_and_cann_names_are_cut_at_the_last_colon() -> None:
     """Issue 20 defect 3: CANN names an ONNX model's outputs ``op-name:edge-index:tensor-name``."""
-    from omforge.runtime.acl_plan import output_name
+    from omforge.runtime.ascend.acl_plan import output_name
 
     assert output_name("logits_f32:0:logits") == "logits" and output_name("logits") == "logits"
     bare = _desc(outputs=tuple(TensorDesc(n, 64, (), 0) for n in OUTPUTS))

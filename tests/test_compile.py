@@ -49,7 +49,7 @@ def test_manifest_contents(bundle: Path) -> None:
 
 def test_step_graph_of_the_bundle_runs(bundle: Path) -> None:
     from omforge.contract import PagedLayout
-    from omforge.runtime.ort_executor import OrtExecutor
+    from omforge.runtime.ort.ort_executor import OrtExecutor
     from omforge.runtime.step import SeqWork, build_step
 
     m = load_manifest(bundle)

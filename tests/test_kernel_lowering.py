@@ -15,8 +15,8 @@ from test_smollm2 import CHAT_PROMPTS
 
 from helpers import SMOLLM2_RECIPE, TINY_RECIPE, compile_bundle
 from omforge.contract.manifest import load_manifest
-from omforge.runtime import kernels
 from omforge.runtime.llm import LLM
+from omforge.runtime.ort import kernels
 from omforge.runtime.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not kernels.status().available, reason=f"kernel library: {kernels.status().reason}")

@@ -1,4 +1,4 @@
-"""The native PagedAttention kernel (runtime/kernels) against a float64 numpy reference: decode, prefill,
+"""The native PagedAttention kernel (runtime/ort/kernels) against a float64 numpy reference: decode, prefill,
 chunk continuation, mixed steps, GQA groups, head sizes, block sizes, shared prefix blocks, sliding windows,
 every ISA path this CPU can run, in-place and unaliased pool writes, and its errors."""
 
@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 
 from kernel_reference import ENCODE, kernel_model, paged_attention_reference
-from omforge.runtime import kernels
+from omforge.runtime.ort import kernels
 from omforge.runtime.step import SeqWork, build_step
 
 pytestmark = pytest.mark.skipif(not kernels.status().available, reason=f"kernel library: {kernels.status().reason}")
@@ -154,7 +154,7 @@ def test_slower_isa_paths(isa: str, tmp_path) -> None:  # noqa: ANN001
     import subprocess
     import sys
 
-    code = ("import numpy as np, test_kernels as t; from omforge.runtime import kernels; "
+    code = ("import numpy as np, test_kernels as t; from omforge.runtime.ort import kernels; "
             f"assert kernels.status().isa == {isa!r}, kernels.status(); "
             "t.run_case(np.random.default_rng(7), [(30, 40), (70, 1), (5, 1)]); "
             "t.run_case(np.random.default_rng(8), [(3, 9), (33, 1)], q_heads=16, kv_heads=2, head_dim=128, window=5); "

@@ -18,7 +18,7 @@ from omforge.passes import lower_ascend, lower_ort, manager
 from omforge.passes.lower_ascend import AscendLowering
 from omforge.passes.paged_kv import insert_paged_kv
 from omforge.recipe import load_recipe
-from omforge.runtime.ort_executor import OrtExecutor
+from omforge.runtime.ort.ort_executor import OrtExecutor
 from omforge.runtime.step import SeqWork, build_step
 
 BLOCK = 4  # small blocks so short sequences cross many block boundaries

@@ -14,7 +14,7 @@ from omforge.contract import DECODE_GROUP_INPUTS, STEP_INPUTS
 from omforge.export.onnx_export import export_recipe
 from omforge.recipe import load_recipe
 from omforge.runtime.full_recompute import ExportedModel
-from omforge.runtime.ort_executor import OrtExecutor
+from omforge.runtime.ort.ort_executor import OrtExecutor
 from omforge.runtime.step import SeqWork, build_step
 
 BLOCK = 4  # small blocks so short tests cross many block boundaries

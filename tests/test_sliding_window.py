@@ -12,11 +12,11 @@ import pytest
 from helpers import NUM_LAYERS, TINY_HF_CONFIGS, compile_bundle, export_tiny, load_export, write_recipe
 from omforge.compile.ort import build
 from omforge.passes import lower_ascend, manager, ops
-from omforge.runtime import kernels
 from omforge.runtime.full_recompute import ExportedModel
 from omforge.runtime.kv_cache_manager import NO_BLOCK
 from omforge.runtime.llm import LLM
-from omforge.runtime.ort_executor import OrtExecutor
+from omforge.runtime.ort import kernels
+from omforge.runtime.ort.ort_executor import OrtExecutor
 from omforge.runtime.sampling_params import SamplingParams
 from omforge.runtime.step import SeqWork, build_step
 

@@ -34,8 +34,8 @@ from omforge.contract import PagedLayout
 from omforge.contract.ascend import KV_NEW, KV_POOL, OmNameClash, find_om
 from omforge.contract.buckets import BucketPlan, om_gear
 from omforge.errors import OmforgeError
-from omforge.runtime.acl_api import AclRuntime, AclUnavailable, import_acl
-from omforge.runtime.acl_plan import (
+from omforge.runtime.ascend.acl_api import AclRuntime, AclUnavailable, import_acl
+from omforge.runtime.ascend.acl_plan import (
     ACL_DTYPES,
     STEP_GRAPH_INPUTS,
     AclModelMismatch,

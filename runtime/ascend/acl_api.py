@@ -1,5 +1,5 @@
 """Every ``acl.*`` (pyACL) call omforge makes, in one thin module: each call checked, each failure a named exception
-with the ACL code and the call. Nothing here decides anything (that is :mod:`omforge.runtime.acl_plan` and the
+with the ACL code and the call. Nothing here decides anything (that is :mod:`omforge.runtime.ascend.acl_plan` and the
 executor); the calls and constants are those of reference/ascend.md §3.
 
 NOT RUN ON HARDWARE: no Ascend device or CANN install was available where this was written; the calls follow the
@@ -14,7 +14,7 @@ from typing import Any
 
 from omforge.contract.ascend import DYNAMIC_INPUT
 from omforge.errors import OmforgeError
-from omforge.runtime.acl_plan import ModelDesc, TensorDesc
+from omforge.runtime.ascend.acl_plan import ModelDesc, TensorDesc
 
 ACL_SUCCESS = 0
 MEMCPY_HOST_TO_DEVICE, MEMCPY_DEVICE_TO_HOST, MEMCPY_DEVICE_TO_DEVICE = 1, 2, 3

@@ -17,8 +17,8 @@ import numpy as np
 import onnxruntime as ort
 
 from omforge.contract import PagedLayout
-from omforge.runtime import kernels
 from omforge.runtime.executor import ExecutorCapabilities
+from omforge.runtime.ort import kernels
 from omforge.runtime.step import SeqWork, build_step
 
 BFLOAT16 = 16  # ONNX element type: numpy has no bfloat16, so bf16 pools are uint16 arrays bound with this type

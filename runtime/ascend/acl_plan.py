@@ -1,6 +1,6 @@
 """The ACL executor's logic, as plain Python: which gear each part of a step runs on, the padded inputs of each
 execution, the dims list that selects the gear, the device-copy plan for the new K/V rows, and the check of a loaded
-model's description against the bundle. No ``acl`` here (that is :mod:`omforge.runtime.acl_api`), so all of it is
+model's description against the bundle. No ``acl`` here (that is :mod:`omforge.runtime.ascend.acl_api`), so all of it is
 unit-tested on any machine.
 
 An ascend bundle has ONE OM whose gears cover two bucket profiles (:mod:`omforge.compile.buckets`): ``prefill``
