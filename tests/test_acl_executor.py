@@ -127,6 +127,15 @@ def test_the_om_is_found_with_atcs_os_cpu_suffix(bundles: tuple[Path, Path]) -> 
     assert check_bundle(bundles[0], manifest).name == "step_linux_x86_64.om"
 
 
+def test_an_ascend_bundle_from_before_the_one_om_layout_is_refused_in_one_line(bundles: tuple[Path, Path]) -> None:
+    from omforge.runtime.ascend.acl_executor import OmModelsMissing, check_bundle
+
+    manifest = json.loads((bundles[0] / "manifest.json").read_text())
+    old = {**manifest, "ascend": {"models": {"prefill": "ascend/om/prefill.om", "decode": "ascend/om/decode.om"}}}
+    with pytest.raises(OmModelsMissing, match="from before issue 20.*recompile it"):
+        check_bundle(bundles[0], old)
+
+
 def test_outputs_are_matched_by_index_in_canns_name_form(bundles: tuple[Path, Path]) -> None:
     """Issue 20 defect 3: ACL names an ONNX model's outputs ``op-name:edge-index:tensor-name``; the executor
     matches outputs by index and checks the part after the last ':' (bare-name matching failed at load)."""

@@ -75,7 +75,11 @@ class _Model:
 def check_bundle(bundle: Path, manifest: dict[str, Any]) -> Path:
     """The OM of an ascend bundle (``<prefix>.om`` or ``<prefix>_<os>_<cpu>.om``); :class:`OmModelsMissing` (one
     line) when it was not built."""
-    prefix = (manifest.get("ascend") or {}).get("model")
+    asc = manifest.get("ascend") or {}
+    if "models" in asc and "model" not in asc:
+        raise OmModelsMissing(f"{bundle}: an ascend bundle from before issue 20 (one OM per profile, per-layer pools, "
+                              "every input in --input_shape: it would not load on an NPU); recompile it")
+    prefix = asc.get("model")
     try:
         om = find_om(bundle / prefix) if prefix else None
     except OmNameClash as e:
