@@ -19,7 +19,7 @@ records under these names (never sent to ATC)."""
 
 DEFAULT_BLOCK_SIZE = {"ort": 64, "ascend": 128}
 """Tokens per KV block by target. ascend: 128, what MindIE and vllm-ascend use and IFA recommends. ort: 64, the
-smallest block at the floor of the plain lowering's paged overhead (benchmarks/RESULTS.md, "block size")."""
+block size measured best for the plain lowering (benchmarks/RESULTS.md, "block size")."""
 
 STEP_INPUTS = ("input_ids", "position_ids", "slot_mapping", "block_tables", "query_index", "token_index",
                "logits_indices")

@@ -127,7 +127,7 @@ def lower(model: ir.Model, kv_write: str = "graph", kernel: bool = False, kv_cac
     """Lower every neutral op in ``model`` in place; returns the number of ops lowered. ``kv_write`` says who
     writes the new K/V rows of a step graph: the graph itself (default: ScatterND into the pool the executor
     binds in place) or the runtime (the graph returns the rows; attention sees them through a scatter into the
-    gathered context; the graph write measured faster: benchmarks/RESULTS.md, "kv_write"). ``kernel`` (with
+    gathered context; the graph write is the faster: benchmarks/RESULTS.md, "kv_write"). ``kernel`` (with
     ``kv_write="graph"``) lowers paged attention to omforge's CPU kernel instead of plain ops; the session must
     then register the kernel library (runtime/ort/kernels). ``kv_cache_dtype`` other than float32 (the pools'
     element type, see ``contract.KV_DTYPES``) needs the kernel."""

@@ -7,12 +7,12 @@ A :class:`Packed` matrix holds ``W [N, K]`` (one row per output feature, as torc
 
     W[n, k] = (code[n, k] - 2^(bits-1)) * scale[n, b] + block_min[n, b]        (b = k // block)
 
-Why no zero points: on this CPU ONNX Runtime's fast MatMulNBits paths (``accuracy_level`` 4, int8 activations)
-take 4-bit weights without zero points and 8-bit weights, while float zero points run a path ~90x slower at one
-token (benchmarks/RESULTS.md). An affine block (GGUF Q4_1 ``q·d + m``, asymmetric round to nearest) is written as
-its symmetric part plus ``block_min``, which the graph adds as ``blocksum(x) @ block_minᵀ`` — one small MatMul
-over ``K / block`` columns (:mod:`omforge.passes.quantize_weights`). Invariant: :func:`dequantize` is exactly the
-weight the graph multiplies by.
+Why no zero points: ONNX Runtime's fast CPU MatMulNBits paths take 4-bit weights without zero points (and 8-bit
+weights); float zero points take a slow one (measured: benchmarks/RESULTS.md, "MatMulNBits on this CPU"). An
+affine block (GGUF Q4_1 ``q·d + m``, asymmetric round to nearest) is written as its symmetric part plus
+``block_min``, which the graph adds as ``blocksum(x) @ block_minᵀ`` — one small MatMul over ``K / block`` columns
+(:mod:`omforge.passes.quantize_weights`). Invariant: :func:`dequantize` is exactly the weight the graph multiplies
+by.
 
 Two producers: :func:`quantize` (round to nearest per group along K, symmetric or asymmetric) for float weights,
 and :func:`from_gguf` for GGUF's own Q4_0 / Q4_1 / Q8_0 blocks, which fit without re-quantizing: Q4_0 ``(q - 8)·d``

@@ -62,9 +62,9 @@ class QuantizeWeights(ir.passes.InPlacePass):
 
     def _pack(self, source: str, rows: Callable[[], np.ndarray]) -> quant.Packed | None:
         """The packed form of ``source`` (``rows()``: its float weight ``[N, K]``, read only the first time), made
-        once per source; None when
-        it stays float: 8-bit at ``accuracy_level`` 0, where ORT's CPU kernel is ~25x slower than float32 at one
-        token (benchmarks/RESULTS.md) — a GGUF Q8_0 matrix then runs as its exact float32 dequantization."""
+        once per source; None when it stays float: 8-bit at ``accuracy_level`` 0, a slow ORT CPU path
+        (benchmarks/RESULTS.md, "MatMulNBits on this CPU") — a GGUF Q8_0 matrix then runs as its exact float32
+        dequantization."""
         if source in self._packed:
             return self._packed[source]
         w_nk = rows()

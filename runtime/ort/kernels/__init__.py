@@ -1,14 +1,17 @@
-"""omforge's native CPU kernels for ONNX Runtime: a custom-op library, domain :data:`DOMAIN`.
+"""Loading omforge's native CPU kernels for ONNX Runtime, a custom-op library in domain :data:`DOMAIN`.
 
-The library (``_omforge_kernels*.so`` beside this file, built from the C++ sources here by the normal
-install) registers ``PagedAttention`` (fp32 KV pools) and ``PagedAttentionBF16`` (bf16 pools); their contract
-is at the top of ``custom_op.cpp``. It receives ORT's API table at registration and declares the few ABI
-facts it uses itself (``ort_abi.h``), so it needs no ORT headers and loads on any ORT >= 1.17.
+The library (``_omforge_kernels*.so`` beside this file, built from the C++ sources here by ``setup.py``, or
+``$OMFORGE_KERNELS_LIBRARY``) registers ``PagedAttention``, ``PagedAttentionBF16`` and ``PagedAttentionInt8``
+(fp32, bf16 and int8 KV pools) and ``SwiGLU``; their contract is at the top of ``custom_op.cpp``, and what the
+lowering shares of it (domain, ABI version, head dims) lives in :mod:`omforge.contract.kernel_abi`. It receives
+ORT's API table at registration and declares the few ABI facts it uses itself (``ort_abi.h``), so it needs no ORT
+headers and loads on any ORT >= :data:`MIN_ORT`.
 
-Nothing here is required: :func:`status` says whether the library is usable in this process and why not;
-compile then falls back to the plain-op lowering, and a bundle that needs the library fails to load with
-one clear line. ``OMFORGE_KERNELS=0`` disables the library (tests of the fallback); ``OMFORGE_KERNELS_ISA``
-(``avx512``, ``avx2``, ``generic``) forces a slower code path than the CPU allows.
+Nothing here is required: :func:`status` says whether the library is usable in this process (built, ORT recent
+enough, loadable, the same kernel ABI version) and why not; compile then falls back to the plain-op lowering, and
+a bundle that needs the library fails to load with one clear line. :func:`register` adds it to a session's
+options. ``OMFORGE_KERNELS=0`` disables the library (tests of the fallback); ``OMFORGE_KERNELS_ISA`` (``avx512``,
+``avx2``, ``generic``) forces a slower code path than the CPU allows.
 """
 
 from __future__ import annotations
