@@ -2,8 +2,8 @@
 
 The HTTP event loop never runs the model: ``LLMEngine.step()`` runs on one engine thread (onnxruntime and numpy
 release the GIL while they compute, so the event loop keeps answering). Handlers talk to that thread through a
-command queue (add, abort) and get each request's outputs back on an ``asyncio.Queue``, fed once per step with
-``loop.call_soon_threadsafe``.
+command queue of typed messages (:class:`AddRequest`, :class:`Abort`, :class:`Shutdown`, matched by type) and get
+each request's outputs back on an ``asyncio.Queue``, fed once per step with ``loop.call_soon_threadsafe``.
 
 Invariants:
 - Only the engine thread touches the ``LLMEngine`` after :meth:`AsyncEngine.start` (``check_request`` aside,
@@ -34,6 +34,8 @@ from omforge.errors import OmforgeError
 from omforge.runtime.engine import LLMEngine, RequestOutput
 from omforge.runtime.request import seq_ids
 from omforge.runtime.sampling_params import SamplingParams
+from omforge.runtime.tokenizer import TextTokenizer
+from omforge.serve.metrics import EngineSnapshot, ServerMetrics
 
 log = logging.getLogger("omforge.serve")
 
@@ -51,6 +53,31 @@ class EngineUnavailable(OmforgeError):
 
 class QueueTimeout(EngineUnavailable):
     """The request waited longer than ``max_queue_time_s`` without starting (answer a retryable 503)."""
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """Add one checked prompt (``n`` sequences) to the engine."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Abort these sequences (unknown or finished ids are ignored); the engine frees their blocks at once."""
+
+    seq_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Stop the engine thread before its next step; whatever is still running is dropped."""
+
+
+Command = AddRequest | Abort | Shutdown
 
 
 @dataclass
@@ -74,20 +101,20 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: LLMEngine, *, max_waiting_requests: int, max_queue_delay_s: float = 0.002,
-                 metrics: object | None = None, max_queue_time_s: float | None = None):
-        self.engine = engine
+                 metrics: ServerMetrics | None = None, max_queue_time_s: float | None = None):
+        self._engine = engine
         self.max_queue_time_s = max_queue_time_s
         self.capacity = engine.scheduler.max_num_seqs + max_waiting_requests
         self.max_queue_delay_s = max_queue_delay_s
-        self.metrics = metrics  # omforge.serve.metrics.ServerMetrics, updated from the engine thread
+        self.metrics = metrics  # updated from the engine thread
         self.num_in_flight = 0
         self.num_arriving = 0  # requests being parsed / tokenized (event loop writes, engine thread reads)
         self.failure: BaseException | None = None
         self.draining = False
         self._groups: dict[str, RequestGroup] = {}  # unfinished sequence id → its group (event loop only)
-        self._cmds: deque[tuple] = deque()
+        self._cmds: deque[Command] = deque()
         self._cv = threading.Condition()
-        self._stop = False
+        self._stopped = False  # a Shutdown was applied (engine thread only)
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -102,9 +129,7 @@ class AsyncEngine:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the engine thread (after the HTTP server drained); anything still running is dropped."""
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
+        self._send(Shutdown())
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -117,6 +142,39 @@ class AsyncEngine:
     def healthy(self) -> bool:
         return self.failure is None and self._thread is not None and self._thread.is_alive()
 
+    # --- what the server reads of the engine (fixed at load, so safe from the event loop) ------------------
+
+    @property
+    def tokenizer(self) -> TextTokenizer | None:
+        """The bundle's tokenizer, or None when the bundle ships none (token ids only)."""
+        return self._engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self._engine.config["vocab_size"]
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + output) the server admits."""
+        return self._engine.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self._engine.scheduler.max_num_seqs
+
+    def snapshot(self, pending_adds: int = 0) -> EngineSnapshot:
+        """The engine's gauges and running totals now, for ``/metrics``. Call it on the engine thread, or before
+        :meth:`start`; ``pending_adds`` requests submitted but not yet applied count as waiting."""
+        sched, st = self._engine.scheduler, self._engine.stats
+        return EngineSnapshot(
+            num_running=len(sched.running), num_waiting=len(sched.waiting) + pending_adds,
+            num_swapped=len(sched.swapped), kv=self._engine.kv.stats(), steps=st.steps,
+            last_step_time=st.step_times[-1] if st.step_times else None, prompt_tokens=st.prompt_tokens,
+            prefill_tokens=st.prefill_tokens, generation_tokens=st.generation_tokens, preemptions=st.preemptions,
+            spec_drafts=st.spec_drafts, spec_draft_tokens=st.spec_draft_tokens,
+            spec_accepted_tokens=st.spec_accepted_tokens,
+            spec_accepted_per_position=dict(st.spec_accepted_per_position))
+
     # --- requests (event loop) ----------------------------------------------------------------------------
 
     def new_request_id(self, prefix: str) -> str:
@@ -124,7 +182,7 @@ class AsyncEngine:
 
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> SamplingParams:
         """The engine's admission check (raises RequestRejected / SamplingParamsError); see LLMEngine."""
-        return self.engine.check_request(prompt_token_ids, params)
+        return self._engine.check_request(prompt_token_ids, params)
 
     def submit(self, prompts: list[tuple[list[int], SamplingParams]], request_id: str,
                arrival_time: float | None = None) -> RequestGroup:
@@ -149,7 +207,7 @@ class AsyncEngine:
                 group.prompt_of[sid] = i
                 group.unfinished.add(sid)
                 self._groups[sid] = group
-            self._send(("add", ids, params, rid, arrival))
+            self._send(AddRequest(ids, params, rid, arrival))
         self.num_in_flight += num_seqs
         return group
 
@@ -170,7 +228,7 @@ class AsyncEngine:
         """Abort the group's unfinished sequences (the engine frees their blocks before its next step); a no-op
         once all finished. Safe to call more than once, and for a group whose outputs were never consumed."""
         if group.unfinished:
-            self._send(("abort", list(group.unfinished)))
+            self._send(Abort(tuple(group.unfinished)))
             self._retire(list(group.unfinished))
 
     def _retire(self, ids: list[str]) -> None:
@@ -180,7 +238,7 @@ class AsyncEngine:
                 self.num_in_flight -= 1
                 group.unfinished.discard(sid)
 
-    def _send(self, cmd: tuple) -> None:
+    def _send(self, cmd: Command) -> None:
         with self._cv:
             self._cmds.append(cmd)
             self._cv.notify()
@@ -205,7 +263,7 @@ class AsyncEngine:
                 continue  # its group already ended (another of its sequences, or the client left meanwhile)
             if self.metrics is not None:
                 self.metrics.rejected("queue_timeout")
-            self._send(("abort", list(group.unfinished)))
+            self._send(Abort(tuple(group.unfinished)))
             self._fail([sid], QueueTimeout(f"the request waited {self.max_queue_time_s:g}s in the queue without "
                                            "starting (max_queue_time_s); the server is overloaded, retry later"))
 
@@ -219,29 +277,33 @@ class AsyncEngine:
 
     # --- the engine thread --------------------------------------------------------------------------------
 
-    def _take_commands(self, block: bool) -> list[tuple]:
+    def _take_commands(self, block: bool) -> list[Command]:
         with self._cv:
-            while block and not self._cmds and not self._stop:
+            while block and not self._cmds:
                 self._cv.wait()
             cmds = list(self._cmds)
             self._cmds.clear()
             return cmds
 
-    def _apply(self, cmds: list[tuple]) -> bool:
-        """Apply add/abort commands on the engine thread; True when a request was added."""
+    def _apply(self, cmds: list[Command]) -> bool:
+        """Apply commands on the engine thread, in order; True when a request was added. A :class:`Shutdown`
+        sets ``_stopped`` and drops the commands after it."""
         added = False
         for cmd in cmds:
-            if cmd[0] == "abort":
-                aborted = sum(self.engine.abort(sid) for sid in cmd[1])
-                if self.metrics is not None and aborted:
-                    self.metrics.aborted(aborted)
-                continue
-            _, ids, params, request_id, arrival = cmd
-            try:
-                self.engine.add_request(ids, params, request_id, arrival_time=arrival)
-                added = True
-            except Exception as exc:
-                self._call_soon(self._fail, seq_ids(request_id, params.n), exc)
+            match cmd:
+                case Abort(seq_ids=ids):
+                    aborted = sum(self._engine.abort(sid) for sid in ids)
+                    if self.metrics is not None and aborted:
+                        self.metrics.aborted(aborted)
+                case AddRequest(prompt_token_ids=ids, params=params, request_id=rid, arrival_time=arrival):
+                    try:
+                        self._engine.add_request(ids, params, rid, arrival_time=arrival)
+                        added = True
+                    except Exception as exc:
+                        self._call_soon(self._fail, seq_ids(rid, params.n), exc)
+                case Shutdown():
+                    self._stopped = True
+                    return added
         return added
 
     def _call_soon(self, fn, *args) -> None:  # noqa: ANN001
@@ -252,20 +314,21 @@ class AsyncEngine:
             pass
 
     def _run(self) -> None:
-        engine = self.engine
+        engine = self._engine
         try:
             while True:
                 cmds = self._take_commands(block=not engine.has_unfinished())
-                if self._stop:
-                    return
                 was_idle = not engine.has_unfinished()
-                if self._apply(cmds) and was_idle and self.max_queue_delay_s > 0:
+                if self._apply(cmds) and was_idle and self.max_queue_delay_s > 0 and not self._stopped:
                     self._fill_batch()
+                if self._stopped:
+                    return
                 if self.max_queue_time_s is not None and (expired := engine.expire_waiting(self.max_queue_time_s)):
                     self._call_soon(self._time_out, expired)
                 outputs = engine.step() if engine.has_unfinished() else []
                 if self.metrics is not None:  # before delivery: a client that has its answer sees it counted
-                    self.metrics.after_step(engine, outputs, sum(c[0] == "add" for c in list(self._cmds)))
+                    pending = sum(isinstance(c, AddRequest) for c in list(self._cmds))
+                    self.metrics.after_step(self.snapshot(pending), outputs)
                 if outputs:
                     self._call_soon(self._deliver, outputs)
         except BaseException as exc:
@@ -281,7 +344,8 @@ class AsyncEngine:
         (which would stall the others' decodes for that step, every time)."""
         for _ in range(FILL_WAIT_CAP):
             time.sleep(self.max_queue_delay_s)
-            if not self._apply(self._take_commands(block=False)) and self.num_arriving == 0:
+            added = self._apply(self._take_commands(block=False))
+            if self._stopped or (not added and self.num_arriving == 0):
                 return
 
     @contextlib.contextmanager
@@ -298,7 +362,7 @@ class AsyncEngine:
         a 503 — a stream with an error event and ``[DONE]`` — instead of letting the server cut it."""
         ids = list(self._groups)
         if ids:
-            self._send(("abort", ids))
+            self._send(Abort(tuple(ids)))
             self._fail(ids, EngineUnavailable(reason))
 
     def drain_deadline(self, seconds: float) -> None:

@@ -1,16 +1,20 @@
 """Prometheus metrics at ``/metrics``, named as vLLM names them (``vllm:`` → ``omforge:``), so existing
 dashboards and alerts carry over by changing the prefix.
 
-All updates come from the engine thread after each step (prometheus_client's metrics are thread-safe); gauges
-describe the state after the latest step. Counters that mirror :class:`EngineStats` totals are advanced by the
-difference since the previous step, so they never go backwards.
+All updates come from the engine thread after each step (prometheus_client's metrics are thread-safe), from an
+:class:`EngineSnapshot` the engine thread takes; gauges describe the state after the latest step. Counters that
+mirror the engine's running totals are advanced by the difference since the previous step, so they never go
+backwards.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from omforge.runtime.engine import LLMEngine, RequestOutput
+from omforge.runtime.engine import RequestOutput
+from omforge.runtime.kv_cache_manager import KVCacheStats
 
 PREFIX = "omforge:"
 # vLLM's buckets (seconds), so the quantiles read the same way.
@@ -23,6 +27,28 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 disable_created_metrics()  # no *_created series (process-wide; vLLM does the same)
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine after a step, as ``/metrics`` reports it: the scheduler's queue lengths (``num_waiting``
+    includes requests submitted but not yet handed to the engine), the KV cache, and the engine's running totals
+    (``EngineStats``; ``last_step_time``: seconds of the latest step, None before the first)."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv: KVCacheStats
+    steps: int
+    last_step_time: float | None
+    prompt_tokens: int
+    prefill_tokens: int
+    generation_tokens: int
+    preemptions: int
+    spec_drafts: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_accepted_per_position: dict[int, int]
 
 
 class ServerMetrics:
@@ -76,11 +102,11 @@ class ServerMetrics:
         self._last = dict.fromkeys(("prompt", "prefill", "gen", "pre", "q", "h", "steps", "sd", "sdt", "sa"), 0)
         self._last_pos: dict[int, int] = {}
 
-    def after_step(self, engine: LLMEngine, outputs: list[RequestOutput], pending_adds: int) -> None:
-        sched, st, kv = engine.scheduler, engine.stats, engine.kv.stats()
-        self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting) + pending_adds)
-        self.swapped.set(len(sched.swapped))
+    def after_step(self, st: EngineSnapshot, outputs: list[RequestOutput]) -> None:
+        kv = st.kv
+        self.running.set(st.num_running)
+        self.waiting.set(st.num_waiting)
+        self.swapped.set(st.num_swapped)
         self.kv_usage.set(kv.usage)
         self.kv_used_blocks.set(kv.num_used)
         self.kv_total_blocks.set(kv.num_blocks)
@@ -102,8 +128,8 @@ class ServerMetrics:
             if count > self._last_pos.get(pos, 0):
                 self.spec_per_pos.labels(self.model, str(pos)).inc(count - self._last_pos.get(pos, 0))
                 self._last_pos[pos] = count
-        if st.steps > last["steps"] and st.step_times:
-            self.step_seconds.observe(st.step_times[-1])
+        if st.steps > last["steps"] and st.last_step_time is not None:
+            self.step_seconds.observe(st.last_step_time)
             last["steps"] = st.steps
         for out in outputs:
             if out.finished:

@@ -21,9 +21,10 @@ from typing import Any
 import uvicorn
 
 from omforge.runtime.engine import LLMEngine
-from omforge.serve.api import ServerState, build_app
+from omforge.serve.api import build_app
 from omforge.serve.async_engine import AsyncEngine
 from omforge.serve.metrics import ServerMetrics
+from omforge.serve.state import ServerState
 from omforge.serve.tools import detect_format
 
 log = logging.getLogger("omforge.serve")
@@ -78,10 +79,10 @@ def serve(bundle: str | Path, options: ServeOptions, **engine_options: Any) -> i
     cfg = engine.engine_config
     name = options.served_model_name or engine.manifest["model"]["name"]
     metrics = ServerMetrics(name)
-    metrics.after_step(engine, [], 0)  # the pool's size and an empty engine are known before the first request
     async_engine = AsyncEngine(engine, max_waiting_requests=cfg.max_waiting_requests,
                                max_queue_delay_s=cfg.max_queue_delay_us / 1e6, metrics=metrics,
                                max_queue_time_s=cfg.max_queue_time_s)
+    metrics.after_step(async_engine.snapshot(), [])  # the pool's size and an empty engine, before any request
     template = engine.tokenizer.chat_template if engine.tokenizer is not None else None
     tool_format = detect_format(template) if options.tool_call_parser == "auto" else options.tool_call_parser
     state = ServerState(async_engine, metrics, name, options.api_key, engine.max_model_len, int(time.time()),

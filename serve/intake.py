@@ -1,0 +1,108 @@
+"""From an HTTP request to checked prompts on the engine: the API key, the body parsed into its request model,
+the chat template, the engine's admission check and the submission — each failure an :class:`APIError` with
+OpenAI's status and body. Every function takes the :class:`ServerState` it needs."""
+
+from __future__ import annotations
+
+import secrets
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import ValidationError
+
+from omforge.runtime.engine import RequestRejected
+from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
+from omforge.runtime.tokenizer import ChatTemplateError
+from omforge.serve.async_engine import EngineUnavailable, Overloaded, RequestGroup
+from omforge.serve.body import read_json
+from omforge.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    check_satisfiable,
+    validation_message,
+)
+from omforge.serve.state import ServerState
+
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait; the queue moves every engine step
+B = TypeVar("B", CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+
+
+def authorize(state: ServerState, request: Request) -> None:
+    """Raise 401 unless the request carries ``Authorization: Bearer KEY`` (when the server has a key)."""
+    if state.api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, key = given.partition(" ")
+    # bytes: compare_digest refuses non-ASCII str (a 500 before); the header arrives as latin-1 text
+    if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode("utf-8", "surrogateescape"),
+                                                                state.api_key.encode()):
+        raise APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)", code="invalid_api_key")
+
+
+async def parse(state: ServerState, request: Request, schema: type[B]) -> B:
+    """The authorized request's body as ``schema``, for this server's model, with only supported options."""
+    authorize(state, request)
+    data = await read_json(request, state.body_timeout, state.max_body_bytes)
+    try:
+        body = schema.model_validate(data)
+    except RecursionError:  # a deep structure inside an accepted field (logit_bias, a message …)
+        raise APIError(400, "the request body nests too deeply") from None
+    except ValidationError as exc:
+        param, what = validation_message(exc)
+        raise APIError(400, f"{param}: {what}", param=param) from None
+    if body.model is not None and body.model != state.model_name:
+        raise APIError(404, f"the model '{body.model}' does not exist; this server serves "
+                       f"'{state.model_name}'", param="model", code="model_not_found")
+    body.check_supported()
+    return body
+
+
+def render_chat(state: ServerState, body: ChatCompletionRequest, add_special_tokens: bool = False,
+                tools: list[dict] | None = None) -> list[int]:
+    """The chat template over the request's messages (and ``tools``, as transformers passes them), encoded
+    (raises APIError 400 on a template error). Runs on a tokenizer worker."""
+    extra = {"tools": tools} if tools else {}
+    try:
+        text = state.tokenizer.apply_chat_template(body.conversation(),
+                                                   add_generation_prompt=body.add_generation_prompt,
+                                                   **extra, **(body.chat_template_kwargs or {}))
+    except ChatTemplateError as exc:
+        raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+    return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def check(state: ServerState, ids: list[int], params: SamplingParams, length_param: str) -> SamplingParams:
+    """The engine's admission check as a 400 (``length_param`` names the field of a too-long request)."""
+    try:
+        checked = state.engine.check(ids, params)
+    except SamplingParamsError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+    except RequestRejected as exc:
+        if exc.param is not None:  # not a length: e.g. prompt token ids outside the vocabulary
+            raise APIError(400, str(exc), param=exc.param) from None
+        raise APIError(400, str(exc), param=length_param, code="context_length_exceeded") from None
+    if checked.structured is not None:
+        check_satisfiable(checked.structured)
+    return checked
+
+
+def submit(state: ServerState, prompts: list[tuple[list[int], SamplingParams]], request_id: str,
+           arrival: float) -> RequestGroup:
+    """Queue the checked prompts as one group: 400 if they could never fit, 429 when full, 503 when stopping."""
+    num_seqs = sum(p.n for _, p in prompts)
+    capacity = state.engine.capacity
+    if num_seqs > capacity:  # never admissible: a 429 would have the client retry forever
+        raise APIError(400, f"prompt: {len(prompts)} prompt(s) × n make {num_seqs} sequences, more than this "
+                       f"server ever holds ({capacity}: max_num_seqs + max_waiting_requests); "
+                       "send fewer per request", param="prompt")
+    try:
+        return state.engine.submit(prompts, request_id, arrival)
+    except Overloaded as exc:
+        raise APIError(429, str(exc), type="server_overloaded", code="queue_full",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except EngineUnavailable as exc:
+        raise APIError(503, str(exc), type="server_error", code="unavailable",
+                       headers={"Retry-After": str(5 * RETRY_AFTER_S)}) from None

@@ -1,0 +1,64 @@
+"""The routes beside generation: ``/health``, ``/metrics``, ``/v1/models``, and vLLM's ``/tokenize`` and
+``/detokenize`` (tokenizing on a worker thread, so a long prompt never stalls the event loop)."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from omforge.serve.intake import authorize, parse, render_chat
+from omforge.serve.openapi import body as openapi_body
+from omforge.serve.protocol import APIError, DetokenizeRequest, TokenizeRequest
+from omforge.serve.state import AppState
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(state: AppState) -> Response:
+    engine = state.engine
+    if engine.healthy and not engine.draining:
+        return JSONResponse({"status": "ok"})
+    reason = "draining" if engine.draining else f"engine failed: {engine.failure}"
+    return JSONResponse({"status": reason}, status_code=503)
+
+
+@router.get("/metrics")
+async def metrics(state: AppState) -> Response:
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@router.get("/v1/models")
+async def models(request: Request, state: AppState) -> Response:
+    authorize(state, request)
+    return JSONResponse({"object": "list", "data": [
+        {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "omforge",
+         "max_model_len": state.max_model_len}]})
+
+
+@router.post("/tokenize", openapi_extra=openapi_body("TokenizeRequest"))
+async def tokenize(request: Request, state: AppState) -> Response:
+    body = await parse(state, request, TokenizeRequest)
+    tokenizer = state.tokenizer
+    if tokenizer is None:
+        raise APIError(400, "this model has no tokenizer", param="prompt")
+    if body.prompt is not None:
+        special = True if body.add_special_tokens is None else body.add_special_tokens
+        ids = await state.offload(tokenizer.encode, body.prompt, special)
+    else:
+        ids = await state.offload(render_chat, state, body.chat(), bool(body.add_special_tokens))
+    answer = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": None}
+    return Response(await state.offload(json.dumps, answer), media_type="application/json")
+
+
+@router.post("/detokenize", openapi_extra=openapi_body("DetokenizeRequest"))
+async def detokenize(request: Request, state: AppState) -> Response:
+    body = await parse(state, request, DetokenizeRequest)
+    if state.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer", param="tokens")
+    vocab = state.engine.vocab_size
+    if any(not 0 <= t < vocab for t in body.tokens):
+        raise APIError(400, f"tokens must be token ids in [0, {vocab})", param="tokens")
+    return JSONResponse({"prompt": await state.offload(state.tokenizer.decode, body.tokens, False)})

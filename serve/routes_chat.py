@@ -1,0 +1,53 @@
+"""``POST /v1/chat/completions``: the messages rendered through the chat template (with the tools, when the
+request has some) on a worker thread, tool choice turned into an output constraint, then answered by
+:func:`omforge.serve.respond.respond`."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from omforge.runtime.structured import StructuredOutput
+from omforge.serve.intake import check, parse, render_chat
+from omforge.serve.openapi import body as openapi_body
+from omforge.serve.protocol import APIError, ChatCompletionRequest
+from omforge.serve.respond import respond
+from omforge.serve.state import AppState, ServerState
+from omforge.serve.tools import ToolPlan, choice_mode, constraint, functions
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", openapi_extra=openapi_body("ChatCompletionRequest"))
+async def chat_completions(request: Request, state: AppState) -> Response:
+    with state.engine.arriving():
+        return await _chat_completions(state, request, time.monotonic())
+
+
+async def _chat_completions(state: ServerState, request: Request, arrival: float) -> Response:
+    body = await parse(state, request, ChatCompletionRequest)
+    if state.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer and no chat template", param="messages")
+    body.conversation()  # content parts checked on the event loop: a 400 before any work
+    fns = functions(body.tools)
+    mode, name = choice_mode(body.tool_choice, fns)
+    plan = None
+    if mode == "auto" and state.tool_format is None:
+        raise APIError(400, "tool_choice auto: this model's chat template writes no tool-call format omforge "
+                       "reads (hermes, llama3_json, mistral); name one with --tool-call-parser, or use "
+                       "tool_choice required or a named function", param="tools")
+    if mode != "none":
+        plan = ToolPlan(mode, name, state.tool_format)
+    ids = await state.offload(render_chat, state, body, False, body.tools if mode != "none" else None)
+    params = body.sampling_params(body.max_new_tokens(), body.num_logprobs())
+    if (schema := constraint(mode, name, fns)) is not None:
+        if params.structured is not None:
+            raise APIError(400, f"tool_choice {mode} constrains the output; it cannot be combined with "
+                           f"{params.structured.param}", param="tool_choice")
+        params.structured = StructuredOutput("json", schema, "tool_choice")
+    length_param = "max_completion_tokens" if body.max_new_tokens() else "messages"
+    checked = await state.offload(check, state, ids, params, length_param)
+    return await respond(state, request, body, "chat", [(ids, checked)], [], bool(body.logprobs), arrival,
+                         tools=plan)

@@ -1,0 +1,42 @@
+"""``POST /v1/completions``: prompts (text or token ids, one or a batch) tokenized and checked on a worker
+thread, then answered by :func:`omforge.serve.respond.respond`."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from omforge.serve.intake import check, parse
+from omforge.serve.openapi import body as openapi_body
+from omforge.serve.protocol import APIError, CompletionRequest
+from omforge.serve.respond import respond
+from omforge.serve.state import AppState, ServerState
+
+router = APIRouter()
+
+
+@router.post("/v1/completions", openapi_extra=openapi_body("CompletionRequest"))
+async def completions(request: Request, state: AppState) -> Response:
+    with state.engine.arriving():
+        return await _completions(state, request, time.monotonic())
+
+
+async def _completions(state: ServerState, request: Request, arrival: float) -> Response:
+    body = await parse(state, request, CompletionRequest)
+    tokenizer = state.tokenizer
+    prompts = body.prompts()
+    texts = [p if isinstance(p, str) else None for p in prompts]
+    if any(t is not None for t in texts) and tokenizer is None:
+        raise APIError(400, "this model has no tokenizer: send prompt token ids", param="prompt")
+    ids = await state.offload(lambda: [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts])
+    params = body.engine_params()
+    length_param = "max_tokens" if body.max_tokens else "prompt"
+    checked = await state.offload(lambda: [(i, check(state, i, params, length_param)) for i in ids])
+    echo = []
+    if body.echo:
+        echo = await state.offload(lambda: [t if t is not None else (tokenizer.decode(i) if tokenizer else "")
+                                            for t, i in zip(texts, ids)])
+    return await respond(state, request, body, "completion", checked, echo, body.logprobs is not None, arrival,
+                         scoring_only=body.scoring_only)
