@@ -109,6 +109,17 @@ class SchedulerOutput:
         return sum(1 + s.num_draft for s in self.scheduled if s.start >= len(s.request.prompt_token_ids))
 
 
+@dataclass
+class _StepBudget:
+    """What one step still has room for while it is planned: ``tokens`` in all, ``prefill`` of them for prefill
+    chunks; ``cap`` bounds the prefill of a step with decodes (mixed batches), ``decodes`` says whether it has one."""
+
+    tokens: int
+    prefill: int
+    cap: int | None
+    decodes: bool
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig):
         self.kv = kv
@@ -244,7 +255,6 @@ class Scheduler:
         return None, None
 
     def _fill(self, out: SchedulerOutput) -> None:
-        budget = self.budget
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         room = self._occupied() < self.max_num_seqs  # waiting/swapped work can only start with a free seat
         prefill_pending = len(decoding) < len(self.running) or (room and bool(self.waiting or self.swapped))
@@ -253,22 +263,39 @@ class Scheduler:
         self._last_was_decode = decode_step
         # prefill tokens this step may take: capped when it carries decodes (mixed batches)
         cap = self.config.max_prefill_tokens_with_decodes if self.config.mixed_batches else None
-        prefill = cap if cap and decoding else budget
+        step = _StepBudget(self.budget, cap if cap and decoding else self.budget, cap, bool(decoding))
+        self._fill_running(out, step, decode_step)
+        if decode_step:
+            return
+        self._fill_swapped(out, step)
+        self._fill_waiting(out, step)
+
+    def _admit(self, out: SchedulerOutput, step: _StepBudget, req: Request, n: int, copies: list[tuple[int, int]],
+               prefill: bool, drafted: int = 0) -> None:
+        """Put ``n`` tokens of ``req`` (their slots allocated, ``copies`` the copy-on-write to run first) in this
+        step, and take them from its budget (and from its prefill share when they are a prefill chunk)."""
+        out.block_copies += copies
+        out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens, drafted))
+        step.tokens -= n
+        step.prefill -= n if prefill else 0
+
+    def _fill_running(self, out: SchedulerOutput, step: _StepBudget, decode_step: bool) -> None:
+        """RUNNING requests, oldest first; the newest are preempted while blocks run out."""
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and step.tokens > 0:
             req = self.running[i]
             left = req.num_tokens - req.num_computed_tokens
             if not self.config.mixed_batches and (left == 1) != decode_step:
                 i += 1  # not this step's kind: it runs in the next step
                 continue
-            if left > 1 and prefill <= 0:
+            if left > 1 and step.prefill <= 0:
                 i += 1  # a prefill chunk, and this step's prefill share is spent
                 continue
-            n = min(left, budget, prefill) if left > 1 else 1
+            n = min(left, step.tokens, step.prefill) if left > 1 else 1
             # drafts only for a sequence past its prompt with no followers to fork: a 1-token last prefill chunk
             # must sample (and fork n > 1 followers) from its own row
             drafted = len(req.draft) if (left == 1 and req.output_token_ids and not req.followers
-                                         and len(req.draft) < budget) else 0
+                                         and len(req.draft) < step.tokens) else 0
             if left == 1 and not drafted:
                 req.draft = []  # no room in this step's budget for its drafts
             n += drafted
@@ -282,26 +309,23 @@ class Scheduler:
             if copies is None:  # the request itself was preempted
                 req.draft = []
                 continue
-            out.block_copies += copies
-            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens, drafted))
-            budget -= n
-            prefill -= n if left > 1 else 0
+            self._admit(out, step, req, n, copies, prefill=left > 1, drafted=drafted)
             i += 1
-        if decode_step:
-            return
 
-        while not out.preempted and self.swapped and budget > 0:
+    def _fill_swapped(self, out: SchedulerOutput, step: _StepBudget) -> None:
+        """SWAPPED requests back in, oldest first, when no one was preempted this step."""
+        while not out.preempted and self.swapped and step.tokens > 0:
             req = self.swapped[0]
             if self._occupied() + self._seats(req) > self.max_num_seqs:
                 break  # a leader swapped out before its prefill completed still brings its followers' seats
             left = req.num_tokens - req.num_computed_tokens
-            if left > 1 and prefill <= 0:
+            if left > 1 and step.prefill <= 0:
                 break
-            if left == 1 and cap and not decoding:  # the step's first decode: the cap holds from here on
-                spent = self.budget - prefill  # no decode yet: prefill started at the whole budget
-                if spent > cap:
+            if left == 1 and step.cap and not step.decodes:  # the step's first decode: the cap holds from here on
+                spent = self.budget - step.prefill  # no decode yet: prefill started at the whole budget
+                if spent > step.cap:
                     break  # the step already carries more prefill than a step with decodes may
-                prefill, decoding = min(prefill, cap - spent), [req]
+                step.prefill, step.decodes = min(step.prefill, step.cap - spent), True
             pairs = self.kv.swap_in(req.request_id)
             if pairs is None:
                 break
@@ -309,18 +333,17 @@ class Scheduler:
             out.swap_in += pairs
             req.status = Status.RUNNING
             self.running.append(req)
-            n = min(left, budget, prefill) if left > 1 else 1
+            n = min(left, step.tokens, step.prefill) if left > 1 else 1
             copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
             if copies is None:  # back in, but no room for its next token this step
                 continue
-            out.block_copies += copies
-            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
-            budget -= n
-            prefill -= n if left > 1 else 0
+            self._admit(out, step, req, n, copies, prefill=left > 1)
 
+    def _fill_waiting(self, out: SchedulerOutput, step: _StepBudget) -> None:
+        """WAITING requests, first come first served, from their prefix-cache hit on."""
         # no admission after a preemption in this step: a request preempted for recompute would come straight back
-        while (not out.preempted and self.waiting and self._occupied() < self.max_num_seqs and budget > 0
-               and prefill > 0):
+        while (not out.preempted and self.waiting and self._occupied() < self.max_num_seqs and step.tokens > 0
+               and step.prefill > 0):
             req = self.waiting[0]
             if self._occupied() + self._seats(req) > self.max_num_seqs:
                 break  # an n > 1 request waits until all its sequences can run
@@ -329,7 +352,7 @@ class Scheduler:
                                                      use_cache=req.params.prompt_logprobs is None)
                 req.num_computed_tokens = cached
                 req.num_cached_tokens = max(req.num_cached_tokens, min(cached, len(req.prompt_token_ids)))
-            n = min(req.num_tokens - req.num_computed_tokens, budget, prefill)
+            n = min(req.num_tokens - req.num_computed_tokens, step.tokens, step.prefill)
             copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
             if copies is None:
                 self.kv.free(req.request_id)  # give back the prefix-cache references; retry next step
@@ -338,10 +361,7 @@ class Scheduler:
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
-            out.block_copies += copies
-            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
-            budget -= n
-            prefill -= n
+            self._admit(out, step, req, n, copies, prefill=True)
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
