@@ -226,100 +226,124 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+_Subparsers = argparse._SubParsersAction  # what add_subparsers returns
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omforge", description="Compile Llama-family LLMs to fused, paged-KV "
                                 "ONNX Runtime / Ascend OM artifacts and serve them.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _compile_parser(sub)
+    _inspect_parser(sub)
+    _serve_parser(sub)
+    _doctor_parser(sub)
+    _export_parser(sub)
+    _generate_parser(sub)
+    _diff_parser(sub)
+    return p
 
-    c = sub.add_parser("compile",
+
+def _compile_parser(sub: _Subparsers) -> None:
+    p = sub.add_parser("compile",
                        help="recipe → export → passes → lowering → bundle (ort, or ascend up to/through ATC)")
-    c.add_argument("recipe", help="recipe file, e.g. models/smollm2-135m.yaml")
-    c.add_argument("-o", "--output", help="bundle directory (default build/<model name>)")
-    c.add_argument("--target", choices=["ort", "ascend"], help="override compile.target")
-    c.set_defaults(func=cmd_compile)
+    p.add_argument("recipe", help="recipe file, e.g. models/smollm2-135m.yaml")
+    p.add_argument("-o", "--output", help="bundle directory (default build/<model name>)")
+    p.add_argument("--target", choices=["ort", "ascend"], help="override compile.target")
+    p.set_defaults(func=cmd_compile)
 
-    i = sub.add_parser("inspect", help="print a bundle's manifest readably (checks its version and file hashes)")
-    i.add_argument("bundle")
-    i.add_argument("--json", action="store_true", help="the whole manifest as JSON")
-    i.add_argument("--no-verify", action="store_true", help="skip re-hashing the files (sizes are still checked)")
-    i.set_defaults(func=cmd_inspect)
 
-    s = sub.add_parser("serve", help="serve a bundle over an OpenAI-compatible HTTP API (completions, chat, "
+def _inspect_parser(sub: _Subparsers) -> None:
+    p = sub.add_parser("inspect", help="print a bundle's manifest readably (checks its version and file hashes)")
+    p.add_argument("bundle")
+    p.add_argument("--json", action="store_true", help="the whole manifest as JSON")
+    p.add_argument("--no-verify", action="store_true", help="skip re-hashing the files (sizes are still checked)")
+    p.set_defaults(func=cmd_inspect)
+
+
+def _serve_parser(sub: _Subparsers) -> None:
+    p = sub.add_parser("serve", help="serve a bundle over an OpenAI-compatible HTTP API (completions, chat, "
                        "streaming, /metrics)")
-    s.add_argument("bundle", help="a bundle directory (omforge compile's output)")
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    s.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 (default $OMFORGE_API_KEY, or none)")
-    s.add_argument("--served-model-name", help="the model id clients send (default the recipe's model name)")
-    s.add_argument("--max-num-seqs", type=int, help="override serve.max_num_seqs")
-    s.add_argument("--max-num-batched-tokens", type=int, help="override serve.max_num_batched_tokens")
-    s.add_argument("--max-prefill-tokens-with-decodes", type=int,
+    p.add_argument("bundle", help="a bundle directory (omforge compile's output)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 (default $OMFORGE_API_KEY, or none)")
+    p.add_argument("--served-model-name", help="the model id clients send (default the recipe's model name)")
+    p.add_argument("--max-num-seqs", type=int, help="override serve.max_num_seqs")
+    p.add_argument("--max-num-batched-tokens", type=int, help="override serve.max_num_batched_tokens")
+    p.add_argument("--max-prefill-tokens-with-decodes", type=int,
                    help="override serve.max_prefill_tokens_with_decodes (prefill tokens in a step with decodes)")
-    s.add_argument("--max-model-len", type=int, help="override serve.max_model_len")
-    s.add_argument("--num-kv-blocks", type=int, help="override serve.num_kv_blocks")
-    s.add_argument("--speculative-config", help='speculative decoding, vLLM\'s spelling, e.g. '
+    p.add_argument("--max-model-len", type=int, help="override serve.max_model_len")
+    p.add_argument("--num-kv-blocks", type=int, help="override serve.num_kv_blocks")
+    p.add_argument("--speculative-config", help='speculative decoding, vLLM\'s spelling, e.g. '
                    '\'{"method": "ngram", "num_speculative_tokens": 4}\' (overrides serve.speculative_config)')
-    s.add_argument("--kv-cache-space-gb", type=float,
+    p.add_argument("--kv-cache-space-gb", type=float,
                    help="KV pool budget in GiB when no block count is given (serve.kv_cache_space_gb; default 2)")
-    s.add_argument("--max-waiting-requests", type=int, help="override serve.max_waiting_requests (beyond: 429)")
-    s.add_argument("--max-queue-delay-us", type=int, help="override serve.max_queue_delay_us")
-    s.add_argument("--max-queue-time", type=float, dest="max_queue_time_s", metavar="SECONDS",
+    p.add_argument("--max-waiting-requests", type=int, help="override serve.max_waiting_requests (beyond: 429)")
+    p.add_argument("--max-queue-delay-us", type=int, help="override serve.max_queue_delay_us")
+    p.add_argument("--max-queue-time", type=float, dest="max_queue_time_s", metavar="SECONDS",
                    help="override serve.max_queue_time_s: a request still waiting after this long ends with a "
                         "retryable 503 (default 60)")
-    s.add_argument("--preemption-mode", choices=["recompute", "swap"], help="override serve.preemption_mode")
-    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--preemption-mode", choices=["recompute", "swap"], help="override serve.preemption_mode")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="override serve.enable_prefix_caching")
-    s.add_argument("--threads", type=int, help="onnxruntime intra-op threads (default: all cores)")
-    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get to finish "
+    p.add_argument("--threads", type=int, help="onnxruntime intra-op threads (default: all cores)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get to finish "
                    "after SIGTERM (default 30)")
-    s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
-    s.add_argument("--body-timeout", type=float, default=30.0,
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a client gets to send a request body before a 408 (default 30)")
-    s.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
+    p.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
                    help="the largest request body accepted; a larger one gets a 413 (default 8388608, 8 MiB)")
-    s.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "mistral"],
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "mistral"],
                    help="the format the model writes tool calls in (default: detected from its chat template)")
-    s.set_defaults(func=cmd_serve)
+    p.set_defaults(func=cmd_serve)
 
-    dr = sub.add_parser("doctor", help="what this machine has (packages, providers, CANN, pyACL, NPUs) and which "
-                        "targets it can compile and run")
-    dr.add_argument("--json", action="store_true", help="the report as one JSON object")
-    dr.set_defaults(func=cmd_doctor)
 
-    e = sub.add_parser("export", help="recipe → unfused ONNX graph (primitive ops, external weights)")
-    e.add_argument("recipe", help="recipe file, e.g. models/smollm2-135m.yaml")
-    e.add_argument("-o", "--output", required=True, help="output directory")
-    e.set_defaults(func=cmd_export)
+def _doctor_parser(sub: _Subparsers) -> None:
+    p = sub.add_parser("doctor", help="what this machine has (packages, providers, CANN, pyACL, NPUs) and which "
+                       "targets it can compile and run")
+    p.add_argument("--json", action="store_true", help="the report as one JSON object")
+    p.set_defaults(func=cmd_doctor)
 
-    g = sub.add_parser("generate", help="generate from a bundle (the paged engine), or greedily from a recipe or "
+
+def _export_parser(sub: _Subparsers) -> None:
+    p = sub.add_parser("export", help="recipe → unfused ONNX graph (primitive ops, external weights)")
+    p.add_argument("recipe", help="recipe file, e.g. models/smollm2-135m.yaml")
+    p.add_argument("-o", "--output", required=True, help="output directory")
+    p.set_defaults(func=cmd_export)
+
+
+def _generate_parser(sub: _Subparsers) -> None:
+    p = sub.add_parser("generate", help="generate from a bundle (the paged engine), or greedily from a recipe or "
                        "export over the unfused graph (full-recompute smoke path)")
-    g.add_argument("target", help="a bundle directory, a recipe (exported once into the cache) or an export directory")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--temperature", type=float, default=0.0, help="bundle only (0 = greedy)")
-    g.add_argument("--seed", type=int, default=None, help="bundle only")
-    g.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings)")
-    g.set_defaults(func=cmd_generate)
+    p.add_argument("target", help="a bundle directory, a recipe (exported once into the cache) or an export directory")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.0, help="bundle only (0 = greedy)")
+    p.add_argument("--seed", type=int, default=None, help="bundle only")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings)")
+    p.set_defaults(func=cmd_generate)
 
-    d = sub.add_parser("diff", help="fused vs unfused: op histograms, fused regions, numeric drift (exit 1 over --tol)")
-    d.add_argument("a", metavar="A", help="the reference ONNX graph, or an export directory (then B is its fused "
+
+def _diff_parser(sub: _Subparsers) -> None:
+    p = sub.add_parser("diff", help="fused vs unfused: op histograms, fused regions, numeric drift (exit 1 over --tol)")
+    p.add_argument("a", metavar="A", help="the reference ONNX graph, or an export directory (then B is its fused "
                    "graph, built on the fly)")
-    d.add_argument("b", metavar="B", nargs="?", help="the ONNX graph to compare (same inputs and outputs as A); "
+    p.add_argument("b", metavar="B", nargs="?", help="the ONNX graph to compare (same inputs and outputs as A); "
                    "with two bundles (e.g. float32 vs bfloat16 KV cache): their greedy outputs and logits on 20 chat "
                    "prompts")
-    d.add_argument("--max-tokens", type=int, default=64, help="two bundles: greedy tokens per prompt (default 64)")
-    d.add_argument("--per-fusion", action="store_true", help="export directory only: build a graph per fusion "
+    p.add_argument("--max-tokens", type=int, default=64, help="two bundles: greedy tokens per prompt (default 64)")
+    p.add_argument("--per-fusion", action="store_true", help="export directory only: build a graph per fusion "
                    "and report each one's drift")
-    d.add_argument("--seq", type=int, default=32, help="tokens per row of the random input (default 32)")
-    d.add_argument("--batch", type=int, default=1, help="rows of the random input (default 1)")
-    d.add_argument("--seed", type=int, default=0, help="seed of the random token ids (default 0)")
-    d.add_argument("--tol", type=float, default=1e-3, help="largest max-abs drift that passes (default 1e-3)")
-    d.add_argument("--json", action="store_true", help="print everything as one JSON object")
-    d.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report")
-    d.set_defaults(func=cmd_diff)
-    return p
+    p.add_argument("--seq", type=int, default=32, help="tokens per row of the random input (default 32)")
+    p.add_argument("--batch", type=int, default=1, help="rows of the random input (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random token ids (default 0)")
+    p.add_argument("--tol", type=float, default=1e-3, help="largest max-abs drift that passes (default 1e-3)")
+    p.add_argument("--json", action="store_true", help="print everything as one JSON object")
+    p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report")
+    p.set_defaults(func=cmd_diff)
 
 
 EXPORT_EXTRA_MODULES = frozenset({"torch", "onnx_ir", "onnxscript", "onnxsim", "gguf", "safetensors", "transformers",
