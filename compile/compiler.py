@@ -99,13 +99,46 @@ class CompileResult:
     timings: dict[str, float]
 
 
+@dataclass
+class _Job:
+    """One compile: the checked settings every stage reads, and what the stages record (cache hits, timings)."""
+
+    recipe: Recipe
+    out: Path
+    target: str
+    block_size: int
+    kernel: bool
+    quiet: bool
+    root: Path
+    progress: Progress
+    cached: dict[str, bool] = field(default_factory=dict)
+
+
 def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: bool = False) -> CompileResult:
     """Compile ``recipe`` into the bundle ``out`` (replaced). Raises OmforgeError subclasses on user errors;
     on the ascend target without ``atc`` the bundle is complete up to the ATC step and
     :class:`omforge.compile.atc.AtcMissing` is raised after it is written."""
-    from omforge.export.onnx_export import cached_export, cached_export_dir, is_exported, recipe_digest
+    from omforge.export.onnx_export import recipe_digest  # the export extras, needed before any check
 
-    target = target or recipe.compile.target
+    job = _job(recipe, out, target or recipe.compile.target, quiet)
+    digest = recipe_digest(recipe)
+    export_dir, export_meta = _export_stage(job)
+    plan = bucket_planner.plan(recipe.compile, target=job.target, block_size=job.block_size)
+    passes = _passes_stage(job, export_dir, digest)
+    report = passes.info()
+    files = _bundle_stage(job, export_dir, export_meta, passes)
+    atc_missing = _ascend_stage(job, plan, report, files) if job.target == "ascend" else None
+    manifest = _manifest(job, digest, export_dir, export_meta, plan, report, atc_missing is None, files)
+    write_manifest(out, manifest)
+    result = CompileResult(out, manifest, job.cached, job.progress.timings)
+    if atc_missing is not None:
+        raise atc_missing
+    return result
+
+
+def _job(recipe: Recipe, out: Path, target: str, quiet: bool) -> _Job:
+    """Check what no stage can fix (the target, the KV and weight dtypes for it, the output folder) before any
+    work; one-line errors naming the recipe key or the flag."""
     if target not in DEFAULT_BLOCK_SIZE:
         raise OmforgeError(f"--target: '{target}' is not a target; choose one of {', '.join(DEFAULT_BLOCK_SIZE)}")
     block_size = recipe.compile.kv_block_size or DEFAULT_BLOCK_SIZE[target]
@@ -123,33 +156,44 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
                            f"{recipe.compile.target}; --target {target} needs a recipe of its own")
     if out.exists() and not (out / "manifest.json").is_file() and any(out.iterdir()):
         raise OmforgeError(f"-o {out}: exists and is not a bundle; refusing to overwrite it")
-    progress = Progress(quiet)
-    cached: dict[str, bool] = {}
-    root = cache_root()
+    return _Job(recipe, out, target, block_size, kernel, quiet, cache_root(), Progress(quiet))
 
-    digest = recipe_digest(recipe)
-    cached["export"] = is_exported(cached_export_dir(recipe, root / "exports"))
-    with progress.stage("export", cached["export"]):
-        export_dir = cached_export(recipe, root / "exports", quiet=quiet, isolated=True)
-    export_meta = json.loads((export_dir / "export.json").read_text())
 
-    plan = bucket_planner.plan(recipe.compile, target=target, block_size=block_size)
+def _export_stage(job: _Job) -> tuple[Path, dict[str, Any]]:
+    """The unfused export, cached by the recipe's model section and weight file: its folder and its export.json."""
+    from omforge.export.onnx_export import cached_export, cached_export_dir, is_exported
+
+    exports = job.root / "exports"
+    job.cached["export"] = is_exported(cached_export_dir(job.recipe, exports))
+    with job.progress.stage("export", job.cached["export"]):
+        export_dir = cached_export(job.recipe, exports, quiet=job.quiet, isolated=True)
+    return export_dir, json.loads((export_dir / "export.json").read_text())
+
+
+def _passes_stage(job: _Job, export_dir: Path, digest: str) -> Stage:
+    """Fusions, paged KV and lowering for the target, cached by everything their output depends on."""
+    recipe, target, block_size = job.recipe, job.target, job.block_size
+    kv_dtype, weights = recipe.compile.kv_cache_dtype, recipe.compile.weights
     passes_key = stage_key("passes", {
         "export": digest, "fusions": recipe.compile.fusions, "block_size": block_size, "target": target,
-        "paged_attention": f"kernel-abi{kernels.ABI_VERSION}" if kernel else "plain", "kv_cache_dtype": kv_dtype,
+        "paged_attention": f"kernel-abi{kernels.ABI_VERSION}" if job.kernel else "plain", "kv_cache_dtype": kv_dtype,
         "weights": weights, "quantization": recipe.compile.quantization.model_dump() if weights != "float32" else None,
         "passes_source": _source_digest(stage_sources(target)),
         "tools": tool_versions(),
         "num_slots": _static_slots(recipe, target, block_size),
     })
-    passes = Stage(f"passes-{target}", passes_key, root)
-    cached["passes"] = passes.done
-    with progress.stage(f"passes + lowering ({target})", passes.done):
+    passes = Stage(f"passes-{target}", passes_key, job.root)
+    job.cached["passes"] = passes.done
+    with job.progress.stage(f"passes + lowering ({target})", passes.done):
         if not passes.done:
-            _run_passes(export_dir, passes, recipe, target, block_size, kernel, kv_dtype)
-    report = passes.info()
+            _run_passes(export_dir, passes, recipe, target, block_size, job.kernel, kv_dtype)
+    return passes
 
-    with progress.stage("bundle"):
+
+def _bundle_stage(job: _Job, export_dir: Path, export_meta: dict[str, Any], passes: Stage) -> list[Path]:
+    """The bundle folder afresh, filled from the cached stages; returns the files written."""
+    out, target = job.out, job.target
+    with job.progress.stage("bundle"):
         if out.exists():
             shutil.rmtree(out)
         out.mkdir(parents=True)
@@ -161,21 +205,31 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
         for f in sorted(p for p in passes.dir.iterdir() if p.name != "stage.json"):
             copy_into(f, out / target / f.name)
             files.append(out / target / f.name)
+    return files
 
-    atc_missing = None
-    if target == "ascend":
-        from omforge.compile import ascend
 
-        with progress.stage("ascend toolchain (ATC)"):
-            try:
-                files += ascend.prepare_and_run(out, recipe, plan, report)
-            except AtcMissing as e:  # everything else is written; say what is left after the manifest
-                atc_missing = e
-                files += [p for p in (out / "ascend").rglob("*") if p.is_file() and p not in files]
+def _ascend_stage(job: _Job, plan: bucket_planner.BucketPlan, report: dict[str, Any],
+                  files: list[Path]) -> AtcMissing | None:
+    """ATC over the step graph (its files appended to ``files``); without ``atc`` everything else is written and
+    the AtcMissing returned, to be raised once the manifest is."""
+    from omforge.compile import ascend
 
+    with job.progress.stage("ascend toolchain (ATC)"):
+        try:
+            files += ascend.prepare_and_run(job.out, job.recipe, plan, report)
+        except AtcMissing as e:  # everything else is written; say what is left after the manifest
+            files += [p for p in (job.out / "ascend").rglob("*") if p.is_file() and p not in files]
+            return e
+    return None
+
+
+def _manifest(job: _Job, digest: str, export_dir: Path, export_meta: dict[str, Any], plan: bucket_planner.BucketPlan,
+              report: dict[str, Any], atc_built: bool, files: list[Path]) -> dict[str, Any]:
+    """The bundle's manifest.json: what the runtime needs to load it, and where each part came from."""
+    recipe, target, out = job.recipe, job.target, job.out
     layout = report["layout"]
     cfg = export_meta["config"]
-    manifest = {
+    return {
         "omforge_version": _version("omforge"),
         "model": {"name": recipe.model.name, "config": cfg},
         "tokenizer": {**export_meta["tokenizer"],
@@ -199,17 +253,11 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
         "export": {"recipe_digest": digest, "dir": str(export_dir),
                    "note": "the unfused export is not copied into the bundle (no second copy of the weights); it "
                            "lives in the stage cache, and `omforge export RECIPE -o DIR` rebuilds it"},
-        **({"ascend": ascend_section(recipe, plan, atc_missing is None, out, layout, cfg)}
-           if target == "ascend" else {}),
+        **({"ascend": ascend_section(recipe, plan, atc_built, out, layout, cfg)} if target == "ascend" else {}),
         "toolchain": tool_versions(),
-        "timings": progress.timings,
+        "timings": job.progress.timings,
         "files": file_entries(out, files),
     }
-    write_manifest(out, manifest)
-    result = CompileResult(out, manifest, cached, progress.timings)
-    if atc_missing is not None:
-        raise atc_missing
-    return result
 
 
 def ascend_section(recipe: Recipe, plan: bucket_planner.BucketPlan, built: bool, bundle: Path,
