@@ -1,7 +1,9 @@
 """The engine loop: schedule → copy blocks → execute one step → sample → detokenize → finish, and its statistics.
 
 One ``step()`` runs one execution of the step graph for every scheduled request (prefill chunks and decodes
-together). Loading needs no torch: a bundle (manifest + step graph + tokenizer), onnxruntime and numpy.
+together). Loading needs no torch: a bundle (manifest + step graph + tokenizer), onnxruntime and numpy. What is not
+the loop lives beside it: the drafting policy (:class:`~omforge.runtime.spec_decode.SpeculativeDecoder`), the grammar
+masks (:class:`~omforge.runtime.structured.GrammarMasks`) and every logprob (the sampler's ``with_logprobs``).
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -27,11 +28,11 @@ from omforge.runtime.kv_cache_manager import KVCacheManager
 from omforge.runtime.ort import kernels
 from omforge.runtime.ort.ort_executor import OrtExecutor
 from omforge.runtime.request import Request, Status, seq_ids
-from omforge.runtime.sampler import GREEDY_TEMPERATURE, Sampler, SamplerOutput, with_logprobs
+from omforge.runtime.sampler import Sampler, prompt_logprobs
 from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
 from omforge.runtime.scheduler import Scheduler
-from omforge.runtime.spec_decode import NgramDrafter, SpeculativeConfig, verify
-from omforge.runtime.structured import GrammarBackend, StructuredOutputError, compiled_grammar
+from omforge.runtime.spec_decode import SpeculativeConfig, SpeculativeDecoder, Verified
+from omforge.runtime.structured import GrammarMasks, StructuredOutputError, compiled_grammar
 from omforge.runtime.tokenizer import TextTokenizer
 
 
@@ -63,31 +64,13 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: dict[int, int] = field(default_factory=dict)
 
-    @property
-    def spec_acceptance_rate(self) -> float | None:
-        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None
-
-
-def _verifiable(p: SamplingParams, num_output: int) -> bool:
-    """Whether a point-mass draft can be verified exactly against this request's sampling: the per-row
-    distribution must not depend on earlier drafted tokens (penalties, min_tokens) nor be truncated (top-k/p,
-    min-p; verify() samples the full distribution)."""
-    plain = p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0
-    no_penalty = p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1.0
-    return (p.temperature < GREEDY_TEMPERATURE or plain) and no_penalty and num_output >= p.min_tokens
-
-
-def _entry(result: SamplerOutput, row: int, k: int) -> dict:
-    """The logprob entry of row ``row``'s token: its logprob and, when asked, the top ``k``."""
-    entry: dict = {"token_id": int(result.token_ids[row]), "logprob": float(result.logprobs[row])}
-    if result.top_ids is not None:
-        entry["top"] = [(int(i), float(v)) for i, v in zip(result.top_ids[row, :k], result.top_logprobs[row, :k])]
-    return entry
-
-
-def _raw_entry(row: np.ndarray, token: int, k: int) -> dict:
-    """A kept token's logprob entry from the model's raw logits row (the sampler's own computation)."""
-    return _entry(with_logprobs(row[None, :], np.array([token], np.int64), [SamplingParams(logprobs=k)]), 0, k)
+    def count_verified(self, v: Verified) -> None:
+        """Count one sequence's verified draft."""
+        self.spec_drafts += 1
+        self.spec_draft_tokens += v.num_drafted
+        self.spec_accepted_tokens += v.num_accepted
+        for i in range(v.num_accepted):
+            self.spec_accepted_per_position[i] = self.spec_accepted_per_position.get(i, 0) + 1
 
 
 @dataclass
@@ -160,10 +143,10 @@ class LLMEngine:
         if self.speculative is not None and not caps.supports_prompt_logits:
             raise EngineConfigError("speculative decoding needs a logits row per drafted token; this bundle's "
                                     "executor (the ascend OM models) returns one per sequence")
-        self._drafter = NgramDrafter(self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max) \
+        self._spec = SpeculativeDecoder(self.speculative, self.sampler, self.max_model_len) \
             if self.speculative is not None else None
-        self._grammars: GrammarBackend | None = None  # made at the first structured request
-        self._mask_pool: ThreadPoolExecutor | None = None
+        self._grammars = GrammarMasks(lambda: self.tokenizer.tokenizer.to_str() if self.tokenizer is not None else "",
+                                      self.config["vocab_size"], tuple(self.config["eos_token_ids"]))
 
     def _executor(self, bundle: Path, m: dict[str, Any], cfg: EngineConfig, acl_module: object) -> Executor:
         if m["target"] == "ascend":
@@ -246,9 +229,8 @@ class LLMEngine:
         # n > 1: the prompt is computed once, by the first sequence; the others fork its blocks (copy-on-write)
         # when its prefill completes, and sample their first tokens from the same logits row
         if params.structured is not None:
-            text = compiled_grammar(params.structured)
             for req in reqs:
-                req.matcher = self._grammar_backend().matcher(text)
+                req.matcher = self._grammars.matcher(params.structured)
         leader = reqs[0]
         if params.prompt_logprobs is not None:
             leader.prompt_logprobs.append(None)  # the first token has no context (OpenAI: null)
@@ -295,8 +277,7 @@ class LLMEngine:
         if not self.closed:
             self.closed = True
             self.executor.close()
-            if self._mask_pool is not None:
-                self._mask_pool.shutdown(wait=True)
+            self._grammars.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -317,11 +298,11 @@ class LLMEngine:
         if self.closed:
             raise RuntimeError("the engine is closed")
         t0 = time.perf_counter()
-        if self.speculative is not None:
-            self._draft()
+        if self._spec is not None:
+            self._spec.draft(self.scheduler.running)
         plan = self.scheduler.schedule()
         self.stats.preemptions = self.scheduler.num_preemptions
-        masks = self._start_masks(plan)  # computed beside the model step (llguidance releases the GIL)
+        masks = self._grammars.start([r.matcher for r, _ in plan.sample_rows])  # beside the model step
         logits = run_plan(self.executor, plan)
         if logits is None:
             return []
@@ -329,8 +310,13 @@ class LLMEngine:
         for req, row, start, count in plan.prompt_rows:
             self._prompt_logprobs(req, logits[row:row + count], start)
         entries: dict[str, list[dict]] = {}  # logprob entries of each request's new tokens, when it asks
-        verified = {req.request_id: self._verify(req, logits[row:row + k + 1], entries)
-                    for req, row, k in plan.spec_rows}
+        verified: dict[str, list[int]] = {}
+        for req, row, k in plan.spec_rows:
+            v = self._spec.verify(req, logits[row:row + k + 1])
+            self.stats.count_verified(v)
+            verified[req.request_id] = v.tokens
+            if v.logprobs is not None:
+                entries[req.request_id] = v.logprobs
         reqs = [r for r, _ in plan.sample_rows]
         if reqs:
             rows = [row for _, row in plan.sample_rows]
@@ -340,7 +326,7 @@ class LLMEngine:
                                          allowed=masks.result() if masks is not None else None)
             for i, req in enumerate(reqs):
                 if req.params.logprobs is not None:
-                    entries[req.request_id] = [_entry(result, i, req.params.logprobs)]
+                    entries[req.request_id] = [result.entry(i, req.params.logprobs)]
             tokens = result.token_ids.tolist()
         else:
             tokens = []
@@ -360,31 +346,7 @@ class LLMEngine:
         st.step_times.append(time.perf_counter() - t0)
         return outputs
 
-    # --- structured output ----------------------------------------------------------------------------------
-
-    def _grammar_backend(self) -> GrammarBackend:
-        if self._grammars is None:
-            text = self.tokenizer.tokenizer.to_str() if self.tokenizer is not None else ""
-            self._grammars = GrammarBackend(text, self.config["vocab_size"], tuple(self.config["eos_token_ids"]))
-        return self._grammars
-
-    def _start_masks(self, plan: Any) -> Future | None:
-        """The allowed tokens of every structured row this step samples, computed on a worker thread while the
-        executor runs; ``(rows, 0/1 uint8 [k, V])``."""
-        rows = [i for i, (r, _) in enumerate(plan.sample_rows) if r.matcher is not None]
-        if not rows:
-            return None
-        backend = self._grammar_backend()
-        matchers = [plan.sample_rows[i][0].matcher for i in rows]
-        if self._mask_pool is None:
-            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="omforge-grammar")
-
-        def fill() -> tuple[np.ndarray, np.ndarray]:
-            bitmask = np.zeros((len(rows), backend.words), np.int32)
-            backend.fill(matchers, bitmask)
-            return np.asarray(rows), backend.allowed(bitmask)
-
-        return self._mask_pool.submit(fill)
+    # --- after the model step ------------------------------------------------------------------------------
 
     def _advance_grammars(self, sampled: list[Request]) -> None:
         """Each structured sequence's matcher takes its new token. A complete grammar allows only EOS, which ends
@@ -407,23 +369,8 @@ class LLMEngine:
         prompt, filled, k = req.prompt_token_ids, req.prompt_logprobs, req.params.prompt_logprobs
         first = len(filled) - start - 1  # the first row whose position is unfilled
         last = min(len(logits), len(prompt) - start - 1)
-        if first >= last:
-            return
-        x = logits[first:last].astype(np.float64)
-        lse = np.log(np.exp(x - x.max(axis=1, keepdims=True)).sum(axis=1)) + x.max(axis=1)
-        logp = x - lse[:, None]
-        targets = np.asarray(prompt[start + first + 1:start + last + 1])
-        chosen = logp[np.arange(len(targets)), targets]
-        ranks = (logp > chosen[:, None]).sum(axis=1) + 1
-        top = None
-        if k:
-            part = np.argpartition(-logp, k - 1, axis=1)[:, :k]
-            top = np.take_along_axis(part, np.argsort(-np.take_along_axis(logp, part, axis=1), axis=1), axis=1)
-        for i, token in enumerate(targets.tolist()):
-            entry: dict = {"token_id": token, "logprob": float(chosen[i]), "rank": int(ranks[i])}
-            if top is not None:
-                entry["top"] = [(int(t), float(logp[i, t])) for t in top[i]]
-            filled.append(entry)
+        if first < last:
+            filled.extend(prompt_logprobs(logits[first:last], prompt[start + first + 1:start + last + 1], k))
 
     def _emit(self, req: Request, new: list[int], entries: list[dict] | None, now: float) -> RequestOutput:
         """Record this step's tokens of ``req`` (one, or a speculating request's accepted run) — times, logprobs —
@@ -453,50 +400,6 @@ class LLMEngine:
             self.requests.pop(req.request_id, None)  # a long-running server must not keep finished requests
             self.stats.finished += 1
         return self._output(req, new_text, kept)
-
-    # --- speculative decoding -------------------------------------------------------------------------------
-
-    def _draft(self) -> None:
-        """Propose drafts for the decoding sequences that may speculate this step (spec_decode.py): none when the
-        batch is larger than ``max_batch`` (compute-bound), and only for sequences whose sampling a point-mass
-        draft can verify exactly (greedy or plain temperature; no penalties, min_tokens, grammar) and whose
-        acceptance has not fallen below ``min_acceptance``."""
-        spec = self.speculative
-        running = self.scheduler.running
-        for req in running:
-            req.draft = []  # a draft lives one step: never a stale one from before a preemption
-        if len(running) > spec.max_batch:
-            return
-        for req in running:
-            p = req.params
-            left = min(p.max_tokens - len(req.output_token_ids) if p.max_tokens is not None else 1 << 30,
-                       self.max_model_len - req.num_tokens) - 1
-            if (req.num_tokens - req.num_computed_tokens != 1 or not req.output_token_ids or req.followers
-                    or left < 1 or req.matcher is not None
-                    or req.spec_acceptance < spec.min_acceptance or not _verifiable(p, len(req.output_token_ids))):
-                continue
-            req.draft = self._drafter.propose(req.all_token_ids, min(spec.num_speculative_tokens, left))
-
-    def _verify(self, req: Request, rows: np.ndarray, entries: dict[str, list[dict]]) -> list[int]:
-        """The tokens ``req`` keeps from its verified draft (``rows``: raw logits at its last token and each
-        draft); records acceptance and, when asked, the kept tokens' logprobs (the model's, as without drafts)."""
-        p, draft = req.params, list(req.draft)
-        x = self.sampler.process_logits(rows, [p] * len(rows), [req.output_token_ids] * len(rows),
-                                        [req.prompt_token_ids] * len(rows))
-        greedy = p.temperature < GREEDY_TEMPERATURE
-        gen = req.generator if req.generator is not None else self.sampler.rng
-        kept = verify(x, draft, greedy, gen, p.temperature)
-        accepted = len(kept) - 1
-        st = self.stats
-        st.spec_draft_tokens += len(draft)
-        st.spec_accepted_tokens += accepted
-        st.spec_drafts += 1
-        for i in range(accepted):
-            st.spec_accepted_per_position[i] = st.spec_accepted_per_position.get(i, 0) + 1
-        req.spec_acceptance = 0.7 * req.spec_acceptance + 0.3 * (accepted / len(draft))
-        if p.logprobs is not None:
-            entries[req.request_id] = [_raw_entry(rows[i], t, p.logprobs) for i, t in enumerate(kept)]
-        return kept
 
     def _output(self, req: Request, new_text: str, new_ids: list[int]) -> RequestOutput:
         text = req.detokenizer.text if req.detokenizer is not None else ""

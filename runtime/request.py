@@ -44,7 +44,7 @@ class Request:
     prompt_logprobs: list[dict | None] = field(default_factory=list)
     matcher: Any = None  # params.structured: this sequence's llguidance matcher (its place in the grammar)
     draft: list[int] = field(default_factory=list)  # speculative decoding: this step's drafted tokens
-    spec_acceptance: float = 1.0  # moving average of the fraction of its drafts the model accepted
+    spec_acceptance: float = 1.0  # its drafts' accepted fraction, averaged (spec_decode.ACCEPTANCE_WEIGHT)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
     parent: Request | None = None  # n > 1: the leader whose prompt KV this follower shares (forked, COW)

@@ -38,6 +38,17 @@ class SamplerOutput:
     logprobs: np.ndarray  # [R] float32: raw logprob of the chosen token
     top_ids: np.ndarray | None  # [R, K] int64, None when no row asked for K > 0
     top_logprobs: np.ndarray | None  # [R, K] float32
+    ranks: np.ndarray | None = None  # [R] int64, when asked: 1 + the tokens whose logit exceeds the chosen one's
+
+    def entry(self, row: int, k: int) -> dict:
+        """Row ``row``'s logprob entry: ``{token_id, logprob}``, ``rank`` when computed, and ``top``: the best
+        ``k`` as ``(token_id, logprob)`` pairs whenever the batch computed any (``[]`` for a row that asked 0)."""
+        entry: dict = {"token_id": int(self.token_ids[row]), "logprob": float(self.logprobs[row])}
+        if self.ranks is not None:
+            entry["rank"] = int(self.ranks[row])
+        if self.top_ids is not None:
+            entry["top"] = [(int(i), float(v)) for i, v in zip(self.top_ids[row, :k], self.top_logprobs[row, :k])]
+        return entry
 
 
 class Sampler:
@@ -87,7 +98,7 @@ class Sampler:
                                         np.array([p.top_k for p in sub], dtype=np.int64),
                                         np.array([p.top_p for p in sub], dtype=np.float64),
                                         np.array([p.min_p for p in sub], dtype=np.float32), uniform)
-        return with_logprobs(logits, tokens, params)
+        return with_logprobs(logits, tokens, [p.logprobs for p in params])
 
     def _grammar_ends(self, params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int]],
                       allowed: tuple[np.ndarray, np.ndarray]) -> Sequence[SamplingParams]:
@@ -329,20 +340,32 @@ def _blocked_inverse_cdf(weights: np.ndarray, uniform: np.ndarray) -> np.ndarray
     return block * CDF_BLOCK + _inverse_cdf(blocks[rows, block], within)
 
 
-def with_logprobs(logits: np.ndarray, tokens: np.ndarray, params: Sequence[SamplingParams]) -> SamplerOutput:
-    """Raw logprobs of the chosen tokens and of each row's top K (ties by token id), for the rows that asked."""
+def with_logprobs(logits: np.ndarray, tokens: np.ndarray, num_logprobs: Sequence[int | None],
+                  ranks: bool = False) -> SamplerOutput:
+    """Raw logprobs of ``tokens`` and of each row's top ``num_logprobs[r]`` (None: the row asked for none).
+
+    The one log-softmax and top-k of the runtime (sampled tokens, verified drafts, prompt logprobs): float32,
+    ``logit - (max + log sum exp(logit - max))``; the top K best first with ties going to the lower token id.
+    ``ranks``: also each token's rank, 1 + the tokens with a strictly larger logit (tied tokens share a rank;
+    vLLM's rule), compared on the logits themselves (subtracting the lse in float32 could round neighbours together).
+    """
     R, V = logits.shape
     chosen = np.full(R, np.nan, dtype=np.float32)
-    rows = np.array([r for r, p in enumerate(params) if p.logprobs is not None], dtype=np.int64)
+    rows = np.array([r for r, n in enumerate(num_logprobs) if n is not None], dtype=np.int64)
     if not rows.size:
         return SamplerOutput(tokens, chosen, None, None)
     raw = _rows(np.asarray(logits, dtype=np.float32), rows)
     m = raw.max(axis=1)
     lse = m + np.log(_weights(raw, m, np.ones_like(m)).sum(axis=1))
-    chosen[rows] = raw[np.arange(rows.size), tokens[rows]] - lse
-    K = min(max(params[r].logprobs for r in rows), V)
+    picked = raw[np.arange(rows.size), tokens[rows]]
+    chosen[rows] = picked - lse
+    rank = None
+    if ranks:
+        rank = np.zeros(R, dtype=np.int64)
+        rank[rows] = (raw > picked[:, None]).sum(axis=1) + 1
+    K = min(max(num_logprobs[r] for r in rows), V)
     if K == 0:
-        return SamplerOutput(tokens, chosen, None, None)
+        return SamplerOutput(tokens, chosen, None, None, rank)
     tiers = [(b.rows, b.ids, b.values) for b in _Groups(raw).gather(np.full(rows.size, K))]
     wide = np.setdiff1d(np.arange(rows.size), np.concatenate([b[0] for b in tiers] + [np.empty(0, np.int64)]))
     if wide.size:  # ties everywhere: rank the whole row
@@ -353,4 +376,11 @@ def with_logprobs(logits: np.ndarray, tokens: np.ndarray, params: Sequence[Sampl
         order = np.argsort(-vals, axis=1, kind="stable")[:, :K]  # ids ascend: ties go to the lower id
         top_ids[rows[sub]] = np.take_along_axis(ids, order, axis=1)
         top_logprobs[rows[sub]] = np.take_along_axis(vals, order, axis=1) - lse[sub, None]
-    return SamplerOutput(tokens, chosen, top_ids, top_logprobs)
+    return SamplerOutput(tokens, chosen, top_ids, top_logprobs, rank)
+
+
+def prompt_logprobs(logits: np.ndarray, targets: Sequence[int], k: int) -> list[dict]:
+    """The entry of each prompt token ``targets[i]`` from the logits row ``logits[i]`` that predicts it: its
+    logprob and rank, and the top ``k`` when ``k > 0`` (:func:`with_logprobs`' rules)."""
+    out = with_logprobs(logits, np.asarray(targets, np.int64), [k] * len(targets), ranks=True)
+    return [out.entry(i, k) for i in range(len(targets))]

@@ -12,11 +12,15 @@ Sampling: the draft is a point mass, so the standard speculative-sampling rule i
 probability ``p(x)``; on rejection sample from ``p`` with ``x`` removed and renormalised — the output
 distribution is exactly ``p`` (tests/test_spec_decode.py checks it statistically). The configuration's schema,
 which a recipe validates too, is :mod:`omforge.contract.speculative`.
+
+The policy the engine calls each step is :class:`SpeculativeDecoder`: :meth:`~SpeculativeDecoder.draft` before
+scheduling, :meth:`~SpeculativeDecoder.verify` on each speculating sequence's logits rows after the step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -24,6 +28,15 @@ import numpy as np
 from omforge.contract.speculative import METHODS as METHODS
 from omforge.contract.speculative import SpeculativeConfig as SpeculativeConfig
 from omforge.contract.speculative import SpeculativeConfigError as SpeculativeConfigError
+from omforge.runtime.request import Request
+from omforge.runtime.sampler import Sampler, with_logprobs
+from omforge.runtime.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+
+# A sequence's acceptance (``Request.spec_acceptance``, from 1.0) is an exponential moving average of the fraction of
+# each draft the model accepted: ``(1 - ACCEPTANCE_WEIGHT) * previous + ACCEPTANCE_WEIGHT * latest`` (0.7 / 0.3).
+# Below ``min_acceptance`` the sequence stops drafting (it would pay the draft rows for nothing); the average is not
+# updated without drafts, so the stop is for the rest of the request.
+ACCEPTANCE_WEIGHT = 0.3
 
 
 class Drafter(Protocol):
@@ -89,3 +102,76 @@ def _probs(row: np.ndarray, temperature: float) -> np.ndarray:
     p = np.exp(x)
     p /= p.sum()
     return p
+
+
+def verifiable(p: SamplingParams, num_output: int) -> bool:
+    """Whether a point-mass draft can be verified exactly against this request's sampling: the per-row
+    distribution must not depend on earlier drafted tokens (penalties, min_tokens) nor be truncated (top-k/p,
+    min-p; verify() samples the full distribution)."""
+    plain = p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0
+    no_penalty = p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1.0
+    return (p.temperature < GREEDY_TEMPERATURE or plain) and no_penalty and num_output >= p.min_tokens
+
+
+@dataclass(frozen=True)
+class Verified:
+    """One sequence's verification: ``tokens`` (the accepted drafted tokens, then the correction or bonus) out of
+    ``num_drafted``; ``logprobs``: the kept tokens' entries when the request asks (the model's raw logprobs, as
+    without drafts), else None."""
+
+    tokens: list[int]
+    num_drafted: int
+    logprobs: list[dict] | None
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.tokens) - 1
+
+
+class SpeculativeDecoder:
+    """The speculative-decoding policy: which running sequences draft this step, and what each keeps.
+
+    Invariant: a draft lives one step (``draft`` clears every running sequence's before proposing, so no stale
+    draft survives a preemption). A sequence drafts only when the batch is at most ``max_batch`` (beyond it the
+    step is compute-bound), it is decoding (one known token to compute), its sampling can be verified exactly
+    (:func:`verifiable`; no grammar, no unforked followers), it has room for a bonus token, and its acceptance
+    average (:data:`ACCEPTANCE_WEIGHT`) has not fallen below ``min_acceptance``."""
+
+    def __init__(self, config: SpeculativeConfig, sampler: Sampler, max_model_len: int):
+        self.config = config
+        self.sampler = sampler
+        self.max_model_len = max_model_len
+        self.drafter: Drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
+
+    def draft(self, running: Sequence[Request]) -> None:
+        """Set ``req.draft`` of every running sequence: its proposal, or [] when it does not speculate."""
+        spec = self.config
+        for req in running:
+            req.draft = []
+        if len(running) > spec.max_batch:
+            return
+        for req in running:
+            p = req.params
+            left = min(p.max_tokens - len(req.output_token_ids) if p.max_tokens is not None else 1 << 30,
+                       self.max_model_len - req.num_tokens) - 1
+            if (req.num_tokens - req.num_computed_tokens != 1 or not req.output_token_ids or req.followers
+                    or left < 1 or req.matcher is not None
+                    or req.spec_acceptance < spec.min_acceptance or not verifiable(p, len(req.output_token_ids))):
+                continue
+            req.draft = self.drafter.propose(req.all_token_ids, min(spec.num_speculative_tokens, left))
+
+    def verify(self, req: Request, rows: np.ndarray) -> Verified:
+        """What ``req`` keeps of its draft (``rows``: raw logits at its last token and at each drafted one);
+        updates its acceptance average."""
+        p, draft = req.params, list(req.draft)
+        x = self.sampler.process_logits(rows, [p] * len(rows), [req.output_token_ids] * len(rows),
+                                        [req.prompt_token_ids] * len(rows))
+        gen = req.generator if req.generator is not None else self.sampler.rng
+        kept = verify(x, draft, p.temperature < GREEDY_TEMPERATURE, gen, p.temperature)
+        accepted = (len(kept) - 1) / len(draft)
+        req.spec_acceptance = (1 - ACCEPTANCE_WEIGHT) * req.spec_acceptance + ACCEPTANCE_WEIGHT * accepted
+        entries = None
+        if p.logprobs is not None:
+            out = with_logprobs(rows[:len(kept)], np.asarray(kept, np.int64), [p.logprobs] * len(kept))
+            entries = [out.entry(i, p.logprobs) for i in range(len(kept))]
+        return Verified(kept, len(draft), entries)

@@ -1,24 +1,19 @@
 """Structured output: a grammar per request (JSON schema, any JSON object, regex, a choice of strings, a Lark
-grammar) turned into a token mask per step by llguidance.
-
-Why llguidance (the comparison, with figures: benchmarks/compare_grammar_engines.py and benchmarks/RESULTS.md):
-xgrammar compiles each new schema up front, on the request's path, then masks faster; llguidance compiles lazily
-and masks fast enough beside a CPU step, so it adds no first-request latency, needs neither torch nor
-transformers (xgrammar requires both: the serving path imports neither), ships one abi3 wheel, and supports
-formats, oneOf/anyOf, const, recursive $ref, regex and Lark grammars (not ``uniqueItems`` or look-around, which
-it names in its error). outlines-core builds a full index
-per regex up front and needs a vocabulary from the hub or hand-built byte tokens; not taken.
+grammar) turned into a token mask per step by llguidance (why llguidance: benchmarks/RESULTS.md, "structured output").
 
 Contract: :func:`grammar` turns a :class:`StructuredOutput` into an llguidance grammar string or raises
 :class:`StructuredOutputError` naming the request field; :class:`GrammarBackend` owns the tokenizer (built
 once, from the bundle's tokenizer.json) and makes one :class:`llguidance.LLMatcher` per sequence; masks are
-bitmasks ``int32 [rows, ceil(V / 32)]`` whose bit ``t`` allows token ``t``.
+bitmasks ``int32 [rows, ceil(V / 32)]`` whose bit ``t`` allows token ``t``. :class:`GrammarMasks` is what the engine
+holds: the backend, made at the first structured request, and the worker thread that fills a step's masks.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,3 +125,47 @@ class GrammarBackend:
         """``uint8 0/1 [rows, vocab_size]`` from the bitmask (bit t of word t // 32, little-endian)."""
         return np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1, bitorder="little",
                              count=self.vocab_size)
+
+
+class GrammarMasks:
+    """The engine's structured output: matchers for new sequences and each step's masks, computed on one worker
+    thread while the executor runs (llguidance releases the GIL). ``tokenizer_json`` gives tokenizer.json's text;
+    it and the backend are made at the first structured request, the thread at the first structured step."""
+
+    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self._tokenizer_json = tokenizer_json
+        self.vocab_size, self.eos_token_ids = vocab_size, eos_token_ids
+        self._backend: GrammarBackend | None = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def backend(self) -> GrammarBackend:
+        if self._backend is None:
+            self._backend = GrammarBackend(self._tokenizer_json(), self.vocab_size, self.eos_token_ids)
+        return self._backend
+
+    def matcher(self, spec: StructuredOutput) -> Any:
+        """A fresh matcher of ``spec``'s grammar (compiled once per distinct spec: :func:`compiled_grammar`)."""
+        return self.backend.matcher(compiled_grammar(spec))
+
+    def start(self, matchers: Sequence[Any]) -> Future | None:
+        """The allowed tokens of the rows whose matcher is not None (one per sampled row), as a future of
+        ``(rows, 0/1 uint8 [len(rows), vocab_size])`` — the sampler's ``allowed``; None when no row has one."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return None
+        backend, chosen = self.backend, [matchers[i] for i in rows]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="omforge-grammar")
+
+        def fill() -> tuple[np.ndarray, np.ndarray]:
+            bitmask = np.zeros((len(rows), backend.words), np.int32)
+            backend.fill(chosen, bitmask)
+            return np.asarray(rows), backend.allowed(bitmask)
+
+        return self._pool.submit(fill)
+
+    def close(self) -> None:
+        """Stop the worker thread (after the step it serves)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
