@@ -11,18 +11,14 @@ Policy only; allocation is the KV cache manager's. Every step:
      later steps (chunked prefill, interleaved with the running decodes). Prefix-cache hits skip the cached part
      of the prompt.
 With ``mixed_batches`` (executors that support them, ``ExecutorCapabilities.supports_mixed_batches``: the ORT step
-graph's decode group, ``contract.DECODE_GROUP_INPUTS``)
-every step carries the running decodes and fills the rest of the budget with prefill chunks, vLLM's chunked
-prefill: the decodes are attended apart from the chunks, so they cost their own work only (measured against the
-alternation below: benchmarks/RESULTS.md, "mixed steps"). A burst of arrivals then stalls the running decodes for
-its prefill steps instead of alternating with them.
-``max_prefill_tokens_with_decodes`` (mixed batches only) bounds the prefill tokens of a step that carries running
-decodes, so that a burst of arrivals cannot stall the decodes behind a full-budget prefill (Sarathi-Serve's
-stall-free batching): a decode step that carries a full-budget chunk costs a full-budget prefill. Steps without
-decodes still take the whole budget.
-Without mixed batches (graphs that pad every sequence's queries to the step's longest: the runtime-write ORT graph)
-a step carries either decodes or prefill work, and the two kinds alternate while both are pending: a 512-token
-chunk in a step with 16 decodes would cost 17 × 512 query rows of attention.
+graph's decode group, ``contract.DECODE_GROUP_INPUTS``) every step carries the running decodes and fills the rest of
+the budget with prefill chunks, vLLM's chunked prefill: the decodes are attended apart from the chunks and cost
+their own work only. ``max_prefill_tokens_with_decodes`` (mixed batches only) bounds the prefill tokens of a step
+that carries running decodes (Sarathi-Serve's stall-free batching), so that a burst of arrivals cannot stall them
+behind a full-budget chunk; steps without decodes still take the whole budget. Without mixed batches (graphs that
+pad every sequence's queries to the step's longest: the runtime-write ORT graph) a step carries either decodes or
+prefill work, and the two kinds alternate while both are pending. Measured: benchmarks/RESULTS.md ("mixed steps";
+"the decode-step prefill cap").
 Invariants: the scheduled tokens of a step never exceed the budget, nor its prefill tokens the decode-step cap;
 at most ``max_num_seqs`` requests are RUNNING, counting the ``n > 1`` followers a running leader will fork; a
 request is in exactly one of waiting / running / swapped until it finishes.
