@@ -105,9 +105,16 @@ def test_clients_that_time_out_while_queued_leave_at_once_unprefilled(server: Se
     kinds = ["completion", "completion-stream", "chat", "chat-stream"]
     with concurrent.futures.ThreadPoolExecutor(len(kinds)) as pool:
         assert list(pool.map(give_up, kinds)) == ["timed out"] * 4
-    server.wait_for_metric(ABORTED, lambda v: v == before.get(ABORTED, 0) + 5, timeout=10)  # n = 2: two sequences
-    after = server.metrics()
-    assert after["omforge:num_requests_waiting"] == 0
+    # each one left: aborted in the queue (its sequences counted: n = 2 makes two), or, when its client was gone
+    # before it was queued (a busy machine may still be tokenizing at the 1 s timeout), never queued at all
+    deadline = time.monotonic() + 30
+    while True:
+        after = server.metrics()
+        left = (after.get(ABORTED, 0) - before.get(ABORTED, 0)) + (after.get(GONE, 0) - before.get(GONE, 0))
+        if after["omforge:num_requests_waiting"] == 0 and left >= 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert after["omforge:num_requests_waiting"] == 0 and 4 <= left <= 5, (left, after)
     assert after["omforge:num_requests_running"] == 2  # the long ones still run: they left without waiting
     assert after[PREFILL] == before[PREFILL]  # none of them was prefilled
     for long in longs:
