@@ -12,6 +12,7 @@ import json
 import logging
 import re
 import sys
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -24,13 +25,22 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _SURROGATE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
+DRAIN_BYTES = 64 << 20
+"""A body over the limit is read and dropped up to this many bytes before the 413 goes out: a server that closes
+with the body unread resets the connection, and the client may then never see the answer (httpx: "peer closed
+connection without sending complete message body"). Beyond it, or when the rest stops arriving, the connection
+is closed instead."""
+DRAIN_IDLE_S = 1.0
+"""Draining stops when no more of the body arrives for this long (a client that waits before sending it)."""
+
+
 async def read_json(request: Request, timeout: float, limit: int) -> dict[str, Any]:
     """The body (at most ``limit`` bytes, else 413) as a JSON object; raises :class:`APIError` (408, 413, 400, or
     499 for a client gone mid-body)."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
     try:
+        if declared.isdigit() and int(declared) > limit:  # refused on its length; the body is drained, not kept
+            raise _too_large(limit, close=int(declared) > DRAIN_BYTES or not await _drain(request.stream(), 0))
         raw = await asyncio.wait_for(_read(request, limit), timeout)
     except TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g}s", code="request_timeout") from None
@@ -43,18 +53,34 @@ async def read_json(request: Request, timeout: float, limit: int) -> dict[str, A
 async def _read(request: Request, limit: int) -> bytes:
     """The body, counted as it arrives (a chunked body declares no length)."""
     chunks, size = [], 0
-    async for chunk in request.stream():
+    stream = request.stream()
+    async for chunk in stream:
         size += len(chunk)
         if size > limit:
-            raise _too_large(limit)
+            raise _too_large(limit, close=not await _drain(stream, size))
         chunks.append(chunk)
     return b"".join(chunks)
 
 
-def _too_large(limit: int) -> APIError:
+async def _drain(stream: AsyncIterator[bytes], size: int) -> bool:
+    """Read and drop the rest of ``stream`` (``size`` bytes already read); False when it stopped short (over
+    :data:`DRAIN_BYTES`, idle for :data:`DRAIN_IDLE_S`, or the client left): the connection must then close."""
+    it = stream.__aiter__()
+    while size <= DRAIN_BYTES:
+        try:
+            chunk = await asyncio.wait_for(it.__anext__(), DRAIN_IDLE_S)
+        except StopAsyncIteration:
+            return True
+        except (TimeoutError, ClientDisconnect):
+            return False
+        size += len(chunk)
+    return False
+
+
+def _too_large(limit: int, close: bool) -> APIError:
     return APIError(413, f"the request body is larger than this server accepts ({limit} bytes; "
                     "--max-request-body-bytes)", code="request_too_large",
-                    headers={"Connection": "close"})  # the rest of the body is not read: this connection ends
+                    headers={"Connection": "close"} if close else None)
 
 
 def decode(raw: bytes) -> dict[str, Any]:
