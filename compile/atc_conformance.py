@@ -14,6 +14,7 @@ import re
 import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from omforge.contract.buckets import MAX_GEARS, MIN_GEARS
@@ -54,6 +55,15 @@ class Command:
         value = self.flags().get(flag)
         return None if value is None else (self.cwd / value)
 
+    @cached_property
+    def model(self):  # noqa: ANN201 - the --model's onnx.ModelProto without weights (read once), or None
+        import onnx
+
+        path = self.path("--model")
+        if path is None or not path.is_file():
+            return None
+        return onnx.load(str(path), load_external_data=False)
+
 
 def parse_input_shape(value: str) -> list[tuple[str, list[int]]]:
     """``name:d0,d1;name2:…`` → ``[(name, dims)]`` (``-1`` a gear-set dim; ``name:`` a scalar). Raises
@@ -72,15 +82,6 @@ def parse_dynamic_dims(value: str) -> list[list[int]]:
     return [[int(v) for v in gear.split(",")] for gear in value.split(";")]
 
 
-def _graph(cmd: Command):  # noqa: ANN202 - an onnx.ModelProto without weights, or None
-    import onnx
-
-    path = cmd.path("--model")
-    if path is None or not path.is_file():
-        return None
-    return onnx.load(str(path), load_external_data=False)
-
-
 Rule = Callable[[Command], str | None]  # None: the rule holds; else what breaks it
 
 
@@ -97,7 +98,7 @@ def _model(cmd: Command) -> str | None:
 
 
 def _one_opset_import(cmd: Command) -> str | None:
-    model = _graph(cmd)
+    model = cmd.model
     if model is None:
         return "no readable --model"
     domains = [o.domain for o in model.opset_import]
@@ -108,7 +109,7 @@ def _one_opset_import(cmd: Command) -> str | None:
 
 
 def _opset(cmd: Command) -> str | None:
-    model = _graph(cmd)
+    model = cmd.model
     if model is None:
         return "no readable --model"
     version = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
@@ -133,7 +134,7 @@ def _input_shape_syntax(cmd: Command) -> str | None:
 
 
 def _dynamic_inputs_listed(cmd: Command) -> str | None:
-    model = _graph(cmd)
+    model = cmd.model
     if model is None:
         return "no readable --model"
     try:

@@ -294,7 +294,6 @@ class _Model:
         self.out_dims = {n: [dims_of(v, s) for s in symbols] for n, _, v in self.outputs}
         self.compiled = {n: dims_of(v, None) for n, _, v in self.inputs + self.outputs}
         self.dtypes = {n: np.dtype(t) for n, t, _ in self.inputs + self.outputs}
-        self.weight_bytes = sum(f.stat().st_size for f in Path(spec["onnx"]).parent.glob(Path(spec["onnx"]).name + "*"))
         self.busy = False
 
     def size(self, name: str, dims_per_gear: dict[str, list[list[int]]]) -> int:

@@ -23,7 +23,8 @@ to confirm is marked [unverified].
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -233,6 +234,14 @@ class AclExecutor:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @contextmanager
+    def _on_device(self) -> Iterator[None]:
+        """One caller at a time (a model must not execute on two threads at once, §3.3), in the executor's context
+        (the engine thread is not the thread that loaded the model)."""
+        with self._lock:
+            self.rt.set_context(self.context)
+            yield
+
     # --- steps --------------------------------------------------------------------------------------------
 
     def execute(self, work: list[SeqWork]) -> np.ndarray:
@@ -240,8 +249,7 @@ class AclExecutor:
         needing = [i for i, w in enumerate(work) if w.needs_logits]
         row_of = {item: r for r, item in enumerate(needing)}
         out = np.empty((len(needing), self.vocab), np.float32)
-        with self._lock:
-            self.rt.set_context(self.context)  # the engine thread is not the thread that loaded the model
+        with self._on_device():
             for run in plan_runs(work, self.plan):
                 packed = pack_run(run, work, self.layout.block_size)
                 self._run(om_gear(run.choice), packed.inputs)
@@ -288,8 +296,7 @@ class AclExecutor:
         """Copy whole blocks ``src → dst`` (device to device; a block holds every layer: one copy each)."""
         if not pairs:
             return
-        with self._lock:
-            self.rt.set_context(self.context)
+        with self._on_device():
             for src, dst in pairs:
                 d, d_max = self._block(dst)
                 self.rt.device_to_device_async(d, d_max, self._block(src)[0], self.block_bytes, self.stream)
@@ -303,8 +310,7 @@ class AclExecutor:
         """Device blocks to host blocks, ``(device, host)`` pairs (through the pinned staging block)."""
         if not pairs:
             return
-        with self._lock:
-            self.rt.set_context(self.context)
+        with self._on_device():
             for dev, h in pairs:
                 raw = self.rt.device_to_host(self.host_block, self.block_bytes, self._block(dev)[0], self.block_bytes)
                 self.host_pool[h] = np.frombuffer(raw, np.uint8)
@@ -313,8 +319,7 @@ class AclExecutor:
         """Host blocks back to device blocks, ``(host, device)`` pairs."""
         if not pairs:
             return
-        with self._lock:
-            self.rt.set_context(self.context)
+        with self._on_device():
             for h, dev in pairs:
                 d, d_max = self._block(dev)
                 self.rt.host_to_device(d, d_max, self.host_pool[h].tobytes())
