@@ -233,7 +233,7 @@ class ServeSection(_Section):
         except (SpeculativeConfigError, TypeError) as exc:
             raise ValueError(str(exc)) from None
         return v
-    max_waiting_requests: int | None = Field(default=None, ge=1, le=1_000_000)  # None: runtime.config's default
+    max_waiting_requests: int | None = Field(default=None, ge=1, le=1_000_000)  # None: runtime.engine_config's default
     max_queue_time_s: float | None = Field(default=60.0, gt=0, le=86_400)  # None: no bound
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omforge.compile import buckets as bucket_planner
+from omforge.compile import bucket_plan as bucket_planner
 from omforge.compile.atc import AtcMissing
 from omforge.compile.bundle import file_entries, write_manifest
 from omforge.compile.cache import Stage, cache_root, copy_into, stage_key

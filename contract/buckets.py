@@ -1,6 +1,6 @@
 """The bucket plan as the runtime reads it: profiles (compiled models and the step shapes they take), the
 manifest form, and :func:`pick`, the profile and padded dims of a step. Planning them from a recipe is
-compile/buckets.py's job (it imports these). Dependency-free: stdlib and omforge.errors only.
+compile/bucket_plan.py's job (it imports these). Dependency-free: stdlib and omforge.errors only.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from omforge.export.tokenizer import write_tokenizer
+from omforge.export.tokenizer_files import write_tokenizer
 from omforge.export.weights import Checkpoint, load_checkpoint
 from omforge.recipe import Recipe
 

@@ -21,7 +21,7 @@ import numpy as np
 from omforge.contract import PagedLayout
 from omforge.contract.manifest import BundleError, load_manifest
 from omforge.errors import OmforgeError
-from omforge.runtime.config import EngineConfig, EngineConfigError
+from omforge.runtime.engine_config import EngineConfig, EngineConfigError
 from omforge.runtime.detokenizer import IncrementalDetokenizer
 from omforge.runtime.executor import Executor, run_plan
 from omforge.runtime.kv_cache_manager import KVCacheManager

@@ -45,7 +45,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """The scheduler's limits and the model facts its stop checks need (resolved once: ``runtime.config``)."""
+    """The scheduler's limits and the model facts its stop checks need (resolved once: ``runtime.engine_config``)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int

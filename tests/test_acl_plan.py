@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import SMOLLM2_RECIPE
-from omforge.compile.buckets import plan
+from omforge.compile.bucket_plan import plan
 from omforge.contract.ascend import DYNAMIC_INPUT
 from omforge.contract.buckets import BucketError, om_gear, om_gears
 from omforge.recipe import load_recipe

@@ -17,7 +17,7 @@ import pytest
 
 from helpers import lowering_dict
 from omforge.compile import atc, atc_plugins
-from omforge.compile import buckets as bucket_planner
+from omforge.compile import bucket_plan as bucket_planner
 from omforge.compile.atc import AtcError, AtcMissing, AtcModelSpec
 from omforge.contract.buckets import STEP_DIMS, om_gears
 from omforge.recipe import CompileSection
@@ -40,7 +40,7 @@ no slot_mapping; the one pool ``kv_cache`` has a static shape and is not listed)
 
 
 def om_spec(compile: CompileSection, block_size: int = 128) -> AtcModelSpec:
-    """The one OM of a bundle: both profiles' gears (compile/buckets.py) over the step dims."""
+    """The one OM of a bundle: both profiles' gears (compile/bucket_plan.py) over the step dims."""
     plan = bucket_planner.plan(compile, target="ascend", block_size=block_size)
     return AtcModelSpec("step", Path("step.onnx"), STEP_INPUTS, list(om_gears(plan)), list(STEP_DIMS))
 

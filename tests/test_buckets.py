@@ -1,4 +1,4 @@
-"""The bucket planner (compile/buckets.py): gear planning from recipes, its errors and warning, the manifest form,
+"""The bucket planner (compile/bucket_plan.py): gear planning from recipes, its errors and warning, the manifest form,
 ATC's strings, and ``pick`` choosing the smallest gear that fits every step the scheduler can produce.
 
 Pure Python, no graphs: fast.
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from helpers import TINY_RECIPE
-from omforge.compile.buckets import DEFAULT_GEAR_CAP, BucketWarning, plan
+from omforge.compile.bucket_plan import DEFAULT_GEAR_CAP, BucketWarning, plan
 from omforge.contract.buckets import MAX_GEARS, STEP_DIMS, BucketError, BucketPlan, Choice, om_gears, pick
 from omforge.recipe import Buckets, CompileSection, load_recipe
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from omforge.runtime.config import (
+from omforge.runtime.engine_config import (
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_MAX_QUEUE_TIME_S,
     QUEUE_BATCHES,

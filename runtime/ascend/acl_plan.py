@@ -3,7 +3,7 @@ execution, the dims list that selects the gear, the device-copy plan for the new
 model's description against the bundle. No ``acl`` here (that is :mod:`omforge.runtime.ascend.acl_api`), so all of it is
 unit-tested on any machine.
 
-An ascend bundle has ONE OM whose gears cover two bucket profiles (:mod:`omforge.compile.buckets`): ``prefill``
+An ascend bundle has ONE OM whose gears cover two bucket profiles (:mod:`omforge.compile.bucket_plan`): ``prefill``
 (one sequence's chunk, ``num_tokens × max_blocks``) and ``decode`` (one token per sequence, ``num_seqs ×
 max_blocks``), each gear a point of the five step dims (:func:`~omforge.contract.buckets.om_gears`). The
 scheduler's steps mix prefill chunks of several sequences and decodes, so :func:`plan_runs` splits a step into
