@@ -8,11 +8,13 @@ model runs on the engine thread (:mod:`omforge.serve.async_engine`), bodies are 
 Every error is OpenAI's JSON shape with the matching status: 400 malformed JSON / invalid parameter (``param``
 names it) / context exceeded, 401 missing or wrong key, 404 unknown model or route, 408 / 413 a body too slow /
 too large, 429 queue full (with ``Retry-After``), 503 shutting down, engine failed, or a request that waited past
-``max_queue_time_s`` (with ``Retry-After``; streaming: an error event and ``[DONE]``). A client that goes away
-leaves the engine at once, streaming or not: before its request is queued (it never is: 499, counted as
-``request_rejected{client_disconnected}``), while it waits, or while it runs. Tokenization, chat-template
-rendering and the admission check run on a small pool of worker threads (the tokenizer releases the GIL), so a
-long prompt never stalls the event loop.
+``max_queue_time_s`` (with ``Retry-After``; streaming: an error event and ``[DONE]``). Every 400 the app answers
+— raised as an :class:`APIError` anywhere, a Starlette error, a FastAPI validation error — is counted in
+``request_rejected_total``: ``too_long`` for a context exceeded, ``invalid_parameter`` for every other. A
+client that goes away leaves the engine at once, streaming or not: before its request is queued (it never is:
+499, counted as ``request_rejected{client_disconnected}``), while it waits, or while it runs. Tokenization,
+chat-template rendering and the admission check run on a small pool of worker threads (the tokenizer releases
+the GIL), so a long prompt never stalls the event loop.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omforge.serve import routes_admin, routes_chat, routes_completions
 from omforge.serve.openapi import describe_bodies
-from omforge.serve.protocol import APIError
+from omforge.serve.protocol import APIError, param_of
 from omforge.serve.state import ServerState, app_state
 
 log = logging.getLogger("omforge.serve")
@@ -39,6 +42,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.omforge = state
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_middleware(InternalErrors)
     for module in (routes_admin, routes_completions, routes_chat):
         app.include_router(module.router)
@@ -55,8 +59,17 @@ async def _api_error(request: Request, exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors (404 no such route, 405 …) in OpenAI's shape; a 400 among them is counted too."""
+    return await _api_error(request, APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})))
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's validation of a route's declared parameters (the routes read their bodies themselves and declare
+    none today): a 400 naming the field, as :func:`omforge.serve.intake.parse` answers, not FastAPI's 422."""
+    err = (exc.errors() or [{}])[0]
+    param = param_of([p for p in err.get("loc", ()) if p not in ("body", "query", "path", "header", "cookie")])
+    return await _api_error(request, APIError(400, f"{param}: {err.get('msg', 'invalid')}", param=param or None))
 
 
 def _version() -> str:

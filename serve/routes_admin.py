@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from omforge.serve.intake import authorize, parse, render_chat
+from omforge.serve.openapi import CLIENT_ERRORS, HEALTH, PrometheusResponse, errors
 from omforge.serve.openapi import body as openapi_body
 from omforge.serve.protocol import APIError, DetokenizeRequest, TokenizeRequest
 from omforge.serve.state import AppState
@@ -16,7 +17,7 @@ from omforge.serve.state import AppState
 router = APIRouter()
 
 
-@router.get("/health")
+@router.get("/health", responses=HEALTH)
 async def health(state: AppState) -> Response:
     engine = state.engine
     if engine.healthy and not engine.draining:
@@ -25,12 +26,12 @@ async def health(state: AppState) -> Response:
     return JSONResponse({"status": reason}, status_code=503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PrometheusResponse)
 async def metrics(state: AppState) -> Response:
-    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    return PrometheusResponse(state.metrics.render())
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=errors(401))
 async def models(request: Request, state: AppState) -> Response:
     authorize(state, request)
     return JSONResponse({"object": "list", "data": [
@@ -38,7 +39,7 @@ async def models(request: Request, state: AppState) -> Response:
          "max_model_len": state.max_model_len}]})
 
 
-@router.post("/tokenize", openapi_extra=openapi_body("TokenizeRequest"))
+@router.post("/tokenize", openapi_extra=openapi_body("TokenizeRequest"), responses=errors(*CLIENT_ERRORS))
 async def tokenize(request: Request, state: AppState) -> Response:
     body = await parse(state, request, TokenizeRequest)
     tokenizer = state.tokenizer
@@ -53,7 +54,7 @@ async def tokenize(request: Request, state: AppState) -> Response:
     return Response(await state.offload(json.dumps, answer), media_type="application/json")
 
 
-@router.post("/detokenize", openapi_extra=openapi_body("DetokenizeRequest"))
+@router.post("/detokenize", openapi_extra=openapi_body("DetokenizeRequest"), responses=errors(*CLIENT_ERRORS))
 async def detokenize(request: Request, state: AppState) -> Response:
     body = await parse(state, request, DetokenizeRequest)
     if state.tokenizer is None:

@@ -11,6 +11,7 @@ from fastapi.responses import Response
 
 from omforge.runtime.structured import StructuredOutput
 from omforge.serve.intake import check, parse, render_chat
+from omforge.serve.openapi import GENERATION_ERRORS, errors
 from omforge.serve.openapi import body as openapi_body
 from omforge.serve.protocol import APIError, ChatCompletionRequest
 from omforge.serve.respond import respond
@@ -20,7 +21,8 @@ from omforge.serve.tools import ToolPlan, choice_mode, constraint, functions
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions", openapi_extra=openapi_body("ChatCompletionRequest"))
+@router.post("/v1/chat/completions", openapi_extra=openapi_body("ChatCompletionRequest"),
+             responses=errors(*GENERATION_ERRORS, stream=True))
 async def chat_completions(request: Request, state: AppState) -> Response:
     with state.engine.arriving():
         return await _chat_completions(state, request, time.monotonic())
@@ -42,7 +44,11 @@ async def _chat_completions(state: ServerState, request: Request, arrival: float
         plan = ToolPlan(mode, name, state.tool_format)
     ids = await state.offload(render_chat, state, body, False, body.tools if mode != "none" else None)
     params = body.sampling_params(body.max_new_tokens(), body.num_logprobs())
-    if (schema := constraint(mode, name, fns)) is not None:
+    try:
+        schema = constraint(mode, name, fns, body.parallel_tool_calls)
+    except RecursionError:  # a tool's parameters nest deeper than the schema walk goes
+        raise APIError(400, "tools: a function's parameters nest too deeply", param="tools") from None
+    if schema is not None:
         if params.structured is not None:
             raise APIError(400, f"tool_choice {mode} constrains the output; it cannot be combined with "
                            f"{params.structured.param}", param="tool_choice")

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from omforge.serve.intake import check, parse
+from omforge.serve.openapi import GENERATION_ERRORS, errors
 from omforge.serve.openapi import body as openapi_body
 from omforge.serve.protocol import APIError, CompletionRequest
 from omforge.serve.respond import respond
@@ -17,7 +18,8 @@ from omforge.serve.state import AppState, ServerState
 router = APIRouter()
 
 
-@router.post("/v1/completions", openapi_extra=openapi_body("CompletionRequest"))
+@router.post("/v1/completions", openapi_extra=openapi_body("CompletionRequest"),
+             responses=errors(*GENERATION_ERRORS, stream=True))
 async def completions(request: Request, state: AppState) -> Response:
     with state.engine.arriving():
         return await _completions(state, request, time.monotonic())

@@ -11,7 +11,9 @@ Formats (as the families' chat templates and vLLM's parsers write them):
 ``auto`` needs the model's format (detected from its chat template, or named by ``--tool-call-parser``); a
 template with none is refused with a 400. ``required`` and a named function do not depend on the format: as vLLM
 does, the output is constrained to JSON — an array of ``{name, parameters}`` for ``required``, the function's
-``parameters`` object for a named one — and read back as calls.
+``parameters`` object for a named one — and read back as calls. The constraint is the tools' schemas exactly:
+every object in them is closed (``additionalProperties: false``) unless it says otherwise (:func:`closed`), or a
+model adds keys of its own until ``max_tokens`` and no call comes back.
 """
 
 from __future__ import annotations
@@ -93,16 +95,89 @@ def choice_mode(tool_choice: Any, fns: dict[str, dict[str, Any]]) -> tuple[str, 
 COMPACT = {"x-guidance": {"whitespace_flexible": False}}  # llguidance: no free whitespace between JSON tokens
 
 
-def constraint(mode: str, name: str | None, fns: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """The JSON schema the output must match for ``required`` / ``named`` (None otherwise); compact JSON, so a
-    model cannot spend its tokens on whitespace inside a call."""
+def constraint(mode: str, name: str | None, fns: dict[str, dict[str, Any]],
+               parallel: bool | None = None) -> dict[str, Any] | None:
+    """The JSON schema the output must match for ``required`` / ``named`` (None otherwise): the tools'
+    ``parameters`` closed (:func:`closed`), and for ``required`` an array of closed ``{name, parameters}``
+    objects, one branch per tool with its name a ``const`` (so each name comes with its own parameters), at most
+    one call when ``parallel`` (``parallel_tool_calls``) is false. Compact JSON, so a model cannot spend its
+    tokens on whitespace inside a call."""
     if mode == "named":
-        return {**fns[name]["parameters"], **COMPACT}  # type: ignore[index]
+        return {**closed(fns[name]["parameters"]), **COMPACT}  # type: ignore[index]
     if mode == "required":
         calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                  "properties": {"name": {"const": n}, "parameters": f["parameters"]}} for n, f in fns.items()]
-        return {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **COMPACT}
+                  "properties": {"name": {"const": n}, "parameters": closed(f["parameters"])}}
+                 for n, f in fns.items()]
+        most = {"maxItems": 1} if parallel is False else {}
+        return {"type": "array", "minItems": 1, **most, "items": {"anyOf": calls}, **COMPACT}
     return None
+
+
+_ONE = ("items", "additionalItems", "contains", "propertyNames", "additionalProperties", "unevaluatedItems",
+        "unevaluatedProperties")  # one subschema (items / additionalProperties: or a boolean)
+_LIST = ("prefixItems", "items")  # a list of subschemas (items: in drafts before 2020-12)
+_MAP = ("properties", "patternProperties", "$defs", "definitions")  # name → subschema
+_ALTERNATIVES = ("anyOf", "oneOf")  # one branch applies to the value, beside the schema's own keywords
+_REFINING = ("allOf", "then", "else", "dependentSchemas")  # apply to the value together with the schema
+_NAMES = ("properties", "patternProperties", "$ref")  # a schema that may admit named properties
+# "not" and "if" are kept as they are: closing inside a negation or a condition widens what passes
+
+
+def closed(schema: Any, refines: bool = False) -> Any:
+    """``schema`` (a copy) with every object schema closed — ``additionalProperties: false`` where it states
+    neither ``additionalProperties`` nor ``unevaluatedProperties`` — so a model can write no key the schema does
+    not name. An object schema declares ``type: object`` (or ``properties`` without a type). A schema is left
+    open at its own level (its children are still closed) where closing it would refuse keys that another
+    schema applied to the same value names (JSON Schema's ``additionalProperties`` sees only its own schema's
+    ``properties``): an ``allOf`` / ``then`` / ``else`` / ``dependentSchemas`` member, an ``anyOf`` / ``oneOf``
+    branch beside a schema that names properties itself, and a schema whose members name some."""
+    if not isinstance(schema, dict):
+        return schema
+    own = any(k in schema for k in _NAMES)
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _MAP and isinstance(value, dict):
+            out[key] = {k: closed(v) for k, v in value.items()}
+        elif key in _LIST and isinstance(value, list):
+            out[key] = [closed(v) for v in value]
+        elif key in _ONE:
+            out[key] = closed(value)
+        elif key in _ALTERNATIVES and isinstance(value, list):
+            beside = own or any(_names(m) for m in _members(schema, _REFINING))
+            out[key] = [closed(v, beside) for v in value]
+        elif key == "dependentSchemas" and isinstance(value, dict):
+            out[key] = {k: closed(v, True) for k, v in value.items()}
+        elif key in _REFINING:
+            out[key] = [closed(v, True) for v in value] if isinstance(value, list) else closed(value, True)
+        else:
+            out[key] = value
+    stated = {"additionalProperties", "unevaluatedProperties"} & set(schema)
+    if _is_object(schema) and not refines and not stated \
+            and not any(_names(m) for m in _members(schema, _REFINING + _ALTERNATIVES)):
+        out["additionalProperties"] = False
+    return out
+
+
+def _is_object(schema: dict[str, Any]) -> bool:
+    kind = schema.get("type")
+    return kind == "object" or (isinstance(kind, list) and "object" in kind) \
+        or (kind is None and "properties" in schema)
+
+
+def _members(schema: dict[str, Any], keys: tuple[str, ...]) -> list[Any]:
+    """The subschemas under ``keys`` of ``schema`` (lists, a single schema, or dependentSchemas' mapping)."""
+    out: list[Any] = []
+    for key in keys:
+        value = schema.get(key)
+        out.extend(value if isinstance(value, list) else value.values() if key == "dependentSchemas"
+                   and isinstance(value, dict) else [value] if value is not None else [])
+    return out
+
+
+def _names(schema: Any) -> bool:
+    """Whether ``schema`` (or a schema it composes) may admit named properties."""
+    return isinstance(schema, dict) and (any(k in schema for k in _NAMES)
+                                         or any(_names(m) for m in _members(schema, _REFINING + _ALTERNATIVES)))
 
 
 def parse_constrained(mode: str, name: str | None, text: str) -> list[ToolCall]:
