@@ -156,9 +156,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
             raise
         print(f"omforge: the bundle at {out} is complete up to the ATC step, which is left: {e}", file=sys.stderr)
         return EXIT_ATC_LEFT
-    size = sum(f["size"] for f in result.manifest["files"].values())
+    size = sum(f.size for f in result.manifest.files.values())
     cached = ", ".join(k for k, v in result.cached.items() if v) or "none"
-    print(f"compiled {recipe.model.name} for {result.manifest['target']} into {out}: {size / 1e6:.0f} MB, "
+    print(f"compiled {recipe.model.name} for {result.manifest.target} into {out}: {size / 1e6:.0f} MB, "
           f"{time.perf_counter() - t0:.1f}s (cached stages: {cached})")
     return 0
 
@@ -169,16 +169,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     manifest = load_manifest(Path(args.bundle), verify=not args.no_verify)
     conformance = None
-    if manifest["target"] == "ascend":  # CANN's rules over the ATC step's inputs, checked without CANN
+    if manifest.target == "ascend":  # CANN's rules over the ATC step's inputs, checked without CANN
         from omforge.compile.atc_conformance import check_bundle
 
         conformance = check_bundle(Path(args.bundle))
     if args.json:
+        data = manifest.to_dict()
         if conformance is not None:
-            manifest = {**manifest, "atc_conformance": {
+            data["atc_conformance"] = {
                 out: [{"rule": r.rule, "source": r.source, "ok": r.ok, "detail": r.detail} for r in results]
-                for out, results in conformance.items()}}
-        print(json.dumps(manifest, indent=2))
+                for out, results in conformance.items()}
+        print(json.dumps(data, indent=2))
     else:
         print(describe(manifest))
         for out, results in (conformance or {}).items():

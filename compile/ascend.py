@@ -33,6 +33,7 @@ from omforge.compile.atc import (
 from omforge.compile.atc_plugins import render_plugins
 from omforge.contract.ascend import OM_MODEL
 from omforge.contract.buckets import STEP_DIMS, BucketPlan, om_gears
+from omforge.contract.manifest import DeviceMemoryPlan
 from omforge.passes.ascend_w8a16 import lowering_note
 from omforge.passes.pipeline import Pipeline, histogram, interface
 from omforge.recipe import Recipe
@@ -132,7 +133,7 @@ def step_spec(step_onnx: Path, plan: BucketPlan) -> AtcModelSpec:
 
 
 def memory_plan(recipe: Recipe, plan: BucketPlan, step_dir: Path, layout: dict[str, Any],
-                config: dict[str, Any]) -> dict[str, Any]:
+                config: dict[str, Any]) -> DeviceMemoryPlan:
     """What the bundle needs of the device, in bytes: the weights (once: one OM), the KV pool, the step's input
     and output buffers at the largest gear, and an estimate of the OM's workspace (the largest gear's
     activations of one layer, twice; ATC's real figure is ``aclmdlQuerySize``'s, which ``omforge serve`` reads
@@ -148,8 +149,8 @@ def memory_plan(recipe: Recipe, plan: BucketPlan, step_dir: Path, layout: dict[s
     work = max(t * (4 * hidden + 2 * inter) * itemsize + 4 * b * heads * q * m * bs + 2 * b * m * bs * slot
                // layout["num_layers"] for t, b, q, n, m in gears) * 2
     pool = num_slots(recipe, bs) * slot
-    return {"soc_version": recipe.compile.soc_version, "om_models": 1, "gears": len(gears), "weights_bytes": weights,
-            "kv_pool_bytes": pool, "io_bytes": io, "workspace_bytes_estimate": work,
-            "total_bytes": weights + pool + io + work,
-            "note": "weights once (one OM for prefill and decode); the workspace is an estimate until the OM is "
-                    "built (aclmdlQuerySize gives ATC's figure); not measured on hardware"}
+    return DeviceMemoryPlan(
+        soc_version=recipe.compile.soc_version, om_models=1, gears=len(gears), weights_bytes=weights,
+        kv_pool_bytes=pool, io_bytes=io, workspace_bytes_estimate=work, total_bytes=weights + pool + io + work,
+        note="weights once (one OM for prefill and decode); the workspace is an estimate until the OM is built "
+             "(aclmdlQuerySize gives ATC's figure); not measured on hardware")

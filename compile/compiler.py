@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,19 @@ from omforge.compile.atc import AtcMissing
 from omforge.compile.bundle import file_entries, write_manifest
 from omforge.compile.cache import Stage, cache_root, copy_into, stage_key
 from omforge.contract import DEFAULT_BLOCK_SIZE, PagedLayout
+from omforge.contract.manifest import (
+    AscendSection,
+    ExportRef,
+    Graphs,
+    KvSection,
+    Limits,
+    Manifest,
+    ModelSection,
+    PassCounts,
+    StepAbi,
+    TokenizerMeta,
+    Weights,
+)
 from omforge.errors import OmforgeError
 from omforge.recipe import FUSIONS, Recipe
 from omforge.runtime.ort import kernels
@@ -60,7 +73,7 @@ def stage_sources(target: str) -> list[Path]:
     if target == "ort":
         files.append(_ROOT / "compile" / "ort.py")
     if target == "ascend":
-        files += [_ROOT / "compile" / name for name in ("ascend.py", "atc.py", "atc_plugins.py", "buckets.py")]
+        files += [_ROOT / "compile" / name for name in ("ascend.py", "atc.py", "atc_plugins.py", "bucket_plan.py")]
         files += sorted((_ROOT / "compile" / "templates").glob("*"))
     return files
 
@@ -94,7 +107,7 @@ class Progress:
 @dataclass
 class CompileResult:
     bundle: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
     cached: dict[str, bool]
     timings: dict[str, float]
 
@@ -224,57 +237,60 @@ def _ascend_stage(job: _Job, plan: bucket_planner.BucketPlan, report: dict[str, 
 
 
 def _manifest(job: _Job, digest: str, export_dir: Path, export_meta: dict[str, Any], plan: bucket_planner.BucketPlan,
-              report: dict[str, Any], atc_built: bool, files: list[Path]) -> dict[str, Any]:
+              report: dict[str, Any], atc_built: bool, files: list[Path]) -> Manifest:
     """The bundle's manifest.json: what the runtime needs to load it, and where each part came from."""
     recipe, target, out = job.recipe, job.target, job.out
     layout = report["layout"]
     cfg = export_meta["config"]
-    return {
-        "omforge_version": _version("omforge"),
-        "model": {"name": recipe.model.name, "config": cfg},
-        "tokenizer": {**export_meta["tokenizer"],
-                      "file": "tokenizer.json" if export_meta["tokenizer"].get("file") else None},
-        "target": target,
-        "abi": report["abi"],
-        "paged_attention": report.get("paged_attention") or "plain",
-        "kernels": kernels.status().manifest_entry() if report.get("paged_attention") == "kernel" else None,
-        "kv": {**PagedLayout(**layout).manifest_entry(),
-               "write": "in place: bind key_cache_out.N to key_cache.N's buffer" if target == "ort"
-               else "out of place: one pool kv_cache [num_slots, num_layers, 2, kv_heads, head_dim]; the graph returns "
-                    "kv_new [num_tokens, num_layers, 2, kv_heads, head_dim]; the runtime copies each run of "
-                    "consecutive slots with one device copy"},
-        "limits": {"max_seq_len": recipe.compile.max_seq_len, "max_batch_size": recipe.compile.max_batch_size,
-                   "max_num_tokens": recipe.compile.max_num_tokens},
-        "serve": recipe.serve.model_dump(),
-        "buckets": plan.to_dict(),
-        "passes": {k: report[k] for k in ("fusion_counts", "num_nodes", "op_histogram")},
-        "weights": report.get("weights") or {"precision": "float32", "quantized": {}},
-        "graphs": {"step": f"{target}/{report['graph']}"},
-        "export": {"recipe_digest": digest, "dir": str(export_dir),
-                   "note": "the unfused export is not copied into the bundle (no second copy of the weights); it "
-                           "lives in the stage cache, and `omforge export RECIPE -o DIR` rebuilds it"},
-        **({"ascend": ascend_section(recipe, plan, atc_built, out, layout, cfg)} if target == "ascend" else {}),
-        "toolchain": tool_versions(),
-        "timings": job.progress.timings,
-        "files": file_entries(out, files),
-    }
+    tokenizer = TokenizerMeta.from_dict(export_meta["tokenizer"], "tokenizer")
+    weights = report.get("weights")
+    return Manifest(
+        omforge_version=_version("omforge"),
+        model=ModelSection(recipe.model.name, cfg),
+        tokenizer=replace(tokenizer, file="tokenizer.json" if tokenizer.file else None),
+        target=target,
+        abi=StepAbi.from_dict(report["abi"], "abi"),
+        paged_attention=report.get("paged_attention") or "plain",
+        kernels=kernels.status().manifest_entry() if report.get("paged_attention") == "kernel" else None,
+        kv=KvSection.of(PagedLayout(**layout), write=_KV_WRITE[target]),
+        limits=Limits(recipe.compile.max_seq_len, recipe.compile.max_batch_size, recipe.compile.max_num_tokens),
+        serve=recipe.serve.model_dump(),
+        buckets=plan,
+        passes=PassCounts(report["fusion_counts"], report["num_nodes"], report["op_histogram"]),
+        weights=Weights.from_dict(weights, "weights") if weights else Weights("float32", {}),
+        graphs=Graphs(f"{target}/{report['graph']}"),
+        export=ExportRef(digest, str(export_dir), "the unfused export is not copied into the bundle (no second "
+                         "copy of the weights); it lives in the stage cache, and `omforge export RECIPE -o DIR` "
+                         "rebuilds it"),
+        ascend=ascend_section(recipe, plan, atc_built, out, layout, cfg) if target == "ascend" else None,
+        toolchain=tool_versions(),
+        timings=job.progress.timings,
+        files=file_entries(out, files),
+    )
+
+
+_KV_WRITE = {
+    "ort": "in place: bind key_cache_out.N to key_cache.N's buffer",
+    "ascend": "out of place: one pool kv_cache [num_slots, num_layers, 2, kv_heads, head_dim]; the graph returns "
+              "kv_new [num_tokens, num_layers, 2, kv_heads, head_dim]; the runtime copies each run of consecutive "
+              "slots with one device copy",
+}
+"""The manifest's ``kv.write`` by target: how the step graph writes the new KV rows."""
 
 
 def ascend_section(recipe: Recipe, plan: bucket_planner.BucketPlan, built: bool, bundle: Path,
-                   layout: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    """What the ACL executor needs beyond the ABI: the one OM (its ``--output`` prefix: ATC may add
-    ``_<os>_<cpu>``), the inputs ATC's ``--input_shape`` lists in order (they make the gears' dims lists), the OM's
-    gears over the step dims, the pool's slot count (static in the graph), the device memory plan, whether ATC
-    ran, and omforge's own fusion switches (applied to the ONNX graph; nothing of ours goes to ATC)."""
+                   layout: dict[str, Any], config: dict[str, Any]) -> AscendSection:
+    """What the ACL executor needs beyond the ABI (:class:`AscendSection`), from the ascend step graph."""
     from omforge.compile import ascend
 
     spec = ascend.step_spec(bundle / "ascend" / "step.onnx", plan)
-    return {"model": f"ascend/om/{spec.name}", "input_shape": [[n, d] for n, d in spec.input_shapes.items()],
-            "gears": [list(g) for g in spec.gears], "gear_dims": list(spec.dim_order),
-            "num_slots": ascend.num_slots(recipe, plan.block_size), "soc_version": recipe.compile.soc_version,
-            "precision_mode": recipe.compile.precision_mode, "atc": "done" if built else "left",
-            "fusions": {name: recipe.compile.fusions.get(name, True) for name in FUSIONS},
-            "memory": ascend.memory_plan(recipe, plan, bundle / "ascend", layout, config)}
+    return AscendSection(
+        model=f"ascend/om/{spec.name}", input_shape=tuple((n, tuple(d)) for n, d in spec.input_shapes.items()),
+        gears=tuple(tuple(g) for g in spec.gears), gear_dims=tuple(spec.dim_order),
+        num_slots=ascend.num_slots(recipe, plan.block_size), soc_version=recipe.compile.soc_version,
+        precision_mode=recipe.compile.precision_mode, atc="done" if built else "left",
+        fusions={name: recipe.compile.fusions.get(name, True) for name in FUSIONS},
+        memory=ascend.memory_plan(recipe, plan, bundle / "ascend", layout, config))
 
 
 def _static_slots(recipe: Recipe, target: str, block_size: int) -> int | None:

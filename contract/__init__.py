@@ -1,7 +1,7 @@
 """The contract between compile and the runtime: the step ABI's names, the fusion switches, the KV pool layout,
-block-size defaults (here), the manifest reader (:mod:`omforge.contract.manifest`), the bucket plan
-(:mod:`omforge.contract.buckets`), the kernel library's op contract (:mod:`omforge.contract.kernel_abi`) and the
-speculative decoding configuration (:mod:`omforge.contract.speculative`).
+block-size defaults (here), the manifest's schema and reader (:mod:`omforge.contract.manifest`), the bucket
+plan (:mod:`omforge.contract.buckets`), the kernel library's op contract (:mod:`omforge.contract.kernel_abi`)
+and the speculative decoding configuration (:mod:`omforge.contract.speculative`).
 
 Dependency-free (stdlib and omforge.errors only), so that serving a bundle never imports the graph tooling
 (onnx_ir, onnxscript, torch) that produces it. ``passes/paged_kv.py`` builds graphs with this ABI (its docstring
@@ -56,20 +56,6 @@ class PagedLayout:
         """KV bytes one token takes in every layer's K and V pools together."""
         itemsize = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}[self.kv_dtype]
         return 2 * self.num_layers * self.kv_heads * self.row_elems * itemsize
-
-    def manifest_entry(self) -> dict:
-        """The manifest's ``kv`` section (the pools' description, without the write mode); :meth:`from_manifest`
-        reads it back (bundles from before KV dtypes have ``dtype: float32``)."""
-        shape = ("head_dim + 4] int8 (each head's row, then its float32 scale)" if self.kv_dtype == "int8"
-                 else "head_dim]")
-        return {"num_layers": self.num_layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
-                "block_size": self.block_size, "dtype": self.kv_dtype,
-                "layout": f"[num_blocks, block_size, kv_heads, {shape} per layer, K and V",
-                "bytes_per_token": self.bytes_per_token}
-
-    @classmethod
-    def from_manifest(cls, kv: dict) -> PagedLayout:
-        return cls(kv["num_layers"], kv["kv_heads"], kv["head_dim"], kv["block_size"], kv.get("dtype", "float32"))
 
 
 def row_elems(head_dim: int, kv_dtype: str) -> int:

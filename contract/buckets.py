@@ -170,7 +170,7 @@ class BucketPlan:
     @classmethod
     def from_dict(cls, data: Any) -> BucketPlan:
         """Read :meth:`to_dict`'s form back, checking it (a manifest may be edited or come from another
-        version); raises :class:`BucketError` naming the key."""
+        version); raises :class:`BucketError` naming the key (a missing one, or one :meth:`to_dict` would drop)."""
         def need(d: Any, key: str, kind: type, where: str) -> Any:
             if not isinstance(d, dict) or key not in d:
                 raise BucketError(f"buckets{where}: missing key '{key}'")
@@ -180,12 +180,19 @@ class BucketPlan:
                 raise BucketError(f"buckets{where}.{key}: expected a {what} (got {v!r})")
             return v
 
+        def known(d: Any, keys: tuple[str, ...], where: str) -> None:  # what to_dict would drop
+            extra = [k for k in d if k not in keys] if isinstance(d, dict) else []
+            if extra:
+                raise BucketError(f"buckets{where}.{extra[0]}: unknown field (known here: {', '.join(keys)})")
+
+        known(data, ("target", "block_size", "max_batch_size", "max_seq_len", "max_num_tokens", "profiles"), "")
         if need(data, "target", str, "") not in TARGETS:
             raise BucketError(f"buckets.target: {data['target']!r} is not one of {', '.join(TARGETS)}")
         maxima = {k: need(data, k, int, "") for k in ("block_size", "max_batch_size", "max_seq_len", "max_num_tokens")}
         profiles = []
         for i, p in enumerate(need(data, "profiles", list, "")):
             where = f".profiles[{i}]"
+            known(p, ("name", "dims", "shape", "gears"), where)
             if isinstance(p, dict) and "gears" not in p:
                 raise BucketError(f"buckets{where}: missing key 'gears' (null for a dynamic-shape model)")
             gears = p.get("gears") if isinstance(p, dict) else None

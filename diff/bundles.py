@@ -16,8 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from omforge.contract import PagedLayout
-from omforge.contract.manifest import MANIFEST, load_manifest
+from omforge.contract.manifest import MANIFEST, Weights, load_manifest
 from omforge.diff.types import BundleDiff, PromptDrift
 from omforge.errors import OmforgeError
 
@@ -43,14 +42,14 @@ def diff_bundles(a: Path, b: Path, prompts: list[str] | None = None, max_tokens:
     from omforge.runtime.step import SeqWork
 
     ma, mb = load_manifest(a, verify=False), load_manifest(b, verify=False)
-    if ma["model"]["config"] != mb["model"]["config"]:
+    if ma.model.config != mb.model.config:
         raise OmforgeError(f"{b}: not a bundle of the same model as {a} (model configs differ)")
     llms = [LLM(a), LLM(b)]
     tok = llms[0].tokenizer
     prompts = prompts or CHAT_PROMPTS
     if tok is None:  # a bundle without a tokenizer (random-weight test models): seeded random prompts instead
         rng = np.random.default_rng(0)
-        vocab = int(ma["model"]["config"]["vocab_size"])
+        vocab = int(ma.model.config["vocab_size"])
         ids = [rng.integers(3, vocab, int(rng.integers(16, 48))).tolist() for _ in prompts]
         prompts = [f"random tokens #{i}" for i in range(len(ids))]
     else:
@@ -74,15 +73,13 @@ def diff_bundles(a: Path, b: Path, prompts: list[str] | None = None, max_tokens:
         same = next((i for i, (x, y) in enumerate(zip(out_a, out_b)) if x != y), len(out_a))
         result.append(PromptDrift(prompt, len(la), float(np.abs(la - lb).max()),
                                   float((la.argmax(-1) == lb.argmax(-1)).mean()), same))
-    return BundleDiff(str(a), str(b), tuple(PagedLayout.from_manifest(m["kv"]).kv_dtype for m in (ma, mb)),
-                      (ma.get("paged_attention", "plain"), mb.get("paged_attention", "plain")), max_tokens, result,
-                      tuple(_weights(m) for m in (ma, mb)))
+    return BundleDiff(str(a), str(b), (ma.kv.dtype, mb.kv.dtype), (ma.paged_attention, mb.paged_attention),
+                      max_tokens, result, (_weights(ma.weights), _weights(mb.weights)))
 
 
-def _weights(manifest: dict) -> str:
+def _weights(w: Weights) -> str:
     """``compile.weights`` and, when quantized, the accuracy level the MatMulNBits nodes run at."""
-    w = manifest.get("weights") or {"precision": "float32"}
-    return w["precision"] + (f" (accuracy level {w['accuracy_level']})" if w.get("accuracy_level") is not None else "")
+    return w.precision + (f" (accuracy level {w.accuracy_level})" if w.accuracy_level is not None else "")
 
 
 def render_text(d: BundleDiff) -> str:

@@ -18,11 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from omforge.contract import PagedLayout
-from omforge.contract.manifest import BundleError, load_manifest
+from omforge.contract.manifest import BundleError, Manifest, load_manifest
 from omforge.errors import OmforgeError
-from omforge.runtime.engine_config import EngineConfig, EngineConfigError
 from omforge.runtime.detokenizer import IncrementalDetokenizer
+from omforge.runtime.engine_config import EngineConfig, EngineConfigError
 from omforge.runtime.executor import Executor, run_plan
 from omforge.runtime.kv_cache_manager import KVCacheManager
 from omforge.runtime.ort import kernels
@@ -111,12 +110,10 @@ class LLMEngine:
     def __init__(self, bundle: str | Path, config: EngineConfig | None = None, *, acl_module: object = None,
                  **overrides: Any):
         bundle = Path(bundle)
-        self.manifest = m = load_manifest(bundle)
-        if m["target"] not in ("ort", "ascend"):
-            raise BundleError(f"{bundle}: unknown target '{m['target']}' (this engine runs 'ort' and 'ascend' bundles)")
+        self.manifest = m = load_manifest(bundle)  # its target is ort or ascend (the manifest checks it)
         cfg = config or EngineConfig.resolve(m, **overrides)
-        self.config = m["model"]["config"]
-        self.layout = PagedLayout.from_manifest(m["kv"])
+        self.config = m.model.config
+        self.layout = m.kv.paged_layout
         self.block_size = self.layout.block_size
         self.executor: Executor = self._executor(bundle, m, cfg, acl_module)
         caps = self.executor.capabilities
@@ -132,8 +129,7 @@ class LLMEngine:
         self.kv = KVCacheManager(cfg.num_kv_blocks, self.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
                                  num_host_blocks=cfg.num_host_blocks)
         self.scheduler = Scheduler(self.kv, cfg.scheduler_config(self.config, caps.supports_mixed_batches))
-        tok = m["tokenizer"]
-        self.tokenizer = TextTokenizer(bundle / tok["file"], tok) if tok.get("file") else None
+        self.tokenizer = TextTokenizer(bundle / m.tokenizer.file, m.tokenizer) if m.tokenizer.file else None
         self.sampler = Sampler(eos_token_ids=tuple(self.config["eos_token_ids"]))
         self.requests: dict[str, Request] = {}
         self.closed = False
@@ -148,15 +144,15 @@ class LLMEngine:
         self._grammars = GrammarMasks(lambda: self.tokenizer.tokenizer.to_str() if self.tokenizer is not None else "",
                                       self.config["vocab_size"], tuple(self.config["eos_token_ids"]))
 
-    def _executor(self, bundle: Path, m: dict[str, Any], cfg: EngineConfig, acl_module: object) -> Executor:
-        if m["target"] == "ascend":
+    def _executor(self, bundle: Path, m: Manifest, cfg: EngineConfig, acl_module: object) -> Executor:
+        if m.target == "ascend":
             from omforge.runtime.ascend.acl_executor import AclExecutor
 
             return AclExecutor(bundle, m, acl=acl_module, num_host_blocks=cfg.num_host_blocks)
-        if m.get("kernels") and not kernels.status().available:
+        if m.kernels and not kernels.status().available:
             raise BundleError(f"{bundle}: compiled for omforge's CPU kernel library (paged attention), which is "
                               f"unavailable here: {kernels.status().reason}; or recompile the bundle on this machine")
-        return OrtExecutor(bundle / m["graphs"]["step"], self.layout, num_blocks=cfg.num_kv_blocks, threads=cfg.threads,
+        return OrtExecutor(bundle / m.graphs.step, self.layout, num_blocks=cfg.num_kv_blocks, threads=cfg.threads,
                            num_host_blocks=cfg.num_host_blocks, prefault=cfg.prefault_kv)
 
     # --- requests -----------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from omforge.contract.manifest import Manifest
 from omforge.errors import OmforgeError
 from omforge.runtime.scheduler import PREEMPTION_MODES, SchedulerConfig
 
@@ -51,23 +52,23 @@ class EngineConfig:
     prefault_kv: bool = False  # write the KV pool at start-up (omforge serve: RSS known up front)
 
     @classmethod
-    def resolve(cls, manifest: Mapping[str, Any], **overrides: Any) -> EngineConfig:
+    def resolve(cls, manifest: Manifest, **overrides: Any) -> EngineConfig:
         """The configuration for a bundle's ``manifest`` with the caller's ``overrides`` (None: the bundle's)."""
         known = {f.name for f in fields(cls)} - {"num_host_blocks", "explicit_kv_blocks"}
         unknown = sorted(set(overrides) - known)
         if unknown:
             raise EngineConfigError(f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        serve, limits = manifest["serve"], manifest["limits"]
+        serve = manifest.serve
 
         def pick(name: str) -> Any:
             value = overrides.get(name)
             return serve.get(name) if value is None else value
 
-        context = limits["max_seq_len"]
+        context = manifest.limits.max_seq_len
         max_model_len = min(pick("max_model_len") or context, context)
         max_num_seqs, max_batched = pick("max_num_seqs"), pick("max_num_batched_tokens")
-        block_size = manifest["kv"]["block_size"]
-        bytes_per_block = manifest["kv"]["bytes_per_token"] * block_size
+        block_size = manifest.kv.block_size
+        bytes_per_block = manifest.kv.bytes_per_token * block_size
         # the pool: num_kv_blocks as given, else as many blocks as the KV budget holds (vLLM's KV cache space),
         # but no more than max_num_seqs full-context sequences need
         space = pick("kv_cache_space_gb")

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from omforge.contract.manifest import TokenizerMeta
 from omforge.errors import OmforgeError
 from omforge.models.config import ModelConfig
 from omforge.runtime.tokenizer import TextTokenizer
@@ -42,8 +43,8 @@ class ExportedModel:
         if threads:
             opts.intra_op_num_threads = threads
         self.session = ort.InferenceSession(str(export_dir / "model.onnx"), opts, providers=["CPUExecutionProvider"])
-        tok = self.meta["tokenizer"]
-        self.tokenizer = TextTokenizer(export_dir / tok["file"], tok) if tok.get("file") else None
+        tok = TokenizerMeta.from_dict(self.meta["tokenizer"], f"{meta_path}: tokenizer")
+        self.tokenizer = TextTokenizer(export_dir / tok.file, tok) if tok.file else None
 
     def logits(self, input_ids: np.ndarray) -> np.ndarray:
         """Full-sequence logits ``[batch, seq, vocab]`` for ``input_ids [batch, seq]`` (positions 0..seq-1)."""

@@ -17,6 +17,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from omforge.contract.manifest import TokenizerMeta
 from omforge.errors import OmforgeError
 
 
@@ -40,14 +41,15 @@ def _strftime_now(fmt: str) -> str:
 class TextTokenizer:
     """Encode/decode text and render chat prompts for one model.
 
-    ``meta`` is the ``tokenizer`` entry of export.json / the bundle manifest: chat_template, bos_token, eos_token.
+    ``meta`` is the bundle manifest's ``tokenizer`` section (export.json's has the same form): the chat template and
+    the special tokens it renders.
     """
 
-    def __init__(self, path: Path, meta: dict[str, Any]):
+    def __init__(self, path: Path, meta: TokenizerMeta):
         self.tokenizer = Tokenizer.from_file(str(path))
-        self.chat_template: str | None = meta.get("chat_template")
-        self.bos_token: str | None = meta.get("bos_token")
-        self.eos_token: str | None = meta.get("eos_token")
+        self.chat_template = meta.chat_template
+        self.bos_token = meta.bos_token
+        self.eos_token = meta.eos_token
 
     @cached_property
     def _template(self) -> jinja2.Template:

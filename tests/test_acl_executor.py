@@ -21,6 +21,7 @@ import pytest
 
 from fake_acl import FakeAcl
 from helpers import TINY_RECIPE, compile_bundle
+from omforge.contract.manifest import BundleError, load_manifest
 from omforge.runtime.ascend.acl_api import AclError, AclParameterError, AclResourceError, AclUnavailable, acl_error
 
 HAS_ACL = importlib.util.find_spec("acl") is not None
@@ -32,10 +33,10 @@ def plain_twin(bundle: Path, out: Path) -> Path:
     from omforge.compile.ascend import lower_step_graph
     from omforge.recipe import load_recipe
 
-    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest = load_manifest(bundle, verify=False)
     out.mkdir(parents=True, exist_ok=True)
-    export = Path(manifest["export"]["dir"])  # the stage cache's export: bundles keep no copy of it
-    lower_step_graph(export, out, load_recipe(TINY_RECIPE), manifest["kv"]["block_size"], plain=True)
+    export = Path(manifest.export.dir)  # the stage cache's export: bundles keep no copy of it
+    lower_step_graph(export, out, load_recipe(TINY_RECIPE), manifest.kv.block_size, plain=True)
     return out / "step.onnx"
 
 
@@ -88,7 +89,7 @@ def test_failed_setup_releases_what_it_took(bundles: tuple[Path, Path], tmp_path
 
     bundle = tmp_path / "b"
     shutil.copytree(bundles[0], bundle)
-    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest = load_manifest(bundle, verify=False)
     (bundle / "ascend" / "om" / "step_linux_x86_64.om").write_text("not an OM")
     fake = FakeAcl()
     with pytest.raises(AclParameterError, match="acl.mdl.load_from_file"):
@@ -107,7 +108,7 @@ def test_a_stale_om_is_refused_with_the_difference(bundles: tuple[Path, Path], t
 
     bundle = tmp_path / "b"
     shutil.copytree(bundles[0], bundle)
-    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest = load_manifest(bundle, verify=False)
     om = _om(bundle)
     spec = json.loads(om.read_text())
     spec["gears"] = spec["gears"][:-1]  # compiled with one gear fewer than the manifest says
@@ -123,17 +124,18 @@ def test_the_om_is_found_with_atcs_os_cpu_suffix(bundles: tuple[Path, Path]) -> 
     executor loads it (it looked for ``<output>.om`` before)."""
     from omforge.runtime.ascend.acl_executor import check_bundle
 
-    manifest = json.loads((bundles[0] / "manifest.json").read_text())
-    assert check_bundle(bundles[0], manifest).name == "step_linux_x86_64.om"
+    assert check_bundle(bundles[0], load_manifest(bundles[0])).name == "step_linux_x86_64.om"
 
 
-def test_an_ascend_bundle_from_before_the_one_om_layout_is_refused_in_one_line(bundles: tuple[Path, Path]) -> None:
-    from omforge.runtime.ascend.acl_executor import OmModelsMissing, check_bundle
-
-    manifest = json.loads((bundles[0] / "manifest.json").read_text())
+def test_an_ascend_bundle_from_before_the_one_om_layout_is_refused_in_one_line(bundles: tuple[Path, Path],
+                                                                               tmp_path: Path) -> None:
+    bundle = tmp_path / "b"
+    shutil.copytree(bundles[0], bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
     old = {**manifest, "ascend": {"models": {"prefill": "ascend/om/prefill.om", "decode": "ascend/om/decode.om"}}}
-    with pytest.raises(OmModelsMissing, match="from before issue 20.*recompile it"):
-        check_bundle(bundles[0], old)
+    (bundle / "manifest.json").write_text(json.dumps(old))
+    with pytest.raises(BundleError, match="manifest.json: an ascend bundle from before issue 20.*recompile it$"):
+        load_manifest(bundle)
 
 
 def test_outputs_are_matched_by_index_in_canns_name_form(bundles: tuple[Path, Path]) -> None:
@@ -142,7 +144,7 @@ def test_outputs_are_matched_by_index_in_canns_name_form(bundles: tuple[Path, Pa
     from omforge.runtime.ascend.acl_api import AclRuntime
     from omforge.runtime.ascend.acl_executor import AclExecutor
 
-    manifest = json.loads((bundles[0] / "manifest.json").read_text())
+    manifest = load_manifest(bundles[0])
     fake = FakeAcl()
     with AclExecutor(bundles[0], manifest, acl=fake) as ex:
         names = [t.name for t in AclRuntime(fake).describe(_desc(fake, ex.model.model_id)).outputs]
@@ -186,11 +188,11 @@ def test_a_plan_above_the_devices_free_memory_is_refused(bundles: tuple[Path, Pa
     """Issue 20 deliverable 3: serve refuses, in one line, a device memory plan that does not fit."""
     from omforge.runtime.ascend.acl_executor import AclExecutor, DeviceMemoryTooSmall
 
-    manifest = json.loads((bundles[0] / "manifest.json").read_text())
-    plan = manifest["ascend"]["memory"]
-    assert plan["om_models"] == 1 and plan["total_bytes"] == sum(
-        plan[k] for k in ("weights_bytes", "kv_pool_bytes", "io_bytes", "workspace_bytes_estimate"))
-    fake = FakeAcl(hbm_free=plan["kv_pool_bytes"], hbm_total=1 << 30)
+    manifest = load_manifest(bundles[0])
+    plan = manifest.ascend.memory
+    assert plan.om_models == 1 and plan.total_bytes == (plan.weights_bytes + plan.kv_pool_bytes + plan.io_bytes
+                                                        + plan.workspace_bytes_estimate)
+    fake = FakeAcl(hbm_free=plan.kv_pool_bytes, hbm_total=1 << 30)
     with pytest.raises(DeviceMemoryTooSmall, match="KV pool") as e:
         AclExecutor(bundles[0], manifest, acl=fake)
     assert "\n" not in str(e.value) and "num_kv_blocks" in str(e.value)
@@ -203,7 +205,7 @@ def test_a_decode_step_makes_one_copy_per_run_of_slots(bundles: tuple[Path, Path
     from omforge.runtime.ascend.acl_executor import AclExecutor
     from omforge.runtime.step import SeqWork
 
-    manifest = json.loads((bundles[0] / "manifest.json").read_text())
+    manifest = load_manifest(bundles[0])
     fake = FakeAcl()
     with AclExecutor(bundles[0], manifest, acl=fake) as ex:
         seqs = [SeqWork(list(range(3, 40)), 0, [b]) for b in range(4)]
@@ -222,7 +224,7 @@ def test_block_copies_and_swaps_move_whole_blocks(bundles: tuple[Path, Path]) ->
     from omforge.runtime.ascend.acl_executor import AclExecutor
     from omforge.runtime.step import SeqWork
 
-    manifest = json.loads((bundles[0] / "manifest.json").read_text())
+    manifest = load_manifest(bundles[0])
     fake = FakeAcl()
     with AclExecutor(bundles[0], manifest, acl=fake, num_host_blocks=2) as ex:
         ex.execute([SeqWork(list(range(3, 60)), 0, [4])])  # fills slots of block 4

@@ -29,32 +29,31 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_manifest_contents(bundle: Path) -> None:
     m = load_manifest(bundle)
-    assert m["schema_version"] == SCHEMA_VERSION and m["target"] == "ort"
-    assert m["model"]["config"]["num_hidden_layers"] == 2
-    assert m["kv"]["block_size"] == 64 and m["kv"]["num_layers"] == 2  # the ort default, measured
-    names = [i["name"] for i in m["abi"]["inputs"]]
+    assert m.schema_version == SCHEMA_VERSION and m.target == "ort" and m.ascend is None
+    assert m.model.config["num_hidden_layers"] == 2
+    assert m.kv.block_size == 64 and m.kv.num_layers == 2  # the ort default, measured
+    names = [i.name for i in m.abi.inputs]
     assert names[:7] == ["input_ids", "position_ids", "slot_mapping", "block_tables", "query_index", "token_index",
                          "logits_indices"]
-    assert [o["name"] for o in m["abi"]["outputs"]][:3] == ["logits", "key_cache_out.0", "value_cache_out.0"]
-    assert m["passes"]["fusion_counts"] == {"rms_norm": 5, "add_rms_norm": 4, "rotary": 4, "qkv_merge": 2,
-                                            "gate_up_swiglu": 2, "attention": 2}
-    assert set(m["files"]) >= {"ort/step.onnx", "ort/step.onnx.data"}
+    assert [o.name for o in m.abi.outputs][:3] == ["logits", "key_cache_out.0", "value_cache_out.0"]
+    assert m.passes.fusion_counts == {"rms_norm": 5, "add_rms_norm": 4, "rotary": 4, "qkv_merge": 2,
+                                      "gate_up_swiglu": 2, "attention": 2}
+    assert set(m.files) >= {"ort/step.onnx", "ort/step.onnx.data"}
     # no second copy of the weights: the unfused export stays in the stage cache, named by the manifest
-    assert not any(f.startswith("export/") for f in m["files"]) and not (bundle / "export").exists()
-    assert (Path(m["export"]["dir"]) / "model.onnx").is_file()
-    assert m["buckets"]["profiles"][0]["name"] == "step"
+    assert not any(f.startswith("export/") for f in m.files) and not (bundle / "export").exists()
+    assert m.export is not None and (Path(m.export.dir) / "model.onnx").is_file()
+    assert m.buckets.profiles[0].name == "step"
     for tool in ("onnx", "onnxruntime", "omforge"):
-        assert m["toolchain"][tool]
+        assert m.toolchain[tool]
 
 
 def test_step_graph_of_the_bundle_runs(bundle: Path) -> None:
-    from omforge.contract import PagedLayout
     from omforge.runtime.ort.ort_executor import OrtExecutor
     from omforge.runtime.step import SeqWork, build_step
 
     m = load_manifest(bundle)
-    layout = PagedLayout.from_manifest(m["kv"])
-    ex = OrtExecutor(bundle / m["graphs"]["step"], layout, num_blocks=4)
+    layout = m.kv.paged_layout
+    ex = OrtExecutor(bundle / m.graphs.step, layout, num_blocks=4)
     logits = ex.run(build_step([SeqWork([1, 2, 3], 0, [2])], layout.block_size))
     assert logits.shape == (1, 256) and np.isfinite(logits).all()
 
@@ -65,17 +64,17 @@ def test_second_compile_reuses_every_stage_and_a_switch_redoes_only_the_passes(c
     assert first.cached == {"export": False, "passes": False}
     second = compile_recipe(recipe, tmp_path / "a", quiet=True)
     assert second.cached == {"export": True, "passes": True}
-    assert second.manifest["files"] == first.manifest["files"]
+    assert second.manifest.files == first.manifest.files
     text = TINY_RECIPE.read_text().replace("compile:\n", "compile:\n  fusions: {rms_norm: false}\n")
     switched = tmp_path / "switched.yaml"
     switched.write_text(text.replace("name: tiny-llama", "name: tiny-llama"))
     third = compile_recipe(load_recipe(switched), tmp_path / "b", quiet=True)
     assert third.cached == {"export": True, "passes": False}
-    assert third.manifest["passes"]["fusion_counts"]["rms_norm"] == 0
+    assert third.manifest.passes.fusion_counts["rms_norm"] == 0
     block = tmp_path / "block.yaml"
     block.write_text(TINY_RECIPE.read_text().replace("compile:\n", "compile:\n  kv_block_size: 16\n"))
     fourth = compile_recipe(load_recipe(block), tmp_path / "c", quiet=True)
-    assert fourth.cached == {"export": True, "passes": False} and fourth.manifest["kv"]["block_size"] == 16
+    assert fourth.cached == {"export": True, "passes": False} and fourth.manifest.kv.block_size == 16
 
 
 def test_corrupted_or_missing_artifacts_are_clear_errors(bundle: Path, tmp_path: Path) -> None:
@@ -137,11 +136,11 @@ def test_ascend_target_writes_everything_up_to_atc(cache: Path, tmp_path: Path,
     assert "complete up to the ATC step" in err and "`atc` is not on PATH" in err
     assert f"bash {out / 'ascend' / 'build.sh'}" in err and "atc --model=step.onnx --framework=5" in err
     m = load_manifest(out)
-    assert m["target"] == "ascend" and m["kv"]["block_size"] == 128
-    assert [p["name"] for p in m["buckets"]["profiles"]] == ["prefill", "decode"]
+    assert m.target == "ascend" and m.kv.block_size == 128 and m.ascend is not None and m.ascend.atc == "left"
+    assert [p.name for p in m.buckets.profiles] == ["prefill", "decode"]
     for rel in ("ascend/build.sh", "ascend/atc_commands.txt", "ascend/step.onnx",
                 "ascend/plugins/CMakeLists.txt", "ascend/plugins/swi_glu_onnx_plugin.cc"):
-        assert rel in m["files"], rel
+        assert rel in m.files, rel
     assert not list(out.rglob("*.om")) and not (out / "ascend" / "fusion_switch.cfg").exists()
     step = onnx.load(str(out / "ascend" / "step.onnx"), load_external_data=False)
     assert [(o.domain, o.version) for o in step.opset_import] == [("", 18)]
@@ -149,7 +148,7 @@ def test_ascend_target_writes_everything_up_to_atc(cache: Path, tmp_path: Path,
     assert [o.name for o in step.graph.output] == ["logits", "kv_new"]
     commands = (out / "ascend" / "atc_commands.txt").read_text().splitlines()
     assert len(commands) == 1 and all("--soc_version=Ascend910B3" in c and "--input_format=ND" in c for c in commands)
-    assert m["ascend"]["model"] == "ascend/om/step" and m["ascend"]["memory"]["om_models"] == 1
+    assert m.ascend.model == "ascend/om/step" and m.ascend.memory.om_models == 1
 
 
 def test_stage_key_covers_every_module_the_stage_runs() -> None:
@@ -158,7 +157,7 @@ def test_stage_key_covers_every_module_the_stage_runs() -> None:
     from omforge.compile.compiler import _ROOT, stage_sources
 
     ascend, ort = stage_sources("ascend"), stage_sources("ort")
-    for name in ("ascend.py", "atc.py", "buckets.py"):
+    for name in ("ascend.py", "atc.py", "bucket_plan.py"):
         assert _ROOT / "compile" / name in ascend and _ROOT / "compile" / name not in ort
     for f in (_ROOT / "passes" / "lower_ort.py", _ROOT / "passes" / "lower_ascend.py",
               _ROOT / "contract" / "buckets.py"):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from omforge.contract.manifest import TokenizerMeta
 from omforge.runtime.detokenizer import IncrementalDetokenizer
 from omforge.runtime.sampling_params import SamplingParams
 from omforge.runtime.tokenizer import TextTokenizer
@@ -19,8 +20,8 @@ PIECES = ["the", "quick", "fox", "café", "naïve", "Ünïcödé", "façade", "�
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_export: Path) -> TextTokenizer:
-    meta = json.loads((smollm2_export / "export.json").read_text())["tokenizer"]
-    return TextTokenizer(smollm2_export / meta["file"], meta)
+    meta = TokenizerMeta.from_dict(json.loads((smollm2_export / "export.json").read_text())["tokenizer"])
+    return TextTokenizer(smollm2_export / meta.file, meta)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,7 @@ def test_prompt_context_keeps_the_first_space(tmp_path: Path) -> None:
     spm = Tokenizer(models.WordLevel(vocab={"▁Hello": 0, "▁world": 1, "<unk>": 2}, unk_token="<unk>"))
     spm.pre_tokenizer, spm.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
     spm.save(str(tmp_path / "tokenizer.json"))
-    tokenizer = TextTokenizer(tmp_path / "tokenizer.json", {})
+    tokenizer = TextTokenizer(tmp_path / "tokenizer.json", TokenizerMeta())
     assert tokenizer.decode([1]) == "world"
     assert IncrementalDetokenizer(tokenizer, [0], SamplingParams()).append(1) == " world"
 

@@ -4,6 +4,18 @@ from __future__ import annotations
 
 import pytest
 
+from omforge.contract import PagedLayout
+from omforge.contract.buckets import BucketPlan
+from omforge.contract.manifest import (
+    Graphs,
+    KvSection,
+    Limits,
+    Manifest,
+    ModelSection,
+    PassCounts,
+    StepAbi,
+    TokenizerMeta,
+)
 from omforge.runtime.engine_config import (
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_MAX_QUEUE_TIME_S,
@@ -17,9 +29,14 @@ SERVE = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "max_prefill_tokens_w
          "preemption_mode": "recompute", "swap_space_gb": 1.0, "num_kv_blocks": None, "max_waiting_requests": 256}
 
 
-def manifest(**serve: object) -> dict:
-    return {"serve": {**SERVE, **serve}, "limits": {"max_seq_len": 512},
-            "kv": {"block_size": 16, "bytes_per_token": 1024}}
+def manifest(**serve: object) -> Manifest:
+    """A bundle's manifest with the ``serve`` section given: a 512-token context, blocks of 16 tokens, 1 KiB of KV
+    per token (one layer, one KV head of 128, float32)."""
+    return Manifest(omforge_version="test", model=ModelSection("m", {}), tokenizer=TokenizerMeta(), target="ort",
+                    abi=StepAbi((), ()), kv=KvSection.of(PagedLayout(1, 1, 128, 16), write="in place"),
+                    limits=Limits(512, 8, 256), serve={**SERVE, **serve},
+                    buckets=BucketPlan("ort", 16, 8, 512, 256, ()), passes=PassCounts({}, 0, {}),
+                    graphs=Graphs("ort/step.onnx"), toolchain={}, timings={}, files={})
 
 
 def test_the_bundle_values_when_nothing_is_overridden() -> None:

@@ -14,7 +14,7 @@ import pytest
 from test_smollm2 import CHAT_PROMPTS
 
 from helpers import SMOLLM2_RECIPE, TINY_RECIPE, compile_bundle
-from omforge.contract.manifest import load_manifest
+from omforge.contract.manifest import KernelLibrary, load_manifest
 from omforge.runtime.llm import LLM
 from omforge.runtime.ort import kernels
 from omforge.runtime.sampling_params import SamplingParams
@@ -54,7 +54,7 @@ def plain_tokens(recipe: Path, out: Path, cache: Path, prompts: list) -> list[li
     r = without_kernels(GENERATE_PLAIN.format(args=args), cache)
     assert r.returncode == 0, r.stderr[-3000:]
     manifest = load_manifest(out, verify=False)
-    assert manifest["paged_attention"] == "plain" and manifest["kernels"] is None
+    assert manifest.paged_attention == "plain" and manifest.kernels is None
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -62,17 +62,16 @@ def test_tiny_kernel_bundle_equals_plain(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     bundle = compile_bundle(TINY_RECIPE, tmp_path / "kernel", cache)
     m = load_manifest(bundle)
-    assert m["paged_attention"] == "kernel"
-    assert m["kernels"] == {"name": "_omforge_kernels", "domain": kernels.DOMAIN, "abi": kernels.ABI_VERSION,
-                            "isa": kernels.status().isa}
-    hist = m["passes"]["op_histogram"]
-    assert hist[f"{kernels.DOMAIN}::PagedAttention"] == m["model"]["config"]["num_hidden_layers"]
+    assert m.paged_attention == "kernel"
+    assert m.kernels == KernelLibrary("_omforge_kernels", kernels.DOMAIN, kernels.ABI_VERSION, kernels.status().isa)
+    hist = m.passes.op_histogram
+    assert hist[f"{kernels.DOMAIN}::PagedAttention"] == m.model.config["num_hidden_layers"]
     assert "ScatterND" not in hist
     prompts = [[int(t) for t in range(3 + i, 40 + 7 * i)] for i in range(6)]
     ours = [o.token_ids for o in LLM(bundle, max_num_batched_tokens=48).generate(prompts, GREEDY, use_tqdm=False)]
     theirs = plain_tokens(TINY_RECIPE, tmp_path / "plain", cache, prompts)
     plain = load_manifest(tmp_path / "plain", verify=False)
-    assert plain["passes"]["num_nodes"] > m["passes"]["num_nodes"]
+    assert plain.passes.num_nodes > m.passes.num_nodes
     assert ours == theirs
 
 
@@ -82,7 +81,7 @@ def test_without_the_library_compile_falls_back_and_a_kernel_bundle_is_one_clear
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("kernel library unavailable (disabled by OMFORGE_KERNELS=0)") == 1  # said once
-    assert load_manifest(tmp_path / "plain")["paged_attention"] == "plain"
+    assert load_manifest(tmp_path / "plain").paged_attention == "plain"
     bundle = compile_bundle(TINY_RECIPE, tmp_path / "kernel", tmp_path / "cache")
     r = subprocess.run([sys.executable, "-m", "omforge", "generate", str(bundle), "--prompt", "hi",
                         "--max-tokens", "2"],
@@ -95,7 +94,7 @@ def test_without_the_library_compile_falls_back_and_a_kernel_bundle_is_one_clear
 def test_smollm2_greedy_chat_tokens_equal_plain_lowering(smollm2_bundle: Path, smollm2_cache: Path,
                                                          tmp_path: Path) -> None:
     llm = LLM(smollm2_bundle)
-    assert load_manifest(smollm2_bundle, verify=False)["paged_attention"] == "kernel"
+    assert load_manifest(smollm2_bundle, verify=False).paged_attention == "kernel"
     tok = llm.tokenizer
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
            for p in CHAT_PROMPTS]
@@ -119,11 +118,10 @@ def tiny_bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.mark.parametrize("dtype, itemsize, extra", [("bfloat16", 2, 0), ("int8", 1, 4)])
 def test_reduced_precision_kv_bundle(tiny_bundles: dict[str, Path], dtype: str, itemsize: int, extra: int) -> None:
     m, m32 = (load_manifest(tiny_bundles[d]) for d in (dtype, "float32"))
-    kv = m["kv"]
-    assert kv["dtype"] == dtype and m["abi"]["inputs"][7]["name"] == "key_cache.0"
-    assert m["abi"]["inputs"][7]["dtype"] == dtype and m["abi"]["inputs"][7]["shape"][-1] == kv["head_dim"] + extra
-    assert kv["bytes_per_token"] == m32["kv"]["bytes_per_token"] * itemsize * (kv["head_dim"] + extra) // (
-        4 * kv["head_dim"])
+    kv, pool = m.kv, m.abi.inputs[7]
+    assert kv.dtype == dtype and pool.name == "key_cache.0"
+    assert pool.dtype == dtype and pool.shape is not None and pool.shape[-1] == kv.head_dim + extra
+    assert kv.bytes_per_token == m32.kv.bytes_per_token * itemsize * (kv.head_dim + extra) // (4 * kv.head_dim)
     llm = LLM(tiny_bundles[dtype], num_kv_blocks=256)
     assert llm.engine.executor.key_pools[0].dtype.itemsize == itemsize
     # the pools' dtype follows through swapping: outputs under swap preemption equal those run alone

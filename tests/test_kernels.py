@@ -223,7 +223,7 @@ def test_bad_inputs_are_ort_errors() -> None:
 def test_status_reports_the_isa() -> None:
     s = kernels.status()
     assert s.abi == kernels.ABI_VERSION and s.isa in ("avx512", "avx2", "generic")
-    assert s.manifest_entry()["domain"] == kernels.DOMAIN
+    assert s.manifest_entry().domain == kernels.DOMAIN
 
 
 @pytest.mark.parametrize("shape", [(1, 7, 64), (1, 300, 3072), (2, 5, 10)])

@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from omforge.contract import PagedLayout
 from omforge.contract.ascend import KV_NEW, KV_POOL, OmNameClash, find_om
-from omforge.contract.buckets import BucketPlan, om_gear
+from omforge.contract.buckets import om_gear
+from omforge.contract.manifest import BundleError, Manifest
 from omforge.errors import OmforgeError
 from omforge.runtime.ascend.acl_api import AclRuntime, AclUnavailable, import_acl
 from omforge.runtime.ascend.acl_plan import (
@@ -73,20 +73,18 @@ class _Model:
     out_dataset: Any = None
 
 
-def check_bundle(bundle: Path, manifest: dict[str, Any]) -> Path:
+def check_bundle(bundle: Path, manifest: Manifest) -> Path:
     """The OM of an ascend bundle (``<prefix>.om`` or ``<prefix>_<os>_<cpu>.om``); :class:`OmModelsMissing` (one
-    line) when it was not built."""
-    asc = manifest.get("ascend") or {}
-    if "models" in asc and "model" not in asc:
-        raise OmModelsMissing(f"{bundle}: an ascend bundle from before issue 20 (one OM per profile, per-layer pools, "
-                              "every input in --input_shape: it would not load on an NPU); recompile it")
-    prefix = asc.get("model")
+    line) when it was not built. (A bundle from before the one-OM layout is refused when its manifest is read.)"""
+    if manifest.ascend is None:
+        raise BundleError(f"{bundle}: not an ascend bundle (target {manifest.target})")
+    prefix = manifest.ascend.model
     try:
-        om = find_om(bundle / prefix) if prefix else None
+        om = find_om(bundle / prefix)
     except OmNameClash as e:
         raise OmModelsMissing(str(e)) from None
     if om is None:
-        raise OmModelsMissing(f"{bundle}: the OM model was not built ({bundle / str(prefix)}*.om is missing): the "
+        raise OmModelsMissing(f"{bundle}: the OM model was not built ({bundle / prefix}*.om is missing): the "
                               f"ATC step is left; run `bash {bundle}/ascend/build.sh` where CANN is installed")
     return om
 
@@ -98,7 +96,7 @@ def _gib(n: int) -> str:
 class AclExecutor:
     """One ascend bundle on one NPU. ``acl``: the pyACL module (default ``import acl``; tests pass a fake)."""
 
-    def __init__(self, bundle: Path, manifest: dict[str, Any], *, device: int = 0, acl: Any = None,
+    def __init__(self, bundle: Path, manifest: Manifest, *, device: int = 0, acl: Any = None,
                  num_host_blocks: int = 0):
         bundle = Path(bundle)
         if acl is None:
@@ -112,23 +110,23 @@ class AclExecutor:
                 raise
         self.om = check_bundle(bundle, manifest)
         self.rt = AclRuntime(acl)
-        kv, asc = manifest["kv"], manifest["ascend"]
-        self.layout = PagedLayout.from_manifest(kv)
-        self.plan = BucketPlan.from_dict(manifest["buckets"])
-        self.num_slots = int(asc["num_slots"])
+        asc = manifest.ascend
+        assert asc is not None  # check_bundle refused a manifest without it
+        self.layout = manifest.kv.paged_layout
+        self.plan = manifest.buckets
+        self.num_slots = asc.num_slots
         self.num_blocks = self.num_slots // self.layout.block_size
         self.max_prompt_len = max_prompt_len(self.plan)
         # plan_runs splits a step into decode-gear and prefill-gear executions anyway: no mixed batches, the
         # scheduler alternates decode and prefill steps; the pool size is compiled into the OM models
         self.capabilities = ExecutorCapabilities(supports_mixed_batches=False, max_prompt_len=self.max_prompt_len,
                                                  num_blocks=self.num_blocks)
-        self.vocab = int(manifest["model"]["config"]["vocab_size"])
-        abi = manifest["abi"]
-        self.inputs = [t["name"] for t in abi["inputs"]]
-        self.outputs = [t["name"] for t in abi["outputs"]]
-        self.input_shape = [(name, dims) for name, dims in asc["input_shape"]]  # what ATC's --input_shape listed
-        self.om_gears = [tuple(g) for g in asc["gears"]]
-        self.memory = asc.get("memory") or {}
+        self.vocab = int(manifest.model.config["vocab_size"])
+        self.inputs = [t.name for t in manifest.abi.inputs]
+        self.outputs = [t.name for t in manifest.abi.outputs]
+        self.input_shape = asc.input_shape  # what ATC's --input_shape listed
+        self.om_gears = asc.gears
+        self.memory = asc.memory
         self.device = device
         self._undo: list[tuple[str, Callable[[], None]]] = []
         self._lock = threading.Lock()  # a model must not execute on two threads at once (§3.3)
@@ -173,16 +171,14 @@ class AclExecutor:
         """Refuse, in one line, a device memory plan above the NPU's free HBM. ATC's own figures for the OM
         (``aclmdlQuerySize``: weights, workspace) replace the compile-time estimate when ACL gives them."""
         plan = self.memory
-        if not plan:
-            return
         sizes = self.rt.query_size(str(self.om))
-        weights, work = (sizes[1], sizes[0]) if sizes else (plan["weights_bytes"], plan["workspace_bytes_estimate"])
-        need = weights + work + self.pool_bytes + plan["io_bytes"]
+        weights, work = (sizes[1], sizes[0]) if sizes else (plan.weights_bytes, plan.workspace_bytes_estimate)
+        need = weights + work + self.pool_bytes + plan.io_bytes
         free, total = self.rt.free_device_memory()
         if need > free:
             raise DeviceMemoryTooSmall(
                 f"{self.om}: the bundle needs {_gib(need)} of device memory (weights {_gib(weights)}, KV pool "
-                f"{_gib(self.pool_bytes)}, step buffers {_gib(plan['io_bytes'])}, workspace {_gib(work)}"
+                f"{_gib(self.pool_bytes)}, step buffers {_gib(plan.io_bytes)}, workspace {_gib(work)}"
                 f"{'' if sizes else ' estimated'}) and NPU {self.device} has {_gib(free)} free of {_gib(total)}: "
                 "compile with a smaller serve.num_kv_blocks (or max_batch_size / max_seq_len)")
     def _malloc(self, size: int) -> int:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from omforge.contract.kernel_abi import ABI_VERSION, DOMAIN
 from omforge.contract.kernel_abi import HEAD_DIMS as HEAD_DIMS
+from omforge.contract.manifest import KernelLibrary
 
 MIN_ORT = (1, 17)
 
@@ -38,9 +39,9 @@ class KernelStatus:
     isa: str | None = None
     reason: str = ""
 
-    def manifest_entry(self) -> dict:
-        return {"name": Path(self.path).name.split(".")[0] if self.path else None, "domain": DOMAIN,
-                "abi": self.abi, "isa": self.isa}
+    def manifest_entry(self) -> KernelLibrary:
+        """The manifest's ``kernels`` section: what a bundle compiled against this library needs."""
+        return KernelLibrary(Path(self.path).name.split(".")[0] if self.path else None, DOMAIN, self.abi, self.isa)
 
 
 def library_path() -> Path | None:
