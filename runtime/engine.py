@@ -27,7 +27,7 @@ from omforge.runtime.kv_cache_manager import KVCacheManager
 from omforge.runtime.ort import kernels
 from omforge.runtime.ort.ort_executor import OrtExecutor
 from omforge.runtime.request import Request, Status, seq_ids
-from omforge.runtime.sampler import Sampler, prompt_logprobs
+from omforge.runtime.sampler import LogprobEntry, Sampler, prompt_logprobs
 from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
 from omforge.runtime.scheduler import Scheduler
 from omforge.runtime.spec_decode import SpeculativeConfig, SpeculativeDecoder, Verified
@@ -74,7 +74,8 @@ class EngineStats:
 
 @dataclass
 class RequestOutput:
-    """One request's result so far (``new_text`` / ``new_token_ids``: what this step added)."""
+    """One request's result so far (``new_text`` / ``new_token_ids``: what this step added). Its token ids, times
+    and logprob entries are its own copies, taken when it was made (the request's lists grow on)."""
 
     request_id: str
     index: int
@@ -87,11 +88,11 @@ class RequestOutput:
     finish_reason: str | None
     stop_reason: str | int | None
     num_cached_tokens: int
-    logprobs: list[dict]
+    logprobs: tuple[LogprobEntry, ...]
     arrival_time: float
     first_token_time: float | None
     token_times: list[float]
-    prompt_logprobs: list[dict | None] | None = None  # SamplingParams.prompt_logprobs: [None, {token_id, …}, …]
+    prompt_logprobs: tuple[LogprobEntry | None, ...] | None = None  # SamplingParams.prompt_logprobs: (None, …)
 
     @property
     def ttft(self) -> float | None:
@@ -305,7 +306,7 @@ class LLMEngine:
         now = time.monotonic()
         for req, row, start, count in plan.prompt_rows:
             self._prompt_logprobs(req, logits[row:row + count], start)
-        entries: dict[str, list[dict]] = {}  # logprob entries of each request's new tokens, when it asks
+        entries: dict[str, list[LogprobEntry]] = {}  # logprob entries of each request's new tokens, when it asks
         verified: dict[str, list[int]] = {}
         for req, row, k in plan.spec_rows:
             v = self._spec.verify(req, logits[row:row + k + 1])
@@ -320,9 +321,10 @@ class LLMEngine:
             result = self.sampler.sample(chosen, [r.params for r in reqs], [r.generator for r in reqs],
                                          [r.output_token_ids for r in reqs], [r.prompt_token_ids for r in reqs],
                                          allowed=masks.result() if masks is not None else None)
-            for i, req in enumerate(reqs):
-                if req.params.logprobs is not None:
-                    entries[req.request_id] = [result.entry(i, req.params.logprobs)]
+            asking = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+            if asking:
+                built = result.entries([reqs[i].params.logprobs for i in asking], asking)
+                entries.update((reqs[i].request_id, [e]) for i, e in zip(asking, built))
             tokens = result.token_ids.tolist()
         else:
             tokens = []
@@ -368,7 +370,7 @@ class LLMEngine:
         if first < last:
             filled.extend(prompt_logprobs(logits[first:last], prompt[start + first + 1:start + last + 1], k))
 
-    def _emit(self, req: Request, new: list[int], entries: list[dict] | None, now: float) -> RequestOutput:
+    def _emit(self, req: Request, new: list[int], entries: list[LogprobEntry] | None, now: float) -> RequestOutput:
         """Record this step's tokens of ``req`` (one, or a speculating request's accepted run) — times, logprobs —
         and detokenise them one by one; a stop string ends the request there and drops the tokens after it."""
         if req.first_token_time is None:
@@ -401,5 +403,5 @@ class LLMEngine:
         text = req.detokenizer.text if req.detokenizer is not None else ""
         return RequestOutput(req.request_id, req.index, req.prompt_token_ids, text, list(req.output_token_ids),
                              new_text, new_ids, req.finished, req.finish_reason, req.stop_reason,
-                             req.num_cached_tokens, list(req.logprobs), req.arrival_time, req.first_token_time,
-                             list(req.token_times), req.prompt_logprobs or None)
+                             req.num_cached_tokens, tuple(req.logprobs), req.arrival_time, req.first_token_time,
+                             list(req.token_times), tuple(req.prompt_logprobs) if req.prompt_logprobs else None)

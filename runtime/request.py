@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from omforge.runtime.sampler import LogprobEntry
 from omforge.runtime.sampling_params import SamplingParams
 
 
@@ -39,9 +40,10 @@ class Request:
     detokenizer: object | None = None  # IncrementalDetokenizer, set by the engine
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
-    logprobs: list[dict] = field(default_factory=list)
-    # params.prompt_logprobs: one entry per prompt position filled so far ([None] for the first token)
-    prompt_logprobs: list[dict | None] = field(default_factory=list)
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+    # params.prompt_logprobs: one entry per prompt position filled so far ([None] for the first token); n > 1:
+    # the leader's list, shared by its followers (one prompt)
+    prompt_logprobs: list[LogprobEntry | None] = field(default_factory=list)
     matcher: Any = None  # params.structured: this sequence's llguidance matcher (its place in the grammar)
     draft: list[int] = field(default_factory=list)  # speculative decoding: this step's drafted tokens
     spec_acceptance: float = 1.0  # its drafts' accepted fraction, averaged (spec_decode.ACCEPTANCE_WEIGHT)

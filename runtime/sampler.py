@@ -23,6 +23,21 @@ GROUPS = 1024  # strided token groups for finding a row's best values without so
 CDF_BLOCK = 256  # tokens per block of the two-level inverse CDF
 
 
+@dataclass(frozen=True, slots=True)
+class LogprobEntry:
+    """One token's logprob, as every consumer reads it (sampled tokens, verified drafts, prompt positions).
+
+    ``token_id`` and its raw ``logprob``; ``rank``: 1 + the tokens with a strictly larger logit, where computed
+    (prompt logprobs, vLLM's field), else None; ``top``: the best alternatives as ``(token_id, logprob)`` pairs,
+    best first, as many as the request asked (empty for 0). Built only by :meth:`SamplerOutput.entries`.
+    """
+
+    token_id: int
+    logprob: float
+    rank: int | None
+    top: tuple[tuple[int, float], ...]
+
+
 @dataclass
 class SamplerOutput:
     """The sampled tokens of one step and their logprobs.
@@ -40,15 +55,21 @@ class SamplerOutput:
     top_logprobs: np.ndarray | None  # [R, K] float32
     ranks: np.ndarray | None = None  # [R] int64, when asked: 1 + the tokens whose logit exceeds the chosen one's
 
-    def entry(self, row: int, k: int) -> dict:
-        """Row ``row``'s logprob entry: ``{token_id, logprob}``, ``rank`` when computed, and ``top``: the best
-        ``k`` as ``(token_id, logprob)`` pairs whenever the batch computed any (``[]`` for a row that asked 0)."""
-        entry: dict = {"token_id": int(self.token_ids[row]), "logprob": float(self.logprobs[row])}
-        if self.ranks is not None:
-            entry["rank"] = int(self.ranks[row])
-        if self.top_ids is not None:
-            entry["top"] = [(int(i), float(v)) for i, v in zip(self.top_ids[row, :k], self.top_logprobs[row, :k])]
-        return entry
+    def entries(self, k: int | Sequence[int], rows: Sequence[int] | None = None) -> list[LogprobEntry]:
+        """The :class:`LogprobEntry` of each of ``rows`` (None: every row) with its best ``k`` alternatives
+        (``k``: one count for all, or one per row): the one place entries are made, a whole batch's at once.
+        Only rows that asked for logprobs have entries to give."""
+        sel: slice | np.ndarray = slice(None) if rows is None else np.asarray(rows, dtype=np.int64)
+        ids, lps = self.token_ids[sel].tolist(), self.logprobs[sel].tolist()
+        ks = [k] * len(ids) if isinstance(k, int) else list(k)
+        ranks = self.ranks[sel].tolist() if self.ranks is not None else [None] * len(ids)
+        K = max(ks, default=0)
+        if self.top_ids is not None and K > 0:
+            tops = [tuple(zip(i[:n], v[:n])) for i, v, n in zip(self.top_ids[sel, :K].tolist(),
+                                                                self.top_logprobs[sel, :K].tolist(), ks)]
+        else:
+            tops = [()] * len(ids)
+        return [LogprobEntry(*e) for e in zip(ids, lps, ranks, tops)]
 
 
 class Sampler:
@@ -379,8 +400,7 @@ def with_logprobs(logits: np.ndarray, tokens: np.ndarray, num_logprobs: Sequence
     return SamplerOutput(tokens, chosen, top_ids, top_logprobs, rank)
 
 
-def prompt_logprobs(logits: np.ndarray, targets: Sequence[int], k: int) -> list[dict]:
+def prompt_logprobs(logits: np.ndarray, targets: Sequence[int], k: int) -> list[LogprobEntry]:
     """The entry of each prompt token ``targets[i]`` from the logits row ``logits[i]`` that predicts it: its
     logprob and rank, and the top ``k`` when ``k > 0`` (:func:`with_logprobs`' rules)."""
-    out = with_logprobs(logits, np.asarray(targets, np.int64), [k] * len(targets), ranks=True)
-    return [out.entry(i, k) for i in range(len(targets))]
+    return with_logprobs(logits, np.asarray(targets, np.int64), [k] * len(targets), ranks=True).entries(k)

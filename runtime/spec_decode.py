@@ -29,7 +29,7 @@ from omforge.contract.speculative import METHODS as METHODS
 from omforge.contract.speculative import SpeculativeConfig as SpeculativeConfig
 from omforge.contract.speculative import SpeculativeConfigError as SpeculativeConfigError
 from omforge.runtime.request import Request
-from omforge.runtime.sampler import Sampler, with_logprobs
+from omforge.runtime.sampler import LogprobEntry, Sampler, with_logprobs
 from omforge.runtime.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 # A sequence's acceptance (``Request.spec_acceptance``, from 1.0) is an exponential moving average of the fraction of
@@ -121,7 +121,7 @@ class Verified:
 
     tokens: list[int]
     num_drafted: int
-    logprobs: list[dict] | None
+    logprobs: list[LogprobEntry] | None
 
     @property
     def num_accepted(self) -> int:
@@ -172,6 +172,6 @@ class SpeculativeDecoder:
         req.spec_acceptance = (1 - ACCEPTANCE_WEIGHT) * req.spec_acceptance + ACCEPTANCE_WEIGHT * accepted
         entries = None
         if p.logprobs is not None:
-            out = with_logprobs(rows[:len(kept)], np.asarray(kept, np.int64), [p.logprobs] * len(kept))
-            entries = [out.entry(i, p.logprobs) for i in range(len(kept))]
+            entries = with_logprobs(rows[:len(kept)], np.asarray(kept, np.int64),
+                                    [p.logprobs] * len(kept)).entries(p.logprobs)
         return Verified(kept, len(draft), entries)

@@ -1,5 +1,7 @@
 """Response bodies in OpenAI's shapes: completions and chat completions, whole or as stream chunks, usage and
-logprobs. Pure functions of the engine's :class:`RequestOutput` objects; no I/O.
+logprobs. Pure functions of the engine's :class:`RequestOutput` objects; no I/O. The one place the runtime's
+:class:`~omforge.runtime.sampler.LogprobEntry` values become JSON: the legacy completions form, the chat form
+and vLLM's ``prompt_logprobs`` field.
 """
 
 from __future__ import annotations
@@ -7,12 +9,13 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import lru_cache
 from typing import Any
 
 from omforge.runtime.engine import RequestOutput
+from omforge.runtime.sampler import LogprobEntry
 from omforge.serve.tools import StreamSplitter, ToolPlan
 
 TokenText = Callable[[int], str]
@@ -34,34 +37,37 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def completion_logprobs(entries: list[dict], token_text: TokenText, text_offset: int) -> dict[str, Any]:
+def _top(e: LogprobEntry, token_text: TokenText) -> dict[str, float]:
+    """An entry's alternatives in the legacy form, ``{token: logprob}``."""
+    return {token_text(i): lp for i, lp in e.top}
+
+
+def completion_logprobs(entries: Sequence[LogprobEntry], token_text: TokenText, text_offset: int) -> dict[str, Any]:
     """The legacy completions form: parallel lists ``tokens``, ``token_logprobs``, ``top_logprobs`` (one
     ``{token: logprob}`` per position) and ``text_offset`` (each token's start in the choice's text)."""
     tokens, offsets, offset = [], [], text_offset
     for e in entries:
-        s = token_text(e["token_id"])
+        s = token_text(e.token_id)
         tokens.append(s)
         offsets.append(offset)
         offset += len(s)
-    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{token_text(i): lp for i, lp in e.get("top", [])} for e in entries],
-            "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [_top(e, token_text) for e in entries], "text_offset": offsets}
 
 
-def prompt_completion_logprobs(prompt_ids: list[int], entries: list[dict | None],
+def prompt_completion_logprobs(prompt_ids: Sequence[int], entries: Sequence[LogprobEntry | None],
                                token_text: TokenText) -> dict[str, Any]:
     """Echo + logprobs: the prompt's tokens in the legacy form, the first with ``null`` logprob and top (as
     OpenAI returned them), offsets from 0 into the echoed text."""
     tokens = [token_text(t) for t in prompt_ids]
     offsets = [0, *itertools.accumulate(len(t) for t in tokens[:-1])]
     return {"tokens": tokens,
-            "token_logprobs": [None if e is None else e["logprob"] for e in entries],
-            "top_logprobs": [None if e is None else {token_text(i): lp for i, lp in e.get("top", [])}
-                             for e in entries],
+            "token_logprobs": [None if e is None else e.logprob for e in entries],
+            "top_logprobs": [None if e is None else _top(e, token_text) for e in entries],
             "text_offset": offsets}
 
 
-def vllm_prompt_logprobs(entries: list[dict | None], token_text: TokenText) -> list[dict | None]:
+def vllm_prompt_logprobs(entries: Sequence[LogprobEntry | None], token_text: TokenText) -> list[dict | None]:
     """vLLM's ``prompt_logprobs`` field: per prompt position ``None`` or ``{token_id: {logprob, rank,
     decoded_token}}`` holding the prompt's token and the top alternatives."""
     out: list[dict | None] = []
@@ -69,9 +75,8 @@ def vllm_prompt_logprobs(entries: list[dict | None], token_text: TokenText) -> l
         if e is None:
             out.append(None)
             continue
-        token = e["token_id"]
-        d = {str(token): {"logprob": e["logprob"], "rank": e["rank"], "decoded_token": token_text(token)}}
-        for rank, (i, lp) in enumerate(e.get("top", []), 1):
+        d = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": token_text(e.token_id)}}
+        for rank, (i, lp) in enumerate(e.top, 1):
             d.setdefault(str(i), {"logprob": lp, "rank": rank, "decoded_token": token_text(i)})
         out.append(d)
     return out
@@ -84,15 +89,15 @@ def _merge(a: dict | None, b: dict | None) -> dict | None:
     return {k: a[k] + b[k] for k in a}
 
 
-def chat_logprobs(entries: list[dict], token_text: TokenText) -> dict[str, Any]:
+def chat_logprobs(entries: Sequence[LogprobEntry], token_text: TokenText) -> dict[str, Any]:
     """The chat form: ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``."""
 
     def one(token_id: int, logprob: float) -> dict[str, Any]:
         s = token_text(token_id)
         return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
 
-    return {"content": [{**one(e["token_id"], e["logprob"]),
-                         "top_logprobs": [one(i, lp) for i, lp in e.get("top", [])]} for e in entries]}
+    return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(i, lp) for i, lp in e.top]}
+                        for e in entries]}
 
 
 class ResponseBuilder:
@@ -115,7 +120,7 @@ class ResponseBuilder:
             body["usage"] = usage_
         return body
 
-    def logprobs(self, index: int, entries: list[dict]) -> dict | None:
+    def logprobs(self, index: int, entries: Sequence[LogprobEntry]) -> dict | None:
         if not self.want_logprobs:
             return None
         if self.kind == "chat":
@@ -175,7 +180,7 @@ class ResponseBuilder:
 
     # --- stream chunks ------------------------------------------------------------------------------------
 
-    def chunk(self, index: int, text: str, new_logprobs: list[dict] | None, finish_reason: str | None,
+    def chunk(self, index: int, text: str, new_logprobs: Sequence[LogprobEntry] | None, finish_reason: str | None,
               role: bool = False) -> str:
         lp = self.logprobs(index, new_logprobs) if new_logprobs is not None else None
         if self.kind == "chat":
@@ -185,7 +190,7 @@ class ResponseBuilder:
         choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
         return sse(self._envelope("text_completion", [choice], None))
 
-    def tool_stream(self, index: int, out: RequestOutput, new_logprobs: list[dict] | None) -> list[str]:
+    def tool_stream(self, index: int, out: RequestOutput, new_logprobs: Sequence[LogprobEntry] | None) -> list[str]:
         """Chat with tools, streaming: content as it becomes safe to send, then at the end the calls as one
         ``delta.tool_calls`` chunk and the finish reason (``tool_calls`` when there are calls)."""
         assert self.tools is not None

@@ -64,7 +64,7 @@ def test_engine_on_the_fake_acl_gives_the_ort_engines_tokens(bundles: tuple[Path
     on_ort = LLM(ort_bundle).generate(PROMPTS, params, use_tqdm=False)
     for a, o in zip(on_acl, on_ort):
         assert a.token_ids == o.token_ids
-        np.testing.assert_allclose([e["logprob"] for e in a.logprobs], [e["logprob"] for e in o.logprobs], atol=1e-4)
+        np.testing.assert_allclose([e.logprob for e in a.logprobs], [e.logprob for e in o.logprobs], atol=1e-4)
     executed = fake.calls.count("execute")
     assert executed >= 24  # decode runs batched across prompts, prefill per prompt
     assert not any(c.startswith("FAILED") for c in fake.calls), [c for c in fake.calls if c.startswith("FAILED")]

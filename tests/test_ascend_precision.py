@@ -73,8 +73,8 @@ def test_fp16_graph_on_the_fake_acl_tracks_the_float32_model(bundles: dict[str, 
     for r, g in zip(ref, got):
         assert g.token_ids[0] == r.token_ids[0]
         same = next((i for i, (a, b) in enumerate(zip(r.token_ids, g.token_ids)) if a != b), len(r.token_ids))
-        drift = np.abs(np.array([e["logprob"] for e in r.logprobs[:same]])
-                       - np.array([e["logprob"] for e in g.logprobs[:same]]))
+        drift = np.abs(np.array([e.logprob for e in r.logprobs[:same]])
+                       - np.array([e.logprob for e in g.logprobs[:same]]))
         assert drift.max() < (0.02 if weights == "float16" else 0.15), drift
     manifest = json.loads((bundles[weights] / "manifest.json").read_text())
     assert manifest["kv"]["dtype"] == "float16"

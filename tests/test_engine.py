@@ -184,7 +184,7 @@ def test_smollm2_text_stops_and_offline_api(smollm2_bundle: Path) -> None:
     assert "<|im_end|>" not in eos.text and eos.token_ids[-1] == 2
     assert stop.finish_reason == "stop" and stop.stop_reason == "Paris" and "Paris" not in stop.text
     assert stop.text == eos.text[:eos.text.index("Paris")]
-    assert len(sampled.logprobs) == len(sampled.token_ids) and len(sampled.logprobs[0]["top"]) == 2
+    assert len(sampled.logprobs) == len(sampled.token_ids) and len(sampled.logprobs[0].top) == 2
     assert eos.ttft is not None and eos.ttft > 0 and len(eos.inter_token_latencies) == len(eos.token_ids) - 1
 
 
@@ -263,7 +263,7 @@ def test_each_output_keeps_its_own_logprobs(tiny_bundle: Path) -> None:
     while engine.has_unfinished():
         outs += engine.step()
     assert [len(o.logprobs) for o in outs] == [1, 2, 3, 4, 5]
-    assert all([e["token_id"] for e in o.logprobs] == o.token_ids for o in outs)
+    assert all([e.token_id for e in o.logprobs] == o.token_ids for o in outs)
 
 
 def test_min_tokens_yields_to_a_complete_grammar(text_bundle: Path) -> None:

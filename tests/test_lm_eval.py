@@ -81,7 +81,7 @@ def test_loglikelihoods_equal_the_engines_prompt_logprobs(harness_run: dict, smo
         for choice in doc["choices"]:
             cont = tok.encode(choice, add_special_tokens=False)
             out = llm.generate([ctx + cont], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
-            want.append(sum(e["logprob"] for e in out.prompt_logprobs[len(ctx):]))
+            want.append(sum(e.logprob for e in out.prompt_logprobs[len(ctx):]))
         np.testing.assert_allclose(got, want, atol=1e-4)
         correct.append(int(np.argmax(want)) == doc["gold"])
     assert harness_run["results"]["omforge_capitals"]["acc,none"] == pytest.approx(np.mean(correct))

@@ -14,6 +14,7 @@ import pytest
 
 from helpers import TINY_RECIPE, compile_bundle
 from omforge import LLM, SamplingParams
+from omforge.runtime.engine import LLMEngine
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +48,11 @@ def test_prompt_logprobs_match_the_whole_prompt_forward(bundle: Path, budget: in
         assert pl is not None and len(pl) == len(prompt) and pl[0] is None
         for t in range(1, len(prompt)):
             e = pl[t]
-            assert e["token_id"] == prompt[t]
-            assert abs(e["logprob"] - ref[t - 1, prompt[t]]) < 1e-4
-            assert e["rank"] == int((ref[t - 1] > ref[t - 1, prompt[t]]).sum()) + 1
+            assert e.token_id == prompt[t]
+            assert abs(e.logprob - ref[t - 1, prompt[t]]) < 1e-4
+            assert e.rank == int((ref[t - 1] > ref[t - 1, prompt[t]]).sum()) + 1
             best = np.argsort(-ref[t - 1], kind="stable")[:3]
-            assert [i for i, _ in e["top"]] == best.tolist()
+            assert [i for i, _ in e.top] == best.tolist()
     assert outs[-1].prompt_logprobs is None
     assert outs[-1].token_ids[:2] == outs[0].token_ids  # greedy: the same continuation either way
 
@@ -66,7 +67,7 @@ def test_prompt_logprobs_are_not_lost_to_the_prefix_cache(bundle: Path) -> None:
     asked = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
     assert asked.num_cached_tokens == 0 and len(asked.prompt_logprobs) == len(prompt)  # … and not used here
     ref = reference(bundle, prompt)
-    np.testing.assert_allclose([e["logprob"] for e in asked.prompt_logprobs[1:]],
+    np.testing.assert_allclose([e.logprob for e in asked.prompt_logprobs[1:]],
                                ref[np.arange(len(prompt) - 1), prompt[1:]], atol=1e-4)
 
 
@@ -75,3 +76,20 @@ def test_n_sequences_share_one_prompt_logprobs(bundle: Path) -> None:
                                 use_tqdm=False)
     assert len(outs) == 3 and all(o.prompt_logprobs == outs[0].prompt_logprobs for o in outs)
     assert len(outs[0].prompt_logprobs) == len(PROMPTS[0])
+
+
+def test_each_output_carries_its_own_prompt_logprobs(bundle: Path) -> None:
+    """The engine handed every output — each step's, each of the n sequences' — the request's live prompt-logprob
+    list (as issue 24 defect 2 was for sampled logprobs): what changed the request's list, or one output's,
+    changed them all. Each output now holds its own entries, and cannot edit them."""
+    engine = LLMEngine(bundle)
+    reqs = engine.add_request(PROMPTS[0], SamplingParams(n=2, max_tokens=3, seed=1, prompt_logprobs=1))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert len(outs) == 6 and all(len(o.prompt_logprobs) == len(PROMPTS[0]) for o in outs)
+    want = list(outs[0].prompt_logprobs)
+    reqs[0].prompt_logprobs.append(None)  # the request's list goes on (here: by hand)
+    with pytest.raises(AttributeError):
+        outs[0].prompt_logprobs.clear()  # type: ignore[union-attr]  # a consumer editing what it was given
+    assert all(list(o.prompt_logprobs) == want for o in outs)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from omforge.errors import OmforgeError
-from omforge.runtime.sampler import Sampler, SamplerOutput, _truncate
+from omforge.runtime.sampler import LogprobEntry, Sampler, SamplerOutput, _truncate, with_logprobs
 from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
 
 V = 5000  # above the sampler's 1024 groups, not a multiple of them: padding and multi-token groups are live
@@ -286,6 +286,23 @@ def test_logprobs_are_raw_and_sorted() -> None:
     only_chosen = run(x[:2], [SamplingParams(logprobs=0)] * 2, seeds=[0, 1])
     assert only_chosen.top_ids is None and only_chosen.top_logprobs is None
     assert not np.isnan(only_chosen.logprobs).any()
+
+
+def test_logprob_entries_are_built_from_the_arrays() -> None:
+    """SamplerOutput.entries: one typed entry per row asked, plain Python values, the row's best k (none for 0 or
+    when the batch computed none), a rank only where ranks were computed."""
+    x = peaked_logits(np.random.default_rng(7), 3)
+    tokens = x.argmin(axis=1).astype(np.int64)
+    out = with_logprobs(x, tokens, [3, 1, 0], ranks=True)
+    e = out.entries(1, [1])[0]
+    assert isinstance(e, LogprobEntry) and type(e.token_id) is int and type(e.logprob) is float
+    assert e.token_id == int(tokens[1]) and e.logprob == float(out.logprobs[1]) and e.rank == V
+    assert e.top == ((int(out.top_ids[1, 0]), float(out.top_logprobs[1, 0])),)
+    every = out.entries(3)
+    assert [len(x.top) for x in every] == [3, 3, 3] and every[1].top[:1] == e.top
+    assert out.entries(0, [2])[0].top == ()
+    plain = with_logprobs(x, tokens, [0, None, 0])
+    assert [(p.rank, p.top) for p in plain.entries(0, [0, 2])] == [(None, ()), (None, ())]
 
 
 def test_batch_arguments_must_agree() -> None:

@@ -252,7 +252,7 @@ def test_echo_logprobs_max_tokens_0_scores_the_prompt(client, offline) -> None: 
     lp = c.logprobs
     assert len(lp.tokens) == len(ids) and "".join(lp.tokens) == offline.tokenizer.decode(ids)
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    assert lp.token_logprobs[1:] == pytest.approx([e["logprob"] for e in want.prompt_logprobs[1:]], abs=1e-5)
+    assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in want.prompt_logprobs[1:]], abs=1e-5)
     assert all(len(t) == 2 for t in lp.top_logprobs[1:])
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
 

@@ -100,10 +100,10 @@ def test_greedy_is_identical_with_speculation(smollm2_bundle) -> None:  # noqa: 
         assert g.token_ids == w.token_ids and g.text == w.text and g.finish_reason == w.finish_reason
         assert g.stop_reason == w.stop_reason
         if w.logprobs:
-            assert [e["token_id"] for e in g.logprobs] == [e["token_id"] for e in w.logprobs]
-            np.testing.assert_allclose([e["logprob"] for e in g.logprobs], [e["logprob"] for e in w.logprobs],
+            assert [e.token_id for e in g.logprobs] == [e.token_id for e in w.logprobs]
+            np.testing.assert_allclose([e.logprob for e in g.logprobs], [e.logprob for e in w.logprobs],
                                        atol=1e-4)
-            assert [[t for t, _ in e["top"]] for e in g.logprobs] == [[t for t, _ in e["top"]] for e in w.logprobs]
+            assert [[t for t, _ in e.top] for e in g.logprobs] == [[t for t, _ in e.top] for e in w.logprobs]
     st = spec.engine.stats
     assert st.spec_draft_tokens > 0 and st.spec_accepted_tokens > 0 and st.steps < plain.engine.stats.steps
     assert spec.engine.kv.stats().num_used == 0
