@@ -8,10 +8,12 @@ falls back to the plain-op lowering (see omforge.runtime.ort.kernels).
 
 from setuptools import Extension, setup
 
+SOURCES = ("custom_op", "pa_avx512", "pa_avx2", "pa_generic", "qgemm_op", "qgemm_avx512", "qgemm_generic")
+HEADERS = ("ort_abi", "paged_attention", "paged_attention_impl", "qgemm", "qgemm_op")
 KERNELS = Extension(
     "omforge.runtime.ort.kernels._omforge_kernels",
-    sources=[f"runtime/ort/kernels/{name}.cpp" for name in ("custom_op", "pa_avx512", "pa_avx2", "pa_generic")],
-    depends=[f"runtime/ort/kernels/{name}.h" for name in ("ort_abi", "paged_attention", "paged_attention_impl")],
+    sources=[f"runtime/ort/kernels/{name}.cpp" for name in SOURCES],
+    depends=[f"runtime/ort/kernels/{name}.h" for name in HEADERS],
     language="c++",
     extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden", "-Wno-maybe-uninitialized"],
     extra_link_args=["-s"],  # stripped: the wheel carries ~1 MB instead of ~7

@@ -92,12 +92,14 @@ class StepAbi(Section):
 @dataclass(frozen=True)
 class KernelLibrary(Section):
     """The CPU kernel library an ort step graph calls (paged attention lowered to it): the library's file stem, its
-    op domain and ABI version, the ISA path it was compiled with."""
+    op domain and ABI version, the ISA path it was compiled with, and — when weight MatMuls are lowered to its
+    ``MatMulQ`` — the version of the packed weight layout they are stored in (runtime/ort/kernels/qgemm.h)."""
 
     name: str | None
     domain: str
     abi: int | None
     isa: str | None
+    weight_layout: int | None = field(default=None, metadata=OMIT_IF_NONE)
 
 
 @dataclass(frozen=True)

@@ -102,3 +102,39 @@ def kernel_model(*, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
     graph = helper.make_graph([node], "paged_attention", inputs, outputs)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)],
                              ir_version=9)
+
+
+def matmul_q_model(w, **attrs: int) -> onnx.ModelProto:  # noqa: ANN001 - gemm_pack.PanelWeights
+    """One ``MatMulQ`` node ``y [M, N] = x [M, K] · Wᵀ`` over panel16 weights ``w`` (attrs override the node's)."""
+    inits = [onnx.numpy_helper.from_array(w.codes, "codes"), onnx.numpy_helper.from_array(w.scales, "scales")]
+    inputs = ["x", "codes", "scales"]
+    if w.offsets is not None:
+        inits.append(onnx.numpy_helper.from_array(w.offsets, "offsets"))
+        inputs.append("offsets")
+    node = helper.make_node("MatMulQ", inputs, ["y"], domain=DOMAIN,
+                            **{"K": w.k, "N": w.n, "bits": w.bits, "block_size": w.block, "layout": 1, **attrs})
+    graph = helper.make_graph([node], "matmul_q", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", w.k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", w.n])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
+
+
+def matmul_q_reference(x: np.ndarray, packed) -> np.ndarray:  # noqa: ANN001 - quant.Packed
+    """float64 ``MatMulQ``: activations quantized to int8 per 32 k of a row exactly as the kernel does (float32
+    scale ``max|x| / 127``, round half to even), the weight's symmetric part multiplied by them and its block
+    offsets by the exact x (qgemm.h's formula)."""
+    from omforge.passes import quant
+
+    m, k = x.shape
+    kp = packed.k_blocks * packed.block
+    xp = np.zeros((m, kp), np.float32)
+    xp[:, :k] = x
+    chunks = xp.reshape(m, -1, 32)
+    amax = np.abs(chunks).max(-1)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    a = np.clip(np.rint(chunks * inv[..., None]), -127, 127)
+    xq = (a * (amax / np.float32(127)).astype(np.float64)[..., None]).reshape(m, kp)[:, :k]
+    w = quant.dequantize(packed).astype(np.float64)
+    if packed.block_min is None:
+        return xq @ w.T
+    offsets = np.repeat(packed.block_min.astype(np.float64), packed.block, axis=1)[:, :k]
+    return xq @ (w - offsets).T + x.astype(np.float64) @ offsets.T

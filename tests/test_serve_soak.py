@@ -88,7 +88,7 @@ def _run(srv: ServerProcess, plan: Plan, start: float) -> tuple[str, bool, float
             return "answered", True, time.monotonic() - t0
         stream = client.completions.create(model=MODEL, prompt=plan.prompt, max_tokens=plan.max_tokens,
                                            stream=True, temperature=0.0)
-        for i, chunk in enumerate(stream):
+        for i, _ in enumerate(stream):
             if plan.kind == "cancel" and i == 1:
                 stream.close()  # gone mid-stream
                 return "cancelled", True, time.monotonic() - t0

@@ -2,10 +2,11 @@
 
 The library (``_omforge_kernels*.so`` beside this file, built from the C++ sources here by ``setup.py``, or
 ``$OMFORGE_KERNELS_LIBRARY``) registers ``PagedAttention``, ``PagedAttentionBF16`` and ``PagedAttentionInt8``
-(fp32, bf16 and int8 KV pools) and ``SwiGLU``; their contract is at the top of ``custom_op.cpp``, and what the
-lowering shares of it (domain, ABI version, head dims) lives in :mod:`omforge.contract.kernel_abi`. It receives
-ORT's API table at registration and declares the few ABI facts it uses itself (``ort_abi.h``), so it needs no ORT
-headers and loads on any ORT >= :data:`MIN_ORT`.
+(fp32, bf16 and int8 KV pools), ``SwiGLU``, and ``MatMulQ`` (block-quantized weights × int8 activations, its
+weights in the packed layout of ``qgemm.h``); their contracts are at the top of ``custom_op.cpp`` and
+``qgemm_op.h``, and what the lowering shares of them (domain, ABI version, head dims) lives in
+:mod:`omforge.contract.kernel_abi`. It receives ORT's API table at registration and declares the few ABI facts it
+uses itself (``ort_abi.h``), so it needs no ORT headers and loads on any ORT >= :data:`MIN_ORT`.
 
 Nothing here is required: :func:`status` says whether the library is usable in this process (built, ORT recent
 enough, loadable, the same kernel ABI version) and why not; compile then falls back to the plain-op lowering, and
@@ -38,10 +39,14 @@ class KernelStatus:
     abi: int | None = None
     isa: str | None = None
     reason: str = ""
+    gemm: str | None = None  # MatMulQ's ISA path (avx512vnni, generic)
+    weight_layout: int | None = None  # the packed weight layout version MatMulQ reads
 
-    def manifest_entry(self) -> KernelLibrary:
-        """The manifest's ``kernels`` section: what a bundle compiled against this library needs."""
-        return KernelLibrary(Path(self.path).name.split(".")[0] if self.path else None, DOMAIN, self.abi, self.isa)
+    def manifest_entry(self, weight_layout: bool = False) -> KernelLibrary:
+        """The manifest's ``kernels`` section: what a bundle compiled against this library needs (``weight_layout``:
+        the bundle's weight MatMuls are this library's ``MatMulQ``, so its packed layout version is recorded)."""
+        return KernelLibrary(Path(self.path).name.split(".")[0] if self.path else None, DOMAIN, self.abi, self.isa,
+                             self.weight_layout if weight_layout else None)
 
 
 def library_path() -> Path | None:
@@ -83,7 +88,8 @@ def status() -> KernelStatus:
         return KernelStatus(False, str(path), abi, fields.get("isa"),
                             reason=f"{path.name} speaks kernel ABI {abi}, this omforge {ABI_VERSION}; "
                                    "reinstall omforge")
-    return KernelStatus(True, str(path), abi, fields["isa"])
+    return KernelStatus(True, str(path), abi, fields["isa"], gemm=fields.get("gemm"),
+                        weight_layout=int(fields["layout"]) if "layout" in fields else None)
 
 
 def register(options) -> None:  # noqa: ANN001 - onnxruntime.SessionOptions

@@ -1,6 +1,7 @@
 // The omforge kernel library: registers the custom-op domain `omforge.kernels` with ONNX Runtime
 // (entry point RegisterCustomOps) and implements its ops on the CPU EP: PagedAttention (three KV pool
-// dtypes, below) and SwiGLU (gate_up [..., 2F] -> silu(gate) * up [..., F]).
+// dtypes, below), SwiGLU (gate_up [..., 2F] -> silu(gate) * up [..., F]) and MatMulQ (a block-quantized weight
+// MatMul with int8 activations: qgemm.h, qgemm_op.h).
 //
 // PagedAttention (fp32 pools) / PagedAttentionBF16 (bf16 pools) / PagedAttentionInt8 (int8 pools, each
 // head's row followed by its float32 scale: [S, Hkv, D + 4] int8), the ORT CPU lowering of the step ABI's
@@ -23,13 +24,14 @@
 
 #include "ort_abi.h"
 #include "paged_attention.h"
+#include "qgemm_op.h"
 
 #define OMF_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace omf {
 namespace {
 
-constexpr int kAbiVersion = 1;  // bump when the op's inputs, outputs or attributes change
+constexpr int kAbiVersion = 2;  // bump when the op's inputs, outputs or attributes change
 constexpr const char* kDomain = "omforge.kernels";
 constexpr int64_t kHeadDims[] = {16, 32, 64, 96, 128, 256};  // the instantiations in paged_attention_impl.h
 
@@ -89,13 +91,14 @@ OrtStatus* describe(const OrtValue* v, Tensor& t) {
 
 OrtStatus* fail(const std::string& msg) { return g_api.CreateStatus(kOrtInvalidArgument, ("PagedAttention: " + msg).c_str()); }
 
-enum class OpKind { kPagedAttention, kSwiGlu };
+enum class OpKind { kPagedAttention, kSwiGlu, kMatMulQ };
 
 struct Kernel {
   OpKind kind = OpKind::kPagedAttention;
   KvType kv_type;
   int64_t q_heads = 0, kv_heads = 0, block_size = 0, window = 0;
   float scale = 0.0f;
+  MatMulQAttrs gemm;
 };
 
 struct Run {
@@ -322,6 +325,14 @@ OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernelIn
     *out = k;
     return nullptr;
   }
+  if (k->kind == OpKind::kMatMulQ) {
+    if (OrtStatus* s = read_matmul_q_attrs(g_api, info, k->gemm)) {
+      delete k;
+      return s;
+    }
+    *out = k;
+    return nullptr;
+  }
   OrtStatus* s = g_api.KernelInfoGetAttribute_int64(info, "q_heads", &k->q_heads);
   if (!s) s = g_api.KernelInfoGetAttribute_int64(info, "kv_heads", &k->kv_heads);
   if (!s) s = g_api.KernelInfoGetAttribute_int64(info, "block_size", &k->block_size);
@@ -345,6 +356,7 @@ OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernelIn
 OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
   try {
     const Kernel& k = *static_cast<Kernel*>(kernel);
+    if (k.kind == OpKind::kMatMulQ) return compute_matmul_q(g_api, k.gemm, ctx);
     return k.kind == OpKind::kSwiGlu ? compute_swiglu(ctx) : compute(k, ctx);
   } catch (const std::bad_alloc&) {
     return g_api.CreateStatus(kOrtFail, "PagedAttention: out of memory");
@@ -354,9 +366,13 @@ OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
 void kernel_destroy(void* kernel) { delete static_cast<Kernel*>(kernel); }
 const char* op_name(const OrtCustomOp* op) { return as_op(op)->name; }
 const char* op_ep(const OrtCustomOp*) { return "CPUExecutionProvider"; }
-size_t input_count(const OrtCustomOp* op) { return as_op(op)->kind == OpKind::kSwiGlu ? 1 : 12; }
-size_t output_count(const OrtCustomOp* op) { return as_op(op)->kind == OpKind::kSwiGlu ? 1 : 3; }
+size_t input_count(const OrtCustomOp* op) {
+  const OpKind kind = as_op(op)->kind;
+  return kind == OpKind::kSwiGlu ? 1 : kind == OpKind::kMatMulQ ? 4 : 12;
+}
+size_t output_count(const OrtCustomOp* op) { return as_op(op)->kind == OpKind::kPagedAttention ? 3 : 1; }
 int input_type(const OrtCustomOp* op, size_t i) {
+  if (as_op(op)->kind == OpKind::kMatMulQ) return i == 1 ? kUint8 : kFloat;
   if (i <= 2 || as_op(op)->kind == OpKind::kSwiGlu) return kFloat;
   if (i <= 4) {
     switch (as_op(op)->kv_type) {
@@ -369,6 +385,9 @@ int input_type(const OrtCustomOp* op, size_t i) {
 }
 int output_type(const OrtCustomOp* op, size_t i) { return i == 0 ? kFloat : input_type(op, 3); }
 int required(const OrtCustomOp*, size_t) { return 0; }
+int input_required(const OrtCustomOp* op, size_t i) {  // 1: optional (MatMulQ's offsets)
+  return as_op(op)->kind == OpKind::kMatMulQ && i == 3 ? 1 : 0;
+}
 int mem_default(const OrtCustomOp*, size_t) { return 0; }
 int one(const OrtCustomOp*) { return 1; }
 
@@ -385,7 +404,7 @@ Op make_op(const char* name, OpKind kind, KvType kv) {
   b.GetOutputTypeCount = output_count;
   b.KernelCompute = nullptr;
   b.KernelDestroy = kernel_destroy;
-  b.GetInputCharacteristic = required;
+  b.GetInputCharacteristic = input_required;
   b.GetOutputCharacteristic = required;
   b.GetInputMemoryType = mem_default;
   b.GetVariadicInputMinArity = one;
@@ -406,7 +425,8 @@ Op make_op(const char* name, OpKind kind, KvType kv) {
 Op g_ops[] = {make_op("PagedAttention", OpKind::kPagedAttention, KvType::kFloat32),
               make_op("PagedAttentionBF16", OpKind::kPagedAttention, KvType::kBfloat16),
               make_op("PagedAttentionInt8", OpKind::kPagedAttention, KvType::kInt8),
-              make_op("SwiGLU", OpKind::kSwiGlu, KvType::kFloat32)};
+              make_op("SwiGLU", OpKind::kSwiGlu, KvType::kFloat32),
+              make_op("MatMulQ", OpKind::kMatMulQ, KvType::kFloat32)};
 
 }  // namespace
 }  // namespace omf
@@ -422,8 +442,10 @@ OMF_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApi
   return omf::g_api.AddCustomOpDomain(options, domain);
 }
 
-// "abi=<n> isa=<path> domain=<domain>": what `omforge doctor` and the manifest report.
+// "abi=<n> isa=<path> gemm=<path> layout=<n> domain=<domain>": what `omforge doctor` and the manifest report.
 OMF_EXPORT const char* omforge_kernels_info() {
-  static std::string info = "abi=" + std::to_string(omf::kAbiVersion) + " isa=" + omf::isa().name + " domain=" + omf::kDomain;
+  static std::string info = "abi=" + std::to_string(omf::kAbiVersion) + " isa=" + omf::isa().name +
+                            " gemm=" + omf::gemm_isa().name + " layout=" + std::to_string(omf::kPanelLayout) +
+                            " domain=" + omf::kDomain;
   return info.c_str();
 }

@@ -1,0 +1,92 @@
+"""The kernel library's weight layout for ``MatMulQ`` ("panel16", :data:`LAYOUT`), packed at compile time from a
+:class:`~omforge.passes.quant.Packed` matrix (pure numpy). The byte layout is specified once, in
+``runtime/ort/kernels/qgemm.h``; this module writes it and :func:`unpack` reads it back (the tests' check that
+both sides agree).
+
+Values are unchanged: a packed matrix multiplies by exactly :func:`omforge.passes.quant.dequantize`'s weight —
+codes and scales are moved, never re-quantized (GGUF blocks stay lossless). N is padded to whole panels of 16
+columns (padding: code at the zero point, scale 0) and K to whole weight blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from omforge.passes import quant
+
+LAYOUT = 1  # qgemm.h kPanelLayout
+PANEL = 16
+CHUNK = 32
+BLOCKS = (32, 64, 128)
+
+
+@dataclass
+class PanelWeights:
+    bits: int
+    block: int
+    n: int
+    k: int
+    codes: np.ndarray  # uint8 [P, Kp/32, 16·32·bits/8]
+    scales: np.ndarray  # float32 [P, kb, 16]
+    offsets: np.ndarray | None  # float32 [P, kb, 16]; None when symmetric
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes + (0 if self.offsets is None else self.offsets.nbytes)
+
+
+def codes_of(p: quant.Packed) -> np.ndarray:
+    """The unsigned codes ``[N, kb·block]`` of a packed matrix (4 bits unpacked, low nibble first)."""
+    if p.bits == 8:
+        return p.blocks.reshape(p.n, -1)
+    packed = p.blocks.reshape(p.n, -1)
+    out = np.empty((p.n, packed.shape[1] * 2), np.uint8)
+    out[:, 0::2], out[:, 1::2] = packed & 15, packed >> 4
+    return out
+
+
+def pack(p: quant.Packed) -> PanelWeights:
+    """``p`` in the panel16 layout; ValueError for a block size the kernel has no path for."""
+    if p.block not in BLOCKS or p.bits not in (4, 8):
+        raise ValueError(f"MatMulQ takes 4- or 8-bit blocks of {BLOCKS}, got {p.bits}-bit blocks of {p.block}")
+    kb, zero = p.k_blocks, 1 << (p.bits - 1)
+    panels = -(-p.n // PANEL)
+    np_ = panels * PANEL
+    codes = np.full((np_, kb * p.block), zero, np.uint8)
+    codes[:p.n] = codes_of(p)
+    chunks = kb * p.block // CHUNK
+    if p.bits == 8:  # [P, 16 cols, chunk, g, e] -> [P, chunk, g, cols, e]
+        c = codes.reshape(panels, PANEL, chunks, 8, 4).transpose(0, 2, 3, 1, 4)
+    else:  # [P, 16 cols, chunk, h, half, e]: the low nibble takes k = 8h + e, the high one k = 8h + 4 + e
+        c6 = codes.reshape(panels, PANEL, chunks, 4, 2, 4)
+        c = (c6[:, :, :, :, 0] | (c6[:, :, :, :, 1] << 4)).transpose(0, 2, 3, 1, 4)
+    packed = np.ascontiguousarray(c).reshape(panels, chunks, -1)
+    return PanelWeights(p.bits, p.block, p.n, p.k, packed, _panel_major(p.scales.reshape(p.n, kb), panels),
+                        None if p.block_min is None else _panel_major(p.block_min, panels))
+
+
+def _panel_major(per_block: np.ndarray, panels: int) -> np.ndarray:
+    """``[N, kb]`` → ``[P, kb, 16]``, padding columns 0."""
+    n, kb = per_block.shape
+    out = np.zeros((panels * PANEL, kb), np.float32)
+    out[:n] = per_block
+    return np.ascontiguousarray(out.reshape(panels, PANEL, kb).transpose(0, 2, 1))
+
+
+def unpack(w: PanelWeights) -> np.ndarray:
+    """The float32 weight ``[N, K]`` a panel16 matrix stands for (the layout read back, for tests)."""
+    panels, chunks, _ = w.codes.shape
+    if w.bits == 8:
+        c = w.codes.reshape(panels, chunks, 8, PANEL, 4).transpose(0, 3, 1, 2, 4)
+    else:
+        b = w.codes.reshape(panels, chunks, 4, PANEL, 4)
+        c = np.stack([b & 15, b >> 4], axis=3).transpose(0, 4, 1, 2, 3, 5)  # [P, cols, chunk, h, half, e]
+    codes = c.reshape(panels * PANEL, chunks * CHUNK).astype(np.float32)
+    kb = w.scales.shape[1]
+    scales = w.scales.transpose(0, 2, 1).reshape(-1, kb)
+    out = (codes.reshape(-1, kb, w.block) - (1 << (w.bits - 1))) * scales[..., None]
+    if w.offsets is not None:
+        out += w.offsets.transpose(0, 2, 1).reshape(-1, kb)[..., None]
+    return out.reshape(panels * PANEL, -1)[:w.n, :w.k]

@@ -1,0 +1,59 @@
+// MatMulQ: y [M, N] = x [M, K] · Wᵀ for a block-quantized weight W [N, K], with int8 activations (the ORT CPU
+// lowering of every quantized weight MatMul; passes/gemm_pack.py writes the weight layout below).
+//
+// Weight layout "panel16" (version kPanelLayout): W's codes c[n, k] are unsigned (4 bits: 0..15, 8 bits: 0..255)
+// with zero point z = 2^(bits-1), scales s[n, b] and an optional block offset m[n, b] per weight block b of
+// `block` (32, 64 or 128) consecutive k:   W[n, k] = (c[n, k] - z) · s[n, k / block] + m[n, k / block].
+// N is padded to Np = 16·P (padding columns: code z, scale 0) and K to Kp = kb·block (padding codes z).
+//   codes   uint8 [P, Kp/32, 16·32·bits/8]: panel p (columns 16p..16p+15), chunk j (k = 32j..32j+31):
+//             8 bits: 8 groups g of 64 bytes; byte 4i+e = c[16p+i, 32j+4g+e]
+//             4 bits: 4 groups h of 64 bytes; byte 4i+e = c[16p+i, 32j+8h+e] | c[16p+i, 32j+8h+4+e] << 4
+//   scales  float [P, kb, 16], offsets float [P, kb, 16] (absent for symmetric blocks)
+// Each 64-byte group is 16 int32 lanes of 4 consecutive k: one vpdpbusd against 4 broadcast activations.
+//
+// Activations are quantized once per call, symmetric int8 per 32 consecutive k of a row (d = max|x| / 127,
+// a = round-half-even(x / d)); the products are exact integers per chunk, then
+//   y[m, n] = Σ_b s[n,b] · (Σ_{j∈b} d[m,j] · Σ_k c·a  −  z · Σ_{j∈b} d[m,j] · Σ_k a)  +  m[n,b] · Σ_{k∈b} x[m,k]
+// (the offset's term uses the exact float block sums of x, so affine blocks cost one FMA per block, not a MatMul).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace omf {
+
+constexpr int kPanelLayout = 1;  // bump with any change of the byte layout above
+constexpr int kPanel = 16;       // columns per panel
+constexpr int kChunk = 32;       // k per activation scale
+
+struct QuantizedRows {  // the activations of one call, made by quantize_rows
+  int8_t* a;            // [M, Kp]
+  float* d;             // [M, Kp/32] scale per chunk
+  float* zsum;          // [M, kb]  Σ_{j∈b} d·Σa  (the zero point's term)
+  float* xsum;          // [M, kb]  Σ_{k∈b} x     (the offsets' term; filled only when the weight has offsets)
+};
+
+struct QGemmProblem {
+  QuantizedRows x;
+  const uint8_t* codes;
+  const float* scales;
+  const float* offsets;  // null: symmetric
+  float* y;
+  int64_t M, N, K, Kp, bits, block;
+};
+
+// the columns [16·panel_begin, 16·panel_end) of y, every row
+using QGemmFn = void (*)(const QGemmProblem&, int64_t panel_begin, int64_t panel_end);
+// rows [row_begin, row_end) of x [M, K] (float) into q (Kp, block as in the problem; xsum when want_xsum)
+using QuantizeFn = void (*)(const float* x, int64_t K, int64_t Kp, int64_t block, bool want_xsum,
+                            const QuantizedRows& q, int64_t row_begin, int64_t row_end);
+
+namespace avx512vnni {
+void qgemm(const QGemmProblem&, int64_t, int64_t);
+void quantize_rows(const float*, int64_t, int64_t, int64_t, bool, const QuantizedRows&, int64_t, int64_t);
+}  // namespace avx512vnni
+namespace generic {
+void qgemm(const QGemmProblem&, int64_t, int64_t);
+void quantize_rows(const float*, int64_t, int64_t, int64_t, bool, const QuantizedRows&, int64_t, int64_t);
+}  // namespace generic
+
+}  // namespace omf

@@ -1,0 +1,180 @@
+// MatMulQ, AVX-512 VNNI path (chosen at run time when the CPU has avx512vnni + avx512bw; see custom_op.cpp).
+// Register blocking: a tile of up to kRows rows × one 16-column panel. Per 32-k chunk the panel's codes are
+// loaded (and, for 4 bits, split into nibbles) once and shared by every row of the tile; each row then takes one
+// vpdpbusd per 4 k with its activations broadcast from memory, accumulating exact int32 products per chunk, which
+// are scaled into float accumulators (same order of float operations as the portable path: results agree bit for
+// bit). See qgemm.h for the layout and the formula.
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "qgemm.h"
+
+#ifndef OMF_ROWS2
+#define OMF_ROWS2 6
+#endif
+#ifndef OMF_PAIR
+#define OMF_PAIR 4
+#endif
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")
+
+namespace omf::avx512vnni {
+namespace {
+
+constexpr int kRows2 = OMF_ROWS2;   // rows per tile of two panels
+constexpr int kPairRows = OMF_PAIR;  // from this many rows on, tiles span two panels
+
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+template <int BITS, int MR, int NP>
+void tile(const QGemmProblem& P, int64_t m0, int64_t p) {
+  const int64_t chunks = P.Kp / kChunk, kb = P.Kp / P.block, per_block = P.block / kChunk;
+  constexpr int64_t chunk_bytes = kPanel * kChunk * BITS / 8;
+  const int64_t panel_bytes = chunks * chunk_bytes;
+  const uint8_t* panel = P.codes + p * panel_bytes;
+  const float* sp = P.scales + p * kb * kPanel;
+  const float* op = P.offsets ? P.offsets + p * kb * kPanel : nullptr;
+  const float z = static_cast<float>(1 << (BITS - 1));
+  const int8_t* a[MR];
+  for (int r = 0; r < MR; ++r) a[r] = P.x.a + (m0 + r) * P.Kp;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < kb; ++b) {
+    __m512 s[NP];
+    for (int q = 0; q < NP; ++q) s[q] = _mm512_loadu_ps(sp + (q * kb + b) * kPanel);
+    for (int64_t j = b * per_block; j < (b + 1) * per_block; ++j) {
+      const uint8_t* c = panel + j * chunk_bytes;
+      const int64_t k0 = j * kChunk;
+      __m512i dot[MR][NP];
+      for (int r = 0; r < MR; ++r)
+        for (int q = 0; q < NP; ++q) dot[r][q] = _mm512_setzero_si512();
+      if constexpr (BITS == 4) {
+        for (int h = 0; h < 4; ++h) {
+          __m512i lo[NP], hi[NP];
+          for (int q = 0; q < NP; ++q) {
+            const __m512i v = _mm512_loadu_si512(c + q * panel_bytes + h * 64);
+            lo[q] = _mm512_and_si512(v, low4);
+            hi[q] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          }
+          for (int r = 0; r < MR; ++r) {
+            const __m512i al = broadcast4(a[r] + k0 + 8 * h), ah = broadcast4(a[r] + k0 + 8 * h + 4);
+            for (int q = 0; q < NP; ++q) {
+              dot[r][q] = _mm512_dpbusd_epi32(dot[r][q], lo[q], al);
+              dot[r][q] = _mm512_dpbusd_epi32(dot[r][q], hi[q], ah);
+            }
+          }
+        }
+      } else {
+        for (int g = 0; g < 8; ++g) {
+          __m512i v[NP];
+          for (int q = 0; q < NP; ++q) v[q] = _mm512_loadu_si512(c + q * panel_bytes + g * 64);
+          for (int r = 0; r < MR; ++r) {
+            const __m512i ag = broadcast4(a[r] + k0 + 4 * g);
+            for (int q = 0; q < NP; ++q) dot[r][q] = _mm512_dpbusd_epi32(dot[r][q], v[q], ag);
+          }
+        }
+      }
+      for (int r = 0; r < MR; ++r) {
+        const __m512 d = _mm512_set1_ps(P.x.d[(m0 + r) * chunks + j]);
+        for (int q = 0; q < NP; ++q)
+          acc[r][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][q]), _mm512_mul_ps(s[q], d), acc[r][q]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m512 zs = _mm512_set1_ps(-z * P.x.zsum[(m0 + r) * kb + b]);
+      for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_fmadd_ps(s[q], zs, acc[r][q]);
+    }
+    if (op) {
+      for (int q = 0; q < NP; ++q) {
+        const __m512 o = _mm512_loadu_ps(op + (q * kb + b) * kPanel);
+        for (int r = 0; r < MR; ++r)
+          acc[r][q] = _mm512_fmadd_ps(o, _mm512_set1_ps(P.x.xsum[(m0 + r) * kb + b]), acc[r][q]);
+      }
+    }
+  }
+  for (int q = 0; q < NP; ++q) {
+    const int64_t n0 = (p + q) * kPanel, valid = std::min<int64_t>(kPanel, P.N - n0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(P.y + (m0 + r) * P.N + n0, mask, acc[r][q]);
+  }
+}
+
+template <int BITS, int NP>
+void rows(const QGemmProblem& P, int64_t p) {
+  constexpr int R = NP == 1 ? 8 : kRows2;
+  for (int64_t m0 = 0; m0 < P.M; m0 += R) {
+    switch (std::min<int64_t>(R, P.M - m0)) {
+      case 1: tile<BITS, 1, NP>(P, m0, p); break;
+      case 2: tile<BITS, 2, NP>(P, m0, p); break;
+      case 3: tile<BITS, 3, NP>(P, m0, p); break;
+      case 4: tile<BITS, 4, NP>(P, m0, p); break;
+      case 5: if constexpr (R >= 5) tile<BITS, 5, NP>(P, m0, p); break;
+      case 6: if constexpr (R >= 6) tile<BITS, 6, NP>(P, m0, p); break;
+      case 7: if constexpr (R >= 7) tile<BITS, 7, NP>(P, m0, p); break;
+      default: if constexpr (R >= 8) tile<BITS, 8, NP>(P, m0, p); break;
+    }
+  }
+}
+
+template <int BITS>
+void panels(const QGemmProblem& P, int64_t panel_begin, int64_t panel_end) {
+  int64_t p = panel_begin;
+  if (P.M >= kPairRows)
+    for (; p + 1 < panel_end; p += 2) rows<BITS, 2>(P, p);
+  for (; p < panel_end; ++p) rows<BITS, 1>(P, p);
+}
+
+}  // namespace
+
+void qgemm(const QGemmProblem& P, int64_t panel_begin, int64_t panel_end) {
+  if (P.bits == 4) panels<4>(P, panel_begin, panel_end);
+  else panels<8>(P, panel_begin, panel_end);
+}
+
+void quantize_rows(const float* x, int64_t K, int64_t Kp, int64_t block, bool want_xsum, const QuantizedRows& q,
+                   int64_t row_begin, int64_t row_end) {
+  const int64_t chunks = Kp / kChunk, kb = Kp / block, per_block = block / kChunk;
+  for (int64_t m = row_begin; m < row_end; ++m) {
+    const float* xr = x + m * K;
+    int8_t* ar = q.a + m * Kp;
+    for (int64_t j = 0; j < chunks; ++j) {
+      const int64_t k0 = j * kChunk, n = std::max<int64_t>(0, std::min<int64_t>(kChunk, K - k0));
+      const __mmask16 m0 = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1u);
+      const __mmask16 m1 = static_cast<__mmask16>(n >= 32 ? 0xFFFF : n > 16 ? (1u << (n - 16)) - 1u : 0u);
+      const __m512 x0 = _mm512_maskz_loadu_ps(m0, xr + k0), x1 = _mm512_maskz_loadu_ps(m1, xr + k0 + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+      const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      const __m512 vinv = _mm512_set1_ps(inv);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, vinv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, vinv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(ar + k0), _mm512_cvtepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(ar + k0 + 16), _mm512_cvtepi32_epi8(q1));
+      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      q.d[m * chunks + j] = d;
+      const int64_t b = j / per_block;
+      if (j % per_block == 0) q.zsum[m * kb + b] = 0.0f;
+      q.zsum[m * kb + b] = std::fma(d, static_cast<float>(sum), q.zsum[m * kb + b]);  // one rounding on every path
+    }
+    if (want_xsum)  // scalar, in k order: the same float sums as the portable path
+      for (int64_t b = 0; b < kb; ++b) {
+        float s = 0.0f;
+        for (int64_t k = b * block; k < std::min(K, (b + 1) * block); ++k) s += xr[k];
+        q.xsum[m * kb + b] = s;
+      }
+  }
+}
+
+}  // namespace omf::avx512vnni
+
+#pragma GCC pop_options
+#endif

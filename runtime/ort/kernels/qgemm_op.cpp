@@ -1,0 +1,150 @@
+// MatMulQ's ORT side: shapes checked, activations quantized once per call (rows spread over ORT's threads when
+// there are many), then the weight's column panels spread over ORT's threads. See qgemm.h and qgemm_op.h.
+#include "qgemm_op.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace omf {
+namespace {
+
+GemmIsa choose() {
+  const char* want = std::getenv("OMFORGE_KERNELS_ISA");  // force the portable path (tests exercise each)
+  const std::string w = want ? want : "";
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") && (w.empty() || w == "avx512"))
+    return {"avx512vnni", &avx512vnni::qgemm, &avx512vnni::quantize_rows};
+#endif
+  return {"generic", &generic::qgemm, &generic::quantize_rows};
+}
+
+OrtStatus* fail(const ort::Api& api, const std::string& msg) {
+  return api.CreateStatus(kOrtInvalidArgument, ("MatMulQ: " + msg).c_str());
+}
+
+struct Shape {
+  int type = 0;
+  std::vector<int64_t> dims;
+  void* data = nullptr;
+};
+
+OrtStatus* describe(const ort::Api& api, const OrtValue* v, Shape& t) {
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  if (OrtStatus* s = api.GetTensorTypeAndShape(v, &info)) return s;
+  size_t n = 0;
+  OrtStatus* s = api.GetTensorElementType(info, &t.type);
+  if (!s) s = api.GetDimensionsCount(info, &n);
+  if (!s) {
+    t.dims.resize(n);
+    s = api.GetDimensions(info, t.dims.data(), n);
+  }
+  api.ReleaseTensorTypeAndShapeInfo(info);
+  if (!s) s = api.GetTensorMutableData(const_cast<OrtValue*>(v), &t.data);
+  return s;
+}
+
+struct QuantizeRun {
+  const float* x;
+  int64_t K, Kp, block, rows, rows_per_item;
+  bool want_xsum;
+  QuantizedRows q;
+};
+
+void quantize_item(void* data, size_t i) {
+  const QuantizeRun* r = static_cast<const QuantizeRun*>(data);
+  const int64_t first = static_cast<int64_t>(i) * r->rows_per_item;
+  gemm_isa().quantize(r->x, r->K, r->Kp, r->block, r->want_xsum, r->q, first,
+                      std::min(r->rows, first + r->rows_per_item));
+}
+
+constexpr int64_t kPanelsPerItem = 2;  // a pair: the vector path's two-panel tiles
+
+void gemm_item(void* data, size_t i) {
+  const QGemmProblem* P = static_cast<const QGemmProblem*>(data);
+  const int64_t first = static_cast<int64_t>(i) * kPanelsPerItem, panels = (P->N + kPanel - 1) / kPanel;
+  gemm_isa().qgemm(*P, first, std::min(panels, first + kPanelsPerItem));
+}
+
+}  // namespace
+
+const GemmIsa& gemm_isa() {
+  static const GemmIsa chosen = choose();
+  return chosen;
+}
+
+OrtStatus* read_matmul_q_attrs(const ort::Api& api, const OrtKernelInfo* info, MatMulQAttrs& a) {
+  OrtStatus* s = api.KernelInfoGetAttribute_int64(info, "K", &a.K);
+  if (!s) s = api.KernelInfoGetAttribute_int64(info, "N", &a.N);
+  if (!s) s = api.KernelInfoGetAttribute_int64(info, "bits", &a.bits);
+  if (!s) s = api.KernelInfoGetAttribute_int64(info, "block_size", &a.block);
+  if (!s) s = api.KernelInfoGetAttribute_int64(info, "layout", &a.layout);
+  if (s) return s;
+  if (a.layout != kPanelLayout)
+    return fail(api, "weight layout version " + std::to_string(a.layout) + " is not known to this kernel library "
+                     "(it reads version " + std::to_string(kPanelLayout) + "); recompile the bundle");
+  if (a.bits != 4 && a.bits != 8) return fail(api, "bits must be 4 or 8");
+  if (a.block != 32 && a.block != 64 && a.block != 128) return fail(api, "block_size must be 32, 64 or 128");
+  if (a.K <= 0 || a.N <= 0) return fail(api, "K and N must be positive");
+  return nullptr;
+}
+
+OrtStatus* compute_matmul_q(const ort::Api& api, const MatMulQAttrs& A, OrtKernelContext* ctx) {
+  size_t nin = 0;
+  if (OrtStatus* s = api.KernelContext_GetInputCount(ctx, &nin)) return s;
+  Shape in[4];
+  bool have[4] = {false, false, false, false};
+  for (size_t i = 0; i < std::min<size_t>(nin, 4); ++i) {
+    const OrtValue* v = nullptr;
+    if (OrtStatus* s = api.KernelContext_GetInput(ctx, i, &v)) return s;
+    if (v == nullptr) continue;  // an omitted optional input
+    if (OrtStatus* s = describe(api, v, in[i])) return s;
+    have[i] = true;
+  }
+  if (!have[0] || !have[1] || !have[2]) return fail(api, "x, codes and scales are required");
+  const Shape &x = in[0], &codes = in[1], &scales = in[2], &offsets = in[3];
+  const int64_t P = (A.N + kPanel - 1) / kPanel, kb = (A.K + A.block - 1) / A.block, Kp = kb * A.block;
+  const int64_t chunk_bytes = kPanel * kChunk * A.bits / 8;
+  if (x.type != kFloat || x.dims.empty() || x.dims.back() != A.K)
+    return fail(api, "x must be float32 [..., " + std::to_string(A.K) + "]");
+  if (codes.type != kUint8 || codes.dims != std::vector<int64_t>{P, Kp / kChunk, chunk_bytes})
+    return fail(api, "codes must be uint8 [" + std::to_string(P) + ", " + std::to_string(Kp / kChunk) + ", " +
+                     std::to_string(chunk_bytes) + "] (the panel16 layout)");
+  const std::vector<int64_t> sdims{P, kb, kPanel};
+  if (scales.type != kFloat || scales.dims != sdims) return fail(api, "scales must be float32 [P, kb, 16]");
+  if (have[3] && (offsets.type != kFloat || offsets.dims != sdims)) return fail(api, "offsets must be float32 [P, kb, 16]");
+
+  std::vector<int64_t> ydims = x.dims;
+  ydims.back() = A.N;
+  OrtValue* out = nullptr;
+  if (OrtStatus* s = api.KernelContext_GetOutput(ctx, 0, ydims.data(), ydims.size(), &out)) return s;
+  void* y = nullptr;
+  if (OrtStatus* s = api.GetTensorMutableData(out, &y)) return s;
+  int64_t M = 1;
+  for (size_t i = 0; i + 1 < x.dims.size(); ++i) M *= x.dims[i];
+  if (M == 0) return nullptr;
+
+  // the activations, quantized once (scratch kept per calling thread between calls)
+  thread_local std::vector<int8_t> qa;
+  thread_local std::vector<float> qf;
+  qa.resize(static_cast<size_t>(M * Kp));
+  qf.resize(static_cast<size_t>(M * (Kp / kChunk + 2 * kb)));
+  QuantizedRows q{qa.data(), qf.data(), qf.data() + M * (Kp / kChunk), qf.data() + M * (Kp / kChunk + kb)};
+  QuantizeRun qr{static_cast<const float*>(x.data), A.K, Kp, A.block, M, 0, have[3], q};
+  qr.rows_per_item = std::max<int64_t>(1, 16384 / A.K);  // ~64 KB of activations per item
+  const size_t qitems = static_cast<size_t>((M + qr.rows_per_item - 1) / qr.rows_per_item);
+  if (qitems == 1) quantize_item(&qr, 0);
+  else if (OrtStatus* s = api.KernelContext_ParallelFor(ctx, &quantize_item, qitems, 0, &qr)) return s;
+
+  QGemmProblem prob{q, static_cast<const uint8_t*>(codes.data), static_cast<const float*>(scales.data),
+                    have[3] ? static_cast<const float*>(offsets.data) : nullptr, static_cast<float*>(y),
+                    M, A.N, A.K, Kp, A.bits, A.block};
+  const size_t items = static_cast<size_t>((P + kPanelsPerItem - 1) / kPanelsPerItem);
+  if (items == 1) gemm_item(&prob, 0);
+  else if (OrtStatus* s = api.KernelContext_ParallelFor(ctx, &gemm_item, items, 0, &prob)) return s;
+  return nullptr;
+}
+
+}  // namespace omf

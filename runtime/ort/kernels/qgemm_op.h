@@ -1,0 +1,28 @@
+// The MatMulQ op's ORT side (qgemm_op.cpp): attributes read at kernel creation, one call per run.
+//   inputs   0 x [..., K] float32   1 codes uint8 [P, Kp/32, 16·32·bits/8]   2 scales float32 [P, kb, 16]
+//            3 offsets float32 [P, kb, 16] (optional: absent for symmetric blocks)
+//   outputs  0 y [..., N] float32
+//   attrs    K, N, bits (4 or 8), block_size (32, 64 or 128), layout (must be kPanelLayout)
+#pragma once
+#include <cstdint>
+
+#include "ort_abi.h"
+#include "qgemm.h"
+
+namespace omf {
+
+struct MatMulQAttrs {
+  int64_t K = 0, N = 0, bits = 0, block = 0, layout = 0;
+};
+
+struct GemmIsa {
+  const char* name;
+  QGemmFn qgemm;
+  QuantizeFn quantize;
+};
+
+const GemmIsa& gemm_isa();
+OrtStatus* read_matmul_q_attrs(const ort::Api& api, const OrtKernelInfo* info, MatMulQAttrs& attrs);
+OrtStatus* compute_matmul_q(const ort::Api& api, const MatMulQAttrs& attrs, OrtKernelContext* ctx);
+
+}  // namespace omf
