@@ -96,6 +96,7 @@ class QuantizationSection(_Section):
     embedding: Literal["quantized", "float"] = "quantized"
     accuracy_level: Literal[0, 1, 2, 3, 4] = 4
     source_blocks: bool = True
+    gemm: Literal["auto", "MatMulQ", "MatMulNBits"] = "auto"
 
     @field_validator("matrices")
     @classmethod
@@ -170,6 +171,9 @@ class CompileSection(_Section):
             raise _KeyError("quantization", "accuracy_level 0 with int8 weights would run ONNX Runtime's 8-bit CPU "
                             "kernel at float precision, far slower than float32; use accuracy_level 4 (int8 "
                             "activations, as llama.cpp and onnxruntime-genai do) or weights: int4")
+        if self.quantization.gemm == "MatMulQ" and (self.target != "ort" or self.quantization.accuracy_level != 4):
+            raise _KeyError("quantization", "gemm: MatMulQ (omforge's kernel, int8 activations) is the ort target's "
+                            "at accuracy_level 4; use gemm: auto or MatMulNBits")
         if self.weights == "float16" and self.target != "ascend":
             raise _KeyError("weights", f"float16 weights are built for the ascend target (an fp16 graph for ATC); "
                             f"target {self.target} has no float16 MatMul faster than float32 here: use float32, "

@@ -251,7 +251,8 @@ def _manifest(job: _Job, digest: str, export_dir: Path, export_meta: dict[str, A
         target=target,
         abi=StepAbi.from_dict(report["abi"], "abi"),
         paged_attention=report.get("paged_attention") or "plain",
-        kernels=kernels.status().manifest_entry() if report.get("paged_attention") == "kernel" else None,
+        kernels=kernels.status().manifest_entry(weight_layout=(weights or {}).get("gemm") == "MatMulQ")
+        if report.get("paged_attention") == "kernel" or (weights or {}).get("gemm") == "MatMulQ" else None,
         kv=KvSection.of(PagedLayout(**layout), write=_KV_WRITE[target]),
         limits=Limits(recipe.compile.max_seq_len, recipe.compile.max_batch_size, recipe.compile.max_num_tokens),
         serve=recipe.serve.model_dump(),

@@ -14,6 +14,7 @@ from typing import Any
 import onnx_ir as ir
 
 from omforge.contract import PagedLayout
+from omforge.errors import OmforgeError
 from omforge.passes.pipeline import Pipeline, histogram, interface
 from omforge.runtime.ort import kernels
 
@@ -35,8 +36,24 @@ class PassReport:
 WEIGHT_BITS = {"int8": 8, "int4": 4}
 
 
+def gemm_lowering(quantization: Mapping[str, Any] | None, kernel: bool) -> str:
+    """Which op the quantized weight MatMuls become (recipe ``quantization.gemm``): ``auto`` — omforge's
+    ``MatMulQ`` ("kernel") where int8 activations are asked for (accuracy level 4, the default) and the kernel
+    library here has the GEMM, else ORT's MatMulNBits ("nbits"; accuracy level 0 keeps float activations, exact and
+    slow); ``MatMulQ`` — the kernel or an error naming why it cannot be; ``MatMulNBits`` — always ORT's op."""
+    q = quantization or {}
+    choice, level = q.get("gemm", "auto"), q.get("accuracy_level", 4)
+    usable = kernel and kernels.status().weight_layout is not None
+    if choice == "MatMulQ" and not usable:
+        raise OmforgeError("compile.quantization.gemm: MatMulQ needs omforge's kernel library with its GEMM, "
+                           f"unavailable here ({kernels.status().reason or 'paged attention is not lowered to it'})")
+    if choice == "MatMulNBits":
+        return "nbits"
+    return "kernel" if usable and level == 4 else "nbits"
+
+
 def quantize_options(weights: str, quantization: Mapping[str, Any] | None,
-                     blocks: Mapping[str, tuple[str, Any, int]] | None) -> dict[str, Any] | None:
+                     blocks: Mapping[str, tuple[str, Any, int]] | None, gemm: str = "nbits") -> dict[str, Any] | None:
     """:class:`QuantizeWeights` options for the recipe's ``weights`` and ``quantization``; None for float."""
     if weights == "float32":
         return None
@@ -44,7 +61,8 @@ def quantize_options(weights: str, quantization: Mapping[str, Any] | None,
         raise ValueError(f"weights {weights!r}: the ort pipeline builds float32, int8 or int4 weights")
     q = dict(quantization or {})
     use_blocks = q.pop("source_blocks", True)
-    return {"bits": WEIGHT_BITS[weights], **q, "blocks": blocks if use_blocks else None}
+    q.pop("gemm", None)
+    return {"bits": WEIGHT_BITS[weights], **q, "blocks": blocks if use_blocks else None, "gemm": gemm}
 
 
 def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | None = None,
@@ -63,9 +81,10 @@ def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | Non
     model = ir.load(export_dir / "model.onnx")
     if kernel is None:
         kernel = kv_write == "graph" and kernels.status().available
+    gemm = gemm_lowering(quantization, kernel) if weights != "float32" else None
     run = Pipeline(target, fusions or {}, block_size,
                    {"kv_write": kv_write, "kernel": kernel, "kv_cache_dtype": kv_cache_dtype},
-                   quantize_options(weights, quantization, blocks)).run(model)
+                   quantize_options(weights, quantization, blocks, gemm or "nbits")).run(model)
     counts, layout = run.fusion_counts, run.layout
     if layout is not None:
         layout = replace(layout, kv_dtype=kv_cache_dtype)
@@ -76,6 +95,7 @@ def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | Non
                          "paged_attention": ("kernel" if kernel else "plain") if layout else None,
                          "weights": {"precision": weights, "quantized": run.quantized,
                                      "accuracy_level": (quantization or {}).get("accuracy_level", 4)
-                                     if weights != "float32" else None}})
+                                     if weights != "float32" else None,
+                                     **({"gemm": "MatMulQ" if gemm == "kernel" else "MatMulNBits"} if gemm else {})}})
     out_path.with_suffix(".json").write_text(json.dumps(report.to_dict(), indent=2))
     return report

@@ -9,3 +9,6 @@ ABI_VERSION = 2
 """The op contract version this Python side speaks; the library reports its own (must match)."""
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 """Head sizes the kernel is instantiated for; the lowering keeps plain ops for any other."""
+WEIGHT_LAYOUT = 1
+"""The packed weight layout ``MatMulQ`` reads (runtime/ort/kernels/qgemm.h ``kPanelLayout``; passes/gemm_pack.py
+writes it). A bundle records it; a library reading another version refuses the bundle in one line."""

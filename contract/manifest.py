@@ -158,12 +158,14 @@ class PassCounts(Section):
 @dataclass(frozen=True)
 class Weights(Section):
     """The weights' precision (recipe ``compile.weights``) and every quantized matrix (name → bits, block, source);
-    ort: the accuracy level MatMulNBits runs at (None: not quantized); ascend only: the graph's float type
-    (``graph``) and, for int8, what the W8A16 lowering is (``w8a16``)."""
+    ort: the accuracy level (None: not quantized) and the op the quantized MatMuls are (``gemm``: ``MatMulQ``,
+    omforge's kernel, or ``MatMulNBits``; absent in bundles from before the kernel); ascend only: the graph's
+    float type (``graph``) and, for int8, what the W8A16 lowering is (``w8a16``)."""
 
     precision: str
     quantized: dict[str, Any]
     accuracy_level: int | None = None
+    gemm: str | None = field(default=None, metadata=OMIT_IF_NONE)
     graph: str | None = field(default=None, metadata=OMIT_IF_NONE)
     w8a16: dict[str, str] | None = field(default=None, metadata=OMIT_IF_NONE)
 

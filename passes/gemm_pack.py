@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from omforge.contract.kernel_abi import WEIGHT_LAYOUT as LAYOUT  # noqa: F401 - the version this module writes
 from omforge.passes import quant
 
-LAYOUT = 1  # qgemm.h kPanelLayout
 PANEL = 16
 CHUNK = 32
 BLOCKS = (32, 64, 128)

@@ -12,6 +12,10 @@ as they are — the published weights, not a re-quantization of their dequantize
 matrix has them in one bit width; each such matrix keeps its own width (a Q8_0 lm_head stays 8-bit in an int4
 bundle). Every other matrix is quantized by round to nearest to ``bits`` per ``group_size`` along K. A GGUF
 matrix is checked against the graph's float weight before it is used (the export dequantized the same blocks).
+Which op (``gemm``): ``"nbits"`` — ``com.microsoft.MatMulNBits`` (an affine block's offsets as one extra
+``blocksum(x) @ block_minᵀ`` MatMul); ``"kernel"`` — omforge's ``MatMulQ`` (int8 activations, the offsets folded
+into the kernel), its weights packed at compile time (:mod:`omforge.passes.gemm_pack`). The compile stage decides
+(compile/ort.py) and hands the choice in.
 Postcondition: no quantized group's MatMul is left, and ``report`` names the source and width of every weight.
 """
 
@@ -22,7 +26,9 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import onnx_ir as ir
 
-from omforge.passes import quant
+from omforge.contract.kernel_abi import DOMAIN as KERNEL_DOMAIN
+from omforge.contract.kernel_abi import WEIGHT_LAYOUT
+from omforge.passes import gemm_pack, quant
 from omforge.passes.util import drop_unused_initializers, read_weight, weight_matmuls
 
 MS_DOMAIN = "com.microsoft"
@@ -50,8 +56,12 @@ def parts_of(source: str) -> list[str]:
 class QuantizeWeights(ir.passes.InPlacePass):
     def __init__(self, bits: int, group_size: int = 32, symmetric: bool = True,
                  matrices: Sequence[str] = ("attention", "mlp", "lm_head"), embedding: str = "quantized",
-                 accuracy_level: int = 0, blocks: Mapping[str, tuple[str, np.ndarray, int]] | None = None):
+                 accuracy_level: int = 0, blocks: Mapping[str, tuple[str, np.ndarray, int]] | None = None,
+                 gemm: str = "nbits"):
         super().__init__()
+        if gemm not in ("nbits", "kernel"):
+            raise ValueError(f"gemm must be 'nbits' or 'kernel', got {gemm!r}")
+        self.gemm = gemm
         self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
         self.matrices, self.embedding, self.accuracy_level = set(matrices), embedding, accuracy_level
         self.blocks = blocks or {}
@@ -116,6 +126,8 @@ class QuantizeWeights(ir.passes.InPlacePass):
                     modified |= self._gather(graph, node)
         if modified:
             model.opset_imports.setdefault(MS_DOMAIN, 1)
+            if self.gemm == "kernel":
+                model.opset_imports.setdefault(KERNEL_DOMAIN, 1)
             drop_unused_initializers(graph)
         return ir.passes.PassResult(model, modified=modified)
 
@@ -137,6 +149,8 @@ class QuantizeWeights(ir.passes.InPlacePass):
             return False
         q = f"{source}.q{p.bits}"
         meta = dict(node.metadata_props)
+        if self.gemm == "kernel" and p.block in gemm_pack.BLOCKS:
+            return self._matmul_q(graph, node, p, q, meta)
         weights = [self._const(graph, q, p.blocks), self._const(graph, f"{q}.scales", p.scales)]
         attrs = {"K": p.k, "N": p.n, "bits": p.bits, "block_size": p.block, "accuracy_level": self.accuracy_level}
         nbits = ir.node("MatMulNBits", [x, *weights], domain=MS_DOMAIN, attributes=attrs, name=f"{node.name}_nbits",
@@ -152,6 +166,24 @@ class QuantizeWeights(ir.passes.InPlacePass):
             total = ir.node("Add", [nbits.outputs[0], corr.outputs[0]], name=f"{node.name}_affine", metadata_props=meta)
             new += [corr, total]
         ir.convenience.replace_nodes_and_values(graph, node, [node], new, node.outputs, new[-1].outputs)
+        return True
+
+    def _matmul_q(self, graph: ir.Graph, node: ir.Node, p: quant.Packed, q: str, meta: dict[str, str]) -> bool:
+        """``MatMulQ`` over the panel16 form of ``p`` (made once per source: a tied table's MatMul shares it)."""
+        name = f"{q}.panel{WEIGHT_LAYOUT}"
+        if graph.initializers.get(f"{name}.codes") is None:
+            w = gemm_pack.pack(p)
+            self._const(graph, f"{name}.codes", w.codes)
+            self._const(graph, f"{name}.scales", w.scales)
+            if w.offsets is not None:
+                self._const(graph, f"{name}.offsets", w.offsets)
+        inputs = [node.inputs[0], graph.initializers[f"{name}.codes"], graph.initializers[f"{name}.scales"]]
+        if p.block_min is not None:
+            inputs.append(graph.initializers[f"{name}.offsets"])
+        attrs = {"K": p.k, "N": p.n, "bits": p.bits, "block_size": p.block, "layout": WEIGHT_LAYOUT}
+        gemm = ir.node("MatMulQ", inputs, domain=KERNEL_DOMAIN, attributes=attrs, name=f"{node.name}_q",
+                       metadata_props=meta)
+        ir.convenience.replace_nodes_and_values(graph, node, [node], [gemm], node.outputs, gemm.outputs)
         return True
 
     def _gather(self, graph: ir.Graph, node: ir.Node) -> bool:

@@ -153,6 +153,9 @@ class LLMEngine:
         if m.kernels and not kernels.status().available:
             raise BundleError(f"{bundle}: compiled for omforge's CPU kernel library (paged attention), which is "
                               f"unavailable here: {kernels.status().reason}; or recompile the bundle on this machine")
+        if m.kernels and m.kernels.weight_layout not in (None, kernels.status().weight_layout):
+            raise BundleError(f"{bundle}: its weights are packed in MatMulQ layout version {m.kernels.weight_layout}, "
+                              f"this kernel library reads version {kernels.status().weight_layout}; recompile it")
         return OrtExecutor(bundle / m.graphs.step, self.layout, num_blocks=cfg.num_kv_blocks, threads=cfg.threads,
                            num_host_blocks=cfg.num_host_blocks, prefault=cfg.prefault_kv)
 

@@ -125,6 +125,10 @@ def run_model(model: onnx.ModelProto | ir.Model, feeds: dict[str, np.ndarray]) -
     proto = ir.to_proto(model) if isinstance(model, ir.Model) else model
     options = ort.SessionOptions()
     options.log_severity_level = 3  # errors only: unused initializers left by a rewrite are no news
+    if any(op.domain == "omforge.kernels" for op in proto.opset_import):
+        from omforge.runtime.ort import kernels
+
+        kernels.register(options)
     session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
     return session.run(None, feeds)
 

@@ -17,6 +17,7 @@ from omforge.passes import quant
 from omforge.passes.pipeline import Pipeline
 from omforge.passes.quantize_weights import QuantizeWeights, group_of, parts_of
 from omforge.recipe import load_recipe
+from omforge.runtime.ort import kernels
 
 
 def test_groups_and_merged_parts() -> None:
@@ -58,6 +59,32 @@ def test_quantized_graph_is_the_dequantized_model(tiny_exports: dict[str, Path],
         assert np.abs(got - ref).max() <= tol * np.abs(ref).max(), variant
 
 
+@pytest.mark.skipif(kernels.status().weight_layout is None, reason="the kernel library's MatMulQ is unavailable")
+@pytest.mark.parametrize(("bits", "symmetric", "group"), [(4, False, 32), (4, True, 128), (8, True, 64)])
+def test_kernel_gemm_graph_is_the_dequantized_model(tiny_exports: dict[str, Path], bits: int, symmetric: bool,
+                                                    group: int) -> None:
+    """gemm "kernel": every quantized weight MatMul is one MatMulQ (affine blocks too: no offset MatMul is left),
+    and the logits are those of the float graph on the dequantized weights within int8 activation rounding."""
+    for variant in ("llama", "qwen2"):
+        export = tiny_exports[variant]
+        options = {"bits": bits, "group_size": group, "symmetric": symmetric, "accuracy_level": 4, "gemm": "kernel"}
+        fused, quantized = load_export(export), load_export(export)
+        Pipeline("ort").run(fused)
+        run = Pipeline("ort", quantize=options).run(quantized)
+        qpass = next(p for p in run.passes if isinstance(p, QuantizeWeights))
+        ops = [n.op_type for n in quantized.graph]
+        assert ops.count("MatMulQ") == 2 * 4 + 1 and "MatMulNBits" not in ops, variant
+        assert not [n for n in quantized.graph if n.op_type == "MatMul"]  # no block_min MatMuls either
+        for source, packed in qpass._packed.items():
+            w = quant.dequantize(packed)
+            value = fused.graph.initializers.get(f"{source}.T") or fused.graph.initializers[source]
+            value.const_value = ir.tensor(np.ascontiguousarray(w.T if value.name.endswith(".T") else w),
+                                          name=value.name)
+        feeds = export_feeds(seed=3)
+        ref, got = run_model(fused, feeds)[0], run_model(quantized, feeds)[0]
+        assert np.abs(got - ref).max() <= 3e-2 * np.abs(ref).max(), variant
+
+
 def test_8bit_stays_float_at_accuracy_level_0(tiny_exports: dict[str, Path]) -> None:
     model = load_export(tiny_exports["llama"])
     run = Pipeline("ort", quantize={"bits": 8, "accuracy_level": 0}).run(model)
@@ -93,10 +120,20 @@ def test_tiny_int4_bundle_generates(tmp_path: Path) -> None:
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert manifest["weights"]["precision"] == "int4"
     assert len(manifest["weights"]["quantized"]) == 2 * 4 + 1
-    assert manifest["passes"]["op_histogram"]["com.microsoft::MatMulNBits"] == 9
+    if kernels.status().weight_layout is not None:  # the kernel library's GEMM, its layout recorded
+        assert manifest["passes"]["op_histogram"]["omforge.kernels::MatMulQ"] == 9
+        assert manifest["weights"]["gemm"] == "MatMulQ"
+        assert manifest["kernels"]["weight_layout"] == kernels.status().weight_layout
+    else:
+        assert manifest["passes"]["op_histogram"]["com.microsoft::MatMulNBits"] == 9
     with LLM(bundle) as llm:
         out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
     assert len(out.token_ids) == 8
+    if kernels.status().weight_layout is not None:  # a layout this library does not read: one line at load
+        manifest["kernels"]["weight_layout"] = 99
+        (bundle / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(OmforgeError, match="MatMulQ layout version 99, this kernel library reads version 1"):
+            LLM(bundle)
 
 
 def test_smollm2_from_its_own_q4_1_blocks(smollm2_cache: Path, smollm2_export: Path, smollm2_bundle: Path,
