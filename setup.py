@@ -8,8 +8,9 @@ falls back to the plain-op lowering (see omforge.runtime.ort.kernels).
 
 from setuptools import Extension, setup
 
-SOURCES = ("custom_op", "pa_avx512", "pa_avx2", "pa_generic", "qgemm_op", "qgemm_avx512", "qgemm_generic")
-HEADERS = ("ort_abi", "paged_attention", "paged_attention_impl", "qgemm", "qgemm_op")
+SOURCES = ("custom_op", "pa_avx512", "pa_avx2", "pa_generic", "qgemm_op", "qgemm_avx512", "qgemm_avx2",
+           "qgemm_generic")
+HEADERS = ("ort_abi", "paged_attention", "paged_attention_impl", "qgemm", "qgemm_op", "qgemm_avx2_impl")
 KERNELS = Extension(
     "omforge.runtime.ort.kernels._omforge_kernels",
     sources=[f"runtime/ort/kernels/{name}.cpp" for name in SOURCES],

@@ -42,8 +42,8 @@ def check(packed: quant.Packed, rows: tuple[int, ...], seed: int = 0) -> None:
         scale = np.abs(ref).max()
         assert y.shape == (m, packed.n)
         assert np.abs(y - ref).max() <= 2e-6 * scale, (m, np.abs(y - ref).max() / scale)  # the formula, float32
-        # int8 activations: within 1.5% of the float product (measured ~0.5–0.9%)
-        assert np.abs(y - x.astype(np.float64) @ dense.T).max() <= 0.015 * scale
+        # int8 activations: within 3% of the float product (measured ~0.5–2% at these small K)
+        assert np.abs(y - x.astype(np.float64) @ dense.T).max() <= 0.03 * scale
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -88,27 +88,35 @@ def test_layout_reads_back_exactly() -> None:
         assert np.array_equal(gemm_pack.unpack(w), quant.dequantize(packed))
 
 
-def test_the_portable_path_agrees_bit_for_bit() -> None:
-    """Forced in a child process (the path is fixed when the library loads): the same integer products and the
-    same float operations in the same order, so the same bits."""
+CPU_HAS = {"avxvnni": "avx_vnni", "avx2": "avx2", "generic": ""}
+
+
+@pytest.mark.parametrize("isa", ["avxvnni", "avx2", "generic"])
+def test_slower_paths_agree(isa: str, tmp_path: Path) -> None:
+    """Each slower path, forced in a child process (the path is fixed when the library loads): 4-bit codes give
+    the vector path's bits exactly (the same integer products, the same float operations in the same order);
+    8-bit codes (plain AVX2 takes the zero point out in integers) and every block size meet the reference."""
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    if CPU_HAS[isa] and CPU_HAS[isa] not in flags:
+        pytest.skip(f"this CPU has no {CPU_HAS[isa]}")
     rng = np.random.default_rng(11)
     packed = quant.quantize(rng.standard_normal((50, 300)).astype(np.float32), 4, 64, symmetric=False)
     w = gemm_pack.pack(packed)
     x = rng.standard_normal((13, 300)).astype(np.float32)
-    here = session(matmul_q_model(w)).run(None, {"x": x})[0]
-    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"matmul_q_{os.getpid()}"
-    tmp.mkdir(exist_ok=True)
-    (tmp / "model.onnx").write_bytes(matmul_q_model(w).SerializeToString())
-    np.save(tmp / "x.npy", x)
-    code = ("import numpy as np, onnxruntime as ort, sys; from omforge.runtime.ort import kernels; "
-            "assert kernels.status().gemm == 'generic', kernels.status(); o = ort.SessionOptions(); "
-            "kernels.register(o); d = sys.argv[1]; "
-            "s = ort.InferenceSession(d + '/model.onnx', o, providers=['CPUExecutionProvider']); "
-            "np.save(d + '/y.npy', s.run(None, {'x': np.load(d + '/x.npy')})[0])")
-    r = subprocess.run([sys.executable, "-c", code, str(tmp)], env={**os.environ, "OMFORGE_KERNELS_ISA": "generic"},
-                       capture_output=True, text=True, timeout=300)
+    (tmp_path / "model.onnx").write_bytes(matmul_q_model(w).SerializeToString())
+    np.save(tmp_path / "x.npy", x)
+    code = ("import sys, numpy as np, onnxruntime as ort, test_matmul_q as t; from omforge.runtime.ort import kernels; "
+            "from omforge.passes import quant; "
+            f"assert kernels.status().gemm == {isa!r}, kernels.status(); d = sys.argv[1]; "
+            "np.save(d + '/y.npy', t.session(__import__('onnx').load(d + '/model.onnx')).run(None, "
+            "{'x': np.load(d + '/x.npy')})[0]); rng = np.random.default_rng(1); "
+            "[t.check(quant.quantize(rng.standard_normal((40, 200)).astype(np.float32), bits, block, sym), "
+            "(1, 2, 3, 9)) for bits in (4, 8) for block in (32, 128) for sym in (True, False)]")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env={**os.environ, "OMFORGE_KERNELS_ISA": isa},
+                       cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert np.array_equal(np.load(tmp / "y.npy"), here)
+    here = session(matmul_q_model(w)).run(None, {"x": x})[0]
+    assert np.array_equal(np.load(tmp_path / "y.npy"), here)
 
 
 def test_zero_rows_and_a_batched_input() -> None:

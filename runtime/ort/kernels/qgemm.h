@@ -51,6 +51,12 @@ namespace avx512vnni {
 void qgemm(const QGemmProblem&, int64_t, int64_t);
 void quantize_rows(const float*, int64_t, int64_t, int64_t, bool, const QuantizedRows&, int64_t, int64_t);
 }  // namespace avx512vnni
+namespace avxvnni {
+void qgemm(const QGemmProblem&, int64_t, int64_t);
+}  // namespace avxvnni
+namespace avx2 {
+void qgemm(const QGemmProblem&, int64_t, int64_t);
+}  // namespace avx2
 namespace generic {
 void qgemm(const QGemmProblem&, int64_t, int64_t);
 void quantize_rows(const float*, int64_t, int64_t, int64_t, bool, const QuantizedRows&, int64_t, int64_t);

@@ -1,0 +1,156 @@
+"""The weight GEMM alone: omforge's MatMulQ against ONNX Runtime's MatMulNBits (accuracy levels 4 and 0) and the
+float32 MatMul, per shape and row count, in one process (ratios measured side by side), with this CPU's measured
+int8 VNNI peak.
+
+  .venv/bin/python benchmarks/bench_gemm.py [--shapes smollm2|llama8b|all] [--rows 1,8,16,32,64,128,256]
+                                            [--threads 2] [--reps 30] [--bits 4] [--affine]
+
+Weights: random, round to nearest per 32 along K (``--affine``: with a per-block offset, like GGUF Q4_1). Each
+cell is the median of ``--reps`` calls after one warm-up, printed as GOP/s (2·M·N·K per call). The peak is a
+throughput loop of independent ``vpdpbusd`` (zmm) chains on ``--threads`` threads, compiled here with g++ (skipped
+without it); "of peak" is MatMulQ's GOP/s over it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from omforge.passes import gemm_pack, quant
+from omforge.runtime.ort import kernels
+
+SHAPES = {  # (name, N, K): the weight matrices of a layer (merged as omforge's fusions merge them) and the head
+    "smollm2": [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536),
+                ("lm_head", 49152, 576)],
+    "llama8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
+}
+
+PEAK_SOURCE = r"""
+#include <immintrin.h>
+#include <thread>
+#include <vector>
+extern "C" __attribute__((target("avx512f,avx512vnni"))) void chain(long iters, int* sink) {
+  __m512i a[12];
+  for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_epi32(i);
+  const __m512i b = _mm512_set1_epi32(0x01010101), c = _mm512_set1_epi32(0x02020202);
+  for (long n = 0; n < iters; ++n)
+    for (int i = 0; i < 12; ++i) a[i] = _mm512_dpbusd_epi32(a[i], b, c);
+  __m512i s = a[0];
+  for (int i = 1; i < 12; ++i) s = _mm512_add_epi32(s, a[i]);
+  *sink = _mm512_reduce_add_epi32(s);
+}
+extern "C" void run(long iters, int threads) {
+  std::vector<std::thread> ts;
+  std::vector<int> sink(threads);
+  for (int t = 0; t < threads; ++t) ts.emplace_back(chain, iters, &sink[t]);
+  for (auto& t : ts) t.join();
+}
+"""
+
+
+def vnni_peak(threads: int) -> float | None:
+    """int8 GOP/s of ``threads`` threads issuing only vpdpbusd zmm (64 multiply-adds each), or None."""
+    tmp = Path(tempfile.mkdtemp(prefix="omforge-peak-"))
+    (tmp / "peak.cpp").write_text(PEAK_SOURCE)
+    try:
+        subprocess.run(["g++", "-O2", "-shared", "-fPIC", "-pthread", str(tmp / "peak.cpp"), "-o",
+                        str(tmp / "peak.so")], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    lib = ctypes.CDLL(str(tmp / "peak.so"))
+    lib.run.argtypes = [ctypes.c_long, ctypes.c_int]
+    iters = 20_000_000
+    lib.run(iters // 10, threads)
+    best = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        lib.run(iters, threads)
+        best = max(best, iters * 12 * 64 * 2 * threads / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def _session(nodes: list, inits: list, k: int, n: int, threads: int, domains: dict[str, int]) -> ort.InferenceSession:
+    graph = helper.make_graph(nodes, "gemm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in domains.items()])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    if "omforge.kernels" in domains:
+        kernels.register(options)
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def sessions(w: np.ndarray, bits: int, affine: bool, threads: int) -> dict[str, ort.InferenceSession]:
+    n, k = w.shape
+    p = quant.quantize(w, bits, 32, symmetric=not affine)
+    arr = onnx.numpy_helper.from_array
+    pw = gemm_pack.pack(p)
+    q_inputs = ["x", "codes", "scales"] + (["offsets"] if pw.offsets is not None else [])
+    q_inits = [arr(pw.codes, "codes"), arr(pw.scales, "scales")] + ([arr(pw.offsets, "offsets")] if affine else [])
+    out = {"MatMulQ": _session([helper.make_node("MatMulQ", q_inputs, ["y"], domain="omforge.kernels", K=k, N=n,
+                                                 bits=bits, block_size=32, layout=gemm_pack.LAYOUT)],
+                               q_inits, k, n, threads, {"": 17, "omforge.kernels": 1})}
+    for level in (4, 0):  # affine blocks: MatMulNBits + the block-offset MatMul, as quantize_weights lowers them
+        nodes = [helper.make_node("MatMulNBits", ["x", "b", "s"], ["y0" if affine else "y"], domain="com.microsoft",
+                                  K=k, N=n, bits=bits, block_size=32, accuracy_level=level)]
+        inits = [arr(p.blocks.reshape(n, p.k_blocks, -1), "b"), arr(p.scales, "s")]
+        if affine:
+            member = np.zeros((k, p.k_blocks), np.float32)
+            member[np.arange(k), np.arange(k) // 32] = 1
+            inits += [arr(member, "member"), arr(np.ascontiguousarray(p.block_min.T), "bmin")]
+            nodes += [helper.make_node("MatMul", ["x", "member"], ["sums"]),
+                      helper.make_node("MatMul", ["sums", "bmin"], ["corr"]),
+                      helper.make_node("Add", ["y0", "corr"], ["y"])]
+        out[f"NBits L{level}"] = _session(nodes, inits, k, n, threads, {"": 17, "com.microsoft": 1})
+    out["fp32 MatMul"] = _session([helper.make_node("MatMul", ["x", "w"], ["y"])],
+                                  [arr(np.ascontiguousarray(w.T), "w")], k, n, threads, {"": 17})
+    return out
+
+
+def median_seconds(s: ort.InferenceSession, x: np.ndarray, reps: int) -> float:
+    s.run(None, {"x": x})
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        s.run(None, {"x": x})
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="smollm2", choices=[*SHAPES, "all"])
+    ap.add_argument("--rows", default="1,8,16,32,64,128,256")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--bits", type=int, default=4, choices=[4, 8])
+    ap.add_argument("--affine", action="store_true")
+    a = ap.parse_args()
+    if not kernels.status().available or kernels.status().weight_layout is None:
+        raise SystemExit(f"the kernel library's MatMulQ is unavailable: {kernels.status().reason}")
+    peak = vnni_peak(a.threads)
+    print(f"VNNI peak ({a.threads} threads, vpdpbusd zmm loop): " + (f"{peak:.0f} GOP/s" if peak else "not measured"))
+    print(f"MatMulQ path {kernels.status().gemm}; int{a.bits} {'affine' if a.affine else 'symmetric'} blocks of 32")
+    rng = np.random.default_rng(0)
+    shapes = [s for key in (SHAPES if a.shapes == "all" else [a.shapes]) for s in SHAPES[key]]
+    for name, n, k in shapes:
+        ss = sessions(rng.standard_normal((n, k)).astype(np.float32) * 0.05, a.bits, a.affine, a.threads)
+        print(f"\n{name} N={n} K={k}   GOP/s: " + " | ".join(ss) + " | MatMulQ of peak")
+        for m in map(int, a.rows.split(",")):
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            gops = {label: 2 * m * n * k / median_seconds(s, x, a.reps) / 1e9 for label, s in ss.items()}
+            frac = f"{gops['MatMulQ'] / peak:.0%}" if peak else "–"
+            print(f"  M={m:<4d} " + " | ".join(f"{v:7.1f}" for v in gops.values()) + f" | {frac}")
+
+
+if __name__ == "__main__":
+    main()
