@@ -38,14 +38,18 @@ PEAK_SOURCE = r"""
 #include <immintrin.h>
 #include <thread>
 #include <vector>
+// 16 independent accumulator chains, all in registers (more spill; fewer leave the pipes idle on latency)
 extern "C" __attribute__((target("avx512f,avx512vnni"))) void chain(long iters, int* sink) {
-  __m512i a[12];
-  for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_epi32(i);
-  const __m512i b = _mm512_set1_epi32(0x01010101), c = _mm512_set1_epi32(0x02020202);
-  for (long n = 0; n < iters; ++n)
-    for (int i = 0; i < 12; ++i) a[i] = _mm512_dpbusd_epi32(a[i], b, c);
+  __m512i a[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_set1_epi32(i);
+  __m512i b = _mm512_set1_epi32(0x01010101), c = _mm512_set1_epi32(0x02020202);
+  asm volatile("" : "+v"(b), "+v"(c));
+  for (long n = 0; n < iters; ++n) {
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) a[i] = _mm512_dpbusd_epi32(a[i], b, c);
+  }
   __m512i s = a[0];
-  for (int i = 1; i < 12; ++i) s = _mm512_add_epi32(s, a[i]);
+  for (int i = 1; i < 16; ++i) s = _mm512_add_epi32(s, a[i]);
   *sink = _mm512_reduce_add_epi32(s);
 }
 extern "C" void run(long iters, int threads) {
@@ -62,7 +66,7 @@ def vnni_peak(threads: int) -> float | None:
     tmp = Path(tempfile.mkdtemp(prefix="omforge-peak-"))
     (tmp / "peak.cpp").write_text(PEAK_SOURCE)
     try:
-        subprocess.run(["g++", "-O2", "-shared", "-fPIC", "-pthread", str(tmp / "peak.cpp"), "-o",
+        subprocess.run(["g++", "-O3", "-shared", "-fPIC", "-pthread", str(tmp / "peak.cpp"), "-o",
                         str(tmp / "peak.so")], check=True, capture_output=True)
     except (OSError, subprocess.CalledProcessError):
         return None
@@ -74,7 +78,7 @@ def vnni_peak(threads: int) -> float | None:
     for _ in range(3):
         t0 = time.perf_counter()
         lib.run(iters, threads)
-        best = max(best, iters * 12 * 64 * 2 * threads / (time.perf_counter() - t0) / 1e9)
+        best = max(best, iters * 16 * 64 * 2 * threads / (time.perf_counter() - t0) / 1e9)
     return best
 
 

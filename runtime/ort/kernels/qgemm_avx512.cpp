@@ -1,6 +1,7 @@
 // MatMulQ, AVX-512 VNNI path (chosen at run time when the CPU has avx512vnni + avx512bw; see custom_op.cpp).
-// Register blocking: a tile of up to kRows rows × one 16-column panel. Per 32-k chunk the panel's codes are
-// loaded (and, for 4 bits, split into nibbles) once and shared by every row of the tile; each row then takes one
+// Register blocking: from kPairRows rows on, tiles of kRows2 rows × two 16-column panels (4 × 2: at 6 × 2 the
+// float accumulators spill, measured ~30% slower), else up to 8 rows × one panel. Per 32-k chunk a panel's codes
+// are loaded (and, for 4 bits, split into nibbles) once and shared by every row of the tile; each row then takes one
 // vpdpbusd per 4 k with its activations broadcast from memory, accumulating exact int32 products per chunk, which
 // are scaled into float accumulators (same order of float operations as the portable path: results agree bit for
 // bit). See qgemm.h for the layout and the formula.
@@ -14,7 +15,7 @@
 #include "qgemm.h"
 
 #ifndef OMF_ROWS2
-#define OMF_ROWS2 6
+#define OMF_ROWS2 4
 #endif
 #ifndef OMF_PAIR
 #define OMF_PAIR 4
