@@ -61,6 +61,13 @@ def test_row_counts_on_a_model_shape(m: int) -> None:
     check(quant.quantize(w, 4, 32, True), rows=(m, m + 5 if m < 256 else m - 3))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_wide_output_written_with_streaming_stores(bits: int) -> None:
+    """N ≥ 8,192 (an lm_head's logits): full panels are streamed to memory, the partial last one stored normally."""
+    w = np.random.default_rng(bits).standard_normal((8200, 64)).astype(np.float32)
+    check(quant.quantize(w, bits, 32, True), rows=(1, 4, 7))
+
+
 def _gguf_rows(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """Random GGUF blocks (llama.cpp's layout: fp16 d [, fp16 m], then the codes) for ``[n, k]``."""
     bits, size = quant.GGUF_BLOCKS[kind]
