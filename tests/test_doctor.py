@@ -28,6 +28,10 @@ def test_doctor_says_only_ort_runs_here() -> None:
     assert t["ascend"]["run"] is False and "pyACL" in t["ascend"]["why"]
     assert t["ort-cuda"]["run"] == ("CUDAExecutionProvider" in ort.get_available_providers())
     assert report["pyacl"]["importable"] is False and report["npus"]["count"] == 0
+    from omforge.runtime.ort import kernels
+
+    k = kernels.status()
+    assert report["kernels"]["gemm"] == (k.gemm if k.available else None)  # which MatMulQ path int4 bundles take
     table = doctor()
     assert table.returncode == 0
     assert "this machine runs: ort" in table.stdout.splitlines()[-1]
