@@ -135,14 +135,6 @@ class CompileSection(_Section):
                              "compile.dtype only accepts float32")
         return v
 
-    @field_validator("weights")
-    @classmethod
-    def _implemented_weights(cls, v: str) -> str:
-        if v == "bfloat16":  # never accept a setting the compiler would ignore
-            raise ValueError("bfloat16 weights are not implemented (ORT's CPU MatMul has no bfloat16 kernel faster "
-                             "than float32 here); use float32, float16 (ascend), int8 or int4")
-        return v
-
     @model_validator(mode="before")
     @classmethod
     def _fp16_precision_mode(cls, data: Any) -> Any:
@@ -165,7 +157,10 @@ class CompileSection(_Section):
 
     @model_validator(mode="after")
     def _weights_per_target(self) -> CompileSection:
-        if self.weights in ("float32", "float16") and self.quantization.model_fields_set:  # never a no-op setting
+        if self.weights == "bfloat16" and self.target != "ort":
+            raise _KeyError("weights", "bfloat16 weights are built for the ort target (omforge's MatMulBF16 kernel); "
+                            f"target {self.target} takes float32, float16 or int8")
+        if self.weights in ("float32", "float16", "bfloat16") and self.quantization.model_fields_set:
             raise _KeyError("quantization", f"applies to weights int8 or int4; compile.weights is {self.weights}")
         if self.weights == "int8" and self.quantization.accuracy_level == 0 and self.target == "ort":
             raise _KeyError("quantization", "accuracy_level 0 with int8 weights would run ONNX Runtime's 8-bit CPU "
@@ -177,7 +172,7 @@ class CompileSection(_Section):
         if self.weights == "float16" and self.target != "ascend":
             raise _KeyError("weights", f"float16 weights are built for the ascend target (an fp16 graph for ATC); "
                             f"target {self.target} has no float16 MatMul faster than float32 here: use float32, "
-                            "int8 or int4")
+                            "bfloat16, int8 or int4")
         if self.weights == "int4" and self.target == "ascend":
             raise _KeyError("weights", "int4 weights on ascend (WeightQuantBatchMatmulV2's INT4Pack) are not built; "
                             "use float16, or int8 (W8A16)")

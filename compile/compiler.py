@@ -251,8 +251,8 @@ def _manifest(job: _Job, digest: str, export_dir: Path, export_meta: dict[str, A
         target=target,
         abi=StepAbi.from_dict(report["abi"], "abi"),
         paged_attention=report.get("paged_attention") or "plain",
-        kernels=kernels.status().manifest_entry(weight_layout=(weights or {}).get("gemm") == "MatMulQ")
-        if report.get("paged_attention") == "kernel" or (weights or {}).get("gemm") == "MatMulQ" else None,
+        kernels=kernels.status().manifest_entry(weight_layout=(weights or {}).get("gemm") in _OUR_GEMMS)
+        if report.get("paged_attention") == "kernel" or (weights or {}).get("gemm") in _OUR_GEMMS else None,
         kv=KvSection.of(PagedLayout(**layout), write=_KV_WRITE[target]),
         limits=Limits(recipe.compile.max_seq_len, recipe.compile.max_batch_size, recipe.compile.max_num_tokens),
         serve=recipe.serve.model_dump(),
@@ -301,6 +301,9 @@ def _static_slots(recipe: Recipe, target: str, block_size: int) -> int | None:
     from omforge.compile import ascend
 
     return ascend.num_slots(recipe, block_size)
+
+
+_OUR_GEMMS = ("MatMulQ", "MatMulBF16")  # weight MatMuls in the kernel library's packed layouts
 
 
 def kernel_lowering(target: str, quiet: bool = False) -> bool:

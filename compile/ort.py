@@ -34,6 +34,7 @@ class PassReport:
 
 
 WEIGHT_BITS = {"int8": 8, "int4": 4}
+_GEMM_OP = {"int8": "MatMulQ", "int4": "MatMulQ", "bfloat16": "MatMulBF16"}
 
 
 def gemm_lowering(quantization: Mapping[str, Any] | None, kernel: bool) -> str:
@@ -57,6 +58,8 @@ def quantize_options(weights: str, quantization: Mapping[str, Any] | None,
     """:class:`QuantizeWeights` options for the recipe's ``weights`` and ``quantization``; None for float."""
     if weights == "float32":
         return None
+    if weights == "bfloat16":  # every weight MatMul in bfloat16 through MatMulBF16; the embedding stays float32
+        return {"bits": 16, "embedding": "float", "gemm": "kernel"}
     if weights not in WEIGHT_BITS:
         raise ValueError(f"weights {weights!r}: the ort pipeline builds float32, int8 or int4 weights")
     q = dict(quantization or {})
@@ -73,7 +76,8 @@ def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | Non
     """Fuse (switches ``fusions``), page the KV cache when ``block_size`` is given, lower to ``target``,
     and save ``out_path`` with its weights in ``out_path.name + '.data'`` beside it. ``kernel``: lower paged
     attention to omforge's CPU kernel (None: when the kernel library is usable here and ``kv_write="graph"``);
-    ``kv_cache_dtype``: the pools' element type (not float32: needs the kernel). ``weights`` int8 / int4:
+    ``kv_cache_dtype``: the pools' element type (not float32: needs the kernel). ``weights`` bfloat16: every weight
+    MatMul in bfloat16 through the kernel library's MatMulBF16 (the embedding gather stays float32); int8 / int4:
     weight-only quantization with the recipe's ``quantization`` options (``recipe.QuantizationSection``), taking
     the export's GGUF ``blocks`` as they are where they fit (``passes/quantize_weights.py``)."""
     if target != "ort":
@@ -81,7 +85,10 @@ def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | Non
     model = ir.load(export_dir / "model.onnx")
     if kernel is None:
         kernel = kv_write == "graph" and kernels.status().available
-    gemm = gemm_lowering(quantization, kernel) if weights != "float32" else None
+    if weights == "bfloat16" and not (kernel and kernels.status().bf16):
+        raise OmforgeError("compile.weights: bfloat16 needs omforge's kernel library (its MatMulBF16), unavailable "
+                           f"here ({kernels.status().reason or 'paged attention is not lowered to it'}); use float32")
+    gemm = None if weights == "float32" else "kernel" if weights == "bfloat16" else gemm_lowering(quantization, kernel)
     run = Pipeline(target, fusions or {}, block_size,
                    {"kv_write": kv_write, "kernel": kernel, "kv_cache_dtype": kv_cache_dtype},
                    quantize_options(weights, quantization, blocks, gemm or "nbits")).run(model)
@@ -96,6 +103,7 @@ def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | Non
                          "weights": {"precision": weights, "quantized": run.quantized,
                                      "accuracy_level": (quantization or {}).get("accuracy_level", 4)
                                      if weights != "float32" else None,
-                                     **({"gemm": "MatMulQ" if gemm == "kernel" else "MatMulNBits"} if gemm else {})}})
+                                     **({"gemm": _GEMM_OP[weights] if gemm == "kernel" else "MatMulNBits"}
+                                        if gemm else {})}})
     out_path.with_suffix(".json").write_text(json.dumps(report.to_dict(), indent=2))
     return report

@@ -90,3 +90,30 @@ def unpack(w: PanelWeights) -> np.ndarray:
     if w.offsets is not None:
         out += w.offsets.transpose(0, 2, 1).reshape(-1, kb)[..., None]
     return out.reshape(panels * PANEL, -1)[:w.n, :w.k]
+
+
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 → bfloat16 bits (uint16), round to nearest even (NaN stays NaN), as the kernel rounds activations."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    out = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    out[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
+    return out
+
+
+def pack_bf16(w: np.ndarray) -> np.ndarray:
+    """``W [N, K]`` (float) in MatMulBF16's layout (runtime/ort/kernels/bgemm.cpp): uint16 ``[P, Kp/2, 32]``,
+    element ``[p, i, 2c + e] = bf16(W[16p + c, 2i + e])``; N padded to whole panels and K to even, with zeros."""
+    n, k = w.shape
+    panels, kp = -(-n // PANEL), k + (k % 2)
+    padded = np.zeros((panels * PANEL, kp), np.float32)
+    padded[:n, :k] = w
+    b = to_bf16(padded).reshape(panels, PANEL, kp // 2, 2).transpose(0, 2, 1, 3)  # [P, pair, col, e]
+    return np.ascontiguousarray(b).reshape(panels, kp // 2, 2 * PANEL)
+
+
+def unpack_bf16(codes: np.ndarray, n: int, k: int) -> np.ndarray:
+    """The float32 weight ``[N, K]`` a MatMulBF16 layout stands for (for tests)."""
+    panels, pairs, _ = codes.shape
+    b = codes.reshape(panels, pairs, PANEL, 2).transpose(0, 2, 1, 3).reshape(panels * PANEL, pairs * 2)
+    return (b.astype(np.uint32) << 16).view(np.float32)[:n, :k]

@@ -61,6 +61,8 @@ class QuantizeWeights(ir.passes.InPlacePass):
         super().__init__()
         if gemm not in ("nbits", "kernel"):
             raise ValueError(f"gemm must be 'nbits' or 'kernel', got {gemm!r}")
+        if bits == 16 and (gemm != "kernel" or embedding != "float"):
+            raise ValueError("bits 16 (bfloat16) is the kernel's MatMulBF16, with a float32 embedding")
         self.gemm = gemm
         self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
         self.matrices, self.embedding, self.accuracy_level = set(matrices), embedding, accuracy_level
@@ -136,7 +138,8 @@ class QuantizeWeights(ir.passes.InPlacePass):
         for node in model.graph:
             if node.op_type == "MatMul" and len(node.inputs) > 1:
                 source, _, _ = weight_source(node.inputs[1])
-                if source is not None and group_of(source) in self.matrices and self._packed.get(source) is not None:
+                if source is not None and group_of(source) in self.matrices and (
+                        self.bits == 16 or self._packed.get(source) is not None):
                     raise ir.passes.PostconditionError(f"{source}: its MatMul was not quantized")
 
     def _matmul(self, graph: ir.Graph, node: ir.Node) -> bool:
@@ -144,6 +147,8 @@ class QuantizeWeights(ir.passes.InPlacePass):
         source, const, transposed = weight_source(w)
         if source is None or group_of(source) not in self.matrices:
             return False
+        if self.bits == 16:
+            return self._matmul_bf16(graph, node, source, lambda: _rows(const, transposed))
         p = self._pack(source, lambda: _rows(const, transposed))
         if p is None:
             return False
@@ -183,6 +188,23 @@ class QuantizeWeights(ir.passes.InPlacePass):
         attrs = {"K": p.k, "N": p.n, "bits": p.bits, "block_size": p.block, "layout": WEIGHT_LAYOUT}
         gemm = ir.node("MatMulQ", inputs, domain=KERNEL_DOMAIN, attributes=attrs, name=f"{node.name}_q",
                        metadata_props=meta)
+        ir.convenience.replace_nodes_and_values(graph, node, [node], [gemm], node.outputs, gemm.outputs)
+        return True
+
+    def _matmul_bf16(self, graph: ir.Graph, node: ir.Node, source: str, rows: Callable[[], np.ndarray]) -> bool:
+        """``MatMulBF16`` over the bfloat16 panels of ``source`` (round to nearest even; made once per source)."""
+        name = f"{source}.bf16.panel{WEIGHT_LAYOUT}"
+        value = graph.initializers.get(name)
+        if value is None:
+            w_nk = rows()
+            codes = gemm_pack.pack_bf16(w_nk)
+            value = self._const(graph, name, codes)
+            self.report[source] = {"bits": 16, "block": None, "source": "bfloat16 (round to nearest even)",
+                                   "bytes": codes.nbytes, "n": int(w_nk.shape[0]), "k": int(w_nk.shape[1])}
+        n, k = self.report[source]["n"], self.report[source]["k"]
+        gemm = ir.node("MatMulBF16", [node.inputs[0], value], domain=KERNEL_DOMAIN,
+                       attributes={"K": k, "N": n, "layout": WEIGHT_LAYOUT}, name=f"{node.name}_bf16",
+                       metadata_props=dict(node.metadata_props))
         ir.convenience.replace_nodes_and_values(graph, node, [node], [gemm], node.outputs, gemm.outputs)
         return True
 

@@ -138,3 +138,13 @@ def matmul_q_reference(x: np.ndarray, packed) -> np.ndarray:  # noqa: ANN001 - q
         return xq @ w.T
     offsets = np.repeat(packed.block_min.astype(np.float64), packed.block, axis=1)[:, :k]
     return xq @ (w - offsets).T + x.astype(np.float64) @ offsets.T
+
+
+def matmul_bf16_model(codes: np.ndarray, n: int, k: int, **attrs: int) -> onnx.ModelProto:
+    """One ``MatMulBF16`` node ``y [M, N] = x [M, K] · Wᵀ`` over the bfloat16 panels ``codes``."""
+    node = helper.make_node("MatMulBF16", ["x", "codes"], ["y"], domain=DOMAIN,
+                            **{"K": k, "N": n, "layout": 1, **attrs})
+    graph = helper.make_graph([node], "matmul_bf16", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
+                              [onnx.numpy_helper.from_array(codes, "codes")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])

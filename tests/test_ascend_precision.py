@@ -202,7 +202,7 @@ def test_per_channel_group_is_refused_off_ascend_int8(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("weights", "extra", "message"), [
     ("int4", {}, "int4 weights on ascend"),
     ("float16", {"precision_mode": "allow_fp32_to_fp16"}, "must_keep_origin_dtype"),
-    ("bfloat16", {}, "bfloat16 weights are not implemented"),
+    ("bfloat16", {}, "bfloat16 weights are built for the ort target"),
 ])
 def test_ascend_precisions_refused_with_a_reason(tmp_path: Path, weights: str, extra: dict, message: str) -> None:
     with pytest.raises(RecipeError, match=message):

@@ -39,7 +39,8 @@ class KernelStatus:
     abi: int | None = None
     isa: str | None = None
     reason: str = ""
-    gemm: str | None = None  # MatMulQ's ISA path (avx512vnni, generic)
+    gemm: str | None = None  # MatMulQ's ISA path (avx512vnni, avxvnni, avx2, generic)
+    bf16: str | None = None  # MatMulBF16's ISA path (avx512bf16, generic)
     weight_layout: int | None = None  # the packed weight layout version MatMulQ reads
 
     def manifest_entry(self, weight_layout: bool = False) -> KernelLibrary:
@@ -88,7 +89,7 @@ def status() -> KernelStatus:
         return KernelStatus(False, str(path), abi, fields.get("isa"),
                             reason=f"{path.name} speaks kernel ABI {abi}, this omforge {ABI_VERSION}; "
                                    "reinstall omforge")
-    return KernelStatus(True, str(path), abi, fields["isa"], gemm=fields.get("gemm"),
+    return KernelStatus(True, str(path), abi, fields["isa"], gemm=fields.get("gemm"), bf16=fields.get("bf16"),
                         weight_layout=int(fields["layout"]) if "layout" in fields else None)
 
 

@@ -32,7 +32,7 @@ struct OrtApiBase {
 enum OmfOrtErrorCode { kOrtOk = 0, kOrtFail = 1, kOrtInvalidArgument = 2 };
 
 // ONNX TensorProto element types (ORT's ONNXTensorElementDataType has the same values).
-enum OmfElemType { kFloat = 1, kUint8 = 2, kInt8 = 3, kInt64 = 7, kBfloat16 = 16 };
+enum OmfElemType { kFloat = 1, kUint8 = 2, kInt8 = 3, kUint16 = 4, kInt64 = 7, kBfloat16 = 16 };
 
 // OrtCustomOpInputOutputCharacteristic: 0 required, 1 optional, 2 variadic. OrtMemType default: 0.
 struct OrtCustomOp {

@@ -47,6 +47,21 @@ using QGemmFn = void (*)(const QGemmProblem&, int64_t panel_begin, int64_t panel
 using QuantizeFn = void (*)(const float* x, int64_t K, int64_t Kp, int64_t block, bool want_xsum,
                             const QuantizedRows& q, int64_t row_begin, int64_t row_end);
 
+// MatMulBF16 (bgemm_generic.cpp, bgemm_avx512.cpp): bfloat16 weights in the panel16-bf16 layout, activations rounded to bfloat16 per call.
+struct BGemmProblem {
+  const uint16_t* a;      // [M, Kp] activations, bfloat16
+  const uint16_t* codes;  // [P, Kp/2, 32]
+  float* y;
+  int64_t M, N, K, Kp;
+};
+using BGemmFn = void (*)(const BGemmProblem&, int64_t panel_begin, int64_t panel_end);
+using ToBf16Fn = void (*)(const float* x, int64_t K, int64_t Kp, uint16_t* out, int64_t row_begin, int64_t row_end);
+
+namespace avx512bf16 {
+void bgemm(const BGemmProblem&, int64_t, int64_t);
+void to_bf16_rows(const float*, int64_t, int64_t, uint16_t*, int64_t, int64_t);
+}  // namespace avx512bf16
+
 namespace avx512vnni {
 void qgemm(const QGemmProblem&, int64_t, int64_t);
 void quantize_rows(const float*, int64_t, int64_t, int64_t, bool, const QuantizedRows&, int64_t, int64_t);
@@ -58,6 +73,8 @@ namespace avx2 {
 void qgemm(const QGemmProblem&, int64_t, int64_t);
 }  // namespace avx2
 namespace generic {
+void bgemm(const BGemmProblem&, int64_t, int64_t);
+void to_bf16_rows(const float*, int64_t, int64_t, uint16_t*, int64_t, int64_t);
 void qgemm(const QGemmProblem&, int64_t, int64_t);
 void quantize_rows(const float*, int64_t, int64_t, int64_t, bool, const QuantizedRows&, int64_t, int64_t);
 }  // namespace generic

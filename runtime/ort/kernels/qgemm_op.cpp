@@ -27,6 +27,17 @@ GemmIsa choose() {
   return {"generic", &generic::qgemm, &generic::quantize_rows};
 }
 
+Bf16Isa choose_bf16() {
+  const char* want = std::getenv("OMFORGE_KERNELS_ISA");
+  const std::string w = want ? want : "";
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") && (w.empty() || w == "avx512"))
+    return {"avx512bf16", &avx512bf16::bgemm, &avx512bf16::to_bf16_rows};
+#endif
+  return {"generic", &generic::bgemm, &generic::to_bf16_rows};
+}
+
 OrtStatus* fail(const ort::Api& api, const std::string& msg) {
   return api.CreateStatus(kOrtInvalidArgument, ("MatMulQ: " + msg).c_str());
 }
@@ -74,7 +85,82 @@ void gemm_item(void* data, size_t i) {
   gemm_isa().qgemm(*P, first, std::min(panels, first + kPanelsPerItem));
 }
 
+struct Bf16Run {
+  const float* x;
+  BGemmProblem prob;
+  int64_t rows_per_item;
+};
+
+void to_bf16_item(void* data, size_t i) {
+  const Bf16Run* r = static_cast<const Bf16Run*>(data);
+  const int64_t first = static_cast<int64_t>(i) * r->rows_per_item;
+  bf16_isa().to_bf16(r->x, r->prob.K, r->prob.Kp, const_cast<uint16_t*>(r->prob.a), first,
+                     std::min(r->prob.M, first + r->rows_per_item));
+}
+
+void bgemm_item(void* data, size_t i) {
+  const BGemmProblem* P = static_cast<const BGemmProblem*>(data);
+  const int64_t first = static_cast<int64_t>(i) * 2, panels = (P->N + kPanel - 1) / kPanel;
+  bf16_isa().bgemm(*P, first, std::min(panels, first + 2));
+}
+
 }  // namespace
+
+const Bf16Isa& bf16_isa() {
+  static const Bf16Isa chosen = choose_bf16();
+  return chosen;
+}
+
+OrtStatus* read_matmul_bf16_attrs(const ort::Api& api, const OrtKernelInfo* info, MatMulQAttrs& a) {
+  OrtStatus* s = api.KernelInfoGetAttribute_int64(info, "K", &a.K);
+  if (!s) s = api.KernelInfoGetAttribute_int64(info, "N", &a.N);
+  if (!s) s = api.KernelInfoGetAttribute_int64(info, "layout", &a.layout);
+  if (s) return s;
+  if (a.layout != kPanelLayout)
+    return api.CreateStatus(kOrtInvalidArgument, ("MatMulBF16: weight layout version " + std::to_string(a.layout) +
+                            " is not known to this kernel library (it reads version " + std::to_string(kPanelLayout) +
+                            "); recompile the bundle").c_str());
+  if (a.K <= 0 || a.N <= 0) return api.CreateStatus(kOrtInvalidArgument, "MatMulBF16: K and N must be positive");
+  return nullptr;
+}
+
+OrtStatus* compute_matmul_bf16(const ort::Api& api, const MatMulQAttrs& A, OrtKernelContext* ctx) {
+  Shape in[2];
+  for (size_t i = 0; i < 2; ++i) {
+    const OrtValue* v = nullptr;
+    if (OrtStatus* s = api.KernelContext_GetInput(ctx, i, &v)) return s;
+    if (v == nullptr) return api.CreateStatus(kOrtInvalidArgument, "MatMulBF16: x and codes are required");
+    if (OrtStatus* s = describe(api, v, in[i])) return s;
+  }
+  const Shape &x = in[0], &codes = in[1];
+  const int64_t P = (A.N + kPanel - 1) / kPanel, Kp = (A.K + 1) / 2 * 2;
+  if (x.type != kFloat || x.dims.empty() || x.dims.back() != A.K)
+    return api.CreateStatus(kOrtInvalidArgument, ("MatMulBF16: x must be float32 [..., " + std::to_string(A.K) + "]").c_str());
+  if (codes.type != kUint16 || codes.dims != std::vector<int64_t>{P, Kp / 2, 32})
+    return api.CreateStatus(kOrtInvalidArgument, ("MatMulBF16: codes must be uint16 [" + std::to_string(P) + ", " +
+                            std::to_string(Kp / 2) + ", 32] (the panel16-bf16 layout)").c_str());
+  std::vector<int64_t> ydims = x.dims;
+  ydims.back() = A.N;
+  OrtValue* out = nullptr;
+  if (OrtStatus* s = api.KernelContext_GetOutput(ctx, 0, ydims.data(), ydims.size(), &out)) return s;
+  void* y = nullptr;
+  if (OrtStatus* s = api.GetTensorMutableData(out, &y)) return s;
+  int64_t M = 1;
+  for (size_t i = 0; i + 1 < x.dims.size(); ++i) M *= x.dims[i];
+  if (M == 0) return nullptr;
+  thread_local std::vector<uint16_t> xa;
+  xa.resize(static_cast<size_t>(M * Kp));
+  Bf16Run run{static_cast<const float*>(x.data),
+              {xa.data(), static_cast<const uint16_t*>(codes.data), static_cast<float*>(y), M, A.N, A.K, Kp},
+              std::max<int64_t>(1, 16384 / A.K)};
+  const size_t citems = static_cast<size_t>((M + run.rows_per_item - 1) / run.rows_per_item);
+  if (citems == 1) to_bf16_item(&run, 0);
+  else if (OrtStatus* s = api.KernelContext_ParallelFor(ctx, &to_bf16_item, citems, 0, &run)) return s;
+  const size_t items = static_cast<size_t>((P + 1) / 2);
+  if (items == 1) bgemm_item(&run.prob, 0);
+  else if (OrtStatus* s = api.KernelContext_ParallelFor(ctx, &bgemm_item, items, 0, &run.prob)) return s;
+  return nullptr;
+}
 
 const GemmIsa& gemm_isa() {
   static const GemmIsa chosen = choose();

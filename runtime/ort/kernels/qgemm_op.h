@@ -3,6 +3,8 @@
 //            3 offsets float32 [P, kb, 16] (optional: absent for symmetric blocks)
 //   outputs  0 y [..., N] float32
 //   attrs    K, N, bits (4 or 8), block_size (32, 64 or 128), layout (must be kPanelLayout)
+// MatMulBF16: inputs 0 x [..., K] float32, 1 codes uint16 [P, Kp/2, 32] (bgemm_generic.cpp); output y [..., N] float32;
+//   attrs K, N, layout (must be kPanelLayout)
 #pragma once
 #include <cstdint>
 
@@ -21,7 +23,16 @@ struct GemmIsa {
   QuantizeFn quantize;
 };
 
+struct Bf16Isa {
+  const char* name;
+  BGemmFn bgemm;
+  ToBf16Fn to_bf16;
+};
+
 const GemmIsa& gemm_isa();
+const Bf16Isa& bf16_isa();
+OrtStatus* read_matmul_bf16_attrs(const ort::Api& api, const OrtKernelInfo* info, MatMulQAttrs& attrs);
+OrtStatus* compute_matmul_bf16(const ort::Api& api, const MatMulQAttrs& attrs, OrtKernelContext* ctx);
 OrtStatus* read_matmul_q_attrs(const ort::Api& api, const OrtKernelInfo* info, MatMulQAttrs& attrs);
 OrtStatus* compute_matmul_q(const ort::Api& api, const MatMulQAttrs& attrs, OrtKernelContext* ctx);
 

@@ -1,0 +1,71 @@
+// MatMulBF16, portable path (the vector path: bgemm_avx512.cpp). The contract:
+// MatMulBF16: y [M, N] = x [M, K] · Wᵀ with W in bfloat16 and x rounded to bfloat16 once per call, products summed
+// in float32 (the ORT CPU lowering of compile.weights: bfloat16; passes/gemm_pack.py writes the layout).
+//
+// Layout "panel16-bf16" (version kPanelLayout): N padded to 16·P (zero columns), K to an even Kp (zero);
+//   codes uint16 [P, Kp/2, 32]: element [p, i, 2c + e] = bf16(W[16p + c, 2i + e])
+// so one 64-byte load is 16 float32 lanes of one k pair, the operand of one vdpbf16ps against a broadcast pair of a
+// row's activations. Paths: AVX-512 BF16 (a tile of up to 8 rows × 2 panels, 16 float accumulators) and portable
+// (the same two products per pair, added high element first as vdpbf16ps does; not bit-identical: the instruction
+// flushes denormals).
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "qgemm.h"
+
+namespace omf {
+namespace {
+
+inline uint16_t bf16_of(float f) {  // round to nearest even; NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float float_of(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+}  // namespace
+
+namespace generic {
+
+void to_bf16_rows(const float* x, int64_t K, int64_t Kp, uint16_t* out, int64_t row_begin, int64_t row_end) {
+  for (int64_t m = row_begin; m < row_end; ++m) {
+    for (int64_t k = 0; k < K; ++k) out[m * Kp + k] = bf16_of(x[m * K + k]);
+    for (int64_t k = K; k < Kp; ++k) out[m * Kp + k] = 0;
+  }
+}
+
+// Not auto-vectorized: GCC 12's -O3 vectorization of this loop nest gave wrong sums (exact small integers off by
+// one; right at -O2 and with -fno-tree-vectorize). This is the fallback path; its speed does not matter.
+__attribute__((optimize("no-tree-vectorize")))
+void bgemm(const BGemmProblem& P, int64_t panel_begin, int64_t panel_end) {
+  const int64_t pairs = P.Kp / 2;
+  for (int64_t p = panel_begin; p < panel_end; ++p) {
+    const uint16_t* panel = P.codes + p * pairs * 32;
+    for (int c = 0; c < kPanel; ++c) {
+      const int64_t n = p * kPanel + c;
+      if (n >= P.N) break;
+      for (int64_t m = 0; m < P.M; ++m) {
+        const uint16_t* a = P.a + m * P.Kp;
+        float acc = 0.0f;
+        for (int64_t i = 0; i < pairs; ++i) {
+          acc += float_of(a[2 * i + 1]) * float_of(panel[i * 32 + 2 * c + 1]);
+          acc += float_of(a[2 * i]) * float_of(panel[i * 32 + 2 * c]);
+        }
+        P.y[m * P.N + n] = acc;
+      }
+    }
+  }
+}
+
+}  // namespace generic
+}  // namespace omf
+

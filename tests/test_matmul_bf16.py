@@ -1,0 +1,91 @@
+"""The native ``MatMulBF16`` GEMM (runtime/ort/kernels/bgemm_*.cpp) and its layout (passes/gemm_pack.py): against
+float64 products of the bfloat16-rounded weights and activations, odd K, partial panels, M = 1 … 64, the portable
+path in a child process, the layout read back, errors; and ``compile.weights: bfloat16`` end to end on the tiny
+model (every weight MatMul lowered to it, logits within bfloat16 rounding of the float32 bundle's)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from helpers import TINY_RECIPE, compile_bundle
+from kernel_reference import matmul_bf16_model
+from omforge.passes import gemm_pack
+from omforge.runtime.ort import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.status().bf16, reason=f"kernel library: {kernels.status().reason}")
+
+
+def session(model) -> ort.InferenceSession:  # noqa: ANN001
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    kernels.register(options)
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def check(n: int, k: int, rows: tuple[int, ...], seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    codes = gemm_pack.pack_bf16(w)
+    wb = gemm_pack.unpack_bf16(codes, n, k).astype(np.float64)
+    assert np.abs(wb - w).max() <= 2 ** -8 * np.abs(w).max()  # round to nearest: half an ulp of 8 bits
+    s = session(matmul_bf16_model(codes, n, k))
+    for m in rows:
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        xb = gemm_pack.unpack_bf16(gemm_pack.pack_bf16(x), m, k).astype(np.float64)
+        y = s.run(None, {"x": x})[0]
+        ref = xb @ wb.T
+        assert y.shape == (m, n)
+        assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max(), m  # float32 sums of exact bf16 products
+
+
+@pytest.mark.parametrize(("n", "k"), [(16, 2), (40, 97), (576, 576), (17, 1536)])
+def test_against_the_rounded_product(n: int, k: int) -> None:
+    check(n, k, rows=(1, 3, 8, 9, 64))
+
+
+def test_the_portable_path(tmp_path: Path) -> None:
+    code = ("import test_matmul_bf16 as t; from omforge.runtime.ort import kernels; "
+            "assert kernels.status().bf16 == 'generic', kernels.status(); t.check(40, 97, (1, 9)); "
+            "t.check(33, 64, (2, 17))")
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OMFORGE_KERNELS_ISA": "generic"},
+                       cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_errors_name_what_is_wrong() -> None:
+    codes = gemm_pack.pack_bf16(np.ones((20, 64), np.float32))
+    with pytest.raises(Exception, match="weight layout version 3 is not known"):
+        session(matmul_bf16_model(codes, 20, 64, layout=3))
+    with pytest.raises(Exception, match=r"codes must be uint16 \[3, 32, 32\]"):
+        session(matmul_bf16_model(codes, 40, 64)).run(None, {"x": np.zeros((1, 64), np.float32)})
+
+
+def test_a_bfloat16_bundle(tmp_path: Path) -> None:
+    """compile.weights: bfloat16 on the tiny model: every weight MatMul is MatMulBF16, the manifest says so, and
+    greedy tokens and logits follow the float32 bundle within bfloat16 rounding."""
+    import json
+
+    from omforge import LLM, SamplingParams
+
+    recipe = tmp_path / "tiny-bf16.yaml"
+    recipe.write_text(TINY_RECIPE.read_text().replace("compile:\n", "compile:\n  weights: bfloat16\n"))
+    bundle = compile_bundle(recipe, tmp_path / "bf16", tmp_path / "cache")
+    fp32 = compile_bundle(TINY_RECIPE, tmp_path / "fp32", tmp_path / "cache")
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["weights"]["precision"] == "bfloat16" and manifest["weights"]["gemm"] == "MatMulBF16"
+    assert manifest["kernels"]["weight_layout"] == kernels.status().weight_layout
+    ops = manifest["passes"]["op_histogram"]
+    assert ops["omforge.kernels::MatMulBF16"] == 2 * 4 + 1 and "MatMul" not in ops
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    with LLM(bundle) as a, LLM(fp32) as b:
+        x, y = (llm.generate([[5, 6, 7, 8]], params)[0] for llm in (a, b))
+    assert len(x.token_ids) == 8
+    first = x.logprobs[0].logprob, y.logprobs[0].logprob
+    assert abs(first[0] - first[1]) < 0.05, first
