@@ -99,11 +99,12 @@ def gather(env: dict[str, str] | None = None) -> dict[str, Any]:
         kernel_report = {"built": kernels.library_path() is not None, "available": k.available, "isa": k.isa,
                          "abi": k.abi, "path": k.path, "reason": k.reason or None,
                          "ort_paged_attention": "kernel" if k.available else "plain",
-                         "gemm": k.gemm if k.available else None, "weight_layout": k.weight_layout}
+                         "gemm": k.gemm if k.available else None, "bf16": k.bf16 if k.available else None,
+                         "weight_layout": k.weight_layout}
     except Exception as e:
         kernel_report = {"built": False, "available": False, "isa": None, "abi": None, "path": None,
                          "reason": f"{type(e).__name__}: {e}", "ort_paged_attention": "plain", "gemm": None,
-                         "weight_layout": None}
+                         "bf16": None, "weight_layout": None}
     if not can_export:
         missing = [p for p in EXPORT_NEEDS if not packages[p]]
         for t in targets.values():
@@ -139,6 +140,8 @@ def render(report: dict[str, Any]) -> str:
     rows.append(("ort paged attention", f"{k['ort_paged_attention']} lowering for bundles compiled here"))
     rows.append(("ort int4/int8 weights", f"MatMulQ ({k['gemm']} path, weight layout {k['weight_layout']})"
                  if k.get("gemm") else "MatMulNBits (onnxruntime's op; the kernel library's GEMM is unavailable)"))
+    rows.append(("ort bfloat16 weights", f"MatMulBF16 ({k['bf16']} path)" if k.get("bf16")
+                 else "unavailable (needs the kernel library)"))
     width = max(len(k) for k, _ in rows)
     lines = ["omforge doctor", ""] + [f"{k:<{width}}  {v}" for k, v in rows] + ["", f"{'target':<9} {'compile':<8} "
                                                                                  f"{'run':<4} why"]
