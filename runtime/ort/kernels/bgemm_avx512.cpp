@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16.h"
 #include "qgemm.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -16,13 +17,6 @@
 namespace omf::avx512bf16 {
 namespace {
 
-inline uint16_t bf16_of(float f) {  // round to nearest even (the tail of a row)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
 
 template <int MR, int NP>
 void tile(const BGemmProblem& P, int64_t m0, int64_t p) {
@@ -79,7 +73,7 @@ void to_bf16_rows(const float* x, int64_t K, int64_t Kp, uint16_t* out, int64_t 
     for (; k + 16 <= K; k += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * Kp + k),
                           (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + m * K + k)));
-    for (; k < K; ++k) out[m * Kp + k] = bf16_of(x[m * K + k]);
+    for (; k < K; ++k) out[m * Kp + k] = bf16_round(x[m * K + k]);
     for (; k < Kp; ++k) out[m * Kp + k] = 0;
   }
 }

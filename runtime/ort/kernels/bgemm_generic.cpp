@@ -12,33 +12,16 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16.h"
 #include "qgemm.h"
 
 namespace omf {
-namespace {
-
-inline uint16_t bf16_of(float f) {  // round to nearest even; NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-inline float float_of(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-}  // namespace
 
 namespace generic {
 
 void to_bf16_rows(const float* x, int64_t K, int64_t Kp, uint16_t* out, int64_t row_begin, int64_t row_end) {
   for (int64_t m = row_begin; m < row_end; ++m) {
-    for (int64_t k = 0; k < K; ++k) out[m * Kp + k] = bf16_of(x[m * K + k]);
+    for (int64_t k = 0; k < K; ++k) out[m * Kp + k] = bf16_round(x[m * K + k]);
     for (int64_t k = K; k < Kp; ++k) out[m * Kp + k] = 0;
   }
 }
@@ -57,8 +40,8 @@ void bgemm(const BGemmProblem& P, int64_t panel_begin, int64_t panel_end) {
         const uint16_t* a = P.a + m * P.Kp;
         float acc = 0.0f;
         for (int64_t i = 0; i < pairs; ++i) {
-          acc += float_of(a[2 * i + 1]) * float_of(panel[i * 32 + 2 * c + 1]);
-          acc += float_of(a[2 * i]) * float_of(panel[i * 32 + 2 * c]);
+          acc += bf16_to_float(a[2 * i + 1]) * bf16_to_float(panel[i * 32 + 2 * c + 1]);
+          acc += bf16_to_float(a[2 * i]) * bf16_to_float(panel[i * 32 + 2 * c]);
         }
         P.y[m * P.N + n] = acc;
       }

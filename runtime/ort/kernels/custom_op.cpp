@@ -23,6 +23,7 @@
 #include <string>
 
 #include "ort_abi.h"
+#include "ort_tensor.h"
 #include "paged_attention.h"
 #include "qgemm_op.h"
 
@@ -59,34 +60,6 @@ Isa choose_isa() {
 const Isa& isa() {
   static const Isa chosen = choose_isa();
   return chosen;
-}
-
-struct Tensor {
-  const OrtValue* value = nullptr;
-  int type = 0;
-  std::vector<int64_t> dims;
-  void* data = nullptr;
-  int64_t numel() const {
-    int64_t n = 1;
-    for (int64_t d : dims) n *= d;
-    return n;
-  }
-};
-
-OrtStatus* describe(const OrtValue* v, Tensor& t) {
-  t.value = v;
-  OrtTensorTypeAndShapeInfo* info = nullptr;
-  if (OrtStatus* s = g_api.GetTensorTypeAndShape(v, &info)) return s;
-  size_t n = 0;
-  OrtStatus* s = g_api.GetTensorElementType(info, &t.type);
-  if (!s) s = g_api.GetDimensionsCount(info, &n);
-  if (!s) {
-    t.dims.resize(n);
-    s = g_api.GetDimensions(info, t.dims.data(), n);
-  }
-  g_api.ReleaseTensorTypeAndShapeInfo(info);
-  if (!s) s = g_api.GetTensorMutableData(const_cast<OrtValue*>(v), &t.data);
-  return s;
 }
 
 OrtStatus* fail(const std::string& msg) { return g_api.CreateStatus(kOrtInvalidArgument, ("PagedAttention: " + msg).c_str()); }
@@ -126,14 +99,6 @@ bool activation_layout(const Tensor& t, int64_t heads, int64_t& tokens, int64_t&
   return false;
 }
 
-uint16_t to_bf16(float f) {  // round to nearest even; NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
 // Symmetric int8 of one head's row: scale = max|x| / 127, q = round-half-even(x / scale), the scale stored
 // (4 bytes, native float) right after the D values.
 void quantize_int8(const float* x, int64_t D, int8_t* out) {
@@ -153,7 +118,7 @@ OrtStatus* compute(const Kernel& K, OrtKernelContext* ctx) {
   for (size_t i = 0; i < 12; ++i) {
     const OrtValue* v = nullptr;
     if (OrtStatus* s = g_api.KernelContext_GetInput(ctx, i, &v)) return s;
-    if (OrtStatus* s = describe(v, in[i])) return s;
+    if (OrtStatus* s = describe(g_api, v, in[i])) return s;
   }
   const Tensor &q = in[0], &k = in[1], &v = in[2], &kc = in[3], &vc = in[4], &slots = in[5], &tables = in[6],
                &qidx = in[7], &tidx = in[8], &pos = in[9], &dtables = in[10], &dqidx = in[11];
@@ -207,7 +172,7 @@ OrtStatus* compute(const Kernel& K, OrtKernelContext* ctx) {
       } else if (K.kv_type == KvType::kBfloat16) {
         uint16_t* kd = static_cast<uint16_t*>(out_data[1]) + at;
         uint16_t* vd = static_cast<uint16_t*>(out_data[2]) + at;
-        for (int64_t d = 0; d < D; ++d) kd[d] = to_bf16(ks[d]), vd[d] = to_bf16(vs[d]);
+        for (int64_t d = 0; d < D; ++d) kd[d] = bf16_round(ks[d]), vd[d] = bf16_round(vs[d]);
       } else {
         quantize_int8(ks, D, static_cast<int8_t*>(out_data[1]) + at);
         quantize_int8(vs, D, static_cast<int8_t*>(out_data[2]) + at);
@@ -259,11 +224,7 @@ OrtStatus* compute(const Kernel& K, OrtKernelContext* ctx) {
   std::memset(P.o, 0, static_cast<size_t>(T) * K.q_heads * D * sizeof(float));
   Run run;
   run.problem = &P;
-  if (items.size() == 1) {
-    run_item(&run, 0);
-  } else if (!items.empty()) {
-    if (OrtStatus* s = g_api.KernelContext_ParallelFor(ctx, &run_item, items.size(), 0, &run)) return s;
-  }
+  if (OrtStatus* s = run_items(g_api, ctx, &run_item, items.size(), &run)) return s;
   if (const char* err = run.error.load()) return g_api.CreateStatus(kOrtInvalidArgument, err);
   return nullptr;
 }
@@ -286,23 +247,16 @@ OrtStatus* compute_swiglu(OrtKernelContext* ctx) {
   const OrtValue* v = nullptr;
   if (OrtStatus* s = g_api.KernelContext_GetInput(ctx, 0, &v)) return s;
   Tensor x;
-  if (OrtStatus* s = describe(v, x)) return s;
+  if (OrtStatus* s = describe(g_api, v, x)) return s;
   if (x.type != kFloat || x.dims.empty() || x.dims.back() % 2 != 0)
     return g_api.CreateStatus(kOrtInvalidArgument, "SwiGLU: input must be float32 with an even last dimension");
-  std::vector<int64_t> dims = x.dims;
-  const int64_t F = dims.back() / 2;
-  dims.back() = F;
-  OrtValue* out = nullptr;
-  if (OrtStatus* s = g_api.KernelContext_GetOutput(ctx, 0, dims.data(), dims.size(), &out)) return s;
+  const int64_t F = x.dims.back() / 2;
   void* out_data = nullptr;
-  if (OrtStatus* s = g_api.GetTensorMutableData(out, &out_data)) return s;
+  if (OrtStatus* s = last_dim_output(g_api, ctx, 0, x, F, &out_data)) return s;
   SwiGluRun run{static_cast<const float*>(x.data), static_cast<float*>(out_data), F ? x.numel() / (2 * F) : 0, F, 0};
   run.rows_per_item = std::max<int64_t>(1, 16384 / std::max<int64_t>(F, 1));  // ~64 KB of output per item
   const size_t items = static_cast<size_t>((run.rows + run.rows_per_item - 1) / run.rows_per_item);
-  if (items == 1) run_swiglu_item(&run, 0);
-  else if (items > 1)
-    if (OrtStatus* s = g_api.KernelContext_ParallelFor(ctx, &run_swiglu_item, items, 0, &run)) return s;
-  return nullptr;
+  return run_items(g_api, ctx, &run_swiglu_item, items, &run);
 }
 
 // ---- the OrtCustomOp tables ----

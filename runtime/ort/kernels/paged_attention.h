@@ -10,6 +10,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16.h"
+
 namespace omf {
 
 // One work item: query tokens of one sequence that share a block-table row, attended together.
@@ -53,12 +55,7 @@ using AttendFn = bool (*)(const PagedProblem&, size_t item, const char** error);
 // One KV element as float: fp32 as is, bf16 widened (its bits are the high half of an fp32), int8 unscaled.
 inline float kv_to_float(float x) { return x; }
 inline float kv_to_float(int8_t x) { return static_cast<float>(x); }
-inline float kv_to_float(uint16_t x) {
-  const uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+inline float kv_to_float(uint16_t x) { return bf16_to_float(x); }
 
 // SwiGLU of `rows` rows: out[r, :F] = silu(in[r, :F]) * in[r, F:2F].
 using SwiGluFn = void (*)(const float* in, float* out, int64_t rows, int64_t F);

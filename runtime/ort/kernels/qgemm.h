@@ -16,6 +16,7 @@
 //   y[m, n] = Σ_b s[n,b] · (Σ_{j∈b} d[m,j] · Σ_k c·a  −  z · Σ_{j∈b} d[m,j] · Σ_k a)  +  m[n,b] · Σ_{k∈b} x[m,k]
 // (the offset's term uses the exact float block sums of x, so affine blocks cost one FMA per block, not a MatMul).
 #pragma once
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -31,6 +32,24 @@ struct QuantizedRows {  // the activations of one call, made by quantize_rows
   float* zsum;          // [M, kb]  Σ_{j∈b} d·Σa  (the zero point's term)
   float* xsum;          // [M, kb]  Σ_{k∈b} x     (the offsets' term; filled only when the weight has offsets)
 };
+
+// One quantized chunk's bookkeeping, shared by every path (their results agree bit for bit): its scale d, and its
+// share of the zero point's term Σ_{j∈b} d·Σa, one rounding per chunk.
+inline void record_chunk(const QuantizedRows& q, int64_t m, int64_t chunks, int64_t kb, int64_t per_block, int64_t j,
+                         float d, int32_t sum) {
+  q.d[m * chunks + j] = d;
+  float& z = q.zsum[m * kb + j / per_block];
+  z = std::fma(d, static_cast<float>(sum), j % per_block == 0 ? 0.0f : z);
+}
+
+// Σ_{k∈b} x of every weight block b of row xr: scalar, in k order (the same float sums on every path).
+inline void block_sums(const float* xr, int64_t K, int64_t block, int64_t kb, float* out) {
+  for (int64_t b = 0; b < kb; ++b) {
+    float s = 0.0f;
+    for (int64_t k = b * block; k < K && k < (b + 1) * block; ++k) s += xr[k];
+    out[b] = s;
+  }
+}
 
 struct QGemmProblem {
   QuantizedRows x;

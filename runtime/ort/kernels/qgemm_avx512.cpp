@@ -171,17 +171,9 @@ void quantize_rows(const float* x, int64_t K, int64_t Kp, int64_t block, bool wa
       _mm_storeu_si128(reinterpret_cast<__m128i*>(ar + k0), _mm512_cvtepi32_epi8(q0));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(ar + k0 + 16), _mm512_cvtepi32_epi8(q1));
       const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-      q.d[m * chunks + j] = d;
-      const int64_t b = j / per_block;
-      if (j % per_block == 0) q.zsum[m * kb + b] = 0.0f;
-      q.zsum[m * kb + b] = std::fma(d, static_cast<float>(sum), q.zsum[m * kb + b]);  // one rounding on every path
+      record_chunk(q, m, chunks, kb, per_block, j, d, sum);
     }
-    if (want_xsum)  // scalar, in k order: the same float sums as the portable path
-      for (int64_t b = 0; b < kb; ++b) {
-        float s = 0.0f;
-        for (int64_t k = b * block; k < std::min(K, (b + 1) * block); ++k) s += xr[k];
-        q.xsum[m * kb + b] = s;
-      }
+    if (want_xsum) block_sums(xr, K, block, kb, q.xsum + m * kb);
   }
 }
 

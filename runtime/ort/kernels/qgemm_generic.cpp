@@ -25,17 +25,9 @@ void quantize_rows(const float* x, int64_t K, int64_t Kp, int64_t block, bool wa
         ar[k0 + k] = static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, v)));
         sum += ar[k0 + k];
       }
-      q.d[m * chunks + j] = d;
-      const int64_t b = j / per_block;
-      if (j % per_block == 0) q.zsum[m * kb + b] = 0.0f;
-      q.zsum[m * kb + b] = std::fma(d, static_cast<float>(sum), q.zsum[m * kb + b]);  // one rounding on every path
+      record_chunk(q, m, chunks, kb, per_block, j, d, sum);
     }
-    if (want_xsum)
-      for (int64_t b = 0; b < kb; ++b) {
-        float s = 0.0f;
-        for (int64_t k = b * block; k < std::min(K, (b + 1) * block); ++k) s += xr[k];
-        q.xsum[m * kb + b] = s;
-      }
+    if (want_xsum) block_sums(xr, K, block, kb, q.xsum + m * kb);
   }
 }
 

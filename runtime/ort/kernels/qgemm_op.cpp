@@ -2,10 +2,14 @@
 // there are many), then the weight's column panels spread over ORT's threads. See qgemm.h and qgemm_op.h.
 #include "qgemm_op.h"
 
+#include <algorithm>
+
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
+
+#include "ort_tensor.h"
 
 namespace omf {
 namespace {
@@ -38,30 +42,40 @@ Bf16Isa choose_bf16() {
   return {"generic", &generic::bgemm, &generic::to_bf16_rows};
 }
 
-OrtStatus* fail(const ort::Api& api, const std::string& msg) {
-  return api.CreateStatus(kOrtInvalidArgument, ("MatMulQ: " + msg).c_str());
+OrtStatus* fail(const ort::Api& api, const char* op, const std::string& msg) {
+  return api.CreateStatus(kOrtInvalidArgument, (std::string(op) + ": " + msg).c_str());
 }
 
-struct Shape {
-  int type = 0;
-  std::vector<int64_t> dims;
-  void* data = nullptr;
-};
+// the attributes both weight GEMMs have: K, N and the layout version of their packed weights
+OrtStatus* read_shape_attrs(const ort::Api& api, const OrtKernelInfo* info, const char* op, MatMulQAttrs& a) {
+  OrtStatus* s = api.KernelInfoGetAttribute_int64(info, "K", &a.K);
+  if (!s) s = api.KernelInfoGetAttribute_int64(info, "N", &a.N);
+  if (!s) s = api.KernelInfoGetAttribute_int64(info, "layout", &a.layout);
+  if (s) return s;
+  if (a.layout != kPanelLayout)
+    return fail(api, op, "weight layout version " + std::to_string(a.layout) + " is not known to this kernel "
+                "library (it reads version " + std::to_string(kPanelLayout) + "); recompile the bundle");
+  if (a.K <= 0 || a.N <= 0) return fail(api, op, "K and N must be positive");
+  return nullptr;
+}
 
-OrtStatus* describe(const ort::Api& api, const OrtValue* v, Shape& t) {
-  OrtTensorTypeAndShapeInfo* info = nullptr;
-  if (OrtStatus* s = api.GetTensorTypeAndShape(v, &info)) return s;
-  size_t n = 0;
-  OrtStatus* s = api.GetTensorElementType(info, &t.type);
-  if (!s) s = api.GetDimensionsCount(info, &n);
-  if (!s) {
-    t.dims.resize(n);
-    s = api.GetDimensions(info, t.dims.data(), n);
+// the inputs [0, n): all present (optional ones may be absent: have[i] false)
+OrtStatus* read_inputs(const ort::Api& api, OrtKernelContext* ctx, size_t n, Tensor* in, bool* have) {
+  size_t count = 0;
+  if (OrtStatus* s = api.KernelContext_GetInputCount(ctx, &count)) return s;
+  for (size_t i = 0; i < std::min(count, n); ++i) {
+    const OrtValue* v = nullptr;
+    if (OrtStatus* s = api.KernelContext_GetInput(ctx, i, &v)) return s;
+    if (v == nullptr) continue;  // an omitted optional input
+    if (OrtStatus* s = describe(api, v, in[i])) return s;
+    have[i] = true;
   }
-  api.ReleaseTensorTypeAndShapeInfo(info);
-  if (!s) s = api.GetTensorMutableData(const_cast<OrtValue*>(v), &t.data);
-  return s;
+  return nullptr;
 }
+
+int64_t rows_per_item(int64_t K) { return std::max<int64_t>(1, 16384 / K); }  // ~64 KB of activations per item
+
+size_t items_of(int64_t total, int64_t per_item) { return static_cast<size_t>((total + per_item - 1) / per_item); }
 
 struct QuantizeRun {
   const float* x;
@@ -100,8 +114,8 @@ void to_bf16_item(void* data, size_t i) {
 
 void bgemm_item(void* data, size_t i) {
   const BGemmProblem* P = static_cast<const BGemmProblem*>(data);
-  const int64_t first = static_cast<int64_t>(i) * 2, panels = (P->N + kPanel - 1) / kPanel;
-  bf16_isa().bgemm(*P, first, std::min(panels, first + 2));
+  const int64_t first = static_cast<int64_t>(i) * kPanelsPerItem, panels = (P->N + kPanel - 1) / kPanel;
+  bf16_isa().bgemm(*P, first, std::min(panels, first + kPanelsPerItem));
 }
 
 }  // namespace
@@ -112,54 +126,32 @@ const Bf16Isa& bf16_isa() {
 }
 
 OrtStatus* read_matmul_bf16_attrs(const ort::Api& api, const OrtKernelInfo* info, MatMulQAttrs& a) {
-  OrtStatus* s = api.KernelInfoGetAttribute_int64(info, "K", &a.K);
-  if (!s) s = api.KernelInfoGetAttribute_int64(info, "N", &a.N);
-  if (!s) s = api.KernelInfoGetAttribute_int64(info, "layout", &a.layout);
-  if (s) return s;
-  if (a.layout != kPanelLayout)
-    return api.CreateStatus(kOrtInvalidArgument, ("MatMulBF16: weight layout version " + std::to_string(a.layout) +
-                            " is not known to this kernel library (it reads version " + std::to_string(kPanelLayout) +
-                            "); recompile the bundle").c_str());
-  if (a.K <= 0 || a.N <= 0) return api.CreateStatus(kOrtInvalidArgument, "MatMulBF16: K and N must be positive");
-  return nullptr;
+  return read_shape_attrs(api, info, "MatMulBF16", a);
 }
 
 OrtStatus* compute_matmul_bf16(const ort::Api& api, const MatMulQAttrs& A, OrtKernelContext* ctx) {
-  Shape in[2];
-  for (size_t i = 0; i < 2; ++i) {
-    const OrtValue* v = nullptr;
-    if (OrtStatus* s = api.KernelContext_GetInput(ctx, i, &v)) return s;
-    if (v == nullptr) return api.CreateStatus(kOrtInvalidArgument, "MatMulBF16: x and codes are required");
-    if (OrtStatus* s = describe(api, v, in[i])) return s;
-  }
-  const Shape &x = in[0], &codes = in[1];
+  Tensor in[2];
+  bool have[2] = {false, false};
+  if (OrtStatus* s = read_inputs(api, ctx, 2, in, have)) return s;
+  if (!have[0] || !have[1]) return fail(api, "MatMulBF16", "x and codes are required");
+  const Tensor &x = in[0], &codes = in[1];
   const int64_t P = (A.N + kPanel - 1) / kPanel, Kp = (A.K + 1) / 2 * 2;
   if (x.type != kFloat || x.dims.empty() || x.dims.back() != A.K)
-    return api.CreateStatus(kOrtInvalidArgument, ("MatMulBF16: x must be float32 [..., " + std::to_string(A.K) + "]").c_str());
+    return fail(api, "MatMulBF16", "x must be float32 [..., " + std::to_string(A.K) + "]");
   if (codes.type != kUint16 || codes.dims != std::vector<int64_t>{P, Kp / 2, 32})
-    return api.CreateStatus(kOrtInvalidArgument, ("MatMulBF16: codes must be uint16 [" + std::to_string(P) + ", " +
-                            std::to_string(Kp / 2) + ", 32] (the panel16-bf16 layout)").c_str());
-  std::vector<int64_t> ydims = x.dims;
-  ydims.back() = A.N;
-  OrtValue* out = nullptr;
-  if (OrtStatus* s = api.KernelContext_GetOutput(ctx, 0, ydims.data(), ydims.size(), &out)) return s;
+    return fail(api, "MatMulBF16", "codes must be uint16 [" + std::to_string(P) + ", " + std::to_string(Kp / 2) +
+                ", 32] (the panel16-bf16 layout)");
   void* y = nullptr;
-  if (OrtStatus* s = api.GetTensorMutableData(out, &y)) return s;
-  int64_t M = 1;
-  for (size_t i = 0; i + 1 < x.dims.size(); ++i) M *= x.dims[i];
+  if (OrtStatus* s = last_dim_output(api, ctx, 0, x, A.N, &y)) return s;
+  const int64_t M = x.numel() / A.K;
   if (M == 0) return nullptr;
-  thread_local std::vector<uint16_t> xa;
+  thread_local std::vector<uint16_t> xa;  // scratch kept per calling thread between calls
   xa.resize(static_cast<size_t>(M * Kp));
   Bf16Run run{static_cast<const float*>(x.data),
               {xa.data(), static_cast<const uint16_t*>(codes.data), static_cast<float*>(y), M, A.N, A.K, Kp},
-              std::max<int64_t>(1, 16384 / A.K)};
-  const size_t citems = static_cast<size_t>((M + run.rows_per_item - 1) / run.rows_per_item);
-  if (citems == 1) to_bf16_item(&run, 0);
-  else if (OrtStatus* s = api.KernelContext_ParallelFor(ctx, &to_bf16_item, citems, 0, &run)) return s;
-  const size_t items = static_cast<size_t>((P + 1) / 2);
-  if (items == 1) bgemm_item(&run.prob, 0);
-  else if (OrtStatus* s = api.KernelContext_ParallelFor(ctx, &bgemm_item, items, 0, &run.prob)) return s;
-  return nullptr;
+              rows_per_item(A.K)};
+  if (OrtStatus* s = run_items(api, ctx, &to_bf16_item, items_of(M, run.rows_per_item), &run)) return s;
+  return run_items(api, ctx, &bgemm_item, items_of(P, kPanelsPerItem), &run.prob);
 }
 
 const GemmIsa& gemm_isa() {
@@ -168,54 +160,35 @@ const GemmIsa& gemm_isa() {
 }
 
 OrtStatus* read_matmul_q_attrs(const ort::Api& api, const OrtKernelInfo* info, MatMulQAttrs& a) {
-  OrtStatus* s = api.KernelInfoGetAttribute_int64(info, "K", &a.K);
-  if (!s) s = api.KernelInfoGetAttribute_int64(info, "N", &a.N);
+  OrtStatus* s = read_shape_attrs(api, info, "MatMulQ", a);
   if (!s) s = api.KernelInfoGetAttribute_int64(info, "bits", &a.bits);
   if (!s) s = api.KernelInfoGetAttribute_int64(info, "block_size", &a.block);
-  if (!s) s = api.KernelInfoGetAttribute_int64(info, "layout", &a.layout);
   if (s) return s;
-  if (a.layout != kPanelLayout)
-    return fail(api, "weight layout version " + std::to_string(a.layout) + " is not known to this kernel library "
-                     "(it reads version " + std::to_string(kPanelLayout) + "); recompile the bundle");
-  if (a.bits != 4 && a.bits != 8) return fail(api, "bits must be 4 or 8");
-  if (a.block != 32 && a.block != 64 && a.block != 128) return fail(api, "block_size must be 32, 64 or 128");
-  if (a.K <= 0 || a.N <= 0) return fail(api, "K and N must be positive");
+  if (a.bits != 4 && a.bits != 8) return fail(api, "MatMulQ", "bits must be 4 or 8");
+  if (a.block != 32 && a.block != 64 && a.block != 128) return fail(api, "MatMulQ", "block_size must be 32, 64 or 128");
   return nullptr;
 }
 
 OrtStatus* compute_matmul_q(const ort::Api& api, const MatMulQAttrs& A, OrtKernelContext* ctx) {
-  size_t nin = 0;
-  if (OrtStatus* s = api.KernelContext_GetInputCount(ctx, &nin)) return s;
-  Shape in[4];
+  Tensor in[4];
   bool have[4] = {false, false, false, false};
-  for (size_t i = 0; i < std::min<size_t>(nin, 4); ++i) {
-    const OrtValue* v = nullptr;
-    if (OrtStatus* s = api.KernelContext_GetInput(ctx, i, &v)) return s;
-    if (v == nullptr) continue;  // an omitted optional input
-    if (OrtStatus* s = describe(api, v, in[i])) return s;
-    have[i] = true;
-  }
-  if (!have[0] || !have[1] || !have[2]) return fail(api, "x, codes and scales are required");
-  const Shape &x = in[0], &codes = in[1], &scales = in[2], &offsets = in[3];
+  if (OrtStatus* s = read_inputs(api, ctx, 4, in, have)) return s;
+  if (!have[0] || !have[1] || !have[2]) return fail(api, "MatMulQ", "x, codes and scales are required");
+  const Tensor &x = in[0], &codes = in[1], &scales = in[2], &offsets = in[3];
   const int64_t P = (A.N + kPanel - 1) / kPanel, kb = (A.K + A.block - 1) / A.block, Kp = kb * A.block;
   const int64_t chunk_bytes = kPanel * kChunk * A.bits / 8;
   if (x.type != kFloat || x.dims.empty() || x.dims.back() != A.K)
-    return fail(api, "x must be float32 [..., " + std::to_string(A.K) + "]");
+    return fail(api, "MatMulQ", "x must be float32 [..., " + std::to_string(A.K) + "]");
   if (codes.type != kUint8 || codes.dims != std::vector<int64_t>{P, Kp / kChunk, chunk_bytes})
-    return fail(api, "codes must be uint8 [" + std::to_string(P) + ", " + std::to_string(Kp / kChunk) + ", " +
-                     std::to_string(chunk_bytes) + "] (the panel16 layout)");
+    return fail(api, "MatMulQ", "codes must be uint8 [" + std::to_string(P) + ", " + std::to_string(Kp / kChunk) +
+                ", " + std::to_string(chunk_bytes) + "] (the panel16 layout)");
   const std::vector<int64_t> sdims{P, kb, kPanel};
-  if (scales.type != kFloat || scales.dims != sdims) return fail(api, "scales must be float32 [P, kb, 16]");
-  if (have[3] && (offsets.type != kFloat || offsets.dims != sdims)) return fail(api, "offsets must be float32 [P, kb, 16]");
-
-  std::vector<int64_t> ydims = x.dims;
-  ydims.back() = A.N;
-  OrtValue* out = nullptr;
-  if (OrtStatus* s = api.KernelContext_GetOutput(ctx, 0, ydims.data(), ydims.size(), &out)) return s;
+  if (scales.type != kFloat || scales.dims != sdims) return fail(api, "MatMulQ", "scales must be float32 [P, kb, 16]");
+  if (have[3] && (offsets.type != kFloat || offsets.dims != sdims))
+    return fail(api, "MatMulQ", "offsets must be float32 [P, kb, 16]");
   void* y = nullptr;
-  if (OrtStatus* s = api.GetTensorMutableData(out, &y)) return s;
-  int64_t M = 1;
-  for (size_t i = 0; i + 1 < x.dims.size(); ++i) M *= x.dims[i];
+  if (OrtStatus* s = last_dim_output(api, ctx, 0, x, A.N, &y)) return s;
+  const int64_t M = x.numel() / A.K;
   if (M == 0) return nullptr;
 
   // the activations, quantized once (scratch kept per calling thread between calls)
@@ -224,19 +197,13 @@ OrtStatus* compute_matmul_q(const ort::Api& api, const MatMulQAttrs& A, OrtKerne
   qa.resize(static_cast<size_t>(M * Kp));
   qf.resize(static_cast<size_t>(M * (Kp / kChunk + 2 * kb)));
   QuantizedRows q{qa.data(), qf.data(), qf.data() + M * (Kp / kChunk), qf.data() + M * (Kp / kChunk + kb)};
-  QuantizeRun qr{static_cast<const float*>(x.data), A.K, Kp, A.block, M, 0, have[3], q};
-  qr.rows_per_item = std::max<int64_t>(1, 16384 / A.K);  // ~64 KB of activations per item
-  const size_t qitems = static_cast<size_t>((M + qr.rows_per_item - 1) / qr.rows_per_item);
-  if (qitems == 1) quantize_item(&qr, 0);
-  else if (OrtStatus* s = api.KernelContext_ParallelFor(ctx, &quantize_item, qitems, 0, &qr)) return s;
+  QuantizeRun qr{static_cast<const float*>(x.data), A.K, Kp, A.block, M, rows_per_item(A.K), have[3], q};
+  if (OrtStatus* s = run_items(api, ctx, &quantize_item, items_of(M, qr.rows_per_item), &qr)) return s;
 
   QGemmProblem prob{q, static_cast<const uint8_t*>(codes.data), static_cast<const float*>(scales.data),
                     have[3] ? static_cast<const float*>(offsets.data) : nullptr, static_cast<float*>(y),
                     M, A.N, A.K, Kp, A.bits, A.block};
-  const size_t items = static_cast<size_t>((P + kPanelsPerItem - 1) / kPanelsPerItem);
-  if (items == 1) gemm_item(&prob, 0);
-  else if (OrtStatus* s = api.KernelContext_ParallelFor(ctx, &gemm_item, items, 0, &prob)) return s;
-  return nullptr;
+  return run_items(api, ctx, &gemm_item, items_of(P, kPanelsPerItem), &prob);
 }
 
 }  // namespace omf
