@@ -37,17 +37,27 @@ WEIGHT_BITS = {"int8": 8, "int4": 4}
 _GEMM_OP = {"int8": "MatMulQ", "int4": "MatMulQ", "bfloat16": "MatMulBF16"}
 
 
-def gemm_lowering(quantization: Mapping[str, Any] | None, kernel: bool) -> str:
-    """Which op the quantized weight MatMuls become (recipe ``quantization.gemm``): ``auto`` — omforge's
-    ``MatMulQ`` ("kernel") where int8 activations are asked for (accuracy level 4, the default) and the kernel
-    library here has the GEMM, else ORT's MatMulNBits ("nbits"; accuracy level 0 keeps float activations, exact and
-    slow); ``MatMulQ`` — the kernel or an error naming why it cannot be; ``MatMulNBits`` — always ORT's op."""
+def gemm_lowering(weights: str, quantization: Mapping[str, Any] | None, kernel: bool) -> str | None:
+    """Which op the weight MatMuls become, as :class:`QuantizeWeights`' ``gemm``; None for float32. bfloat16: the
+    kernel library's MatMulBF16 ("kernel") or a one-line error. int8 / int4 (recipe ``quantization.gemm``):
+    ``auto`` — omforge's ``MatMulQ`` ("kernel") where int8 activations are asked for (accuracy level 4, the
+    default) and the kernel library here has the GEMM, else ORT's MatMulNBits ("nbits"; accuracy level 0 keeps
+    float activations, exact and slow); ``MatMulQ`` — the kernel or an error naming why it cannot be;
+    ``MatMulNBits`` — always ORT's op."""
+    if weights == "float32":
+        return None
+    why = kernels.status().reason or "paged attention is not lowered to it"
+    if weights == "bfloat16":
+        if not (kernel and kernels.status().bf16):
+            raise OmforgeError("compile.weights: bfloat16 needs omforge's kernel library (its MatMulBF16), "
+                               f"unavailable here ({why}); use float32")
+        return "kernel"
     q = quantization or {}
     choice, level = q.get("gemm", "auto"), q.get("accuracy_level", 4)
     usable = kernel and kernels.status().weight_layout is not None
     if choice == "MatMulQ" and not usable:
-        raise OmforgeError("compile.quantization.gemm: MatMulQ needs omforge's kernel library with its GEMM, "
-                           f"unavailable here ({kernels.status().reason or 'paged attention is not lowered to it'})")
+        raise OmforgeError(f"compile.quantization.gemm: MatMulQ needs omforge's kernel library with its GEMM, "
+                           f"unavailable here ({why})")
     if choice == "MatMulNBits":
         return "nbits"
     return "kernel" if usable and level == 4 else "nbits"
@@ -85,10 +95,7 @@ def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | Non
     model = ir.load(export_dir / "model.onnx")
     if kernel is None:
         kernel = kv_write == "graph" and kernels.status().available
-    if weights == "bfloat16" and not (kernel and kernels.status().bf16):
-        raise OmforgeError("compile.weights: bfloat16 needs omforge's kernel library (its MatMulBF16), unavailable "
-                           f"here ({kernels.status().reason or 'paged attention is not lowered to it'}); use float32")
-    gemm = None if weights == "float32" else "kernel" if weights == "bfloat16" else gemm_lowering(quantization, kernel)
+    gemm = gemm_lowering(weights, quantization, kernel)
     run = Pipeline(target, fusions or {}, block_size,
                    {"kv_write": kv_write, "kernel": kernel, "kv_cache_dtype": kv_cache_dtype},
                    quantize_options(weights, quantization, blocks, gemm or "nbits")).run(model)

@@ -37,16 +37,6 @@ class PanelWeights:
         return self.codes.nbytes + self.scales.nbytes + (0 if self.offsets is None else self.offsets.nbytes)
 
 
-def codes_of(p: quant.Packed) -> np.ndarray:
-    """The unsigned codes ``[N, kb·block]`` of a packed matrix (4 bits unpacked, low nibble first)."""
-    if p.bits == 8:
-        return p.blocks.reshape(p.n, -1)
-    packed = p.blocks.reshape(p.n, -1)
-    out = np.empty((p.n, packed.shape[1] * 2), np.uint8)
-    out[:, 0::2], out[:, 1::2] = packed & 15, packed >> 4
-    return out
-
-
 def pack(p: quant.Packed) -> PanelWeights:
     """``p`` in the panel16 layout; ValueError for a block size the kernel has no path for."""
     if p.block not in BLOCKS or p.bits not in (4, 8):
@@ -55,7 +45,7 @@ def pack(p: quant.Packed) -> PanelWeights:
     panels = -(-p.n // PANEL)
     np_ = panels * PANEL
     codes = np.full((np_, kb * p.block), zero, np.uint8)
-    codes[:p.n] = codes_of(p)
+    codes[:p.n] = quant.unpacked_codes(p).reshape(p.n, -1)
     chunks = kb * p.block // CHUNK
     if p.bits == 8:  # [P, 16 cols, chunk, g, e] -> [P, chunk, g, cols, e]
         c = codes.reshape(panels, PANEL, chunks, 8, 4).transpose(0, 2, 3, 1, 4)

@@ -101,9 +101,15 @@ def _quantize_rows(w: np.ndarray, bits: int, block: int, symmetric: bool) -> Pac
                   f"rtn {'symmetric' if symmetric else 'asymmetric'}")
 
 
+def unpacked_codes(p: Packed) -> np.ndarray:
+    """The unsigned codes of ``p``, one per weight (4 bits unpacked, low nibble first), shaped like its blocks'
+    leading dims with ``block`` codes per block."""
+    return _unpack_nibbles(p.blocks) if p.bits == 4 else p.blocks
+
+
 def dequantize(p: Packed) -> np.ndarray:
     """``W [N, K]`` float32 as the graph computes it (the layout's invariant)."""
-    codes = (_unpack_nibbles(p.blocks) if p.bits == 4 else p.blocks).astype(np.float32)
+    codes = unpacked_codes(p).astype(np.float32)
     kb = p.k_blocks
     w = (codes.reshape(p.n, kb, p.block) - (1 << (p.bits - 1))) * p.scales.reshape(p.n, kb)[..., None]
     if p.block_min is not None:

@@ -69,6 +69,7 @@ class QuantizeWeights(ir.passes.InPlacePass):
         self.blocks = blocks or {}
         self.report: dict[str, dict[str, object]] = {}
         self._packed: dict[str, quant.Packed | None] = {}
+        self._bf16: dict[str, tuple[int, int]] = {}  # bits 16: the (N, K) of each source packed so far
 
     # --- the weights -------------------------------------------------------------------------------------------
 
@@ -194,15 +195,15 @@ class QuantizeWeights(ir.passes.InPlacePass):
     def _matmul_bf16(self, graph: ir.Graph, node: ir.Node, source: str, rows: Callable[[], np.ndarray]) -> bool:
         """``MatMulBF16`` over the bfloat16 panels of ``source`` (round to nearest even; made once per source)."""
         name = f"{source}.bf16.panel{WEIGHT_LAYOUT}"
-        value = graph.initializers.get(name)
-        if value is None:
+        if source not in self._bf16:
             w_nk = rows()
             codes = gemm_pack.pack_bf16(w_nk)
-            value = self._const(graph, name, codes)
+            self._const(graph, name, codes)
+            self._bf16[source] = w_nk.shape
             self.report[source] = {"bits": 16, "block": None, "source": "bfloat16 (round to nearest even)",
-                                   "bytes": codes.nbytes, "n": int(w_nk.shape[0]), "k": int(w_nk.shape[1])}
-        n, k = self.report[source]["n"], self.report[source]["k"]
-        gemm = ir.node("MatMulBF16", [node.inputs[0], value], domain=KERNEL_DOMAIN,
+                                   "bytes": codes.nbytes}
+        n, k = self._bf16[source]
+        gemm = ir.node("MatMulBF16", [node.inputs[0], graph.initializers[name]], domain=KERNEL_DOMAIN,
                        attributes={"K": k, "N": n, "layout": WEIGHT_LAYOUT}, name=f"{node.name}_bf16",
                        metadata_props=dict(node.metadata_props))
         ir.convenience.replace_nodes_and_values(graph, node, [node], [gemm], node.outputs, gemm.outputs)

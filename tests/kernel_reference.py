@@ -7,6 +7,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from omforge.passes.gemm_pack import to_bf16 as to_bf16  # the kernels' rounding (round to nearest even)
 from omforge.runtime.ort.kernels import DOMAIN
 
 INPUTS = ("q", "k", "v", "key_cache", "value_cache", "slot_mapping", "block_tables", "query_index", "token_index",
@@ -15,12 +16,6 @@ INPUTS = ("q", "k", "v", "key_cache", "value_cache", "slot_mapping", "block_tabl
 
 KV_ONNX_TYPES = {"float32": TensorProto.FLOAT, "bfloat16": TensorProto.BFLOAT16, "int8": TensorProto.INT8}
 KV_OPS = {"float32": "PagedAttention", "bfloat16": "PagedAttentionBF16", "int8": "PagedAttentionInt8"}
-
-
-def to_bf16(x: np.ndarray) -> np.ndarray:
-    """float32 → bfloat16 bits (uint16), round to nearest even (as the kernel's write)."""
-    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 def from_bf16(b: np.ndarray) -> np.ndarray:

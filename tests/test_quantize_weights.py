@@ -30,6 +30,16 @@ def test_groups_and_merged_parts() -> None:
     assert parts_of("model.layers.0.self_attn.o_proj.weight") == ["model.layers.0.self_attn.o_proj.weight"]
 
 
+def _dequantized_reference(fused: ir.Model, qpass: QuantizeWeights) -> np.ndarray:
+    """The reference: logits of the float graph ``fused`` with every weight ``qpass`` quantized replaced by its
+    dequantized values (the export feeds of seed 3)."""
+    for source, packed in qpass._packed.items():
+        w = quant.dequantize(packed)
+        value = fused.graph.initializers.get(f"{source}.T") or fused.graph.initializers[source]
+        value.const_value = ir.tensor(np.ascontiguousarray(w.T if value.name.endswith(".T") else w), name=value.name)
+    return run_model(fused, export_feeds(seed=3))[0]
+
+
 @pytest.mark.parametrize(("bits", "symmetric", "group", "level", "tol"),
                          [(4, False, 32, 0, 1e-4), (4, True, 64, 0, 1e-4), (8, True, 32, 4, 3e-2)])
 def test_quantized_graph_is_the_dequantized_model(tiny_exports: dict[str, Path], bits: int, symmetric: bool,
@@ -49,13 +59,7 @@ def test_quantized_graph_is_the_dequantized_model(tiny_exports: dict[str, Path],
         assert not [n for n in quantized.graph if n.op_type == "MatMul" and n.inputs[1] is not None
                     and (n.inputs[1].name or "").endswith(".T")]
         assert all(v["bits"] == bits and v["source"].startswith("rtn") for v in run.quantized.values())
-        for source, packed in qpass._packed.items():  # the reference: the float graph on the dequantized weights
-            w = quant.dequantize(packed)
-            value = fused.graph.initializers.get(f"{source}.T") or fused.graph.initializers[source]
-            value.const_value = ir.tensor(np.ascontiguousarray(w.T if value.name.endswith(".T") else w),
-                                          name=value.name)
-        feeds = export_feeds(seed=3)
-        ref, got = run_model(fused, feeds)[0], run_model(quantized, feeds)[0]
+        ref, got = _dequantized_reference(fused, qpass), run_model(quantized, export_feeds(seed=3))[0]
         assert np.abs(got - ref).max() <= tol * np.abs(ref).max(), variant
 
 
@@ -75,13 +79,7 @@ def test_kernel_gemm_graph_is_the_dequantized_model(tiny_exports: dict[str, Path
         ops = [n.op_type for n in quantized.graph]
         assert ops.count("MatMulQ") == 2 * 4 + 1 and "MatMulNBits" not in ops, variant
         assert not [n for n in quantized.graph if n.op_type == "MatMul"]  # no block_min MatMuls either
-        for source, packed in qpass._packed.items():
-            w = quant.dequantize(packed)
-            value = fused.graph.initializers.get(f"{source}.T") or fused.graph.initializers[source]
-            value.const_value = ir.tensor(np.ascontiguousarray(w.T if value.name.endswith(".T") else w),
-                                          name=value.name)
-        feeds = export_feeds(seed=3)
-        ref, got = run_model(fused, feeds)[0], run_model(quantized, feeds)[0]
+        ref, got = _dequantized_reference(fused, qpass), run_model(quantized, export_feeds(seed=3))[0]
         assert np.abs(got - ref).max() <= 3e-2 * np.abs(ref).max(), variant
 
 
