@@ -82,13 +82,26 @@ class Buckets(_Section):
 
 
 QUANT_MATRICES = ("attention", "mlp", "lm_head")
+ACTIVATION_LEVELS = {"int8": 4, "float32": 0}
+"""``quantization.activations`` → the ``accuracy_level`` it is an alias of (bfloat16 has none: MatMulQBF16's)."""
+
+
+def activations_of(activations: str | None, accuracy_level: int) -> str | None:
+    """The activation type of the weight MatMuls: ``activations`` when set, else what ``accuracy_level`` stands for
+    (4: int8, 0: float32); None for levels 1–3 (ORT's MatMulNBits decides)."""
+    if activations is not None:
+        return activations
+    return {level: act for act, level in ACTIVATION_LEVELS.items()}.get(accuracy_level)
 
 
 class QuantizationSection(_Section):
     """How ``compile.weights: int8 | int4`` quantizes (weight-only, round to nearest, per group along K).
 
     ``group_size`` 0 is per channel (one scale per output column): ascend int8 only, and its default there
-    (``passes/ascend_w8a16.py``: the form of WeightQuantBatchMatmulV2 every CANN accepts)."""
+    (``passes/ascend_w8a16.py``: the form of WeightQuantBatchMatmulV2 every CANN accepts). ``activations`` (ort):
+    what the weight MatMuls multiply the codes by — int8 (omforge's MatMulQ; ≡ ``accuracy_level`` 4, the
+    default), bfloat16 (MatMulQBF16) or float32 (MatMulNBits at level 0, exact; ≡ ``accuracy_level`` 0); unset,
+    ``accuracy_level`` decides (docs/weights.md)."""
 
     group_size: Literal[0, 32, 64, 128] = 32
     symmetric: bool = True
@@ -97,6 +110,21 @@ class QuantizationSection(_Section):
     accuracy_level: Literal[0, 1, 2, 3, 4] = 4
     source_blocks: bool = True
     gemm: Literal["auto", "MatMulQ", "MatMulNBits"] = "auto"
+    activations: Literal["int8", "bfloat16", "float32"] | None = None
+
+    @property
+    def activation_type(self) -> str | None:
+        return activations_of(self.activations, self.accuracy_level)
+
+    @model_validator(mode="after")
+    def _activations_alias(self) -> QuantizationSection:
+        """``accuracy_level`` 4 is int8 activations and 0 float32: both keys given must say the same."""
+        if self.activations is not None and "accuracy_level" in self.model_fields_set and \
+                ACTIVATION_LEVELS.get(self.activations) != self.accuracy_level:
+            meaning = activations_of(None, self.accuracy_level)
+            raise _KeyError("activations", f"{self.activations} contradicts accuracy_level {self.accuracy_level}"
+                            f"{f' ({meaning} activations)' if meaning else ''}; set one of them")
+        return self
 
     @field_validator("matrices")
     @classmethod
@@ -162,13 +190,21 @@ class CompileSection(_Section):
                             f"target {self.target} takes float32, float16 or int8")
         if self.weights in ("float32", "float16", "bfloat16") and self.quantization.model_fields_set:
             raise _KeyError("quantization", f"applies to weights int8 or int4; compile.weights is {self.weights}")
-        if self.weights == "int8" and self.quantization.accuracy_level == 0 and self.target == "ort":
-            raise _KeyError("quantization", "accuracy_level 0 with int8 weights would run ONNX Runtime's 8-bit CPU "
-                            "kernel at float precision, far slower than float32; use accuracy_level 4 (int8 "
-                            "activations, as llama.cpp and onnxruntime-genai do) or weights: int4")
-        if self.quantization.gemm == "MatMulQ" and (self.target != "ort" or self.quantization.accuracy_level != 4):
-            raise _KeyError("quantization", "gemm: MatMulQ (omforge's kernel, int8 activations) is the ort target's "
-                            "at accuracy_level 4; use gemm: auto or MatMulNBits")
+        act = self.quantization.activation_type
+        if self.quantization.activations is not None and self.target != "ort":
+            raise _KeyError("quantization", f"activations is the ort target's choice; {self.target} computes in "
+                            "float16 (W8A16)")
+        if self.weights == "int8" and act == "float32" and self.target == "ort":
+            raise _KeyError("quantization", "accuracy_level 0 with int8 weights (float32 activations) would run "
+                            "ONNX Runtime's 8-bit CPU kernel at float precision, far slower than float32; use int8 "
+                            "activations (accuracy_level 4, as llama.cpp and onnxruntime-genai do), bfloat16 "
+                            "activations or weights: int4")
+        if self.quantization.gemm == "MatMulQ" and (self.target != "ort" or act not in ("int8", "bfloat16")):
+            raise _KeyError("quantization", "gemm: MatMulQ (omforge's kernel) is the ort target's, with int8 "
+                            "(accuracy_level 4) or bfloat16 activations; use gemm: auto or MatMulNBits")
+        if self.quantization.gemm == "MatMulNBits" and act == "bfloat16":
+            raise _KeyError("quantization", "activations: bfloat16 is omforge's kernel (MatMulQBF16); gemm: "
+                            "MatMulNBits takes int8 (accuracy_level 4) or float32 (accuracy_level 0) activations")
         if self.weights == "float16" and self.target != "ascend":
             raise _KeyError("weights", f"float16 weights are built for the ascend target (an fp16 graph for ATC); "
                             f"target {self.target} has no float16 MatMul faster than float32 here: use float32, "

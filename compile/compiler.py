@@ -303,7 +303,7 @@ def _static_slots(recipe: Recipe, target: str, block_size: int) -> int | None:
     return ascend.num_slots(recipe, block_size)
 
 
-_OUR_GEMMS = ("MatMulQ", "MatMulBF16")  # weight MatMuls in the kernel library's packed layouts
+_OUR_GEMMS = ("MatMulQ", "MatMulQBF16", "MatMulBF16")  # weight MatMuls in the kernel library's packed layouts
 
 
 def kernel_lowering(target: str, quiet: bool = False) -> bool:

@@ -16,6 +16,7 @@ import onnx_ir as ir
 from omforge.contract import PagedLayout
 from omforge.errors import OmforgeError
 from omforge.passes.pipeline import Pipeline, histogram, interface
+from omforge.recipe import ACTIVATION_LEVELS, activations_of
 from omforge.runtime.ort import kernels
 
 
@@ -37,12 +38,18 @@ WEIGHT_BITS = {"int8": 8, "int4": 4}
 _GEMM_OP = {"int8": "MatMulQ", "int4": "MatMulQ", "bfloat16": "MatMulBF16"}
 
 
+def _activations(quantization: Mapping[str, Any] | None) -> str | None:
+    q = quantization or {}
+    return activations_of(q.get("activations"), q.get("accuracy_level", 4))
+
+
 def gemm_lowering(weights: str, quantization: Mapping[str, Any] | None, kernel: bool) -> str | None:
     """Which op the weight MatMuls become, as :class:`QuantizeWeights`' ``gemm``; None for float32. bfloat16: the
-    kernel library's MatMulBF16 ("kernel") or a one-line error. int8 / int4 (recipe ``quantization.gemm``):
+    kernel library's MatMulBF16 ("kernel") or a one-line error. int8 / int4 (recipe ``quantization.gemm`` and
+    ``activations``): bfloat16 activations — omforge's ``MatMulQBF16`` ("kernel_bf16") or a one-line error;
     ``auto`` — omforge's ``MatMulQ`` ("kernel") where int8 activations are asked for (accuracy level 4, the
-    default) and the kernel library here has the GEMM, else ORT's MatMulNBits ("nbits"; accuracy level 0 keeps
-    float activations, exact and slow); ``MatMulQ`` — the kernel or an error naming why it cannot be;
+    default) and the kernel library here has the GEMM, else ORT's MatMulNBits ("nbits"; float32 activations,
+    accuracy level 0, are exact and slow); ``MatMulQ`` — the kernel or an error naming why it cannot be;
     ``MatMulNBits`` — always ORT's op."""
     if weights == "float32":
         return None
@@ -53,14 +60,30 @@ def gemm_lowering(weights: str, quantization: Mapping[str, Any] | None, kernel: 
                                f"unavailable here ({why}); use float32")
         return "kernel"
     q = quantization or {}
-    choice, level = q.get("gemm", "auto"), q.get("accuracy_level", 4)
+    choice, act = q.get("gemm", "auto"), _activations(q)
     usable = kernel and kernels.status().weight_layout is not None
+    if act == "bfloat16":
+        if not (usable and kernels.status().qbf16):
+            raise OmforgeError("compile.quantization.activations: bfloat16 needs omforge's kernel library with its "
+                               f"MatMulQBF16, unavailable here ({why if not usable else 'the library predates it'})")
+        return "kernel_bf16"
     if choice == "MatMulQ" and not usable:
         raise OmforgeError(f"compile.quantization.gemm: MatMulQ needs omforge's kernel library with its GEMM, "
                            f"unavailable here ({why})")
     if choice == "MatMulNBits":
         return "nbits"
-    return "kernel" if usable and level == 4 else "nbits"
+    return "kernel" if usable and act == "int8" else "nbits"
+
+
+def _activation_report(weights: str, quantization: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The manifest's ``weights.accuracy_level`` (None: not quantized, or bfloat16 activations: no ORT level) and
+    ``activations`` (int8 / bfloat16 / float32; absent for float weights and ORT's own levels 1–3)."""
+    if weights in ("float32", "bfloat16"):
+        return {"accuracy_level": None if weights == "float32" else (quantization or {}).get("accuracy_level", 4)}
+    act = _activations(quantization)
+    level = ACTIVATION_LEVELS.get(act or "", (quantization or {}).get("accuracy_level", 4)) \
+        if act != "bfloat16" else None
+    return {"accuracy_level": level, **({"activations": act} if act else {})}
 
 
 def quantize_options(weights: str, quantization: Mapping[str, Any] | None,
@@ -75,6 +98,7 @@ def quantize_options(weights: str, quantization: Mapping[str, Any] | None,
     q = dict(quantization or {})
     use_blocks = q.pop("source_blocks", True)
     q.pop("gemm", None)
+    q["accuracy_level"] = ACTIVATION_LEVELS.get(q.pop("activations", None) or "", q.get("accuracy_level", 4))
     return {"bits": WEIGHT_BITS[weights], **q, "blocks": blocks if use_blocks else None, "gemm": gemm}
 
 
@@ -108,9 +132,9 @@ def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | Non
                         {"abi": interface(model), "kv_write": kv_write if layout else None,
                          "paged_attention": ("kernel" if kernel else "plain") if layout else None,
                          "weights": {"precision": weights, "quantized": run.quantized,
-                                     "accuracy_level": (quantization or {}).get("accuracy_level", 4)
-                                     if weights != "float32" else None,
-                                     **({"gemm": _GEMM_OP[weights] if gemm == "kernel" else "MatMulNBits"}
+                                     **_activation_report(weights, quantization),
+                                     **({"gemm": _GEMM_OP[weights] if gemm == "kernel" else
+                                         "MatMulQBF16" if gemm == "kernel_bf16" else "MatMulNBits"}
                                         if gemm else {})}})
     out_path.with_suffix(".json").write_text(json.dumps(report.to_dict(), indent=2))
     return report

@@ -158,14 +158,17 @@ class PassCounts(Section):
 @dataclass(frozen=True)
 class Weights(Section):
     """The weights' precision (recipe ``compile.weights``) and every quantized matrix (name → bits, block, source);
-    ort: the accuracy level (None: not quantized) and the op the quantized MatMuls are (``gemm``: ``MatMulQ``,
-    omforge's kernel, or ``MatMulNBits``; absent in bundles from before the kernel); ascend only: the graph's
-    float type (``graph``) and, for int8, what the W8A16 lowering is (``w8a16``)."""
+    ort: the accuracy level (None: not quantized, or bfloat16 activations), the op the quantized MatMuls are
+    (``gemm``: ``MatMulQ`` or ``MatMulQBF16``, omforge's kernels, or ``MatMulNBits``; absent in bundles from before
+    the kernel) and their activation type (``activations``: int8, bfloat16 or float32; absent in bundles from
+    before the recipe key and for ORT's levels 1–3); ascend only: the graph's float type (``graph``) and, for int8,
+    what the W8A16 lowering is (``w8a16``)."""
 
     precision: str
     quantized: dict[str, Any]
     accuracy_level: int | None = None
     gemm: str | None = field(default=None, metadata=OMIT_IF_NONE)
+    activations: str | None = field(default=None, metadata=OMIT_IF_NONE)
     graph: str | None = field(default=None, metadata=OMIT_IF_NONE)
     w8a16: dict[str, str] | None = field(default=None, metadata=OMIT_IF_NONE)
 

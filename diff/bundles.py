@@ -78,7 +78,9 @@ def diff_bundles(a: Path, b: Path, prompts: list[str] | None = None, max_tokens:
 
 
 def _weights(w: Weights) -> str:
-    """``compile.weights`` and, when quantized, the accuracy level the MatMulNBits nodes run at."""
+    """``compile.weights`` and, when quantized, the activation type (bundles from before it: the accuracy level)."""
+    if w.activations is not None:
+        return f"{w.precision} ({w.activations} activations)"
     return w.precision + (f" (accuracy level {w.accuracy_level})" if w.accuracy_level is not None else "")
 
 

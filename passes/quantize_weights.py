@@ -14,7 +14,8 @@ bundle). Every other matrix is quantized by round to nearest to ``bits`` per ``g
 matrix is checked against the graph's float weight before it is used (the export dequantized the same blocks).
 Which op (``gemm``): ``"nbits"`` — ``com.microsoft.MatMulNBits`` (an affine block's offsets as one extra
 ``blocksum(x) @ block_minᵀ`` MatMul); ``"kernel"`` — omforge's ``MatMulQ`` (int8 activations, the offsets folded
-into the kernel), its weights packed at compile time (:mod:`omforge.passes.gemm_pack`). The compile stage decides
+into the kernel), its weights packed at compile time (:mod:`omforge.passes.gemm_pack`); ``"kernel_bf16"`` —
+omforge's ``MatMulQBF16``, the same packed weights × bfloat16 activations. The compile stage decides
 (compile/ort.py) and hands the choice in.
 Postcondition: no quantized group's MatMul is left, and ``report`` names the source and width of every weight.
 """
@@ -59,8 +60,8 @@ class QuantizeWeights(ir.passes.InPlacePass):
                  accuracy_level: int = 0, blocks: Mapping[str, tuple[str, np.ndarray, int]] | None = None,
                  gemm: str = "nbits"):
         super().__init__()
-        if gemm not in ("nbits", "kernel"):
-            raise ValueError(f"gemm must be 'nbits' or 'kernel', got {gemm!r}")
+        if gemm not in ("nbits", "kernel", "kernel_bf16"):
+            raise ValueError(f"gemm must be 'nbits', 'kernel' or 'kernel_bf16', got {gemm!r}")
         if bits == 16 and (gemm != "kernel" or embedding != "float"):
             raise ValueError("bits 16 (bfloat16) is the kernel's MatMulBF16, with a float32 embedding")
         self.gemm = gemm
@@ -129,7 +130,7 @@ class QuantizeWeights(ir.passes.InPlacePass):
                     modified |= self._gather(graph, node)
         if modified:
             model.opset_imports.setdefault(MS_DOMAIN, 1)
-            if self.gemm == "kernel":
+            if self.gemm != "nbits":
                 model.opset_imports.setdefault(KERNEL_DOMAIN, 1)
             drop_unused_initializers(graph)
         return ir.passes.PassResult(model, modified=modified)
@@ -155,7 +156,7 @@ class QuantizeWeights(ir.passes.InPlacePass):
             return False
         q = f"{source}.q{p.bits}"
         meta = dict(node.metadata_props)
-        if self.gemm == "kernel" and p.block in gemm_pack.BLOCKS:
+        if self.gemm != "nbits" and p.block in gemm_pack.BLOCKS:
             return self._matmul_q(graph, node, p, q, meta)
         weights = [self._const(graph, q, p.blocks), self._const(graph, f"{q}.scales", p.scales)]
         attrs = {"K": p.k, "N": p.n, "bits": p.bits, "block_size": p.block, "accuracy_level": self.accuracy_level}
@@ -175,7 +176,8 @@ class QuantizeWeights(ir.passes.InPlacePass):
         return True
 
     def _matmul_q(self, graph: ir.Graph, node: ir.Node, p: quant.Packed, q: str, meta: dict[str, str]) -> bool:
-        """``MatMulQ`` over the panel16 form of ``p`` (made once per source: a tied table's MatMul shares it)."""
+        """``MatMulQ`` (``MatMulQBF16`` for gemm "kernel_bf16") over the panel16 form of ``p`` (made once per source:
+        a tied table's MatMul shares it)."""
         name = f"{q}.panel{WEIGHT_LAYOUT}"
         if graph.initializers.get(f"{name}.codes") is None:
             w = gemm_pack.pack(p)
@@ -187,7 +189,8 @@ class QuantizeWeights(ir.passes.InPlacePass):
         if p.block_min is not None:
             inputs.append(graph.initializers[f"{name}.offsets"])
         attrs = {"K": p.k, "N": p.n, "bits": p.bits, "block_size": p.block, "layout": WEIGHT_LAYOUT}
-        gemm = ir.node("MatMulQ", inputs, domain=KERNEL_DOMAIN, attributes=attrs, name=f"{node.name}_q",
+        op = "MatMulQBF16" if self.gemm == "kernel_bf16" else "MatMulQ"
+        gemm = ir.node(op, inputs, domain=KERNEL_DOMAIN, attributes=attrs, name=f"{node.name}_q",
                        metadata_props=meta)
         ir.convenience.replace_nodes_and_values(graph, node, [node], [gemm], node.outputs, gemm.outputs)
         return True

@@ -99,14 +99,15 @@ def kernel_model(*, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
                              ir_version=9)
 
 
-def matmul_q_model(w, **attrs: int) -> onnx.ModelProto:  # noqa: ANN001 - gemm_pack.PanelWeights
-    """One ``MatMulQ`` node ``y [M, N] = x [M, K] · Wᵀ`` over panel16 weights ``w`` (attrs override the node's)."""
+def matmul_q_model(w, op: str = "MatMulQ", **attrs: int) -> onnx.ModelProto:  # noqa: ANN001 - gemm_pack.PanelWeights
+    """One ``MatMulQ`` (or ``op``: ``MatMulQBF16``) node ``y [M, N] = x [M, K] · Wᵀ`` over panel16 weights ``w``
+    (attrs override the node's)."""
     inits = [onnx.numpy_helper.from_array(w.codes, "codes"), onnx.numpy_helper.from_array(w.scales, "scales")]
     inputs = ["x", "codes", "scales"]
     if w.offsets is not None:
         inits.append(onnx.numpy_helper.from_array(w.offsets, "offsets"))
         inputs.append("offsets")
-    node = helper.make_node("MatMulQ", inputs, ["y"], domain=DOMAIN,
+    node = helper.make_node(op, inputs, ["y"], domain=DOMAIN,
                             **{"K": w.k, "N": w.n, "bits": w.bits, "block_size": w.block, "layout": 1, **attrs})
     graph = helper.make_graph([node], "matmul_q", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", w.k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", w.n])], inits)
@@ -133,6 +134,20 @@ def matmul_q_reference(x: np.ndarray, packed) -> np.ndarray:  # noqa: ANN001 - q
         return xq @ w.T
     offsets = np.repeat(packed.block_min.astype(np.float64), packed.block, axis=1)[:, :k]
     return xq @ (w - offsets).T + x.astype(np.float64) @ offsets.T
+
+
+def matmul_q_bf16_reference(x: np.ndarray, packed) -> np.ndarray:  # noqa: ANN001 - quant.Packed
+    """float64 ``MatMulQBF16``: x rounded to bfloat16, the weight as the kernel decompresses it (``(c − z)·s + m``
+    rounded to float32 once, as by fma, then to bfloat16), their products summed exactly."""
+    from omforge.passes import quant
+
+    kb, z = packed.k_blocks, 1 << (packed.bits - 1)
+    codes = quant.unpacked_codes(packed).reshape(packed.n, kb, packed.block).astype(np.float64)
+    w = (codes - z) * packed.scales.reshape(packed.n, kb, 1).astype(np.float64)  # exact: the fma's product
+    if packed.block_min is not None:
+        w += packed.block_min[..., None].astype(np.float64)
+    w = w.reshape(packed.n, -1)[:, :packed.k].astype(np.float32)  # one rounding, as fma's
+    return from_bf16(to_bf16(x)).astype(np.float64) @ from_bf16(to_bf16(w)).astype(np.float64).T
 
 
 def matmul_bf16_model(codes: np.ndarray, n: int, k: int, **attrs: int) -> onnx.ModelProto:

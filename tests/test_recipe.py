@@ -173,6 +173,27 @@ BAD = [
     ("float16-dtype-points-to-weights", MODEL + "compile:\n  dtype: float16\n",
      "compile.dtype: use compile.weights (float16 builds an fp16 graph for the ascend target); compile.dtype only "
      "accepts float32 (got 'float16')"),
+    # compile.quantization.activations (issue 21): one of three, an alias of accuracy_level 4 / 0, ort only.
+    ("activations-unknown", MODEL + "compile:\n  weights: int4\n  quantization:\n    activations: fp16\n",
+     "compile.quantization.activations: 'fp16' is not allowed; expected 'int8', 'bfloat16' or 'float32'"),
+    ("activations-contradict-accuracy-level",
+     MODEL + "compile:\n  weights: int4\n  quantization:\n    activations: bfloat16\n    accuracy_level: 4\n",
+     "compile.quantization.activations: bfloat16 contradicts accuracy_level 4 (int8 activations); set one of them"),
+    ("activations-float32-contradict-level-4",
+     MODEL + "compile:\n  weights: int4\n  quantization:\n    activations: float32\n    accuracy_level: 4\n",
+     "compile.quantization.activations: float32 contradicts accuracy_level 4 (int8 activations); set one of them"),
+    ("activations-float32-int8-weights",
+     MODEL + "compile:\n  weights: int8\n  quantization:\n    activations: float32\n",
+     "compile.quantization: accuracy_level 0 with int8 weights (float32 activations) would run ONNX Runtime's 8-bit "
+     "CPU kernel at float precision, far slower than float32; use int8 activations (accuracy_level 4, as llama.cpp "
+     "and onnxruntime-genai do), bfloat16 activations or weights: int4"),
+    ("activations-bfloat16-with-matmulnbits",
+     MODEL + "compile:\n  weights: int4\n  quantization:\n    activations: bfloat16\n    gemm: MatMulNBits\n",
+     "compile.quantization: activations: bfloat16 is omforge's kernel (MatMulQBF16); gemm: MatMulNBits takes int8 "
+     "(accuracy_level 4) or float32 (accuracy_level 0) activations"),
+    ("activations-on-ascend",
+     MODEL + "compile:\n  target: ascend\n  weights: int8\n  quantization:\n    activations: int8\n",
+     "compile.quantization: activations is the ort target's choice; ascend computes in float16 (W8A16)"),
     # Cross-field: runtime limits within the build-time maxima.
     ("max-model-len-above-max-seq-len", MODEL + "compile:\n  max_seq_len: 256\nserve:\n  max_model_len: 512\n",
      "serve.max_model_len: 512 exceeds compile.max_seq_len (256), the longest sequence the graphs are built for"),
@@ -265,6 +286,19 @@ def test_cli_subprocess_exit_2_without_traceback(tmp_path: Path, text: str, expe
 
 
 # --- good recipes -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("setting", "activations", "level"), [
+    ("group_size: 32", "int8", 4), ("accuracy_level: 0", "float32", 0), ("accuracy_level: 2", None, 2),
+    ("activations: bfloat16", "bfloat16", 4), ("activations: float32\n    accuracy_level: 0", "float32", 0),
+    ("activations: int8\n    accuracy_level: 4", "int8", 4)])
+def test_activations_and_their_accuracy_level_alias(tmp_path: Path, setting: str, activations: str | None,
+                                                    level: int) -> None:
+    """``activations`` unset: ``accuracy_level`` decides (4 int8, 0 float32, 1–3 ORT's own); set: it decides, and
+    an ``accuracy_level`` given beside it agrees."""
+    q = load_recipe(_write(tmp_path, MODEL + f"compile:\n  weights: int4\n  quantization:\n    {setting}\n"
+                           )).compile.quantization
+    assert (q.activation_type, q.accuracy_level) == (activations, level)
 
 
 def test_tiny_llama_loads_with_defaults() -> None:

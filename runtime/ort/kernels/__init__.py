@@ -2,8 +2,9 @@
 
 The library (``_omforge_kernels*.so`` beside this file, built from the C++ sources here by ``setup.py``, or
 ``$OMFORGE_KERNELS_LIBRARY``) registers ``PagedAttention``, ``PagedAttentionBF16`` and ``PagedAttentionInt8``
-(fp32, bf16 and int8 KV pools), ``SwiGLU``, and ``MatMulQ`` (block-quantized weights × int8 activations, its
-weights in the packed layout of ``qgemm.h``); their contracts are at the top of ``custom_op.cpp`` and
+(fp32, bf16 and int8 KV pools), ``SwiGLU``, ``MatMulQ`` (block-quantized weights × int8 activations, its
+weights in the packed layout of ``qgemm.h``), ``MatMulQBF16`` (the same weights × bfloat16 activations) and
+``MatMulBF16`` (bfloat16 weights); their contracts are at the top of ``custom_op.cpp`` and
 ``qgemm_op.h``, and what the lowering shares of them (domain, ABI version, head dims) lives in
 :mod:`omforge.contract.kernel_abi`. It receives ORT's API table at registration and declares the few ABI facts it
 uses itself (``ort_abi.h``), so it needs no ORT headers and loads on any ORT >= :data:`MIN_ORT`.
@@ -41,6 +42,7 @@ class KernelStatus:
     reason: str = ""
     gemm: str | None = None  # MatMulQ's ISA path (avx512vnni, avxvnni, avx2, generic)
     bf16: str | None = None  # MatMulBF16's ISA path (avx512bf16, generic)
+    qbf16: str | None = None  # MatMulQBF16's ISA path (MatMulBF16's); None: a library from before the op
     weight_layout: int | None = None  # the packed weight layout version MatMulQ reads
 
     def manifest_entry(self, weight_layout: bool = False) -> KernelLibrary:
@@ -90,7 +92,7 @@ def status() -> KernelStatus:
                             reason=f"{path.name} speaks kernel ABI {abi}, this omforge {ABI_VERSION}; "
                                    "reinstall omforge")
     return KernelStatus(True, str(path), abi, fields["isa"], gemm=fields.get("gemm"), bf16=fields.get("bf16"),
-                        weight_layout=int(fields["layout"]) if "layout" in fields else None)
+                        qbf16=fields.get("qbf16"), weight_layout=int(fields["layout"]) if "layout" in fields else None)
 
 
 def register(options) -> None:  # noqa: ANN001 - onnxruntime.SessionOptions

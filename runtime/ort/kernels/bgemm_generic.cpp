@@ -29,24 +29,30 @@ void to_bf16_rows(const float* x, int64_t K, int64_t Kp, uint16_t* out, int64_t 
 // Not auto-vectorized: GCC 12's -O3 vectorization of this loop nest gave wrong sums (exact small integers off by
 // one; right at -O2 and with -fno-tree-vectorize). This is the fallback path; its speed does not matter.
 __attribute__((optimize("no-tree-vectorize")))
-void bgemm(const BGemmProblem& P, int64_t panel_begin, int64_t panel_end) {
-  const int64_t pairs = P.Kp / 2;
-  for (int64_t p = panel_begin; p < panel_end; ++p) {
-    const uint16_t* panel = P.codes + p * pairs * 32;
+void bf16_panels(const Bf16Panels& T, int panels) {
+  const int64_t pairs = T.Kp / 2;
+  for (int q = 0; q < panels; ++q) {
+    const uint16_t* panel = T.w + q * pairs * 32;
     for (int c = 0; c < kPanel; ++c) {
-      const int64_t n = p * kPanel + c;
-      if (n >= P.N) break;
-      for (int64_t m = 0; m < P.M; ++m) {
-        const uint16_t* a = P.a + m * P.Kp;
+      const int64_t n = T.n0 + q * kPanel + c;
+      if (n >= T.N) break;
+      for (int64_t m = 0; m < T.M; ++m) {
+        const uint16_t* a = T.a + m * T.Kp;
         float acc = 0.0f;
         for (int64_t i = 0; i < pairs; ++i) {
           acc += bf16_to_float(a[2 * i + 1]) * bf16_to_float(panel[i * 32 + 2 * c + 1]);
           acc += bf16_to_float(a[2 * i]) * bf16_to_float(panel[i * 32 + 2 * c]);
         }
-        P.y[m * P.N + n] = acc;
+        T.y[m * T.N + n] = acc;
       }
     }
   }
+}
+
+void bgemm(const BGemmProblem& P, int64_t panel_begin, int64_t panel_end) {
+  const int64_t panel_elems = P.Kp / 2 * 32;
+  for (int64_t p = panel_begin; p < panel_end; ++p)
+    bf16_panels({P.a, P.codes + p * panel_elems, P.y, P.M, P.N, P.Kp, p * kPanel}, 1);
 }
 
 }  // namespace generic

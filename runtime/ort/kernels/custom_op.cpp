@@ -1,7 +1,8 @@
 // The omforge kernel library: registers the custom-op domain `omforge.kernels` with ONNX Runtime
 // (entry point RegisterCustomOps) and implements its ops on the CPU EP: PagedAttention (three KV pool
 // dtypes, below), SwiGLU (gate_up [..., 2F] -> silu(gate) * up [..., F]), MatMulQ (a block-quantized weight
-// MatMul with int8 activations: qgemm.h, qgemm_op.h) and MatMulBF16 (bfloat16 weights: bgemm_generic.cpp).
+// MatMul with int8 activations: qgemm.h, qgemm_op.h), MatMulQBF16 (the same weights, bfloat16 activations) and
+// MatMulBF16 (bfloat16 weights: bgemm_generic.cpp).
 //
 // PagedAttention (fp32 pools) / PagedAttentionBF16 (bf16 pools) / PagedAttentionInt8 (int8 pools, each
 // head's row followed by its float32 scale: [S, Hkv, D + 4] int8), the ORT CPU lowering of the step ABI's
@@ -64,7 +65,7 @@ const Isa& isa() {
 
 OrtStatus* fail(const std::string& msg) { return g_api.CreateStatus(kOrtInvalidArgument, ("PagedAttention: " + msg).c_str()); }
 
-enum class OpKind { kPagedAttention, kSwiGlu, kMatMulQ, kMatMulBF16 };
+enum class OpKind { kPagedAttention, kSwiGlu, kMatMulQ, kMatMulQBF16, kMatMulBF16 };
 
 struct Kernel {
   OpKind kind = OpKind::kPagedAttention;
@@ -279,9 +280,9 @@ OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernelIn
     *out = k;
     return nullptr;
   }
-  if (k->kind == OpKind::kMatMulQ || k->kind == OpKind::kMatMulBF16) {
-    OrtStatus* s = k->kind == OpKind::kMatMulQ ? read_matmul_q_attrs(g_api, info, k->gemm)
-                                               : read_matmul_bf16_attrs(g_api, info, k->gemm);
+  if (k->kind == OpKind::kMatMulQ || k->kind == OpKind::kMatMulQBF16 || k->kind == OpKind::kMatMulBF16) {
+    OrtStatus* s = k->kind == OpKind::kMatMulBF16 ? read_matmul_bf16_attrs(g_api, info, k->gemm)
+                   : read_matmul_q_attrs(g_api, info, as_op(op)->name, k->gemm);
     if (s) {
       delete k;
       return s;
@@ -313,6 +314,7 @@ OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
   try {
     const Kernel& k = *static_cast<Kernel*>(kernel);
     if (k.kind == OpKind::kMatMulQ) return compute_matmul_q(g_api, k.gemm, ctx);
+    if (k.kind == OpKind::kMatMulQBF16) return compute_matmul_qbf16(g_api, k.gemm, ctx);
     if (k.kind == OpKind::kMatMulBF16) return compute_matmul_bf16(g_api, k.gemm, ctx);
     return k.kind == OpKind::kSwiGlu ? compute_swiglu(ctx) : compute(k, ctx);
   } catch (const std::bad_alloc&) {
@@ -325,11 +327,12 @@ const char* op_name(const OrtCustomOp* op) { return as_op(op)->name; }
 const char* op_ep(const OrtCustomOp*) { return "CPUExecutionProvider"; }
 size_t input_count(const OrtCustomOp* op) {
   const OpKind kind = as_op(op)->kind;
-  return kind == OpKind::kSwiGlu ? 1 : kind == OpKind::kMatMulQ ? 4 : kind == OpKind::kMatMulBF16 ? 2 : 12;
+  if (kind == OpKind::kMatMulQ || kind == OpKind::kMatMulQBF16) return 4;
+  return kind == OpKind::kSwiGlu ? 1 : kind == OpKind::kMatMulBF16 ? 2 : 12;
 }
 size_t output_count(const OrtCustomOp* op) { return as_op(op)->kind == OpKind::kPagedAttention ? 3 : 1; }
 int input_type(const OrtCustomOp* op, size_t i) {
-  if (as_op(op)->kind == OpKind::kMatMulQ) return i == 1 ? kUint8 : kFloat;
+  if (as_op(op)->kind == OpKind::kMatMulQ || as_op(op)->kind == OpKind::kMatMulQBF16) return i == 1 ? kUint8 : kFloat;
   if (as_op(op)->kind == OpKind::kMatMulBF16) return i == 1 ? kUint16 : kFloat;
   if (i <= 2 || as_op(op)->kind == OpKind::kSwiGlu) return kFloat;
   if (i <= 4) {
@@ -343,8 +346,8 @@ int input_type(const OrtCustomOp* op, size_t i) {
 }
 int output_type(const OrtCustomOp* op, size_t i) { return i == 0 ? kFloat : input_type(op, 3); }
 int required(const OrtCustomOp*, size_t) { return 0; }
-int input_required(const OrtCustomOp* op, size_t i) {  // 1: optional (MatMulQ's offsets)
-  return as_op(op)->kind == OpKind::kMatMulQ && i == 3 ? 1 : 0;
+int input_required(const OrtCustomOp* op, size_t i) {  // 1: optional (MatMulQ's and MatMulQBF16's offsets)
+  return (as_op(op)->kind == OpKind::kMatMulQ || as_op(op)->kind == OpKind::kMatMulQBF16) && i == 3 ? 1 : 0;
 }
 int mem_default(const OrtCustomOp*, size_t) { return 0; }
 int one(const OrtCustomOp*) { return 1; }
@@ -385,6 +388,7 @@ Op g_ops[] = {make_op("PagedAttention", OpKind::kPagedAttention, KvType::kFloat3
               make_op("PagedAttentionInt8", OpKind::kPagedAttention, KvType::kInt8),
               make_op("SwiGLU", OpKind::kSwiGlu, KvType::kFloat32),
               make_op("MatMulQ", OpKind::kMatMulQ, KvType::kFloat32),
+              make_op("MatMulQBF16", OpKind::kMatMulQBF16, KvType::kFloat32),
               make_op("MatMulBF16", OpKind::kMatMulBF16, KvType::kFloat32)};
 
 }  // namespace
@@ -401,10 +405,12 @@ OMF_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApi
   return omf::g_api.AddCustomOpDomain(options, domain);
 }
 
-// "abi=<n> isa=<path> gemm=<path> bf16=<path> layout=<n> domain=<domain>": what `omforge doctor` and the manifest report.
+// "abi=<n> isa=<path> gemm=<path> bf16=<path> qbf16=<path> layout=<n> domain=<domain>": what `omforge doctor` and the
+// manifest report (qbf16: MatMulQBF16's path, the bf16 one; its presence says the library has the op).
 OMF_EXPORT const char* omforge_kernels_info() {
   static std::string info = "abi=" + std::to_string(omf::kAbiVersion) + " isa=" + omf::isa().name +
-                            " gemm=" + omf::gemm_isa().name + " bf16=" + omf::bf16_isa().name + " layout=" + std::to_string(omf::kPanelLayout) +
+                            " gemm=" + omf::gemm_isa().name + " bf16=" + omf::bf16_isa().name +
+                            " qbf16=" + omf::bf16_isa().name + " layout=" + std::to_string(omf::kPanelLayout) +
                             " domain=" + omf::kDomain;
   return info.c_str();
 }

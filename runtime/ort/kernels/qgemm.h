@@ -66,6 +66,14 @@ using QGemmFn = void (*)(const QGemmProblem&, int64_t panel_begin, int64_t panel
 using QuantizeFn = void (*)(const float* x, int64_t K, int64_t Kp, int64_t block, bool want_xsum,
                             const QuantizedRows& q, int64_t row_begin, int64_t row_end);
 
+// c[16p+i, 32j+t] of a panel16 chunk (`chunk`: panel p's bytes of chunk j), read from the layout above
+inline int code_at(const uint8_t* chunk, int64_t bits, int i, int t) {
+  if (bits == 8) return chunk[(t / 4) * 64 + 4 * i + t % 4];
+  const int h = t / 8, r = t % 8;
+  const uint8_t byte = chunk[h * 64 + 4 * i + r % 4];
+  return r < 4 ? byte & 15 : byte >> 4;
+}
+
 // MatMulBF16 (bgemm_generic.cpp, bgemm_avx512.cpp): bfloat16 weights in the panel16-bf16 layout, activations rounded to bfloat16 per call.
 struct BGemmProblem {
   const uint16_t* a;      // [M, Kp] activations, bfloat16
@@ -76,8 +84,34 @@ struct BGemmProblem {
 using BGemmFn = void (*)(const BGemmProblem&, int64_t panel_begin, int64_t panel_end);
 using ToBf16Fn = void (*)(const float* x, int64_t K, int64_t Kp, uint16_t* out, int64_t row_begin, int64_t row_end);
 
+// What MatMulBF16's tiles compute, wherever their panels come from: y[m, n0 + c] = Σ_k a[m, k] · w(c, k) for every
+// row m < M and the `panels` (1 or 2) panels at w (panel16-bf16, each Kp/2 × 32 bfloat16, consecutive), columns
+// n0 + c < N of y [M, N]. The one vdpbf16ps tile code, shared by MatMulBF16 and MatMulQBF16.
+struct Bf16Panels {
+  const uint16_t* a;  // [M, Kp] bfloat16
+  const uint16_t* w;  // [panels, Kp/2, 32] bfloat16
+  float* y;
+  int64_t M, N, Kp, n0;
+};
+
+// MatMulQBF16 (qbgemm_generic.cpp, qbgemm_avx512.cpp): MatMulQ's panel16 weights × activations rounded to bfloat16
+// once per call. Per pair of panels a thread owns, the codes are decompressed into a per-thread buffer in the
+// panel16-bf16 layout, w = bf16(fma(c − z, s, m)) (m = 0 for symmetric blocks), then MatMulBF16's tiles run over
+// every row: y = Σ_k bf16(x)·w with float32 sums, the same products in the same order on both paths.
+struct QBGemmProblem {
+  const uint16_t* a;  // [M, Kp] activations, bfloat16 (Kp = kb·block, zero past K)
+  const uint8_t* codes;
+  const float* scales;
+  const float* offsets;  // null: symmetric
+  float* y;
+  int64_t M, N, K, Kp, bits, block;
+};
+using QBGemmFn = void (*)(const QBGemmProblem&, int64_t panel_begin, int64_t panel_end);
+
 namespace avx512bf16 {
 void bgemm(const BGemmProblem&, int64_t, int64_t);
+void bf16_panels(const Bf16Panels&, int panels);
+void qbgemm(const QBGemmProblem&, int64_t, int64_t);
 void to_bf16_rows(const float*, int64_t, int64_t, uint16_t*, int64_t, int64_t);
 }  // namespace avx512bf16
 
@@ -93,6 +127,8 @@ void qgemm(const QGemmProblem&, int64_t, int64_t);
 }  // namespace avx2
 namespace generic {
 void bgemm(const BGemmProblem&, int64_t, int64_t);
+void bf16_panels(const Bf16Panels&, int panels);
+void qbgemm(const QBGemmProblem&, int64_t, int64_t);
 void to_bf16_rows(const float*, int64_t, int64_t, uint16_t*, int64_t, int64_t);
 void qgemm(const QGemmProblem&, int64_t, int64_t);
 void quantize_rows(const float*, int64_t, int64_t, int64_t, bool, const QuantizedRows&, int64_t, int64_t);

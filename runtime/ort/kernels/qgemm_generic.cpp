@@ -31,18 +31,6 @@ void quantize_rows(const float* x, int64_t K, int64_t Kp, int64_t block, bool wa
   }
 }
 
-namespace {
-
-// c[16p+i, 32j+t] from the panel layout
-inline int code_at(const uint8_t* chunk, int64_t bits, int i, int t) {
-  if (bits == 8) return chunk[(t / 4) * 64 + 4 * i + t % 4];
-  const int h = t / 8, r = t % 8;
-  const uint8_t byte = chunk[h * 64 + 4 * i + r % 4];
-  return r < 4 ? byte & 15 : byte >> 4;
-}
-
-}  // namespace
-
 void qgemm(const QGemmProblem& P, int64_t panel_begin, int64_t panel_end) {
   const int64_t chunks = P.Kp / kChunk, kb = P.Kp / P.block, per_block = P.block / kChunk;
   const int64_t chunk_bytes = kPanel * kChunk * P.bits / 8;

@@ -1,5 +1,6 @@
 // MatMulQ's ORT side: shapes checked, activations quantized once per call (rows spread over ORT's threads when
-// there are many), then the weight's column panels spread over ORT's threads. See qgemm.h and qgemm_op.h.
+// there are many), then the weight's column panels spread over ORT's threads. MatMulQBF16 and MatMulBF16 the same
+// way, activations rounded to bfloat16 instead. See qgemm.h and qgemm_op.h.
 #include "qgemm_op.h"
 
 #include <algorithm>
@@ -37,9 +38,9 @@ Bf16Isa choose_bf16() {
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") && (w.empty() || w == "avx512"))
-    return {"avx512bf16", &avx512bf16::bgemm, &avx512bf16::to_bf16_rows};
+    return {"avx512bf16", &avx512bf16::bgemm, &avx512bf16::to_bf16_rows, &avx512bf16::qbgemm};
 #endif
-  return {"generic", &generic::bgemm, &generic::to_bf16_rows};
+  return {"generic", &generic::bgemm, &generic::to_bf16_rows, &generic::qbgemm};
 }
 
 OrtStatus* fail(const ort::Api& api, const char* op, const std::string& msg) {
@@ -159,37 +160,76 @@ const GemmIsa& gemm_isa() {
   return chosen;
 }
 
-OrtStatus* read_matmul_q_attrs(const ort::Api& api, const OrtKernelInfo* info, MatMulQAttrs& a) {
-  OrtStatus* s = read_shape_attrs(api, info, "MatMulQ", a);
+OrtStatus* read_matmul_q_attrs(const ort::Api& api, const OrtKernelInfo* info, const char* op, MatMulQAttrs& a) {
+  OrtStatus* s = read_shape_attrs(api, info, op, a);
   if (!s) s = api.KernelInfoGetAttribute_int64(info, "bits", &a.bits);
   if (!s) s = api.KernelInfoGetAttribute_int64(info, "block_size", &a.block);
   if (s) return s;
-  if (a.bits != 4 && a.bits != 8) return fail(api, "MatMulQ", "bits must be 4 or 8");
-  if (a.block != 32 && a.block != 64 && a.block != 128) return fail(api, "MatMulQ", "block_size must be 32, 64 or 128");
+  if (a.bits != 4 && a.bits != 8) return fail(api, op, "bits must be 4 or 8");
+  if (a.block != 32 && a.block != 64 && a.block != 128) return fail(api, op, "block_size must be 32, 64 or 128");
   return nullptr;
+}
+
+namespace {
+
+// MatMulQ's and MatMulQBF16's inputs read and checked (in[3], the offsets, present iff have[3]), y made; *M its rows
+OrtStatus* panel16_inputs(const ort::Api& api, const char* op, const MatMulQAttrs& A, OrtKernelContext* ctx,
+                          Tensor* in, bool* have, void** y, int64_t* M) {
+  if (OrtStatus* s = read_inputs(api, ctx, 4, in, have)) return s;
+  if (!have[0] || !have[1] || !have[2]) return fail(api, op, "x, codes and scales are required");
+  const Tensor &x = in[0], &codes = in[1], &scales = in[2], &offsets = in[3];
+  const int64_t P = (A.N + kPanel - 1) / kPanel, kb = (A.K + A.block - 1) / A.block, Kp = kb * A.block;
+  const int64_t chunk_bytes = kPanel * kChunk * A.bits / 8;
+  if (x.type != kFloat || x.dims.empty() || x.dims.back() != A.K)
+    return fail(api, op, "x must be float32 [..., " + std::to_string(A.K) + "]");
+  if (codes.type != kUint8 || codes.dims != std::vector<int64_t>{P, Kp / kChunk, chunk_bytes})
+    return fail(api, op, "codes must be uint8 [" + std::to_string(P) + ", " + std::to_string(Kp / kChunk) +
+                ", " + std::to_string(chunk_bytes) + "] (the panel16 layout)");
+  const std::vector<int64_t> sdims{P, kb, kPanel};
+  if (scales.type != kFloat || scales.dims != sdims) return fail(api, op, "scales must be float32 [P, kb, 16]");
+  if (have[3] && (offsets.type != kFloat || offsets.dims != sdims))
+    return fail(api, op, "offsets must be float32 [P, kb, 16]");
+  if (OrtStatus* s = last_dim_output(api, ctx, 0, x, A.N, y)) return s;
+  *M = x.numel() / A.K;
+  return nullptr;
+}
+
+void qbgemm_item(void* data, size_t i) {
+  const QBGemmProblem* P = static_cast<const QBGemmProblem*>(data);
+  const int64_t first = static_cast<int64_t>(i) * kPanelsPerItem, panels = (P->N + kPanel - 1) / kPanel;
+  bf16_isa().qbgemm(*P, first, std::min(panels, first + kPanelsPerItem));
+}
+
+}  // namespace
+
+OrtStatus* compute_matmul_qbf16(const ort::Api& api, const MatMulQAttrs& A, OrtKernelContext* ctx) {
+  Tensor in[4];
+  bool have[4] = {false, false, false, false};
+  void* y = nullptr;
+  int64_t M = 0;
+  if (OrtStatus* s = panel16_inputs(api, "MatMulQBF16", A, ctx, in, have, &y, &M)) return s;
+  if (M == 0) return nullptr;
+  const int64_t P = (A.N + kPanel - 1) / kPanel, Kp = (A.K + A.block - 1) / A.block * A.block;
+  thread_local std::vector<uint16_t> xa;  // the activations in bfloat16, scratch kept per calling thread
+  xa.resize(static_cast<size_t>(M * Kp));
+  Bf16Run run{static_cast<const float*>(in[0].data), {xa.data(), nullptr, nullptr, M, A.N, A.K, Kp},
+              rows_per_item(A.K)};
+  if (OrtStatus* s = run_items(api, ctx, &to_bf16_item, items_of(M, run.rows_per_item), &run)) return s;
+  QBGemmProblem prob{xa.data(), static_cast<const uint8_t*>(in[1].data), static_cast<const float*>(in[2].data),
+                     have[3] ? static_cast<const float*>(in[3].data) : nullptr, static_cast<float*>(y),
+                     M, A.N, A.K, Kp, A.bits, A.block};
+  return run_items(api, ctx, &qbgemm_item, items_of(P, kPanelsPerItem), &prob);
 }
 
 OrtStatus* compute_matmul_q(const ort::Api& api, const MatMulQAttrs& A, OrtKernelContext* ctx) {
   Tensor in[4];
   bool have[4] = {false, false, false, false};
-  if (OrtStatus* s = read_inputs(api, ctx, 4, in, have)) return s;
-  if (!have[0] || !have[1] || !have[2]) return fail(api, "MatMulQ", "x, codes and scales are required");
-  const Tensor &x = in[0], &codes = in[1], &scales = in[2], &offsets = in[3];
-  const int64_t P = (A.N + kPanel - 1) / kPanel, kb = (A.K + A.block - 1) / A.block, Kp = kb * A.block;
-  const int64_t chunk_bytes = kPanel * kChunk * A.bits / 8;
-  if (x.type != kFloat || x.dims.empty() || x.dims.back() != A.K)
-    return fail(api, "MatMulQ", "x must be float32 [..., " + std::to_string(A.K) + "]");
-  if (codes.type != kUint8 || codes.dims != std::vector<int64_t>{P, Kp / kChunk, chunk_bytes})
-    return fail(api, "MatMulQ", "codes must be uint8 [" + std::to_string(P) + ", " + std::to_string(Kp / kChunk) +
-                ", " + std::to_string(chunk_bytes) + "] (the panel16 layout)");
-  const std::vector<int64_t> sdims{P, kb, kPanel};
-  if (scales.type != kFloat || scales.dims != sdims) return fail(api, "MatMulQ", "scales must be float32 [P, kb, 16]");
-  if (have[3] && (offsets.type != kFloat || offsets.dims != sdims))
-    return fail(api, "MatMulQ", "offsets must be float32 [P, kb, 16]");
   void* y = nullptr;
-  if (OrtStatus* s = last_dim_output(api, ctx, 0, x, A.N, &y)) return s;
-  const int64_t M = x.numel() / A.K;
+  int64_t M = 0;
+  if (OrtStatus* s = panel16_inputs(api, "MatMulQ", A, ctx, in, have, &y, &M)) return s;
   if (M == 0) return nullptr;
+  const Tensor& x = in[0];
+  const int64_t P = (A.N + kPanel - 1) / kPanel, kb = (A.K + A.block - 1) / A.block, Kp = kb * A.block;
 
   // the activations, quantized once (scratch kept per calling thread between calls)
   thread_local std::vector<int8_t> qa;
@@ -200,8 +240,8 @@ OrtStatus* compute_matmul_q(const ort::Api& api, const MatMulQAttrs& A, OrtKerne
   QuantizeRun qr{static_cast<const float*>(x.data), A.K, Kp, A.block, M, rows_per_item(A.K), have[3], q};
   if (OrtStatus* s = run_items(api, ctx, &quantize_item, items_of(M, qr.rows_per_item), &qr)) return s;
 
-  QGemmProblem prob{q, static_cast<const uint8_t*>(codes.data), static_cast<const float*>(scales.data),
-                    have[3] ? static_cast<const float*>(offsets.data) : nullptr, static_cast<float*>(y),
+  QGemmProblem prob{q, static_cast<const uint8_t*>(in[1].data), static_cast<const float*>(in[2].data),
+                    have[3] ? static_cast<const float*>(in[3].data) : nullptr, static_cast<float*>(y),
                     M, A.N, A.K, Kp, A.bits, A.block};
   return run_items(api, ctx, &gemm_item, items_of(P, kPanelsPerItem), &prob);
 }

@@ -5,6 +5,8 @@
 //   attrs    K, N, bits (4 or 8), block_size (32, 64 or 128), layout (must be kPanelLayout)
 // MatMulBF16: inputs 0 x [..., K] float32, 1 codes uint16 [P, Kp/2, 32] (bgemm_generic.cpp); output y [..., N] float32;
 //   attrs K, N, layout (must be kPanelLayout)
+// MatMulQBF16: MatMulQ's inputs, outputs and attributes (the same panel16 weights), activations in bfloat16 instead of
+//   int8 (qgemm.h, QBGemmProblem)
 #pragma once
 #include <cstdint>
 
@@ -27,13 +29,16 @@ struct Bf16Isa {
   const char* name;
   BGemmFn bgemm;
   ToBf16Fn to_bf16;
+  QBGemmFn qbgemm;
 };
 
 const GemmIsa& gemm_isa();
 const Bf16Isa& bf16_isa();
 OrtStatus* read_matmul_bf16_attrs(const ort::Api& api, const OrtKernelInfo* info, MatMulQAttrs& attrs);
 OrtStatus* compute_matmul_bf16(const ort::Api& api, const MatMulQAttrs& attrs, OrtKernelContext* ctx);
-OrtStatus* read_matmul_q_attrs(const ort::Api& api, const OrtKernelInfo* info, MatMulQAttrs& attrs);
+// MatMulQ's and MatMulQBF16's (`op`: the name their errors start with)
+OrtStatus* read_matmul_q_attrs(const ort::Api& api, const OrtKernelInfo* info, const char* op, MatMulQAttrs& attrs);
 OrtStatus* compute_matmul_q(const ort::Api& api, const MatMulQAttrs& attrs, OrtKernelContext* ctx);
+OrtStatus* compute_matmul_qbf16(const ort::Api& api, const MatMulQAttrs& attrs, OrtKernelContext* ctx);
 
 }  // namespace omf
