@@ -1,6 +1,6 @@
-"""The weight GEMM alone: omforge's MatMulQ against ONNX Runtime's MatMulNBits (accuracy levels 4 and 0) and the
-float32 MatMul, per shape and row count, in one process (ratios measured side by side), with this CPU's measured
-int8 VNNI peak.
+"""The weight GEMM alone: omforge's MatMulQ (int8 activations) and MatMulQBF16 (the same weights, bfloat16
+activations) against ONNX Runtime's MatMulNBits (accuracy levels 4 and 0) and the float32 MatMul, per shape and row
+count, in one process (ratios measured side by side), with this CPU's measured int8 VNNI peak.
 
   .venv/bin/python benchmarks/bench_gemm.py [--shapes smollm2|llama8b|all] [--rows 1,8,16,32,64,128,256]
                                             [--threads 2] [--reps 30] [--bits 4] [--affine]
@@ -100,9 +100,10 @@ def sessions(w: np.ndarray, bits: int, affine: bool, threads: int) -> dict[str, 
     pw = gemm_pack.pack(p)
     q_inputs = ["x", "codes", "scales"] + (["offsets"] if pw.offsets is not None else [])
     q_inits = [arr(pw.codes, "codes"), arr(pw.scales, "scales")] + ([arr(pw.offsets, "offsets")] if affine else [])
-    out = {"MatMulQ": _session([helper.make_node("MatMulQ", q_inputs, ["y"], domain="omforge.kernels", K=k, N=n,
-                                                 bits=bits, block_size=32, layout=gemm_pack.LAYOUT)],
-                               q_inits, k, n, threads, {"": 17, "omforge.kernels": 1})}
+    out = {op: _session([helper.make_node(op, q_inputs, ["y"], domain="omforge.kernels", K=k, N=n, bits=bits,
+                                          block_size=32, layout=gemm_pack.LAYOUT)],
+                        q_inits, k, n, threads, {"": 17, "omforge.kernels": 1})
+           for op in ("MatMulQ", *(("MatMulQBF16",) if kernels.status().qbf16 else ()))}
     for level in (4, 0):  # affine blocks: MatMulNBits + the block-offset MatMul, as quantize_weights lowers them
         nodes = [helper.make_node("MatMulNBits", ["x", "b", "s"], ["y0" if affine else "y"], domain="com.microsoft",
                                   K=k, N=n, bits=bits, block_size=32, accuracy_level=level)]
@@ -143,7 +144,8 @@ def main() -> None:
         raise SystemExit(f"the kernel library's MatMulQ is unavailable: {kernels.status().reason}")
     peak = vnni_peak(a.threads)
     print(f"VNNI peak ({a.threads} threads, vpdpbusd zmm loop): " + (f"{peak:.0f} GOP/s" if peak else "not measured"))
-    print(f"MatMulQ path {kernels.status().gemm}; int{a.bits} {'affine' if a.affine else 'symmetric'} blocks of 32")
+    print(f"MatMulQ path {kernels.status().gemm}, MatMulQBF16 path {kernels.status().qbf16}; "
+          f"int{a.bits} {'affine' if a.affine else 'symmetric'} blocks of 32")
     rng = np.random.default_rng(0)
     shapes = [s for key in (SHAPES if a.shapes == "all" else [a.shapes]) for s in SHAPES[key]]
     for name, n, k in shapes:
