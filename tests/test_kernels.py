@@ -32,7 +32,10 @@ def make_step(rng: np.random.Generator, seqs: list[tuple[int, int]], block_size:
 
 def run_case(rng, seqs, *, q_heads=9, kv_heads=3, head_dim=64, block_size=16, num_blocks=64, window=0,  # noqa: ANN001
              shared_prefix_blocks: int = 0, in_place: bool = True, token_major: bool = False,
-             split_decodes: bool = True, kv_dtype: str = "float32") -> None:
+             split_decodes: bool = True, kv_dtype: str = "float32", round_q_int16: bool = False) -> None:
+    """One node against the float64 reference. int8 pools: decode rows score with q rounded to int16 per row
+    (paged_attention_impl.h), which moves outputs by ~1e-4 (atol 2e-4 here); ``round_q_int16`` gives the reference
+    that same rounding instead, and the float tolerance applies."""
     step = make_step(rng, seqs, block_size, num_blocks, shared_prefix_blocks, split_decodes)
     T = step["input_ids"].shape[1]
     scale = head_dim ** -0.5
@@ -44,14 +47,26 @@ def run_case(rng, seqs, *, q_heads=9, kv_heads=3, head_dim=64, block_size=16, nu
     pools = [ENCODE[kv_dtype](rng.standard_normal((num_blocks * block_size, kv_heads, head_dim), dtype=np.float32))
              for _ in range(2)]
     f["key_cache"], f["value_cache"] = (p.copy() for p in pools)
-    want_o, want_k, want_v = paged_attention_reference(f, q_heads=q_heads, kv_heads=kv_heads, block_size=block_size,
+    ref = dict(f, q=rounded_q_int16(f["q"], scale)) if round_q_int16 else f
+    want_o, want_k, want_v = paged_attention_reference(ref, q_heads=q_heads, kv_heads=kv_heads, block_size=block_size,
                                                        scale=scale, window=window, kv_dtype=kv_dtype)
     model = kernel_model(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, scale=scale,
                          window=window, token_major=token_major, kv_dtype=kv_dtype)
     o, k_out, v_out = run_kernel(model, f, pools, in_place, token_major, kv_dtype)
-    np.testing.assert_allclose(o, want_o, atol=2e-5, rtol=1e-4)  # against attention over the pools as stored
+    atol = 2e-4 if kv_dtype == "int8" and head_dim % 32 == 0 and not round_q_int16 else 2e-5
+    np.testing.assert_allclose(o, want_o, atol=atol, rtol=1e-4)  # against attention over the pools as stored
     np.testing.assert_array_equal(k_out, want_k)
     np.testing.assert_array_equal(v_out, want_v)
+
+
+def rounded_q_int16(q: np.ndarray, scale: float) -> np.ndarray:
+    """q as the int8-pool decode path scores it: each (token, head) row of q * scale rounded to int16 with its own
+    scale (largest |element| -> 32767), in float32 as the kernel does, returned unscaled (float64)."""
+    qf = (q * np.float32(scale)).astype(np.float32)
+    amax = np.abs(qf).max(axis=-1, keepdims=True)
+    safe = np.where(amax > 0, amax, np.float32(1))
+    q16 = np.clip(np.rint(qf * (np.float32(32767) / safe)), -32767, 32767)
+    return q16 * (safe / np.float32(32767)).astype(np.float64) / scale
 
 
 def session(model) -> ort.InferenceSession:  # noqa: ANN001
@@ -140,6 +155,17 @@ def test_reduced_precision_kv(kv_dtype: str, head_dim: int) -> None:
     run_case(rng, [(20, 6), (33, 1)], head_dim=head_dim, kv_dtype=kv_dtype, in_place=False)
 
 
+@pytest.mark.parametrize("head_dim, q_heads, kv_heads", [(64, 9, 3), (128, 16, 2), (32, 4, 4), (256, 8, 1)])
+def test_int8_decode_scores_are_integer_dots_of_int16_queries(head_dim: int, q_heads: int, kv_heads: int) -> None:
+    """int8 pools, decode items: the kernel's scores are exact integer dots of int16-rounded queries with the int8
+    keys, scaled — so against a reference given the same rounded queries it agrees to float rounding (2e-5)."""
+    rng = np.random.default_rng(11)
+    run_case(rng, [(37, 1), (100, 1), (15, 1), (0, 1), (63, 1)], q_heads=q_heads, kv_heads=kv_heads,
+             head_dim=head_dim, kv_dtype="int8", round_q_int16=True)
+    run_case(rng, [(130, 1), (1, 1)], q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, kv_dtype="int8",
+             round_q_int16=True, block_size=64, num_blocks=8)
+
+
 @pytest.mark.parametrize("window", [1, 7, 40])
 def test_sliding_window(window: int) -> None:
     run_case(np.random.default_rng(6), [(50, 1), (20, 30), (90, 1)], window=window)
@@ -159,7 +185,8 @@ def test_slower_isa_paths(isa: str, tmp_path) -> None:  # noqa: ANN001
             "t.run_case(np.random.default_rng(7), [(30, 40), (70, 1), (5, 1)]); "
             "t.run_case(np.random.default_rng(8), [(3, 9), (33, 1)], q_heads=16, kv_heads=2, head_dim=128, window=5); "
             "t.run_case(np.random.default_rng(9), [(30, 40), (70, 1)], kv_dtype='bfloat16'); "
-            "t.run_case(np.random.default_rng(9), [(30, 40), (70, 1)], kv_dtype='int8')")
+            "t.run_case(np.random.default_rng(9), [(30, 40), (70, 1)], kv_dtype='int8'); "
+            "t.run_case(np.random.default_rng(9), [(37, 1), (70, 1)], kv_dtype='int8', round_q_int16=True)")
     import os
     env = {**os.environ, "OMFORGE_KERNELS_ISA": isa}
     tests_dir = str(__import__("pathlib").Path(__file__).parent)

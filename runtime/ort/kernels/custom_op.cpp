@@ -50,7 +50,7 @@ Isa choose_isa() {
   std::string w = want ? want : "";
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();
-  const bool has512 = __builtin_cpu_supports("avx512f");
+  const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");  // pa_avx512: BW for the int8 dots
   const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (has512 && (w.empty() || w == "avx512")) return {"avx512", &avx512::attend, &avx512::swiglu};
   if (has2 && (w.empty() || w == "avx512" || w == "avx2")) return {"avx2", &avx2::attend, &avx2::swiglu};

@@ -58,6 +58,19 @@ struct Vec {
   static V load_kv(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
+  using VI = __m256i;
+  static VI izero() { return _mm256_setzero_si256(); }
+  static VI dot_i16_i8(VI acc, const int16_t* q, const int8_t* k) {
+    const __m256i k16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k)));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(k16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))));
+  }
+  static V reduce_rows_i(const VI* v) {  // 8 vectors -> their 8 exact sums, as float
+    const VI u0 = _mm256_hadd_epi32(v[0], v[1]), u1 = _mm256_hadd_epi32(v[2], v[3]);
+    const VI u2 = _mm256_hadd_epi32(v[4], v[5]), u3 = _mm256_hadd_epi32(v[6], v[7]);
+    const VI w0 = _mm256_hadd_epi32(u0, u1), w1 = _mm256_hadd_epi32(u2, u3);
+    return _mm256_cvtepi32_ps(
+        _mm256_add_epi32(_mm256_permute2x128_si256(w0, w1, 0x20), _mm256_permute2x128_si256(w0, w1, 0x31)));
+  }
 };
 
 #include "paged_attention_impl.h"

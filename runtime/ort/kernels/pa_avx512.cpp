@@ -1,4 +1,4 @@
-// PagedAttention, AVX-512F path (chosen at run time when the CPU has it; see custom_op.cpp).
+// PagedAttention, AVX-512F + BW path (chosen at run time when the CPU has both; see custom_op.cpp).
 #if defined(__x86_64__) && defined(__GNUC__)
 // Standard and project headers come before the target pragma: template code they define (std::vector, ...)
 // is then compiled for the baseline ISA, so no AVX instruction can leak into code shared with other paths.
@@ -7,7 +7,7 @@
 #include "paged_attention.h"
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx2,fma")
+#pragma GCC target("avx512f,avx512bw,avx2,fma")
 
 namespace omf::avx512 {
 
@@ -50,6 +50,23 @@ struct Vec {
   }
   static V load_kv(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  using VI = __m512i;
+  static VI izero() { return _mm512_setzero_si512(); }
+  static VI dot_i16_i8(VI acc, const int16_t* q, const int8_t* k) {  // vpmaddwd: AVX-512BW
+    const __m512i k16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k)));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(k16, _mm512_loadu_si512(q)));
+  }
+  static V reduce_rows_i(const VI* v) {  // reduce_rows in int32 (exact), then float
+    VI u[8], w[4];
+    for (int k = 0; k < 8; ++k)
+      u[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_epi32(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; ++k)
+      w[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(u[2 * k], u[2 * k + 1]), _mm512_unpackhi_epi64(u[2 * k], u[2 * k + 1]));
+    const VI s0 = _mm512_add_epi32(_mm512_shuffle_i32x4(w[0], w[1], 0x88), _mm512_shuffle_i32x4(w[0], w[1], 0xDD));
+    const VI s1 = _mm512_add_epi32(_mm512_shuffle_i32x4(w[2], w[3], 0x88), _mm512_shuffle_i32x4(w[2], w[3], 0xDD));
+    return _mm512_cvtepi32_ps(
+        _mm512_add_epi32(_mm512_shuffle_i32x4(s0, s1, 0x88), _mm512_shuffle_i32x4(s0, s1, 0xDD)));
   }
 };
 

@@ -37,6 +37,17 @@ struct Vec {
     return V{kv_to_float(p[0]), kv_to_float(p[1]), kv_to_float(p[2]), kv_to_float(p[3])};
   }
   static V load_kv(const int8_t* p) { return V{float(p[0]), float(p[1]), float(p[2]), float(p[3])}; }
+  typedef int32_t VI __attribute__((vector_size(16)));
+  static VI izero() { return VI{0, 0, 0, 0}; }
+  static VI dot_i16_i8(VI acc, const int16_t* q, const int8_t* k) {
+    for (int i = 0; i < W; ++i) acc[i] += int32_t{q[2 * i]} * k[2 * i] + int32_t{q[2 * i + 1]} * k[2 * i + 1];
+    return acc;
+  }
+  static V reduce_rows_i(const VI* v) {
+    V out;
+    for (int i = 0; i < W; ++i) out[i] = static_cast<float>((v[i][0] + v[i][1]) + (v[i][2] + v[i][3]));
+    return out;
+  }
 };
 
 #include "paged_attention_impl.h"

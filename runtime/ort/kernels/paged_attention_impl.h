@@ -5,6 +5,8 @@
 // V max(V, V); float hsum(V); float hmax(V); V round_nearest(V); V scale_pow2(V y, V n) (y * 2^n);
 // V reduce_rows(const V v[W]) (lane i = the sum of the lanes of v[i]);
 // V load_kv(const float* | const uint16_t* | const int8_t*) (fp32, bf16 widened, int8 converted, unscaled);
+// VI: W int32 lanes; VI izero(); VI dot_i16_i8(VI acc, const int16_t* q, const int8_t* k) (lane i += q[2i]k[2i] +
+// q[2i+1]k[2i+1] over 2W elements, exact); V reduce_rows_i(const VI v[W]) (lane i = float of the exact int sum of v[i]);
 // (scalar conversions: omf::kv_to_float). It is included inside a
 // namespace, so it includes nothing itself (paged_attention.h brings the standard headers).
 //
@@ -12,13 +14,15 @@
 // sequence's blocks in order; a block no query of the item can see is never touched; within a block, keys
 // hidden from a query (position after it, or outside the sliding window) score -inf. Two shapes:
 //  - few query rows (decodes): "row" path, every slot row of a block read whole (all KV heads at once):
-//    dot products per (row, head), P·V accumulated per head; the next block's rows prefetched;
+//    dot products per (row, head), P·V accumulated per head; the next block's rows prefetched; int8 pools score
+//    in integers (each query row rounded once to int16, exact int32 dots with the int8 keys: score_chunk_i8);
 //  - many rows (prefill chunks): "tile" path, per KV head: the block's keys transposed once to [D][n],
 //    scores by a broadcast-FMA tile of 4 query rows x up to 4 vectors of keys, P·V by a register tile.
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Scratch {
-  std::vector<float> q, s, acc, m, l, kt, scale;
+  std::vector<float> q, s, acc, m, l, kt, scale, qscale;
+  std::vector<int16_t> q16;
   std::vector<int64_t> pos;
   std::vector<const float*> qrow;
 };
@@ -95,6 +99,47 @@ static inline void score_chunk(const float* q, const KV* kbase, int64_t row_stri
     part[jj] = a;
   }
   Vec::store(s, Vec::reduce_rows(part));
+}
+
+// int8 pools, decode rows: scores in integers. Each query row is rounded once to int16 with its own scale (its
+// largest |element| -> 32767); a key row's dot product is summed exactly in int32 (|sum| <= 32767 * 127 * D < 2^31
+// for D <= 256) and only then made float and scaled by the query's and the key's scales. The sums are exact, so
+// every ISA path computes the same scores; one key row is widened once per query row instead of converted to float.
+template <int D>
+constexpr bool kIntScores = D % 32 == 0;  // the same head sizes on every path (2W divides 32 for W = 4, 8, 16)
+
+template <int D>
+static inline void score_chunk_i8(const int16_t* q, const int8_t* kbase, int64_t row_stride, int64_t m, float* s) {
+  constexpr int NV = D / (2 * Vec::W);
+  typename Vec::VI part[Vec::W];
+  for (int jj = 0; jj < Vec::W; ++jj) {
+    if (jj >= m) {
+      part[jj] = Vec::izero();
+      continue;
+    }
+    const int8_t* k = kbase + jj * row_stride;
+    typename Vec::VI a = Vec::dot_i16_i8(Vec::izero(), q, k);
+    for (int i = 1; i < NV; ++i) a = Vec::dot_i16_i8(a, q + i * 2 * Vec::W, k + i * 2 * Vec::W);
+    part[jj] = a;
+  }
+  Vec::store(s, Vec::reduce_rows_i(part));
+}
+
+// A query row as int16 (q16[d] = round(q[d] / scale), |q16| <= 32767); returns the scale (0 for a zero row).
+template <int D>
+static inline float quantize_row_i16(const float* q, int16_t* q16) {
+  float amax = 0.0f;
+  for (int d = 0; d < D; ++d) amax = std::max(amax, std::fabs(q[d]));
+  if (!(amax > 0.0f)) {
+    std::fill(q16, q16 + D, int16_t{0});
+    return 0.0f;
+  }
+  const float inv = 32767.0f / amax;
+  for (int d = 0; d < D; ++d) {
+    const float x = std::nearbyint(q[d] * inv);
+    q16[d] = static_cast<int16_t>(std::max(-32767.0f, std::min(32767.0f, x)));
+  }
+  return amax / 32767.0f;
 }
 
 // Online-softmax update of one row over scores s[0..np) (np a multiple of W, -inf where hidden):
@@ -245,6 +290,13 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
       S.pos[r] = P.positions[toks[i]];
     }
   }
+  constexpr bool int_scores = std::is_same<KV, int8_t>::value && kIntScores<D>;
+  if (int_scores && row_path) {
+    S.q16.resize(static_cast<size_t>(nrows) * D);
+    S.qscale.resize(nrows);
+    for (int r = 0; r < nrows; ++r)
+      S.qscale[r] = quantize_row_i16<D>(&S.q[static_cast<size_t>(r) * D], &S.q16[static_cast<size_t>(r) * D]);
+  }
   const KV* kpool = static_cast<const KV*>(P.key_pool);
   const KV* vpool = static_cast<const KV*>(P.value_pool);
   std::vector<const KV*> vrows(bs);
@@ -261,15 +313,21 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
         const int64_t m = std::min<int64_t>(Vec::W, n - c);
         if (next_base >= 0) prefetch_row(kpool + (next_base + c) * row_stride, m * row_stride * sizeof(KV));
         const KV* kchunk = kpool + (base + c) * row_stride;
-        for (int r = 0; r < nrows; ++r)
-          score_chunk<D, KV>(&S.q[static_cast<size_t>(r) * D], kchunk + (r % Hq / G) * HE, row_stride, m,
-                             &S.s[r * np_max + c]);
+        for (int r = 0; r < nrows; ++r) {
+          if constexpr (int_scores)
+            score_chunk_i8<D>(&S.q16[static_cast<size_t>(r) * D], kchunk + (r % Hq / G) * HE, row_stride, m,
+                              &S.s[r * np_max + c]);
+          else
+            score_chunk<D, KV>(&S.q[static_cast<size_t>(r) * D], kchunk + (r % Hq / G) * HE, row_stride, m,
+                               &S.s[r * np_max + c]);
+        }
       }
       if constexpr (std::is_same<KV, int8_t>::value) {  // each key row's scale, gathered once per head
         gather_scales<KV, D>(kpool + base * row_stride, row_stride, n, Hkv, HE, np_max, S.scale);
         for (int r = 0; r < nrows; ++r) {
           const float* sc = &S.scale[(r % Hq / G) * np_max];
-          for (int64_t j = 0; j < n; ++j) S.s[r * np_max + j] *= sc[j];
+          const float qs = int_scores ? S.qscale[r] : 1.0f;
+          for (int64_t j = 0; j < n; ++j) S.s[r * np_max + j] *= sc[j] * qs;
         }
       }
       for (int r = 0; r < nrows; ++r) {
