@@ -20,6 +20,19 @@ EXIT_USAGE = 2
 EXIT_ATC_LEFT = 3  # compile --target ascend finished everything but the ATC step (no atc on PATH)
 
 
+def _prefill_cap(text: str) -> int | str:
+    """``--max-prefill-tokens-with-decodes``: a positive number, ``auto`` or ``none`` (no bound)."""
+    if text in ("auto", "none"):
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number, 'auto' or 'none', got {text!r}")
+    return value
+
+
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -271,8 +284,9 @@ def _serve_parser(sub: _Subparsers) -> None:
     p.add_argument("--served-model-name", help="the model id clients send (default the recipe's model name)")
     p.add_argument("--max-num-seqs", type=int, help="override serve.max_num_seqs")
     p.add_argument("--max-num-batched-tokens", type=int, help="override serve.max_num_batched_tokens")
-    p.add_argument("--max-prefill-tokens-with-decodes", type=int,
-                   help="override serve.max_prefill_tokens_with_decodes (prefill tokens in a step with decodes)")
+    p.add_argument("--max-prefill-tokens-with-decodes", type=_prefill_cap, metavar="N|auto|none",
+                   help="override serve.max_prefill_tokens_with_decodes (prefill tokens in a step with decodes: a "
+                        "number, auto = a 128-token budget for the whole step, none = no bound)")
     p.add_argument("--max-model-len", type=int, help="override serve.max_model_len")
     p.add_argument("--num-kv-blocks", type=int, help="override serve.num_kv_blocks")
     p.add_argument("--speculative-config", help='speculative decoding, vLLM\'s spelling, e.g. '

@@ -250,7 +250,8 @@ class ServeSection(_Section):
 
     max_num_seqs: int = Field(default=64, ge=1, le=4096)
     max_num_batched_tokens: int = Field(default=512, ge=16, le=1_048_576)
-    max_prefill_tokens_with_decodes: int | None = Field(default=None, ge=1, le=1_048_576)
+    # prefill tokens in a step with decodes: a number, "auto" (a 128-token budget for the whole step) or null (none)
+    max_prefill_tokens_with_decodes: int | str | None = "auto"
     max_model_len: int | None = Field(default=None, ge=16)
     enable_prefix_caching: bool = True
     max_queue_delay_us: int = Field(default=2000, ge=0, le=10_000_000)
@@ -259,6 +260,13 @@ class ServeSection(_Section):
     num_kv_blocks: int | None = Field(default=None, ge=2)
     kv_cache_space_gb: float | None = Field(default=None, gt=0, le=4096)  # pool budget (default 2) if no blocks
     speculative_config: dict[str, Any] | None = None  # vLLM's: {method: ngram, num_speculative_tokens, …}
+
+    @field_validator("max_prefill_tokens_with_decodes", mode="before")
+    @classmethod
+    def _prefill_cap(cls, v: Any) -> Any:
+        if v is None or v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1_048_576):
+            return v
+        raise ValueError("must be a number of tokens (1 to 1048576), 'auto' or null")
 
     @field_validator("speculative_config")
     @classmethod

@@ -19,6 +19,9 @@ from omforge.runtime.scheduler import PREEMPTION_MODES, SchedulerConfig
 
 DEFAULT_KV_CACHE_BYTES = 2 << 30  # the pool size when neither the recipe nor the caller gives num_kv_blocks
 DEFAULT_MAX_QUEUE_TIME_S = 60.0  # a request still waiting after this long ends with a retryable 503
+# serve.max_prefill_tokens_with_decodes: "auto" (the recipe's default): a step with decodes carries this many tokens
+# in all (runtime/scheduler.py); chosen from serving at concurrency 32 (benchmarks/RESULTS.md, 2026-12-02)
+DECODE_STEP_TOKEN_BUDGET = 128
 QUEUE_BATCHES = 2
 """The default ``max_waiting_requests`` is this many full batches (``QUEUE_BATCHES * max_num_seqs``): a waiting
 request starts when a running one finishes, so a queue of ``k`` batches drains in about ``k`` request lifetimes
@@ -41,7 +44,7 @@ class EngineConfig:
     enable_prefix_caching: bool
     preemption_mode: str
     swap_space_gb: float
-    max_prefill_tokens_with_decodes: int | None
+    max_prefill_tokens_with_decodes: int | str | None  # a number, "auto" (the token budget) or None (no bound)
     max_waiting_requests: int  # the server's queue beyond max_num_seqs (past it: 429); default QUEUE_BATCHES batches
     max_queue_time_s: float | None  # a request waiting longer ends with a retryable 503 (None: no bound)
     max_queue_delay_us: int  # the server's wait for companions before a first step
@@ -79,6 +82,11 @@ class EngineConfig:
         if mode not in PREEMPTION_MODES:
             raise EngineConfigError(f"preemption_mode {mode!r} is not one of {PREEMPTION_MODES}")
         swap_gb = float(pick("swap_space_gb"))
+        cap = pick("max_prefill_tokens_with_decodes")
+        cap = None if cap == "none" else cap  # a caller's "no bound" (None there means "the bundle's")
+        if not (cap is None or cap == "auto" or (isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1)):
+            raise EngineConfigError(f"max_prefill_tokens_with_decodes must be a positive number, 'auto' or none, "
+                                    f"got {cap!r}")
         for name, value in (("max_num_seqs", max_num_seqs), ("num_kv_blocks", blocks),
                             ("max_num_batched_tokens", max_batched)):
             if value < 1:
@@ -87,7 +95,7 @@ class EngineConfig:
                    max_num_batched_tokens=max_batched, num_kv_blocks=blocks,
                    num_host_blocks=int(swap_gb * (1 << 30) // bytes_per_block) if mode == "swap" else 0,
                    enable_prefix_caching=bool(pick("enable_prefix_caching")), preemption_mode=mode,
-                   swap_space_gb=swap_gb, max_prefill_tokens_with_decodes=pick("max_prefill_tokens_with_decodes"),
+                   swap_space_gb=swap_gb, max_prefill_tokens_with_decodes=cap,
                    max_waiting_requests=pick("max_waiting_requests") or QUEUE_BATCHES * max_num_seqs,
                    max_queue_time_s=_queue_time(serve, overrides), max_queue_delay_us=pick("max_queue_delay_us"),
                    threads=overrides.get("threads"), explicit_kv_blocks=overrides.get("num_kv_blocks") is not None,
@@ -104,7 +112,10 @@ class EngineConfig:
     def scheduler_config(self, model_config: Mapping[str, Any], mixed_batches: bool) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                preemption_mode=self.preemption_mode, mixed_batches=mixed_batches,
-                               max_prefill_tokens_with_decodes=self.max_prefill_tokens_with_decodes,
+                               max_prefill_tokens_with_decodes=(None if self.max_prefill_tokens_with_decodes == "auto"
+                                                                else self.max_prefill_tokens_with_decodes),
+                               decode_step_token_budget=(DECODE_STEP_TOKEN_BUDGET
+                                                         if self.max_prefill_tokens_with_decodes == "auto" else None),
                                max_model_len=self.max_model_len,
                                eos_token_ids=tuple(model_config["eos_token_ids"]),
                                sliding_window=model_config.get("sliding_window"))

@@ -13,13 +13,17 @@ Policy only; allocation is the KV cache manager's. Every step:
 With ``mixed_batches`` (executors that support them, ``ExecutorCapabilities.supports_mixed_batches``: the ORT step
 graph's decode group, ``contract.DECODE_GROUP_INPUTS``) every step carries the running decodes and fills the rest of
 the budget with prefill chunks, vLLM's chunked prefill: the decodes are attended apart from the chunks and cost
-their own work only. ``max_prefill_tokens_with_decodes`` (mixed batches only) bounds the prefill tokens of a step
-that carries running decodes (Sarathi-Serve's stall-free batching), so that a burst of arrivals cannot stall them
-behind a full-budget chunk; steps without decodes still take the whole budget. Without mixed batches (graphs that
+their own work only. A step that carries running decodes is bounded (Sarathi-Serve's stall-free batching), so
+that arrivals cannot stall the running streams behind a full-budget chunk: by ``decode_step_token_budget`` — the
+step's tokens in all, decodes first, the prefill chunks the rest but never fewer than
+``MIN_PREFILL_WITH_DECODES`` (the default rule, 128 tokens: benchmarks/RESULTS.md "decode-step token budget") —
+or by ``max_prefill_tokens_with_decodes``, a fixed number of prefill tokens; steps without decodes take the whole
+budget. Without mixed batches (graphs that
 pad every sequence's queries to the step's longest: the runtime-write ORT graph) a step carries either decodes or
 prefill work, and the two kinds alternate while both are pending. Measured: benchmarks/RESULTS.md ("mixed steps";
 "the decode-step prefill cap").
-Invariants: the scheduled tokens of a step never exceed the budget, nor its prefill tokens the decode-step cap;
+Invariants: the scheduled tokens of a step never exceed the budget, nor its prefill tokens the decode-step cap
+(with the token budget: the larger of ``MIN_PREFILL_WITH_DECODES`` and the budget less the step's decodes);
 at most ``max_num_seqs`` requests are RUNNING, counting the ``n > 1`` followers a running leader will fork; a
 request is in exactly one of waiting / running / swapped until it finishes.
 The step's lifecycle is the scheduler's (vLLM v1's shape): :meth:`Scheduler.schedule` returns the plan — the work
@@ -41,6 +45,7 @@ from omforge.runtime.request import Request, Status
 from omforge.runtime.step import SeqWork
 
 PREEMPTION_MODES = ("recompute", "swap")
+MIN_PREFILL_WITH_DECODES = 32  # prefill tokens a step with decodes may always carry (the token budget's floor)
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     preemption_mode: str = "recompute"
     mixed_batches: bool = False
-    max_prefill_tokens_with_decodes: int | None = None
+    max_prefill_tokens_with_decodes: int | None = None  # a fixed cap; wins over the token budget
+    decode_step_token_budget: int | None = None  # tokens in all of a step with decodes (mixed batches)
     max_model_len: int | None = None  # a request that reaches it finishes with "length"
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None  # blocks wholly before the window go back to the pool
@@ -61,6 +67,18 @@ class SchedulerConfig:
             raise ValueError(f"preemption_mode {self.preemption_mode!r} is not one of {PREEMPTION_MODES}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        if self.decode_step_token_budget is not None and self.decode_step_token_budget < 1:
+            raise ValueError("decode_step_token_budget must be at least 1")
+
+    def prefill_cap(self, decodes: int) -> int | None:
+        """Prefill tokens a step carrying ``decodes`` decoding sequences may take (None: the budget's rest)."""
+        if not self.mixed_batches or not decodes:
+            return None
+        if self.max_prefill_tokens_with_decodes is not None:
+            return self.max_prefill_tokens_with_decodes
+        if self.decode_step_token_budget is not None:
+            return max(MIN_PREFILL_WITH_DECODES, self.decode_step_token_budget - decodes)
+        return None
 
 
 @dataclass
@@ -257,8 +275,9 @@ class Scheduler:
         decode_step = (bool(decoding) and not (prefill_pending and self._last_was_decode)
                        and not self.config.mixed_batches)
         self._last_was_decode = decode_step
-        # prefill tokens this step may take: capped when it carries decodes (mixed batches)
-        cap = self.config.max_prefill_tokens_with_decodes if self.config.mixed_batches else None
+        # prefill tokens this step may take: capped when it carries decodes (mixed batches); a swapped request
+        # that comes back decoding brings the cap a step without decodes would have with one
+        cap = self.config.prefill_cap(max(1, len(decoding)))
         step = _StepBudget(self.budget, cap if cap and decoding else self.budget, cap, bool(decoding))
         self._fill_running(out, step, decode_step)
         if decode_step:

@@ -81,6 +81,23 @@ def test_scheduler_config_carries_the_model_facts() -> None:
     assert sc.max_prefill_tokens_with_decodes == 64
 
 
+def test_the_decode_step_cap_is_a_number_the_token_budget_or_none() -> None:
+    """``auto`` (the recipe's default) is the scheduler's token budget for steps with decodes; a number is a fixed
+    prefill cap; null — or a caller's ``none`` over a bundle's value — bounds nothing; anything else is refused."""
+    def caps(cfg: EngineConfig) -> tuple[int | None, int | None]:
+        sc = cfg.scheduler_config({"eos_token_ids": [2]}, mixed_batches=True)
+        return sc.max_prefill_tokens_with_decodes, sc.decode_step_token_budget
+
+    assert caps(EngineConfig.resolve(manifest(max_prefill_tokens_with_decodes="auto"))) == (None, 128)
+    assert caps(EngineConfig.resolve(manifest(max_prefill_tokens_with_decodes=64))) == (64, None)
+    assert caps(EngineConfig.resolve(manifest())) == (None, None)  # a bundle that recorded null
+    assert caps(EngineConfig.resolve(manifest(max_prefill_tokens_with_decodes="auto"),
+                                     max_prefill_tokens_with_decodes="none")) == (None, None)
+    assert caps(EngineConfig.resolve(manifest(), max_prefill_tokens_with_decodes="auto")) == (None, 128)
+    with pytest.raises(EngineConfigError, match="max_prefill_tokens_with_decodes must be a positive number, 'auto'"):
+        EngineConfig.resolve(manifest(), max_prefill_tokens_with_decodes="fast")
+
+
 def test_the_pool_is_sized_from_the_kv_cache_space_budget() -> None:
     big = manifest(max_num_seqs=4096)
     cfg = EngineConfig.resolve(big, kv_cache_space_gb=0.25)

@@ -82,6 +82,8 @@ BAD = [
      f"compile.path: unknown key; allowed: {COMPILE_KEYS}"),
     ("unknown-model-key", "model:\n  name: t\n  source: hf\n  pth: /models/x\n",
      f"model.pth: unknown key (did you mean 'path'?); allowed: {MODEL_KEYS}"),
+    ("bad-decode-step-cap", MODEL + "serve:\n  max_prefill_tokens_with_decodes: fast\n",
+     "serve.max_prefill_tokens_with_decodes: must be a number of tokens (1 to 1048576), 'auto' or null (got 'fast')"),
     ("unknown-serve-key", MODEL + "serve:\n  max_num_seq: 8\n",
      f"serve.max_num_seq: unknown key (did you mean 'max_num_seqs'?); allowed: {SERVE_KEYS}"),
     ("unknown-bucket-key", MODEL + "compile:\n  buckets:\n    prefill_seq_len: [16, 32]\n",

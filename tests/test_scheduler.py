@@ -21,7 +21,7 @@ from omforge.runtime.executor import Executor, ExecutorCapabilities, run_plan
 from omforge.runtime.kv_cache_manager import NO_BLOCK, KVCacheManager
 from omforge.runtime.request import Request, Status
 from omforge.runtime.sampling_params import SamplingParams
-from omforge.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from omforge.runtime.scheduler import MIN_PREFILL_WITH_DECODES, Scheduler, SchedulerConfig, SchedulerOutput
 
 EOS = 2
 
@@ -129,6 +129,29 @@ def test_prefill_beside_decodes_is_capped() -> None:
         step(s, fake)
     # the last of "long" (600 = 4 x 128 + 88); "short" takes the rest of the cap
     assert shape(step(s, fake)) == [("a", 1), ("b", 1), ("long", 88), ("short", 40)]
+
+
+def test_a_step_with_decodes_keeps_to_the_token_budget() -> None:
+    """The default rule ("auto"): decodes first, prefill the rest of 128 tokens — never fewer than
+    MIN_PREFILL_WITH_DECODES; a step without decodes takes the whole budget."""
+    s, fake = make(blocks=1024, block_size=16, max_num_seqs=200, max_num_batched_tokens=512,
+                   decode_step_token_budget=128)
+    for i in range(20):
+        s.add(request(f"d{i}", 20, max_tokens=1000))
+    assert sum(n for _, n in shape(step(s, fake))) == 400  # no decodes yet: the whole budget
+    s.add(request("long", 600))
+    plan = shape(step(s, fake))
+    assert plan[-1] == ("long", 108) and sum(n for _, n in plan) == 128  # 20 decodes + 108
+    while s.running[-1].num_tokens - s.running[-1].num_computed_tokens > 1:
+        step(s, fake)  # "long" to its end
+    for i in range(120):
+        s.add(request(f"e{i}", 1, max_tokens=1000))
+    while len(s.running) < 141:
+        step(s, fake)
+    s.add(request("late", 100))
+    plan = shape(step(s, fake))
+    assert plan[-1] == ("late", MIN_PREFILL_WITH_DECODES)  # 141 decodes: the floor, so prefill still moves
+    assert sum(n for _, n in plan) == 141 + MIN_PREFILL_WITH_DECODES
 
 
 def test_without_cap_or_decodes_the_budget_rules() -> None:
@@ -330,7 +353,9 @@ def lifecycles(draw: st.DrawFn) -> dict:
                 budget=draw(st.integers(4, 48)), max_num_seqs=draw(st.integers(3, 8)),
                 mode=draw(st.sampled_from(["recompute", "swap"])), host=draw(st.integers(0, 16)),
                 caching=draw(st.booleans()), mixed=draw(st.booleans()),
-                cap=draw(st.one_of(st.none(), st.integers(1, 16))), window=draw(st.sampled_from([None, 6, 13])),
+                cap=draw(st.one_of(st.none(), st.integers(1, 16))), token_budget=draw(st.one_of(st.none(),
+                                                                                             st.integers(33, 48))),
+                window=draw(st.sampled_from([None, 6, 13])),
                 aborts=draw(st.lists(st.integers(0, 9), max_size=3)), spec=draw(st.booleans()))
 
 
@@ -349,7 +374,7 @@ def test_fuzz_lifecycles_keep_the_invariants(case: dict) -> None:
     s, fake = make(case["blocks"], case["block_size"], caching=case["caching"], host=case["host"],
                    max_num_seqs=case["max_num_seqs"], max_num_batched_tokens=budget, mixed_batches=mixed,
                    preemption_mode=case["mode"], max_prefill_tokens_with_decodes=cap,
-                   sliding_window=case["window"])
+                   decode_step_token_budget=case["token_budget"], sliding_window=case["window"])
     shared = [rng.randrange(3, 40) for _ in range(30)]
     pending, live = [], []
     for i, (n_prompt, max_tokens, n, arrive, share) in enumerate(case["reqs"]):
@@ -386,11 +411,15 @@ def test_fuzz_lifecycles_keep_the_invariants(case: dict) -> None:
 
         running = {id(r) for r in s.running}  # the cap bounds steps that carry *running* decodes (a request
         # resumed from waiting or swap with one token left computes like a decode but was not running)
+        decodes = sum(r.num_tokens - r.num_computed_tokens == 1 for r in s.running)
+        if cap is None and case["token_budget"]:
+            cap = max(MIN_PREFILL_WITH_DECODES, case["token_budget"] - max(1, decodes))  # this step's
         plan = step(s, fake, tokens=lambda r: EOS if rng.random() < 0.1 else rng.randrange(3, 40), verify=keep)
         assert plan.num_tokens <= budget
         if mixed and cap and any(x.num_new_tokens - x.num_draft == 1 and x.start >= len(x.request.prompt_token_ids)
                                  and id(x.request) in running for x in plan.scheduled):
             assert sum(x.num_new_tokens for x in plan.scheduled if x.num_new_tokens > 1 and not x.num_draft) <= cap
+        cap = case["cap"]
         assert sum(1 + len(r.followers) for r in s.running) <= s.max_num_seqs  # seats: unforked followers too
         assert not {id(r) for r in plan.preempted} & {id(x.request) for x in plan.scheduled}
         queues = [*s.waiting, *s.running, *s.swapped]
