@@ -2,6 +2,9 @@
 
     python benchmarks/bench_spec.py BUNDLE [--rounds 2] [--k 4] [--only grounded|chat]
 
+Each row also gives the decode phase alone (tokens after every request's first one, over the time from then on):
+the whole-run ratio includes the prompts' prefill, which speculation does not touch.
+
 Workloads (greedy, EOS ignored, fixed output lengths):
   grounded-1 / grounded-8: input-grounded — a passage of ~450 tokens from the project's own docs (docs/*.md,
       README.md; 8 passages chosen with seed 0) and "copy it" as the instruction, 128 output tokens; one stream,
@@ -45,11 +48,17 @@ def chat_prompts(bundle: Path, n: int) -> list[list[int]]:
     return [r["prompt_token_ids"] for r in build(str(bundle), "short-chat", num=n)]
 
 
-def rate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
+def rate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
+    """(output tok/s of the whole run, tok/s of its decode phase: the tokens after every request's first token
+    arrived, over the time from then to the end — what speculation can speed up; prefill is the rest)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
+    wall = time.perf_counter() - t
+    first = max(o.first_token_time for o in outs)
+    end = max(o.token_times[-1] for o in outs)
+    late = sum(sum(1 for x in o.token_times if x > first) for o in outs)
+    return sum(len(o.token_ids) for o in outs) / wall, late / (end - first) if end > first else float("nan")
 
 
 def main() -> None:
@@ -72,16 +81,21 @@ def main() -> None:
         llm.generate([next(iter(workloads.values()))[0][0][:64]], SamplingParams(max_tokens=8), use_tqdm=False)
     for name, (prompts, max_tokens) in workloads.items():
         rates: dict[str, list[float]] = {"off": [], "on": []}
+        decode: dict[str, list[float]] = {"off": [], "on": []}
         s0 = (on.engine.stats.spec_draft_tokens, on.engine.stats.spec_accepted_tokens)
         for _ in range(a.rounds):
-            rates["off"].append(rate(off, prompts, max_tokens))
-            rates["on"].append(rate(on, prompts, max_tokens))
+            for key, llm in (("off", off), ("on", on)):
+                whole, dec = rate(llm, prompts, max_tokens)
+                rates[key].append(whole)
+                decode[key].append(dec)
         drafted = on.engine.stats.spec_draft_tokens - s0[0]
         accepted = on.engine.stats.spec_accepted_tokens - s0[1]
         f, n = statistics.median(rates["off"]), statistics.median(rates["on"])
         acc = f"{accepted / drafted:.2f}" if drafted else "-"
+        df, dn = statistics.median(decode["off"]), statistics.median(decode["on"])
         print(f"{name:11s} prompts {len(prompts):2d}: off {f:7.1f} tok/s, on {n:7.1f} tok/s, ratio {n / f:.3f}, "
-              f"acceptance {acc} ({accepted}/{drafted})", flush=True)
+              f"acceptance {acc} ({accepted}/{drafted}); decode phase off {df:7.1f}, on {dn:7.1f}, "
+              f"ratio {dn / df:.3f}", flush=True)
 
 
 if __name__ == "__main__":

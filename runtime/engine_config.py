@@ -19,8 +19,9 @@ from omforge.runtime.scheduler import PREEMPTION_MODES, SchedulerConfig
 
 DEFAULT_KV_CACHE_BYTES = 2 << 30  # the pool size when neither the recipe nor the caller gives num_kv_blocks
 DEFAULT_MAX_QUEUE_TIME_S = 60.0  # a request still waiting after this long ends with a retryable 503
-# serve.max_prefill_tokens_with_decodes: "auto" (the recipe's default): a step with decodes carries this many tokens
-# in all (runtime/scheduler.py); chosen from serving at concurrency 32 (benchmarks/RESULTS.md, 2026-12-02)
+# serve.max_prefill_tokens_with_decodes: "auto" (the recipe's default): when serving, a step with decodes carries
+# this many tokens in all (runtime/scheduler.py); chosen from serving at concurrency 32 (benchmarks/RESULTS.md,
+# 2026-12-02). Offline the step budget applies (the bound cost short-chat 64 int4 ~10% of its throughput there)
 DECODE_STEP_TOKEN_BUDGET = 128
 QUEUE_BATCHES = 2
 """The default ``max_waiting_requests`` is this many full batches (``QUEUE_BATCHES * max_num_seqs``): a waiting
@@ -53,6 +54,7 @@ class EngineConfig:
     kv_cache_space_gb: float | None = None  # the budget the pool was sized from (None: num_kv_blocks was given)
     speculative_config: dict | None = None  # runtime/spec_decode.SpeculativeConfig's fields (vLLM's spelling)
     prefault_kv: bool = False  # write the KV pool at start-up (omforge serve: RSS known up front)
+    serving: bool = False  # outputs are streamed as they come (omforge serve): "auto" bounds decode-step prefill
 
     @classmethod
     def resolve(cls, manifest: Manifest, **overrides: Any) -> EngineConfig:
@@ -100,7 +102,8 @@ class EngineConfig:
                    max_queue_time_s=_queue_time(serve, overrides), max_queue_delay_us=pick("max_queue_delay_us"),
                    threads=overrides.get("threads"), explicit_kv_blocks=overrides.get("num_kv_blocks") is not None,
                    kv_cache_space_gb=None if pick("num_kv_blocks") else budget / (1 << 30),
-                   speculative_config=pick("speculative_config"), prefault_kv=bool(overrides.get("prefault_kv")))
+                   speculative_config=pick("speculative_config"), prefault_kv=bool(overrides.get("prefault_kv")),
+                   serving=bool(overrides.get("serving")))
 
     def with_num_kv_blocks(self, num_blocks: int) -> EngineConfig:
         """The same configuration on a pool the executor fixed (``ExecutorCapabilities.num_blocks``)."""
@@ -110,12 +113,12 @@ class EngineConfig:
         return replace(self, num_kv_blocks=num_blocks)
 
     def scheduler_config(self, model_config: Mapping[str, Any], mixed_batches: bool) -> SchedulerConfig:
+        auto = self.max_prefill_tokens_with_decodes == "auto"  # the token budget when serving; offline (whole
+        # outputs returned at once, nobody sees an inter-token gap) the step budget, for throughput
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                preemption_mode=self.preemption_mode, mixed_batches=mixed_batches,
-                               max_prefill_tokens_with_decodes=(None if self.max_prefill_tokens_with_decodes == "auto"
-                                                                else self.max_prefill_tokens_with_decodes),
-                               decode_step_token_budget=(DECODE_STEP_TOKEN_BUDGET
-                                                         if self.max_prefill_tokens_with_decodes == "auto" else None),
+                               max_prefill_tokens_with_decodes=None if auto else self.max_prefill_tokens_with_decodes,
+                               decode_step_token_budget=DECODE_STEP_TOKEN_BUDGET if auto and self.serving else None,
                                max_model_len=self.max_model_len,
                                eos_token_ids=tuple(model_config["eos_token_ids"]),
                                sliding_window=model_config.get("sliding_window"))

@@ -75,7 +75,8 @@ class _Server(uvicorn.Server):
 def serve(bundle: str | Path, options: ServeOptions, **engine_options: Any) -> int:
     t0 = time.perf_counter()
     _log_to_stderr(options.log_level)
-    engine = LLMEngine(bundle, prefault_kv=True, **engine_options)  # the pool's memory is resident from the start
+    # the pool's memory resident from the start; streamed outputs: the decode-step token budget applies
+    engine = LLMEngine(bundle, prefault_kv=True, serving=True, **engine_options)
     cfg = engine.engine_config
     name = options.served_model_name or engine.manifest.model.name
     metrics = ServerMetrics(name)

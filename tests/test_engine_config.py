@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from omforge.contract import PagedLayout
@@ -82,13 +84,17 @@ def test_scheduler_config_carries_the_model_facts() -> None:
 
 
 def test_the_decode_step_cap_is_a_number_the_token_budget_or_none() -> None:
-    """``auto`` (the recipe's default) is the scheduler's token budget for steps with decodes; a number is a fixed
+    """``auto`` (the recipe's default) is, when serving, the scheduler's token budget for steps with decodes (offline
+    the step budget: no inter-token gap is seen there); a number is a fixed
     prefill cap; null — or a caller's ``none`` over a bundle's value — bounds nothing; anything else is refused."""
-    def caps(cfg: EngineConfig) -> tuple[int | None, int | None]:
+    def caps(cfg: EngineConfig, serving: bool = True) -> tuple[int | None, int | None]:
+        cfg = replace(cfg, serving=serving)
         sc = cfg.scheduler_config({"eos_token_ids": [2]}, mixed_batches=True)
         return sc.max_prefill_tokens_with_decodes, sc.decode_step_token_budget
 
     assert caps(EngineConfig.resolve(manifest(max_prefill_tokens_with_decodes="auto"))) == (None, 128)
+    assert caps(EngineConfig.resolve(manifest(max_prefill_tokens_with_decodes="auto")), serving=False) == (None, None)
+    assert EngineConfig.resolve(manifest(), serving=True).serving  # omforge serve's engine
     assert caps(EngineConfig.resolve(manifest(max_prefill_tokens_with_decodes=64))) == (64, None)
     assert caps(EngineConfig.resolve(manifest())) == (None, None)  # a bundle that recorded null
     assert caps(EngineConfig.resolve(manifest(max_prefill_tokens_with_decodes="auto"),
