@@ -162,6 +162,11 @@ class AsyncEngine:
     def max_num_seqs(self) -> int:
         return self._engine.scheduler.max_num_seqs
 
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block."""
+        return self._engine.block_size
+
     def snapshot(self, pending_adds: int = 0) -> EngineSnapshot:
         """The engine's gauges and running totals now, for ``/metrics``. Call it on the engine thread, or before
         :meth:`start`; ``pending_adds`` requests submitted but not yet applied count as waiting."""

@@ -1,5 +1,6 @@
 """Prometheus metrics at ``/metrics``, named as vLLM names them (``vllm:`` → ``omforge:``), so existing
-dashboards and alerts carry over by changing the prefix.
+dashboards and alerts carry over by changing the prefix. :meth:`ServerMetrics.loads` is the same state as
+``GET /v1/loads``, which a gateway in front of several replicas polls (SMG; docs/cluster.md).
 
 All updates come from the engine thread after each step (prometheus_client's metrics are thread-safe), from an
 :class:`EngineSnapshot` the engine thread takes; gauges describe the state after the latest step. Counters that
@@ -9,6 +10,8 @@ backwards.
 
 from __future__ import annotations
 
+import datetime
+import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
@@ -67,6 +70,7 @@ class ServerMetrics:
         def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
             return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r).labels(model_name)
 
+        self.latest: tuple[float, EngineSnapshot] | None = None  # (time.time(), the latest snapshot): /v1/loads
         self.running = gauge("num_requests_running", "Sequences in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Sequences waiting to be admitted.")
         self.swapped = gauge("num_requests_swapped", "Sequences preempted to the host swap tier.")
@@ -104,6 +108,7 @@ class ServerMetrics:
 
     def after_step(self, st: EngineSnapshot, outputs: list[RequestOutput]) -> None:
         kv = st.kv
+        self.latest = (time.time(), st)  # one store: the event loop reads the pair whole
         self.running.set(st.num_running)
         self.waiting.set(st.num_waiting)
         self.swapped.set(st.num_swapped)
@@ -145,6 +150,24 @@ class ServerMetrics:
             self.e2e.observe(out.token_times[-1] - out.arrival_time)
         self.req_prompt.observe(len(out.prompt_token_ids))
         self.req_generation.observe(len(out.token_ids))
+
+    def loads(self, block_size: int, max_running_requests: int) -> dict:
+        """``GET /v1/loads``: the latest snapshot in the shape SMG reads from a worker (one data-parallel rank;
+        crates/protocols/src/worker.rs ``WorkerLoadResponse``). Tokens are counted in whole KV blocks, as the
+        pool allocates them: ``num_used_tokens`` is the room of the blocks requests hold, so ``token_usage`` ==
+        ``num_used_tokens / max_total_num_tokens`` == ``kv_cache_usage_perc``. Waiting includes swapped out."""
+        taken, st = self.latest or (time.time(), None)
+        rank = {"dp_rank": 0, "num_running_reqs": 0, "num_waiting_reqs": 0, "num_total_reqs": 0,
+                "num_used_tokens": 0, "max_total_num_tokens": 0, "token_usage": 0.0, "cache_hit_rate": 0.0,
+                "max_running_requests": max_running_requests}
+        if st is not None:
+            waiting = st.num_waiting + st.num_swapped
+            rank |= {"num_running_reqs": st.num_running, "num_waiting_reqs": waiting,
+                     "num_total_reqs": st.num_running + waiting, "num_used_tokens": st.kv.num_used * block_size,
+                     "max_total_num_tokens": st.kv.num_blocks * block_size, "token_usage": st.kv.usage,
+                     "cache_hit_rate": st.kv.hit_rate}
+        stamp = datetime.datetime.fromtimestamp(taken, datetime.UTC).isoformat(timespec="milliseconds")
+        return {"timestamp": stamp, "dp_rank_count": 1, "loads": [rank]}
 
     def aborted(self, num_seqs: int) -> None:
         self.success.labels(self.model, "abort").inc(num_seqs)

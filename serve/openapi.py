@@ -43,6 +43,21 @@ HEALTH: dict[int | str, dict[str, Any]] = {
     200: {"description": "Serving: {\"status\": \"ok\"}", **_STATUS},
     503: {"description": "Draining or the engine failed: {\"status\": \"draining\"} or the failure", **_STATUS}}
 
+_RANK = {"type": "object", "properties": {k: {"type": t} for k, t in (
+    ("dp_rank", "integer"), ("num_running_reqs", "integer"), ("num_waiting_reqs", "integer"),
+    ("num_total_reqs", "integer"), ("num_used_tokens", "integer"), ("max_total_num_tokens", "integer"),
+    ("token_usage", "number"), ("cache_hit_rate", "number"), ("max_running_requests", "integer"))}}
+LOADS: dict[int | str, dict[str, Any]] = {200: {
+    "description": "The engine after its latest step, one rank (serve/metrics.py ServerMetrics.loads)",
+    "content": {"application/json": {"schema": {
+        "type": "object", "required": ["timestamp", "dp_rank_count", "loads"], "properties": {
+            "timestamp": {"type": "string"}, "dp_rank_count": {"type": "integer"},
+            "loads": {"type": "array", "items": _RANK}}}}}}}
+VERSION: dict[int | str, dict[str, Any]] = {200: {"description": "omforge's version: {\"version\": \"0.1.0\"}",
+                                                  "content": {"application/json": {"schema": {
+                                                      "type": "object", "required": ["version"],
+                                                      "properties": {"version": {"type": "string"}}}}}}}
+
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"  # the text exposition format generate_latest writes
 
 

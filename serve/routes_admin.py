@@ -1,5 +1,7 @@
-"""The routes beside generation: ``/health``, ``/metrics``, ``/v1/models``, and vLLM's ``/tokenize`` and
-``/detokenize`` (tokenizing on a worker thread, so a long prompt never stalls the event loop)."""
+"""The routes beside generation: ``/health``, ``/metrics``, ``/v1/models``, vLLM's ``/tokenize`` and
+``/detokenize`` (tokenizing on a worker thread, so a long prompt never stalls the event loop), and what a gateway
+in front of several replicas reads (docs/cluster.md): ``/v1/loads`` (the engine's load, SGLang's and SMG's shape)
+and vLLM's ``/version``, by which SMG classifies a worker as vLLM-compatible."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from omforge.serve.intake import authorize, parse, render_chat
-from omforge.serve.openapi import CLIENT_ERRORS, HEALTH, PrometheusResponse, errors
+from omforge.serve.openapi import CLIENT_ERRORS, HEALTH, LOADS, VERSION, PrometheusResponse, errors
 from omforge.serve.openapi import body as openapi_body
 from omforge.serve.protocol import APIError, DetokenizeRequest, TokenizeRequest
 from omforge.serve.state import AppState
@@ -37,6 +39,19 @@ async def models(request: Request, state: AppState) -> Response:
     return JSONResponse({"object": "list", "data": [
         {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "omforge",
          "max_model_len": state.max_model_len}]})
+
+
+@router.get("/v1/loads", responses={**LOADS, **errors(401)})
+async def loads(request: Request, state: AppState) -> Response:
+    """The engine's state after its latest step: queue lengths, KV blocks in use, the prefix-cache hit rate."""
+    authorize(state, request)
+    return JSONResponse(state.metrics.loads(state.engine.block_size, state.engine.max_num_seqs))
+
+
+@router.get("/version", responses=VERSION)
+async def version(request: Request) -> Response:
+    """vLLM's route (``{"version": …}``, open like ``/health``): omforge's version, as /openapi.json states it."""
+    return JSONResponse({"version": request.app.version})
 
 
 @router.post("/tokenize", openapi_extra=openapi_body("TokenizeRequest"), responses=errors(*CLIENT_ERRORS))

@@ -67,7 +67,8 @@ ROUTES = {("/v1/completions", "post"): {200, 400, 401, 404, 408, 413, 429, 503},
           ("/v1/chat/completions", "post"): {200, 400, 401, 404, 408, 413, 429, 503},
           ("/tokenize", "post"): {200, 400, 401, 404, 408, 413},
           ("/detokenize", "post"): {200, 400, 401, 404, 408, 413},
-          ("/v1/models", "get"): {200, 401}, ("/health", "get"): {200, 503}, ("/metrics", "get"): {200}}
+          ("/v1/models", "get"): {200, 401}, ("/health", "get"): {200, 503}, ("/metrics", "get"): {200},
+          ("/v1/loads", "get"): {200, 401}, ("/version", "get"): {200}}
 
 
 def test_openapi_lists_each_routes_errors_and_the_metrics_media_type(server: ServerProcess) -> None:
