@@ -2,7 +2,8 @@
 # N replicas of one bundle on this machine behind SMG (the Shepherd Model Gateway, `pip install .[cluster]`), all
 # on 127.0.0.1: each replica gets its share of the cores (--threads), SMG routes with --policy (default
 # cache_aware). Prints each replica's URL and then `gateway: http://127.0.0.1:PORT/v1`; runs until CTRL-C /
-# SIGTERM / SMG exiting, then stops everything it started (replicas drain, bounded). docs/cluster.md.
+# SIGTERM / SMG exiting, then stops everything it started (replicas drain, bounded). docs/cluster.md. (Started in
+# the background by a non-interactive shell, bash ignores SIGINT, as it does for every such job: stop it with SIGTERM.)
 # Usage: scripts/cluster.sh BUNDLE [--replicas N] [--policy POLICY] [--port PORT] [-- omforge serve args…]
 # Env: SMG (the smg command; default .venv/bin/smg, else smg on PATH), SMG_ARGS (extra `smg launch` flags),
 # CLUSTER_LOG_DIR (where the logs go; default a fresh temporary directory, kept).
