@@ -21,7 +21,8 @@ DEFAULT_KV_CACHE_BYTES = 2 << 30  # the pool size when neither the recipe nor th
 DEFAULT_MAX_QUEUE_TIME_S = 60.0  # a request still waiting after this long ends with a retryable 503
 # serve.max_prefill_tokens_with_decodes: "auto" (the recipe's default): when serving, a step with decodes carries
 # this many tokens in all (runtime/scheduler.py); chosen from serving at concurrency 32 (benchmarks/RESULTS.md,
-# 2026-12-02). Offline the step budget applies (the bound cost short-chat 64 int4 ~10% of its throughput there)
+# 2026-12-02). Offline the step budget applies (no inter-token gap is seen there; the bound cost short-chat 64
+# int4 ~3% of its throughput)
 DECODE_STEP_TOKEN_BUDGET = 128
 QUEUE_BATCHES = 2
 """The default ``max_waiting_requests`` is this many full batches (``QUEUE_BATCHES * max_num_seqs``): a waiting
