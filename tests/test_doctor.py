@@ -32,6 +32,7 @@ def test_doctor_says_only_ort_runs_here() -> None:
 
     k = kernels.status()
     assert report["kernels"]["gemm"] == (k.gemm if k.available else None)  # which MatMulQ path int4 bundles take
+    assert report["kernels"]["qbf16"] == (k.qbf16 if k.available else None)  # activations: bfloat16's op
     table = doctor()
     assert table.returncode == 0
     assert "this machine runs: ort" in table.stdout.splitlines()[-1]
