@@ -43,6 +43,7 @@ struct Isa {
   const char* name;
   AttendFn fn;
   SwiGluFn swiglu;
+  QuantizeKvFn quantize_kv_int8;
 };
 
 Isa choose_isa() {
@@ -52,10 +53,10 @@ Isa choose_isa() {
   __builtin_cpu_init();
   const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");  // pa_avx512: BW for the int8 dots
   const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (has512 && (w.empty() || w == "avx512")) return {"avx512", &avx512::attend, &avx512::swiglu};
-  if (has2 && (w.empty() || w == "avx512" || w == "avx2")) return {"avx2", &avx2::attend, &avx2::swiglu};
+  if (has512 && (w.empty() || w == "avx512")) return {"avx512", &avx512::attend, &avx512::swiglu, &avx512::quantize_kv_int8};
+  if (has2 && (w.empty() || w == "avx512" || w == "avx2")) return {"avx2", &avx2::attend, &avx2::swiglu, &avx2::quantize_kv_int8};
 #endif
-  return {"generic", &generic::attend, &generic::swiglu};
+  return {"generic", &generic::attend, &generic::swiglu, &generic::quantize_kv_int8};
 }
 
 const Isa& isa() {
@@ -98,17 +99,6 @@ bool activation_layout(const Tensor& t, int64_t heads, int64_t& tokens, int64_t&
     return true;
   }
   return false;
-}
-
-// Symmetric int8 of one head's row: scale = max|x| / 127, q = round-half-even(x / scale), the scale stored
-// (4 bytes, native float) right after the D values.
-void quantize_int8(const float* x, int64_t D, int8_t* out) {
-  float amax = 0.0f;
-  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
-  const float scale = amax / 127.0f;
-  for (int64_t d = 0; d < D; ++d)
-    out[d] = scale > 0.0f ? static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, std::nearbyint(x[d] / scale)))) : 0;
-  std::memcpy(out + D, &scale, sizeof scale);
 }
 
 OrtStatus* compute(const Kernel& K, OrtKernelContext* ctx) {
@@ -175,8 +165,8 @@ OrtStatus* compute(const Kernel& K, OrtKernelContext* ctx) {
         uint16_t* vd = static_cast<uint16_t*>(out_data[2]) + at;
         for (int64_t d = 0; d < D; ++d) kd[d] = bf16_round(ks[d]), vd[d] = bf16_round(vs[d]);
       } else {
-        quantize_int8(ks, D, static_cast<int8_t*>(out_data[1]) + at);
-        quantize_int8(vs, D, static_cast<int8_t*>(out_data[2]) + at);
+        isa().quantize_kv_int8(ks, D, static_cast<int8_t*>(out_data[1]) + at);  // paged_attention_impl.h
+        isa().quantize_kv_int8(vs, D, static_cast<int8_t*>(out_data[2]) + at);
       }
     }
   }

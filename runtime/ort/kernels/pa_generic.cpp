@@ -21,6 +21,7 @@ struct Vec {
     return V{x[0] >= 0 ? a[0] : b[0], x[1] >= 0 ? a[1] : b[1], x[2] >= 0 ? a[2] : b[2], x[3] >= 0 ? a[3] : b[3]};
   }
   static V mul(V a, V b) { return a * b; }
+  static V min(V a, V b) { return V{std::fmin(a[0], b[0]), std::fmin(a[1], b[1]), std::fmin(a[2], b[2]), std::fmin(a[3], b[3])}; }
   static V max(V a, V b) { return V{std::fmax(a[0], b[0]), std::fmax(a[1], b[1]), std::fmax(a[2], b[2]), std::fmax(a[3], b[3])}; }
   static float hsum(V v) { return (v[0] + v[1]) + (v[2] + v[3]); }
   static float hmax(V v) { return std::fmax(std::fmax(v[0], v[1]), std::fmax(v[2], v[3])); }

@@ -59,18 +59,23 @@ inline float kv_to_float(uint16_t x) { return bf16_to_float(x); }
 
 // SwiGLU of `rows` rows: out[r, :F] = silu(in[r, :F]) * in[r, F:2F].
 using SwiGluFn = void (*)(const float* in, float* out, int64_t rows, int64_t F);
+// One head's row into an int8 pool: D int8 values and the row's float scale (paged_attention_impl.h).
+using QuantizeKvFn = void (*)(const float* x, int64_t D, int8_t* out);
 
 namespace avx512 {
 bool attend(const PagedProblem&, size_t item, const char** error);
 void swiglu(const float* in, float* out, int64_t rows, int64_t F);
+void quantize_kv_int8(const float* x, int64_t D, int8_t* out);
 }  // namespace avx512
 namespace avx2 {
 bool attend(const PagedProblem&, size_t item, const char** error);
 void swiglu(const float* in, float* out, int64_t rows, int64_t F);
+void quantize_kv_int8(const float* x, int64_t D, int8_t* out);
 }  // namespace avx2
 namespace generic {
 bool attend(const PagedProblem&, size_t item, const char** error);
 void swiglu(const float* in, float* out, int64_t rows, int64_t F);
+void quantize_kv_int8(const float* x, int64_t D, int8_t* out);
 }  // namespace generic
 
 }  // namespace omf

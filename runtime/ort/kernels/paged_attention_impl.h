@@ -413,6 +413,35 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
   return true;
 }
 
+// Symmetric int8 of one head's row (the pool write): scale = max|x| / 127, q = round-half-even(x / scale) clamped
+// to ±127, the scale stored (4 bytes, native float) right after the D values. Vector division and rounding are
+// IEEE-exact, so every path writes the same bytes as the scalar formula.
+void quantize_kv_int8(const float* x, int64_t D, int8_t* out) {
+  using V = typename Vec::V;
+  const V zero = Vec::zero();
+  V vmax = zero;
+  int64_t d = 0;
+  for (; d + Vec::W <= D; d += Vec::W) {
+    const V v = Vec::load(x + d);
+    vmax = Vec::max(vmax, Vec::max(v, Vec::sub(zero, v)));
+  }
+  float amax = Vec::hmax(vmax);
+  for (int64_t e = d; e < D; ++e) amax = std::max(amax, std::fabs(x[e]));
+  const float scale = amax / 127.0f;
+  if (!(scale > 0.0f)) {
+    std::fill(out, out + D, int8_t{0});
+  } else {
+    const V vs = Vec::set1(scale), hi = Vec::set1(127.0f), lo = Vec::set1(-127.0f);
+    float q[Vec::W];
+    for (d = 0; d + Vec::W <= D; d += Vec::W) {
+      Vec::store(q, Vec::max(lo, Vec::min(hi, Vec::round_nearest(Vec::div(Vec::load(x + d), vs)))));
+      for (int i = 0; i < Vec::W; ++i) out[d + i] = static_cast<int8_t>(q[i]);
+    }
+    for (; d < D; ++d) out[d] = static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, std::nearbyint(x[d] / scale))));
+  }
+  std::memcpy(out + D, &scale, sizeof scale);
+}
+
 bool attend(const omf::PagedProblem& P, size_t item, const char** error) {
   const omf::WorkItem& it = P.items[item];
 #define OMF_HEAD_DIM(d)                                                         \
