@@ -21,7 +21,7 @@
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Scratch {
-  std::vector<float> q, s, acc, m, l, kt, scale, qscale;
+  std::vector<float> q, s, acc, m, l, kt, scale, vscale, qscale;
   std::vector<int16_t> q16;
   std::vector<int64_t> pos;
   std::vector<const float*> qrow;
@@ -361,14 +361,18 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
       }
       continue;
     }
-    // tile path, one KV head at a time
+    // tile path, one KV head at a time; int8 pools: keys transposed unscaled, each score column then multiplied by
+    // its key's scale and each probability column by its value's (the scales gathered once per block, every head)
     S.kt.resize(static_cast<size_t>(D) * np);
+    if constexpr (std::is_same<KV, int8_t>::value) {
+      gather_scales<KV, D>(kpool + base * row_stride, row_stride, n, Hkv, HE, np_max, S.scale);
+      gather_scales<KV, D>(vpool + base * row_stride, row_stride, n, Hkv, HE, np_max, S.vscale);
+    }
     for (int g = 0; g < Hkv; ++g) {
       float* kt = S.kt.data();
       for (int64_t j = 0; j < n; ++j) {
         const KV* k = kpool + (base + j) * row_stride + g * HE;
-        const float ks = row_scale<KV, D>(k);
-        for (int d = 0; d < D; ++d) kt[d * np + j] = omf::kv_to_float(k[d]) * ks;
+        for (int d = 0; d < D; ++d) kt[d * np + j] = omf::kv_to_float(k[d]);
       }
       for (int d = 0; d < D; ++d)
         for (int64_t j = n; j < np; ++j) kt[d * np + j] = 0.0f;
@@ -378,6 +382,10 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
         score_cols<D>(&S.q[static_cast<size_t>(r0 + r) * D], kt, np, sg + r * np_max, np_max, np / Vec::W);
       for (int r = 0; r < rows_per_head; ++r) {
         float* s = sg + r * np_max;
+        if constexpr (std::is_same<KV, int8_t>::value) {
+          const float* ksc = &S.scale[g * np_max];
+          for (int64_t j = 0; j < n; ++j) s[j] *= ksc[j];
+        }
         const int64_t p = S.pos[r0 + r];
         if (p < 0) {  // padding row
           std::fill(s, s + np, 0.0f);
@@ -393,10 +401,9 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
       }
       for (int64_t j = 0; j < n; ++j) vrows[j] = vpool + (base + j) * row_stride + g * HE;
       if constexpr (std::is_same<KV, int8_t>::value) {  // fold each value row's scale into its probabilities
-        for (int64_t j = 0; j < n; ++j) {
-          const float vs = row_scale<KV, D>(vrows[j]);
-          for (int r = 0; r < rows_per_head; ++r) sg[r * np_max + j] *= vs;
-        }
+        const float* vsc = &S.vscale[g * np_max];
+        for (int r = 0; r < rows_per_head; ++r)
+          for (int64_t j = 0; j < n; ++j) sg[r * np_max + j] *= vsc[j];
       }
       pv_rows<D, KV>(sg, np_max, vrows.data(), n, &S.acc[static_cast<size_t>(r0) * D], rows_per_head);
     }
