@@ -21,7 +21,7 @@ import numpy as np
 import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from kernel_reference import ENCODE, kernel_model
+from kernel_reference import ENCODE, kernel_model, kernel_session
 from omforge.runtime.ort import kernels
 from omforge.runtime.step import SeqWork, build_step
 
@@ -40,10 +40,7 @@ def run(batch: int, context: int, kv: str, reps: int, q_heads: int = 9, kv_heads
     T = step["input_ids"].shape[1]
     model = kernel_model(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
                          scale=head_dim ** -0.5, kv_dtype=kv)
-    opts = ort.SessionOptions()
-    kernels.register(opts)
-    opts.intra_op_num_threads = 2
-    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    sess = kernel_session(model)
     binding = sess.io_binding()
     binding.bind_output("o")
     for name in ("slot_mapping", "block_tables", "query_index", "token_index", "position_ids", "decode_block_tables",

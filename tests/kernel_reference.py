@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from omforge.passes.gemm_pack import to_bf16 as to_bf16  # the kernels' rounding (round to nearest even)
@@ -12,6 +13,16 @@ from omforge.runtime.ort.kernels import DOMAIN
 
 INPUTS = ("q", "k", "v", "key_cache", "value_cache", "slot_mapping", "block_tables", "query_index", "token_index",
           "position_ids", "decode_block_tables", "decode_query_index")
+
+
+def kernel_session(model: onnx.ModelProto, threads: int = 2) -> ort.InferenceSession:
+    """A CPU session of a one-node kernel model, omforge's kernel library registered, on ``threads`` threads."""
+    from omforge.runtime.ort import kernels
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    kernels.register(options)
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 KV_ONNX_TYPES = {"float32": TensorProto.FLOAT, "bfloat16": TensorProto.BFLOAT16, "int8": TensorProto.INT8}

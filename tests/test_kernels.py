@@ -9,6 +9,7 @@ import onnxruntime as ort
 import pytest
 
 from kernel_reference import ENCODE, kernel_model, paged_attention_reference
+from kernel_reference import kernel_session as session
 from omforge.runtime.ort import kernels
 from omforge.runtime.step import SeqWork, build_step
 
@@ -67,13 +68,6 @@ def rounded_q_int16(q: np.ndarray, scale: float) -> np.ndarray:
     safe = np.where(amax > 0, amax, np.float32(1))
     q16 = np.clip(np.rint(qf * (np.float32(32767) / safe)), -32767, 32767)
     return q16 * (safe / np.float32(32767)).astype(np.float64) / scale
-
-
-def session(model) -> ort.InferenceSession:  # noqa: ANN001
-    opts = ort.SessionOptions()
-    kernels.register(opts)
-    opts.intra_op_num_threads = 2
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
 def run_kernel(model, f, pools, in_place: bool, token_major: bool, kv_dtype: str = "float32"):  # noqa: ANN001, ANN201

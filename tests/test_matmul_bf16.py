@@ -11,22 +11,15 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 
 from helpers import TINY_RECIPE, compile_bundle
+from kernel_reference import kernel_session as session
 from kernel_reference import matmul_bf16_model
 from omforge.passes import gemm_pack
 from omforge.runtime.ort import kernels
 
 pytestmark = pytest.mark.skipif(not kernels.status().bf16, reason=f"kernel library: {kernels.status().reason}")
-
-
-def session(model) -> ort.InferenceSession:  # noqa: ANN001
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 2
-    kernels.register(options)
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 def check(n: int, k: int, rows: tuple[int, ...], seed: int = 0) -> None:

@@ -12,21 +12,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 
+from kernel_reference import kernel_session as session
 from kernel_reference import matmul_q_model, matmul_q_reference
 from omforge.passes import gemm_pack, quant
 from omforge.runtime.ort import kernels
 
 pytestmark = pytest.mark.skipif(not kernels.status().available, reason=f"kernel library: {kernels.status().reason}")
-
-
-def session(model, threads: int = 2) -> ort.InferenceSession:  # noqa: ANN001
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    kernels.register(options)
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 def check(packed: quant.Packed, rows: tuple[int, ...], seed: int = 0) -> None:

@@ -13,23 +13,16 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 
 from helpers import SMOLLM2_RECIPE, TINY_RECIPE, compile_bundle
+from kernel_reference import kernel_session as session
 from kernel_reference import matmul_q_bf16_reference, matmul_q_model
 from omforge.passes import gemm_pack, quant
 from omforge.runtime.ort import kernels
 
 _WHY = kernels.status().reason or "no MatMulQBF16 (a library from before it)"
 pytestmark = pytest.mark.skipif(not kernels.status().qbf16, reason=f"kernel library: {_WHY}")
-
-
-def session(model, threads: int = 2) -> ort.InferenceSession:  # noqa: ANN001
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    kernels.register(options)
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 def check(packed: quant.Packed, rows: tuple[int, ...], seed: int = 0) -> None:
