@@ -69,17 +69,9 @@ void decompress(const QBGemmProblem& P, int64_t p, uint16_t* out) {
 }  // namespace
 
 void qbgemm(const QBGemmProblem& P, int64_t panel_begin, int64_t panel_end) {
-  thread_local std::vector<uint16_t> w;  // this thread's decompressed pair of panels, kept between calls
-  const int64_t panel_elems = P.Kp / 2 * 32;
-  w.resize(static_cast<size_t>(2 * panel_elems));
-  for (int64_t p = panel_begin; p < panel_end; p += 2) {
-    const int n = p + 1 < panel_end ? 2 : 1;
-    for (int q = 0; q < n; ++q) {
-      if (P.bits == 4) decompress<4>(P, p + q, w.data() + q * panel_elems);
-      else decompress<8>(P, p + q, w.data() + q * panel_elems);
-    }
-    bf16_panels({P.a, w.data(), P.y, P.M, P.N, P.Kp, p * kPanel}, n);
-  }
+  qbgemm_pairs(P, panel_begin, panel_end,
+               [&P](int64_t p, uint16_t* out) { P.bits == 4 ? decompress<4>(P, p, out) : decompress<8>(P, p, out); },
+               [](const Bf16Panels& T, int n) { bf16_panels(T, n); });
 }
 
 }  // namespace omf::avx512bf16

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace omf {
 
@@ -107,6 +108,22 @@ struct QBGemmProblem {
   int64_t M, N, K, Kp, bits, block;
 };
 using QBGemmFn = void (*)(const QBGemmProblem&, int64_t panel_begin, int64_t panel_end);
+
+// MatMulQBF16's loop, the same on every path: per pair of the panels [panel_begin, panel_end), `decompress(p, out)`
+// writes panel p into this thread's buffer (panel16-bf16, Kp/2 × 32), then `panels(tiles, n)` — the path's
+// bf16_panels — runs MatMulBF16's tiles over the pair (the last may be a single panel).
+template <typename Decompress, typename Panels>
+inline void qbgemm_pairs(const QBGemmProblem& P, int64_t panel_begin, int64_t panel_end, Decompress decompress,
+                         Panels panels) {
+  thread_local std::vector<uint16_t> w;  // this thread's decompressed pair of panels, kept between calls
+  const int64_t panel_elems = P.Kp / 2 * 32;
+  w.resize(static_cast<size_t>(2 * panel_elems));
+  for (int64_t p = panel_begin; p < panel_end; p += 2) {
+    const int n = p + 1 < panel_end ? 2 : 1;
+    for (int q = 0; q < n; ++q) decompress(p + q, w.data() + q * panel_elems);
+    panels(Bf16Panels{P.a, w.data(), P.y, P.M, P.N, P.Kp, p * kPanel}, n);
+  }
+}
 
 namespace avx512bf16 {
 void bgemm(const BGemmProblem&, int64_t, int64_t);
