@@ -125,11 +125,24 @@ static inline void score_chunk_i8(const int16_t* q, const int8_t* kbase, int64_t
   Vec::store(s, Vec::reduce_rows_i(part));
 }
 
+// max |x[d]| over d < n (exact, so the same on every path).
+static inline float abs_max(const float* x, int64_t n) {
+  const typename Vec::V zero = Vec::zero();
+  typename Vec::V vmax = zero;
+  int64_t d = 0;
+  for (; d + Vec::W <= n; d += Vec::W) {
+    const typename Vec::V v = Vec::load(x + d);
+    vmax = Vec::max(vmax, Vec::max(v, Vec::sub(zero, v)));
+  }
+  float amax = Vec::hmax(vmax);
+  for (; d < n; ++d) amax = std::max(amax, std::fabs(x[d]));
+  return amax;
+}
+
 // A query row as int16 (q16[d] = round(q[d] / scale), |q16| <= 32767); returns the scale (0 for a zero row).
 template <int D>
 static inline float quantize_row_i16(const float* q, int16_t* q16) {
-  float amax = 0.0f;
-  for (int d = 0; d < D; ++d) amax = std::max(amax, std::fabs(q[d]));
+  const float amax = abs_max(q, D);
   if (!(amax > 0.0f)) {
     std::fill(q16, q16 + D, int16_t{0});
     return 0.0f;
@@ -425,22 +438,14 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
 // IEEE-exact, so every path writes the same bytes as the scalar formula.
 void quantize_kv_int8(const float* x, int64_t D, int8_t* out) {
   using V = typename Vec::V;
-  const V zero = Vec::zero();
-  V vmax = zero;
-  int64_t d = 0;
-  for (; d + Vec::W <= D; d += Vec::W) {
-    const V v = Vec::load(x + d);
-    vmax = Vec::max(vmax, Vec::max(v, Vec::sub(zero, v)));
-  }
-  float amax = Vec::hmax(vmax);
-  for (int64_t e = d; e < D; ++e) amax = std::max(amax, std::fabs(x[e]));
-  const float scale = amax / 127.0f;
+  const float scale = abs_max(x, D) / 127.0f;
   if (!(scale > 0.0f)) {
     std::fill(out, out + D, int8_t{0});
   } else {
     const V vs = Vec::set1(scale), hi = Vec::set1(127.0f), lo = Vec::set1(-127.0f);
     float q[Vec::W];
-    for (d = 0; d + Vec::W <= D; d += Vec::W) {
+    int64_t d = 0;
+    for (; d + Vec::W <= D; d += Vec::W) {
       Vec::store(q, Vec::max(lo, Vec::min(hi, Vec::round_nearest(Vec::div(Vec::load(x + d), vs)))));
       for (int i = 0; i < Vec::W; ++i) out[d + i] = static_cast<int8_t>(q[i]);
     }
