@@ -220,7 +220,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_options = {k: getattr(args, k) for k in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
                                                      "max_prefill_tokens_with_decodes", "max_waiting_requests",
                                                      "max_queue_delay_us", "max_model_len", "threads",
-                                                     "preemption_mode", "kv_cache_space_gb", "max_queue_time_s")
+                                                     "preemption_mode", "kv_cache_space_gb", "max_queue_time_s",
+                                                     "enable_hierarchical_cache", "hicache_size_gb",
+                                                     "hicache_storage_backend", "hicache_storage_dir",
+                                                     "hicache_storage_size_gb")
                       if getattr(args, k) is not None}
     if args.speculative_config is not None:
         try:
@@ -302,6 +305,7 @@ def _serve_parser(sub: _Subparsers) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="override serve.enable_prefix_caching")
     p.add_argument("--threads", type=int, help="onnxruntime intra-op threads (default: all cores)")
+    _hicache_arguments(p)
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get to finish "
                    "after SIGTERM (default 30)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
@@ -312,6 +316,19 @@ def _serve_parser(sub: _Subparsers) -> None:
     p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "mistral"],
                    help="the format the model writes tool calls in (default: detected from its chat template)")
     p.set_defaults(func=cmd_serve)
+
+
+def _hicache_arguments(p: argparse.ArgumentParser) -> None:
+    """The tiers below the KV pool (SGLang's HiCache option names; serve.* recipe keys of the same names)."""
+    p.add_argument("--enable-hierarchical-cache", action="store_true", default=None,
+                   help="keep prefix-cache blocks below the KV pool (the tiers below; docs/hicache.md)")
+    p.add_argument("--hicache-size", type=float, dest="hicache_size_gb", metavar="GB",
+                   help="the host-memory tier (L2) for pools in device memory; off on ort (its pool is host memory)")
+    p.add_argument("--hicache-storage-backend", choices=["file"], help="the storage tier (L3): files in a directory")
+    p.add_argument("--hicache-storage-dir", metavar="DIR", help="the storage tier's directory (may be shared by "
+                   "replicas; survives restarts)")
+    p.add_argument("--hicache-storage-size", type=float, dest="hicache_storage_size_gb", metavar="GB",
+                   help="the storage tier's budget per bundle (default 16 GiB), least recently used out first")
 
 
 def _doctor_parser(sub: _Subparsers) -> None:

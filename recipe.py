@@ -278,6 +278,12 @@ class ServeSection(_Section):
         return v
     max_waiting_requests: int | None = Field(default=None, ge=1, le=1_000_000)  # None: runtime.engine_config's default
     max_queue_time_s: float | None = Field(default=60.0, gt=0, le=86_400)  # None: no bound
+    # tiers below the KV pool (runtime/hicache; SGLang's names): L2 host memory (device pools), L3 storage
+    enable_hierarchical_cache: bool = False
+    hicache_size_gb: float | None = Field(default=None, ge=0, le=65_536)
+    hicache_storage_backend: Literal["file"] | None = None
+    hicache_storage_dir: str | None = None
+    hicache_storage_size_gb: float | None = Field(default=None, gt=0, le=1_048_576)  # None: 16
 
 
 class Recipe(_Section):

@@ -23,6 +23,7 @@ from omforge.errors import OmforgeError
 from omforge.runtime.detokenizer import IncrementalDetokenizer
 from omforge.runtime.engine_config import EngineConfig, EngineConfigError
 from omforge.runtime.executor import Executor, run_plan
+from omforge.runtime.hicache.attach import after_step, build_hicache
 from omforge.runtime.kv_cache_manager import KVCacheManager
 from omforge.runtime.ort import kernels
 from omforge.runtime.ort.ort_executor import OrtExecutor
@@ -129,7 +130,13 @@ class LLMEngine:
         self.max_prompt_len = caps.max_prompt_len
         self.kv = KVCacheManager(cfg.num_kv_blocks, self.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
                                  num_host_blocks=cfg.num_host_blocks)
-        self.scheduler = Scheduler(self.kv, cfg.scheduler_config(self.config, caps.supports_mixed_batches))
+        try:
+            self.hicache = build_hicache(cfg, m, self.executor, self.kv)  # tiers below the pool, or None
+        except OmforgeError:
+            self.executor.close()
+            raise
+        self.scheduler = Scheduler(self.kv, cfg.scheduler_config(self.config, caps.supports_mixed_batches),
+                                   tiers=self.hicache)
         self.tokenizer = TextTokenizer(bundle / m.tokenizer.file, m.tokenizer) if m.tokenizer.file else None
         self.sampler = Sampler(eos_token_ids=tuple(self.config["eos_token_ids"]))
         self.requests: dict[str, Request] = {}
@@ -276,18 +283,23 @@ class LLMEngine:
         Idempotent; the engine cannot step afterwards."""
         if not self.closed:
             self.closed = True
+            if self.hicache is not None:  # its workers stop before the pool they read and write goes
+                self.hicache.close()
             self.executor.close()
             self._grammars.close()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests in flight, or tier I/O (runtime/hicache) whose blocks are still pinned or reserved."""
+        return self.scheduler.has_unfinished() or (self.hicache is not None and self.hicache.busy())
 
     def reset_prefix_cache(self) -> bool:
         """Drop all cached prefixes; returns False (nothing done) while requests are in flight."""
         if self.has_unfinished():
             return False
+        collect = self.kv.collect_committed
         self.kv = KVCacheManager(self.kv.pool.num_blocks, self.block_size, self.kv.enable_prefix_caching,
                                  self.kv.num_host_blocks)
+        self.kv.collect_committed = collect
         self.scheduler.kv = self.kv
         return True
 
@@ -305,6 +317,8 @@ class LLMEngine:
         masks = self._grammars.start([r.matcher for r, _ in plan.sample_rows])  # beside the model step
         logits = run_plan(self.executor, plan)
         if logits is None:
+            if self.hicache is not None:
+                after_step(self.hicache, self.kv, 0, 0.0, idle=True)
             return []
         now = time.monotonic()
         for req, row, start, count in plan.prompt_rows:
@@ -345,6 +359,8 @@ class LLMEngine:
         st.decode_tokens += decode
         st.prefill_tokens += plan.num_tokens - decode
         st.step_times.append(time.perf_counter() - t0)
+        if self.hicache is not None:
+            after_step(self.hicache, self.kv, st.last_prefill_tokens, st.step_times[-1], idle=False)
         return outputs
 
     # --- after the model step ------------------------------------------------------------------------------

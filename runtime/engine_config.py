@@ -24,6 +24,8 @@ DEFAULT_MAX_QUEUE_TIME_S = 60.0  # a request still waiting after this long ends 
 # 2026-12-02). Offline the step budget applies (no inter-token gap is seen there; the bound cost short-chat 64
 # int4 ~3% of its throughput)
 DECODE_STEP_TOKEN_BUDGET = 128
+DEFAULT_HICACHE_STORAGE_GB = 16.0  # the storage tier's budget when none is given
+HICACHE_STORAGE_BACKENDS = ("file",)
 QUEUE_BATCHES = 2
 """The default ``max_waiting_requests`` is this many full batches (``QUEUE_BATCHES * max_num_seqs``): a waiting
 request starts when a running one finishes, so a queue of ``k`` batches drains in about ``k`` request lifetimes
@@ -56,6 +58,12 @@ class EngineConfig:
     speculative_config: dict | None = None  # runtime/spec_decode.SpeculativeConfig's fields (vLLM's spelling)
     prefault_kv: bool = False  # write the KV pool at start-up (omforge serve: RSS known up front)
     serving: bool = False  # outputs are streamed as they come (omforge serve): "auto" bounds decode-step prefill
+    # tiers below the pool (runtime/hicache; SGLang's option names): L2 host memory, L3 storage
+    enable_hierarchical_cache: bool = False
+    hicache_size_gb: float | None = None  # the host tier (for pools in device memory)
+    hicache_storage_backend: str | None = None  # "file"
+    hicache_storage_dir: str | None = None
+    hicache_storage_size_gb: float = DEFAULT_HICACHE_STORAGE_GB
 
     @classmethod
     def resolve(cls, manifest: Manifest, **overrides: Any) -> EngineConfig:
@@ -90,6 +98,7 @@ class EngineConfig:
         if not (cap is None or cap == "auto" or (isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1)):
             raise EngineConfigError(f"max_prefill_tokens_with_decodes must be a positive number, 'auto' or none, "
                                     f"got {cap!r}")
+        tiers = _hicache(pick)
         for name, value in (("max_num_seqs", max_num_seqs), ("num_kv_blocks", blocks),
                             ("max_num_batched_tokens", max_batched)):
             if value < 1:
@@ -104,7 +113,7 @@ class EngineConfig:
                    threads=overrides.get("threads"), explicit_kv_blocks=overrides.get("num_kv_blocks") is not None,
                    kv_cache_space_gb=None if pick("num_kv_blocks") else budget / (1 << 30),
                    speculative_config=pick("speculative_config"), prefault_kv=bool(overrides.get("prefault_kv")),
-                   serving=bool(overrides.get("serving")))
+                   serving=bool(overrides.get("serving")), **tiers)
 
     def with_num_kv_blocks(self, num_blocks: int) -> EngineConfig:
         """The same configuration on a pool the executor fixed (``ExecutorCapabilities.num_blocks``)."""
@@ -123,6 +132,27 @@ class EngineConfig:
                                max_model_len=self.max_model_len,
                                eos_token_ids=tuple(model_config["eos_token_ids"]),
                                sliding_window=model_config.get("sliding_window"))
+
+
+def _hicache(pick: Any) -> dict[str, Any]:
+    """The hierarchical-cache options, checked against each other (one line naming the one at fault)."""
+    on = bool(pick("enable_hierarchical_cache"))
+    backend, where = pick("hicache_storage_backend"), pick("hicache_storage_dir")
+    size = pick("hicache_storage_size_gb")
+    size = DEFAULT_HICACHE_STORAGE_GB if size is None else float(size)
+    host = pick("hicache_size_gb")
+    if backend is not None and backend not in HICACHE_STORAGE_BACKENDS:
+        raise EngineConfigError(f"hicache_storage_backend {backend!r} is not one of {HICACHE_STORAGE_BACKENDS}")
+    if on and backend == "file" and not where:
+        raise EngineConfigError("hicache_storage_backend file needs hicache_storage_dir (the directory of the blocks)")
+    if on and not pick("enable_prefix_caching"):
+        raise EngineConfigError("enable_hierarchical_cache needs enable_prefix_caching (the tiers hold cached "
+                                "prefixes)")
+    if size <= 0 or (host is not None and host < 0):
+        raise EngineConfigError(f"hicache_storage_size_gb must be positive and hicache_size_gb not negative, got "
+                                f"{size} and {host}")
+    return {"enable_hierarchical_cache": on, "hicache_size_gb": host, "hicache_storage_backend": backend,
+            "hicache_storage_dir": None if where is None else str(where), "hicache_storage_size_gb": size}
 
 
 def _queue_time(serve: Mapping[str, Any], overrides: Mapping[str, Any]) -> float | None:

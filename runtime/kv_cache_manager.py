@@ -1,5 +1,6 @@
-"""The KV cache manager: per-request block tables over a :class:`BlockPool`, prefix caching, copy-on-write and a
-host swap tier. Allocation only: which request runs, waits or is preempted is the scheduler's policy.
+"""The KV cache manager: per-request block tables over a :class:`BlockPool`, prefix caching, copy-on-write, a
+host swap tier, and the pool side of the tiers below it (runtime/hicache: pins for write-through, blocks reserved
+for a load). Allocation only: which request runs, waits or is preempted is the scheduler's policy.
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ class KVCacheManager:
     Copies returned by :meth:`allocate_slots`, :meth:`swap_out` and :meth:`swap_in` are correct when performed in
     the order the calls returned them, before the step that follows.
 
+    Tiers below the pool (runtime/hicache): with ``collect_committed`` every block newly registered by
+    :meth:`commit` is recorded for :meth:`take_committed` (write-through); :meth:`pin` holds a reference that is no
+    table's while a block is written out, so a block's refcount is the tables holding it plus its pins. A load
+    (:meth:`reserve_loaded`) appends blocks and their chain hashes to a new request's table without registering
+    them: no other request can find a block before :meth:`install_loaded` says its KV is in place.
+
     Sliding windows (:meth:`release_out_of_window`): a leading block no future query of its request can see is
     released (a hashed one stays cached for other requests) and its table entry becomes :data:`NO_BLOCK`; dead
     entries hold no reference, are never copied, swapped or written, and keep their hash in the chain.
@@ -82,6 +89,10 @@ class KVCacheManager:
         self._hashes: dict[str, list[BlockHash]] = {}  # chain hashes of the first blocks, those already committed
         self._host_tables: dict[str, list[int]] = {}
         self._host_free: deque[int] = deque(range(num_host_blocks))
+        self.collect_committed = False
+        self._committed: list[tuple[int, BlockHash]] = []
+        self._pins: Counter[int] = Counter()
+        self._loading: dict[str, int] = {}  # request -> index of its first reserved (not yet installed) block
 
     def _table(self, req_id: str) -> list[int]:
         if req_id in self._host_tables:
@@ -158,7 +169,73 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs]))
             # a forked sibling may have registered it already; a released block is not registered again
             if table[i] != NO_BLOCK and self.pool.block_hash(table[i]) is None:
-                self.pool.register(table[i], hashes[-1])
+                if self.pool.register(table[i], hashes[-1]) and self.collect_committed:
+                    self._committed.append((table[i], hashes[-1]))
+
+    # --- the tiers below the pool (runtime/hicache) -----------------------------------------------------------
+
+    def take_committed(self) -> list[tuple[int, BlockHash]]:
+        """The ``(block, hash)`` pairs registered by :meth:`commit` since the last call (``collect_committed``)."""
+        committed, self._committed = self._committed, []
+        return committed
+
+    def pin(self, blocks: Sequence[int]) -> None:
+        """Hold a reference on each block that no table holds (it is being written to a tier)."""
+        self.pool.incref(blocks)
+        self._pins.update(blocks)
+
+    def unpin(self, blocks: Sequence[int]) -> None:
+        for block in blocks:
+            if self._pins[block] < 1:
+                raise ValueError(f"block {block} is not pinned")
+            self._pins[block] -= 1
+            if not self._pins[block]:
+                del self._pins[block]
+        self.pool.decref(blocks)
+
+    def next_block_hashes(self, req_id: str, token_ids: Sequence[int]) -> list[BlockHash]:
+        """The chain hashes of the request's full blocks past those it holds, up to the last full block before
+        its final token (a hit must leave one token to compute, :meth:`get_computed_blocks`)."""
+        hashes, bs = list(self._hashes[req_id]), self.block_size
+        start = len(hashes)
+        for i in range(start, (len(token_ids) - 1) // bs):
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs]))
+        return hashes[start:]
+
+    def reserve_loaded(self, req_id: str, hashes: Sequence[BlockHash]) -> list[int] | None:
+        """For a request that holds only prefix-cache hits (just after :meth:`get_computed_blocks`): append
+        ``len(hashes)`` fresh blocks for a load, with ``hashes`` as their chain, unregistered. Returns the blocks;
+        None, with nothing changed, when the pool lacks them."""
+        table, chain = self._table(req_id), self._hashes[req_id]
+        if len(table) != len(chain) or req_id in self._loading:
+            raise ValueError(f"request {req_id!r} must hold exactly its prefix-cache hits to reserve a load")
+        if len(hashes) > self.pool.num_free():
+            return None
+        blocks = self.pool.allocate(len(hashes))
+        self._loading[req_id] = len(table)
+        table.extend(blocks)
+        chain.extend(hashes)
+        return blocks
+
+    def install_loaded(self, req_id: str, num_loaded: int) -> int:
+        """The load of :meth:`reserve_loaded` ended with its first ``num_loaded`` blocks in place: register them
+        (prefix-cache hits from now on), release the rest. Returns the tokens the request has computed."""
+        first = self._loading.pop(req_id)
+        table, chain = self._table(req_id), self._hashes[req_id]
+        keep = first + num_loaded
+        self.pool.decref(reversed(table[keep:]))
+        del table[keep:], chain[keep:]
+        for block, block_hash in zip(table[first:], chain[first:]):
+            self.pool.register(block, block_hash)  # False: another block got the hash meanwhile; ours stays private
+        return keep * self.block_size
+
+    def rename(self, old_id: str, new_id: str) -> None:
+        """Keep a request's blocks under another id (a cancelled load: freed once the loader lets go)."""
+        if new_id in self._tables or new_id in self._host_tables:
+            raise ValueError(f"request {new_id!r} already holds blocks")
+        self._tables[new_id], self._hashes[new_id] = self._tables.pop(old_id), self._hashes.pop(old_id)
+        if old_id in self._loading:
+            self._loading[new_id] = self._loading.pop(old_id)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent (refcount + 1 each); writes diverge by copy-on-write."""
@@ -174,6 +251,7 @@ class KVCacheManager:
             self.pool.decref(b for b in reversed(self._tables.pop(req_id)) if b != NO_BLOCK)
         self._host_free.extend(h for h in self._host_tables.pop(req_id, ()) if h != NO_BLOCK)
         self._hashes.pop(req_id, None)
+        self._loading.pop(req_id, None)
 
     def swap_out(self, req_id: str) -> list[tuple[int, int]] | None:
         """Move the request to the host tier: returns the ``(device block, host block)`` copies and frees its device
@@ -239,9 +317,14 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
-        held = Counter(b for table in self._tables.values() for b in table if b != NO_BLOCK)
+        held = Counter(b for table in self._tables.values() for b in table if b != NO_BLOCK) + self._pins
         assert all(self.pool.ref_count(b) == held[b] for b in range(self.pool.num_blocks)), \
-            "a refcount differs from the number of tables holding the block (leak or double free)"
+            "a refcount differs from the number of tables and pins holding the block (leak or double free)"
+        assert all(self.pool.block_hash(b) is not None for b in self._pins), "a pinned block without a hash"
+        for req_id, first in self._loading.items():
+            loading = self._tables[req_id][first:]
+            assert all(self.pool.block_hash(b) is None for b in loading), \
+                f"request {req_id!r}: a block still loading is findable in the prefix cache"
         live = [[b for b in t if b != NO_BLOCK] for t in self._tables.values()]
         assert all(len(set(t)) == len(t) for t in live), "a block is twice in one table"
         assert all(t[:len(t) - len(kept)] == [NO_BLOCK] * (len(t) - len(kept))

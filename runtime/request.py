@@ -1,7 +1,8 @@
 """A request's state as the engine sees it: tokens, progress through the KV cache, status, timings.
 
 Invariants: ``num_computed_tokens <= len(all_token_ids)``; a RUNNING or SWAPPED request holds blocks in the
-KV cache manager, a WAITING or finished one holds none.
+KV cache manager, a WAITING or finished one holds none; a LOADING one holds the blocks its KV is being loaded
+into from a tier below the pool (runtime/hicache) and is in the scheduler's ``loading``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"
+    LOADING = "loading"
     FINISHED = "finished"
 
 

@@ -9,7 +9,10 @@ Policy only; allocation is the KV cache manager's. Every step:
   3. WAITING requests are admitted first-come-first-served, when no one was preempted this step, while the
      budget, ``max_num_seqs`` and the blocks allow; a long prompt takes the budget that is left and continues in
      later steps (chunked prefill, interleaved with the running decodes). Prefix-cache hits skip the cached part
-     of the prompt.
+     of the prompt. With tiers below the pool (``tiers``: runtime/hicache), the blocks past the pool's hit that a
+     tier holds are loaded instead of computed when the tiers' cost rule says so: the request takes its seat and
+     its blocks, waits in ``loading`` while other requests keep stepping, and joins RUNNING (its load's checked
+     blocks computed, the rest to prefill) in the first step after its load ends.
 With ``mixed_batches`` (executors that support them, ``ExecutorCapabilities.supports_mixed_batches``: the ORT step
 graph's decode group, ``contract.DECODE_GROUP_INPUTS``) every step carries the running decodes and fills the rest of
 the budget with prefill chunks, vLLM's chunked prefill: the decodes are attended apart from the chunks and cost
@@ -37,9 +40,11 @@ The engine keeps sampling, detokenising (stop strings end a request through :met
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from omforge.runtime.kv_cache_manager import KVCacheManager
 from omforge.runtime.request import Request, Status
@@ -47,6 +52,20 @@ from omforge.runtime.step import SeqWork
 
 PREEMPTION_MODES = ("recompute", "swap")
 MIN_PREFILL_WITH_DECODES = 32  # prefill tokens a step with decodes may always carry (the token budget's floor)
+
+
+class LoadedJob(Protocol):
+    key: str
+    loaded: int  # leading blocks whose KV is in place
+
+
+class TierLoader(Protocol):
+    """What the scheduler asks of the tiers below the pool (runtime/hicache/controller.py, ``HiCache``)."""
+
+    def match(self, hashes: Sequence[bytes]) -> int: ...
+    def worth_loading(self, num_blocks: int) -> bool: ...
+    def start_load(self, key: str, hashes: Sequence[bytes], blocks: Sequence[int]) -> object: ...
+    def finished_loads(self) -> Sequence[LoadedJob]: ...
 
 
 @dataclass(frozen=True)
@@ -136,8 +155,12 @@ class _StepBudget:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, config: SchedulerConfig):
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig, tiers: TierLoader | None = None):
         self.kv = kv
+        self.tiers = tiers
+        self.loading: dict[str, Request] = {}  # load key -> request whose KV is loading (it holds blocks, a seat)
+        self._load_owner: dict[str, str] = {}  # load key -> the id its blocks are kept under (a tombstone if aborted)
+        self._load_keys = itertools.count()
         self.config = config
         self.max_num_seqs = config.max_num_seqs
         self.budget = config.max_num_batched_tokens
@@ -165,14 +188,22 @@ class Scheduler:
         return 1 + len(request.followers)
 
     def _occupied(self) -> int:
-        """Seats taken: the running requests and the followers they will fork (reserved at admission)."""
-        return sum(1 + len(r.followers) for r in self.running)
+        """Seats taken: the running and loading requests and the followers they will fork (reserved at admission)."""
+        return sum(1 + len(r.followers) for r in (*self.running, *self.loading.values()))
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        """Requests in any queue, or a load still in flight (a cancelled one holds blocks until it ends)."""
+        return bool(self.waiting or self.running or self.swapped or self._load_owner)
 
     def remove(self, request: Request) -> None:
-        """Drop a request from whichever queue holds it and release its blocks (finish or abort)."""
+        """Drop a request from whichever queue holds it and release its blocks (finish or abort). A request whose
+        load is in flight keeps its blocks, under a tombstone id, until the loader lets go of them."""
+        for key, req in list(self.loading.items()):
+            if req is request:
+                del self.loading[key]
+                self._load_owner[key] = f"{request.request_id}\0cancelled-load-{key}"
+                self.kv.rename(request.request_id, self._load_owner[key])
+                return
         for queue in (self.running, self.waiting, self.swapped):
             if request in queue:
                 queue.remove(request)
@@ -181,6 +212,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan the next step (see the module docstring); the KV cache manager records its block moves now."""
         out = SchedulerOutput()
+        self._finish_loads()
         self._fill(out)
         rows = 0
         for s in out.scheduled:
@@ -364,10 +396,12 @@ class Scheduler:
             if self._occupied() + self._seats(req) > self.max_num_seqs:
                 break  # an n > 1 request waits until all its sequences can run
             if req.num_computed_tokens == 0:  # prompt logprobs are computed, never read from the cache
-                cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids,
-                                                     use_cache=req.params.prompt_logprobs is None)
+                use_cache = req.params.prompt_logprobs is None
+                cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids, use_cache=use_cache)
                 req.num_computed_tokens = cached
                 req.num_cached_tokens = max(req.num_cached_tokens, min(cached, len(req.prompt_token_ids)))
+                if use_cache and self.kv.enable_prefix_caching and self._start_load(req):
+                    continue
             n = min(req.num_tokens - req.num_computed_tokens, step.tokens, step.prefill)
             copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
             if copies is None:
@@ -378,6 +412,43 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             self._admit(out, step, req, n, copies, prefill=True)
+
+    def _start_load(self, req: Request) -> bool:
+        """Load the blocks past ``req``'s pool hit that a tier holds, if the tiers' cost rule says so and the pool
+        has room; True when ``req`` left the waiting queue for ``loading``."""
+        if self.tiers is None:
+            return False
+        hashes = self.kv.next_block_hashes(req.request_id, req.all_token_ids)
+        n = self.tiers.match(hashes) if hashes else 0
+        if not n or not self.tiers.worth_loading(n):
+            return False
+        blocks = self.kv.reserve_loaded(req.request_id, hashes[:n])
+        if blocks is None:
+            return False  # it computes instead (and waits for blocks like any request)
+        key = str(next(self._load_keys))
+        self.waiting.popleft()
+        self.loading[key], self._load_owner[key] = req, req.request_id
+        req.status = Status.LOADING
+        self.tiers.start_load(key, hashes[:n], blocks)
+        return True
+
+    def _finish_loads(self) -> None:
+        """Loads that ended: their requests join RUNNING with the checked blocks computed; an aborted request's
+        blocks are freed now that the loader no longer writes them."""
+        if self.tiers is None or not self._load_owner:
+            return
+        for job in self.tiers.finished_loads():
+            owner = self._load_owner.pop(job.key)
+            req = self.loading.pop(job.key, None)
+            if req is None:
+                self.kv.install_loaded(owner, 0)
+                self.kv.free(owner)
+                continue
+            computed = self.kv.install_loaded(owner, job.loaded)
+            req.num_computed_tokens = computed
+            req.num_cached_tokens = max(req.num_cached_tokens, min(computed, len(req.prompt_token_ids)))
+            req.status = Status.RUNNING
+            self.running.append(req)
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)

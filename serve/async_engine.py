@@ -172,7 +172,7 @@ class AsyncEngine:
         :meth:`start`; ``pending_adds`` requests submitted but not yet applied count as waiting."""
         sched, st = self._engine.scheduler, self._engine.stats
         return EngineSnapshot(
-            num_running=len(sched.running), num_waiting=len(sched.waiting) + pending_adds,
+            num_running=len(sched.running), num_waiting=len(sched.waiting) + len(sched.loading) + pending_adds,
             num_swapped=len(sched.swapped), kv=self._engine.kv.stats(), steps=st.steps,
             last_step_time=st.step_times[-1] if st.step_times else None, prompt_tokens=st.prompt_tokens,
             prefill_tokens=st.prefill_tokens, generation_tokens=st.generation_tokens, preemptions=st.preemptions,

@@ -79,6 +79,12 @@ class OrtExecutor:
         self.host_keys = [np.zeros(shape, self.pool_dtype) for _ in self.key_pools]
         self.host_values = [np.zeros(shape, self.pool_dtype) for _ in self.value_pools]
 
+    def host_block_views(self, block: int) -> list[memoryview]:
+        """The bytes of ``block`` in every pool, layer 0's K, layer 0's V, layer 1's K, … (runtime/hicache's block
+        I/O: the pools are host memory, read and written in place)."""
+        return [memoryview(pool[block]).cast("B") for layer in zip(self.key_pools, self.value_pools)
+                for pool in layer]
+
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks, ``(device, host)`` pairs."""
         self._swap(pairs, (self.key_pools, self.value_pools), (self.host_keys, self.host_values))
