@@ -1,0 +1,527 @@
+"""HiCache (issue 23), measured: a multi-turn chat workload against ``omforge serve`` with the prefix cache's
+storage tier off, on, and on again after a restart that keeps only the storage directory.
+
+The workload: ``--conversations`` conversations of ``--turns`` turns. Turn 1 is ``--first-tokens`` tokens of
+common words (the shared harness's ``workload.PromptFactory``, ../shared/bench/workload.py: exact token counts);
+each later turn re-sends the whole history — the previous prompt's text, the model's answer, and a new user
+message of ``--user-tokens`` tokens — as a text prompt to /v1/completions (streamed, greedy, EOS ignored,
+``--max-tokens`` per answer). ``--concurrency`` conversations run at a time (their start order shuffled by
+``--seed``), each one's turns strictly one after another, so between two turns of a conversation the others'
+turns run. The KV pool is sized small (``--num-kv-blocks``; by default about ``--pool-fraction`` of the tokens
+the concurrent conversations' final histories hold) so that histories are evicted between turns.
+
+Modes, one server at a time, in this order (``--modes`` picks a subset):
+  off           the plain server (tiers off) with the small pool;
+  on            the same plus ``--enable-hierarchical-cache --hicache-storage-backend file`` on a fresh directory;
+  restart-warm  a new server on the same storage directory (nothing else carried over), the same workload.
+
+Per mode: client TTFT (first streamed text chunk) p50/p99 over all turns and p50 over turns >= 2, per-turn
+TTFT p50, latency p50, output tok/s, wall time; from /metrics (difference over the run) prefill tokens computed,
+prompt tokens, prefix-cache hits and every ``omforge:hicache_*`` series; whether each (conversation, turn) answer
+equals mode off's. Ratios on/off (prefill tokens, TTFT p50) and restart-warm/on (TTFT p50). Medians, not means.
+
+    .venv/bin/python benchmarks/bench_hicache.py --bundle BUNDLE [--conversations 32] [--turns 6]
+        [--concurrency 8] [--modes off,on,restart-warm] [--num-kv-blocks N] [--threads T] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_BENCH = REPO.parent / "shared" / "bench"
+sys.path.insert(0, str(SHARED_BENCH))
+import workload  # noqa: E402 - the shared harness's prompt factory
+
+MODES = ("off", "on", "restart-warm")
+STARTUP_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 60.0
+HICACHE_PREFIX = "omforge:hicache_"
+ENGINE_SERIES = ("omforge:prefill_tokens_total", "omforge:prompt_tokens_total", "omforge:prefix_cache_hits_total",
+                 "omforge:prefix_cache_queries_total", "omforge:num_preemptions_total")
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """``first``: turn 1's text; ``users[t]``: the user message added at turn ``t + 2``."""
+
+    index: int
+    first: str
+    users: list[str]
+
+
+@dataclass
+class TurnResult:
+    conv: int
+    turn: int
+    ok: bool = False
+    ttft: float | None = None
+    latency: float | None = None
+    out_tokens: int = 0
+    prompt_tokens: int = 0
+    text: str = ""
+    error: str | None = None
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    server_args: list[str]
+    wall_s: float
+    turns: list[TurnResult]
+    engine: dict[str, float] = field(default_factory=dict)  # ENGINE_SERIES, difference over the run
+    hicache: dict[str, float] = field(default_factory=dict)  # counters: difference; gauges: value at the end
+    log: str = ""
+
+
+# ---------------------------------------------------------------- workload
+
+
+def build_conversations(bundle: Path, args: argparse.Namespace) -> list[Conversation]:
+    """Deterministic for a seed: every text round-trips through the tokenizer to its exact token count."""
+    factory = workload.PromptFactory(workload._load_tokenizer(str(bundle)))
+
+    def text(tag: str, n: int) -> str:
+        return factory.text(factory.token_ids(random.Random(f"{args.seed}-{tag}"), n))
+
+    return [Conversation(i, text(f"conv{i}-turn1", args.first_tokens),
+                         [text(f"conv{i}-turn{t}", args.user_tokens) for t in range(2, args.turns + 1)])
+            for i in range(args.conversations)]
+
+
+def final_history_tokens(args: argparse.Namespace) -> int:
+    """Tokens a conversation holds after its last turn (about: answers re-tokenized may merge at the seams)."""
+    return args.first_tokens + (args.turns - 1) * (args.user_tokens + args.max_tokens) + args.max_tokens
+
+
+def pool_blocks(args: argparse.Namespace, block_size: int) -> tuple[int, str]:
+    """``--num-kv-blocks``, or ``--pool-fraction`` of the concurrent conversations' final histories (at least
+    two of the longest requests); with a line saying how it compares."""
+    per_conv = math.ceil(final_history_tokens(args) / block_size)
+    active = min(args.concurrency, args.conversations)
+    wanted = active * per_conv
+    n = args.num_kv_blocks or max(math.ceil(wanted * args.pool_fraction), 2 * per_conv + 1)
+    return n, (f"KV pool {n} blocks x {block_size} = {n * block_size} tokens; the {active} concurrent "
+               f"conversations' final histories need {wanted} blocks ({wanted * block_size} tokens): "
+               f"{n / wanted:.0%} of them")
+
+
+# ---------------------------------------------------------------- server
+
+
+class Server:
+    """``omforge serve BUNDLE --port 0 ARGS`` on 127.0.0.1 in its own session; the URL from its startup line."""
+
+    def __init__(self, bundle: Path, server_args: list[str], log_path: Path):
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "omforge", "serve", str(bundle), "--host", "127.0.0.1", "--port", "0",
+               *server_args]
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.url = self._wait_url()
+        self._wait_health()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def _wait_url(self) -> str:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            m = re.search(r"listening on (http://\S+)/v1", self.log())
+            if m:
+                return m.group(1)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"omforge serve exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"omforge serve printed no URL within {STARTUP_TIMEOUT_S:.0f}s:\n{self.log()[-3000:]}")
+
+    def _wait_health(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if http_get(self.url + "/health")[0] == 200:
+                return
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"/health not 200 within {STARTUP_TIMEOUT_S:.0f}s")
+
+    def stop(self) -> int | None:
+        """SIGINT, a bounded wait, then SIGKILL to its process group."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                print(f"  server did not stop within {STOP_TIMEOUT_S:.0f}s of SIGINT: killed", flush=True)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+        return self.proc.returncode
+
+
+def http_get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+        return 0, str(e)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """``/metrics`` as ``{"name{label=value,…}": value}`` (labels sorted, model_name dropped)."""
+    status, text = http_get(url + "/metrics")
+    if status != 200:
+        raise RuntimeError(f"/metrics: HTTP {status}: {text[:200]}")
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def metric_deltas(before: dict[str, float], after: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """(ENGINE_SERIES differences, hicache series: ``*_total`` differences, other series' end values)."""
+    engine = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in ENGINE_SERIES}
+    hicache = {}
+    for key, value in sorted(after.items()):
+        if key.startswith(HICACHE_PREFIX):
+            counter = key.split("{", 1)[0].endswith("_total")
+            hicache[key] = value - before.get(key, 0.0) if counter else value
+    return engine, hicache
+
+
+# ---------------------------------------------------------------- client
+
+
+async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict, timeout: float,
+                            rec: TurnResult) -> None:
+    """POST /v1/completions (stream); fills ``rec``: TTFT at the first chunk with text, usage's token counts."""
+    t0 = time.perf_counter()
+    texts: list[str] = []
+    async with session.post(url + "/v1/completions", json=body,
+                            timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        if resp.status != 200:
+            rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+            return
+        async for raw in resp.content:  # one SSE line at a time; ends with the response (bounded by timeout)
+            line = raw.strip()
+            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                continue
+            msg = json.loads(line[5:])
+            if "error" in msg:
+                rec.error = str(msg["error"])[:200]
+                return
+            if msg.get("usage"):
+                rec.out_tokens = msg["usage"].get("completion_tokens") or 0
+                rec.prompt_tokens = msg["usage"].get("prompt_tokens") or 0
+            choices = msg.get("choices") or []
+            if choices and choices[0].get("text"):
+                if rec.ttft is None:
+                    rec.ttft = time.perf_counter() - t0
+                texts.append(choices[0]["text"])
+    rec.latency = time.perf_counter() - t0
+    rec.text = "".join(texts)
+    rec.ok = rec.ttft is not None
+    if not rec.ok:
+        rec.error = "no text streamed"
+
+
+async def one_turn(session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int,
+                   timeout: float, conv: int, turn: int) -> TurnResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    rec = TurnResult(conv, turn)
+    try:
+        await stream_completion(session, url, body, timeout, rec)
+    except asyncio.CancelledError:
+        rec.error = "cancelled at the deadline"
+        raise
+    except Exception as e:  # a failed turn is recorded, not fatal
+        rec.error = f"{type(e).__name__}: {e}"[:200]
+    return rec
+
+
+async def run_conversation(session: aiohttp.ClientSession, url: str, model: str, conv: Conversation,
+                           args: argparse.Namespace, out: list[TurnResult]) -> None:
+    """The turns one after another; each prompt = the previous prompt + its answer + the next user message."""
+    prompt = conv.first
+    for turn in range(1, args.turns + 1):
+        rec = await one_turn(session, url, model, prompt, args.max_tokens, args.timeout, conv.index, turn)
+        out.append(rec)
+        if not rec.ok or turn == args.turns:
+            return
+        prompt = prompt + rec.text + conv.users[turn - 1]
+
+
+async def run_workload(url: str, convs: list[Conversation], args: argparse.Namespace,
+                       budget_s: float) -> tuple[float, list[TurnResult], dict[str, float]]:
+    """``--concurrency`` workers take conversations in the seeded order; all cancelled after ``budget_s``.
+    Returns (wall seconds, the turns, /metrics after the warm-up request and before the workload)."""
+    order = list(range(len(convs)))
+    random.Random(args.seed).shuffle(order)
+    todo = deque(order)
+    results: list[TurnResult] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        async with session.get(url + "/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
+        await one_turn(session, url, model, warmup_prompt(args), 4, args.timeout, -1, 0)  # not in the results
+
+        async def worker() -> None:
+            while todo:  # bounded: every pass takes one conversation off
+                await run_conversation(session, url, model, convs[todo.popleft()], args, results)
+
+        before = scrape(url)
+        t0 = time.perf_counter()
+        tasks = [asyncio.create_task(worker()) for _ in range(min(args.concurrency, len(convs)))]
+        _, pending = await asyncio.wait(tasks, timeout=max(budget_s, 1.0))
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        wall = time.perf_counter() - t0
+    if pending:
+        print(f"  deadline: {len(pending)} worker(s) cancelled after {budget_s:.0f}s", flush=True)
+    results.sort(key=lambda r: (r.conv, r.turn))
+    return wall, results, before
+
+
+def warmup_prompt(args: argparse.Namespace) -> str:
+    """Shorter than a block: the warm-up request leaves no full block in any cache."""
+    return " ".join(["the"] * 16) + f" warm up {args.seed}"
+
+
+# ---------------------------------------------------------------- modes
+
+
+def server_args(mode: str, args: argparse.Namespace, blocks: int, storage: Path) -> list[str]:
+    out = ["--num-kv-blocks", str(blocks), "--log-level", "warning"]
+    if args.threads:
+        out += ["--threads", str(args.threads)]
+    if mode != "off":
+        out += ["--enable-hierarchical-cache", "--hicache-storage-backend", "file", "--hicache-storage-dir",
+                str(storage), "--hicache-storage-size", f"{args.storage_gb:g}"]
+    return out + args.serve_arg
+
+
+def run_mode(mode: str, bundle: Path, convs: list[Conversation], args: argparse.Namespace, blocks: int,
+             storage: Path, workdir: Path, budget_s: float) -> ModeResult:
+    sargs = server_args(mode, args, blocks, storage)
+    log_path = workdir / f"serve-{mode}.log"
+    print(f"\n== {mode}: omforge serve {' '.join(sargs)}  (log {log_path})", flush=True)
+    server = Server(bundle, sargs, log_path)
+    try:
+        wall, turns, before = asyncio.run(run_workload(server.url, convs, args, budget_s))
+        time.sleep(0.5)  # the engine thread's last step's counters
+        engine, hicache = metric_deltas(before, scrape(server.url))
+    finally:
+        code = server.stop()
+    log = server.log()
+    if code not in (0, None) or "Traceback" in log:
+        print(f"  server exit code {code}; log tail:\n{log[-2000:]}", flush=True)
+    return ModeResult(mode, sargs, wall, turns, engine, hicache, log)
+
+
+def hicache_flags_exist() -> bool:
+    out = subprocess.run([sys.executable, "-m", "omforge", "serve", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    return "--enable-hierarchical-cache" in out.stdout
+
+
+# ---------------------------------------------------------------- report
+
+
+def pct(xs: list[float], p: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * p / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def ms(x: float | None) -> float | None:
+    return None if x is None else round(1000 * x, 1)
+
+
+def summarize(res: ModeResult, reference: ModeResult | None, args: argparse.Namespace) -> dict:
+    ok = [t for t in res.turns if t.ok]
+    ttft = [t.ttft for t in ok]
+    out_tokens = sum(t.out_tokens for t in ok)
+    by_turn = {n: ms(statistics.median([t.ttft for t in ok if t.turn == n]))
+               for n in range(1, args.turns + 1) if any(t.turn == n for t in ok)}
+    summary = {
+        "mode": res.mode, "turns_ok": len(ok), "errors": len(res.turns) - len(ok),
+        "turns_not_run": args.conversations * args.turns - len(res.turns),  # after a failed turn, or the deadline
+        "error_samples": sorted({t.error for t in res.turns if t.error})[:3],
+        "wall_s": round(res.wall_s, 2), "output_tokens": out_tokens,
+        "output_tok_s": round(out_tokens / res.wall_s, 1) if res.wall_s else None,
+        "ttft_ms_p50": ms(pct(ttft, 50)), "ttft_ms_p99": ms(pct(ttft, 99)),
+        "ttft_ms_p50_turn2plus": ms(pct([t.ttft for t in ok if t.turn >= 2], 50)),
+        "ttft_ms_p50_by_turn": by_turn,
+        "latency_s_p50": round(pct([t.latency for t in ok], 50) or 0.0, 3),
+        "client_prompt_tokens": sum(t.prompt_tokens for t in ok),
+        "engine": res.engine, "hicache": res.hicache,
+    }
+    if reference is not None and reference is not res:
+        ref = {(t.conv, t.turn): t.text for t in reference.turns if t.ok}
+        differ = [(t.conv, t.turn) for t in ok if (t.conv, t.turn) in ref and ref[(t.conv, t.turn)] != t.text]
+        compared = sum((t.conv, t.turn) in ref for t in ok)
+        summary["outputs_vs"] = reference.mode
+        summary["outputs_compared"], summary["outputs_differ"] = compared, len(differ)
+        summary["outputs_differ_first"] = differ[:5]
+    return summary
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def ratios(s: dict[str, dict]) -> dict[str, float | None]:
+    def get(mode: str, key: str) -> float | None:
+        if mode not in s:
+            return None
+        return s[mode]["engine"].get(key) if key.startswith("omforge:") else s[mode].get(key)
+
+    prefill = "omforge:prefill_tokens_total"
+    return {"prefill_tokens on/off": ratio(get("on", prefill), get("off", prefill)),
+            "ttft_p50 on/off": ratio(get("on", "ttft_ms_p50"), get("off", "ttft_ms_p50")),
+            "ttft_p50_turn2plus on/off": ratio(get("on", "ttft_ms_p50_turn2plus"),
+                                               get("off", "ttft_ms_p50_turn2plus")),
+            "prefill_tokens restart-warm/on": ratio(get("restart-warm", prefill), get("on", prefill)),
+            "ttft_p50 restart-warm/on": ratio(get("restart-warm", "ttft_ms_p50"), get("on", "ttft_ms_p50")),
+            "ttft_p50 restart-warm/off": ratio(get("restart-warm", "ttft_ms_p50"), get("off", "ttft_ms_p50"))}
+
+
+def print_summary(s: dict) -> None:
+    print(f"  {s['turns_ok']} turns ok, {s['errors']} errors {s['error_samples'] or ''}, {s['turns_not_run']} not run")
+    print(f"  TTFT ms p50 {s['ttft_ms_p50']}  p99 {s['ttft_ms_p99']}  p50 turns>=2 {s['ttft_ms_p50_turn2plus']}"
+          f"  by turn {s['ttft_ms_p50_by_turn']}")
+    print(f"  wall {s['wall_s']} s  output {s['output_tokens']} tok = {s['output_tok_s']} tok/s  latency p50 "
+          f"{s['latency_s_p50']} s  prompt tokens (usage) {s['client_prompt_tokens']}")
+    for key, value in s["engine"].items():
+        print(f"  {key} {value:g}")
+    for key, value in s["hicache"].items():
+        print(f"  {key} {value:g}")
+    if not s["hicache"]:
+        print("  (no omforge:hicache_* series)")
+    if "outputs_vs" in s:
+        same = "identical" if s["outputs_differ"] == 0 else \
+            f"{s['outputs_differ']} differ, first {s['outputs_differ_first']}"
+        print(f"  greedy outputs vs {s['outputs_vs']}: {s['outputs_compared']} compared, {same}")
+    sys.stdout.flush()
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bundle", required=True, type=Path, help="an ort bundle (omforge compile's output)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, run in this order: {MODES}")
+    ap.add_argument("--conversations", type=int, default=32)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--concurrency", type=int, default=8, help="conversations at a time")
+    ap.add_argument("--first-tokens", type=int, default=450, help="turn 1's prompt tokens")
+    ap.add_argument("--user-tokens", type=int, default=200, help="tokens of each later user message")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per answer (EOS ignored)")
+    ap.add_argument("--num-kv-blocks", type=int, default=None, help="the KV pool (default: --pool-fraction)")
+    ap.add_argument("--pool-fraction", type=float, default=1 / 3,
+                    help="default pool: this fraction of the concurrent conversations' final histories")
+    ap.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads of the server")
+    ap.add_argument("--storage-gb", type=float, default=4.0, help="--hicache-storage-size of modes on/warm")
+    ap.add_argument("--storage-dir", type=Path, default=None,
+                    help="the storage directory (default a fresh one, removed at the end)")
+    ap.add_argument("--serve-arg", action="append", default=[], help="one more omforge serve argument")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, s")
+    ap.add_argument("--deadline", type=float, default=3600.0, help="whole benchmark limit, s")
+    ap.add_argument("--json", type=Path, default=None, help="write summaries and every turn here")
+    args = ap.parse_args()
+    args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in args.mode_list if m not in MODES]
+    if bad:
+        ap.error(f"unknown mode(s) {bad}; choose from {MODES}")
+    if "restart-warm" in args.mode_list and "on" not in args.mode_list and args.storage_dir is None:
+        ap.error("restart-warm without on needs --storage-dir holding an earlier run's blocks")
+    return args
+
+
+def block_size_of(bundle: Path) -> int:
+    return int(json.loads((bundle / "manifest.json").read_text())["kv"]["block_size"])
+
+
+def run_all(args: argparse.Namespace, storage: Path, workdir: Path) -> dict:
+    t_end = time.monotonic() + args.deadline
+    bundle = args.bundle.resolve()
+    convs = build_conversations(bundle, args)
+    blocks, pool_line = pool_blocks(args, block_size_of(bundle))
+    print(f"{args.conversations} conversations x {args.turns} turns, {args.concurrency} at a time; turn 1 "
+          f"{args.first_tokens} tokens, +{args.user_tokens} user +{args.max_tokens} answer per turn; final history "
+          f"~{final_history_tokens(args)} tokens\n{pool_line}\nstorage {storage}", flush=True)
+    results: dict[str, ModeResult] = {}
+    for mode in args.mode_list:
+        budget = t_end - time.monotonic()
+        if budget < 10:
+            print(f"\n== {mode}: skipped, the deadline is reached", flush=True)
+            continue
+        results[mode] = run_mode(mode, bundle, convs, args, blocks, storage, workdir, budget)
+        reference = results.get("off") or next(iter(results.values()))
+        print_summary(summarize(results[mode], reference, args))
+    reference = results.get("off") or next(iter(results.values()), None)
+    summaries = {m: summarize(r, reference, args) for m, r in results.items()}
+    rat = ratios(summaries)
+    print("\nratios: " + ", ".join(f"{k} {v}" for k, v in rat.items() if v is not None), flush=True)
+    return {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "num_kv_blocks": blocks, "pool": pool_line, "summaries": summaries, "ratios": rat,
+            "turns": {m: [asdict(t) for t in r.turns] for m, r in results.items()},
+            "server_args": {m: r.server_args for m, r in results.items()}}
+
+
+def main() -> int:
+    args = parse_args()
+    if any(m != "off" for m in args.mode_list) and not hicache_flags_exist():
+        print("bench_hicache: omforge serve has no --enable-hierarchical-cache yet; run --modes off", file=sys.stderr)
+        return 2
+    workdir = Path(tempfile.mkdtemp(prefix="bench-hicache-"))
+    storage = args.storage_dir or workdir / "storage"
+    storage.mkdir(parents=True, exist_ok=True)
+    try:
+        report = run_all(args, storage, workdir)
+    finally:
+        if args.storage_dir is None:
+            shutil.rmtree(storage, ignore_errors=True)
+    print(f"server logs in {workdir}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+    errors = sum(s["errors"] + s["turns_not_run"] for s in report["summaries"].values())
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
