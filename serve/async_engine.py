@@ -178,7 +178,8 @@ class AsyncEngine:
             prefill_tokens=st.prefill_tokens, generation_tokens=st.generation_tokens, preemptions=st.preemptions,
             spec_drafts=st.spec_drafts, spec_draft_tokens=st.spec_draft_tokens,
             spec_accepted_tokens=st.spec_accepted_tokens,
-            spec_accepted_per_position=dict(st.spec_accepted_per_position))
+            spec_accepted_per_position=dict(st.spec_accepted_per_position),
+            hicache=self._engine.hicache.stats() if self._engine.hicache is not None else None)
 
     # --- requests (event loop) ----------------------------------------------------------------------------
 

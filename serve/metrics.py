@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from omforge.runtime.engine import RequestOutput
+from omforge.runtime.hicache.controller import HiCacheStats
 from omforge.runtime.kv_cache_manager import KVCacheStats
 
 PREFIX = "omforge:"
@@ -52,6 +53,59 @@ class EngineSnapshot:
     spec_draft_tokens: int
     spec_accepted_tokens: int
     spec_accepted_per_position: dict[int, int]
+    hicache: HiCacheStats | None = None  # the tiers below the pool (runtime/hicache), None when off
+
+
+# the tiers' counters: (metric name, TierStats field, help)
+_TIER_COUNTERS = (
+    ("hicache_lookup_blocks", "lookups", "Blocks looked up in the tier (past the pool's hit; a lookup stops at "
+                                         "the first miss)."),
+    ("hicache_hit_blocks", "hits", "Blocks the tier held when looked up."),
+    ("hicache_loaded_blocks", "loaded_blocks", "Blocks loaded from the tier into the pool (checked)."),
+    ("hicache_loaded_bytes", "loaded_bytes", "Bytes loaded from the tier."),
+    ("hicache_load_seconds", "load_seconds", "Seconds the loader spent loading from the tier."),
+    ("hicache_written_blocks", "written_blocks", "Blocks written to the tier."),
+    ("hicache_written_bytes", "written_bytes", "Bytes written to the tier."),
+    ("hicache_write_seconds", "write_seconds", "Seconds the writer spent writing to the tier."),
+    ("hicache_write_queue_drops", "queue_drops", "Blocks not written because the write queue was full."),
+)
+_TIER_GAUGES = (("hicache_tier_blocks", "blocks", "Blocks the tier holds now."),
+                ("hicache_tier_bytes", "bytes", "Bytes the tier holds now."),
+                ("hicache_tier_capacity_bytes", "capacity_bytes", "The tier's byte budget."))
+
+
+class HiCacheMetrics:
+    """``omforge:hicache_*``: per tier (label ``tier``: ``storage``; ``host`` for a host tier) the counters of
+    :class:`~omforge.runtime.hicache.controller.TierStats`, its occupancy, bad block files by reason, and the
+    cost rule's decisions (``hicache_loads{decision=taken|skipped}``: hits loaded, hits recomputed instead)."""
+
+    def __init__(self, registry: CollectorRegistry, model: str):
+        self.model = model
+        labels = ["model_name", "tier"]
+        self.counters = {f: Counter(PREFIX + n, h, labels, registry=registry) for n, f, h in _TIER_COUNTERS}
+        self.gauges = {f: Gauge(PREFIX + n, h, labels, registry=registry) for n, f, h in _TIER_GAUGES}
+        self.bad = Counter(PREFIX + "hicache_bad_blocks", "Block files found truncated, corrupt or foreign (each a "
+                           "miss).", labels + ["reason"], registry=registry)
+        self.loads = Counter(PREFIX + "hicache_loads", "Tier hits by the cost rule's decision.",
+                             ["model_name", "decision"], registry=registry)
+        self._last: dict[tuple, float] = {}
+
+    def update(self, st: HiCacheStats) -> None:
+        def advance(metric: Counter, labels: tuple, value: float, name: str = "") -> None:
+            key = (name, *labels)
+            if value > self._last.get(key, 0):
+                metric.labels(*labels).inc(value - self._last.get(key, 0))
+                self._last[key] = value
+
+        for tier, ts in st.tiers.items():
+            for field_name, metric in self.counters.items():
+                advance(metric, (self.model, tier), getattr(ts, field_name), field_name)
+            for reason, count in ts.bad_blocks.items():
+                advance(self.bad, (self.model, tier, reason), count, "bad")
+            for field_name, metric in self.gauges.items():
+                metric.labels(self.model, tier).set(getattr(ts, field_name))
+        advance(self.loads, (self.model, "taken"), st.loads_taken, "loads")
+        advance(self.loads, (self.model, "skipped"), st.loads_skipped, "loads")
 
 
 class ServerMetrics:
@@ -105,6 +159,7 @@ class ServerMetrics:
                                     "Accepted drafted tokens by position in the draft (0 = first).", ("position",))
         self._last = dict.fromkeys(("prompt", "prefill", "gen", "pre", "q", "h", "steps", "sd", "sdt", "sa"), 0)
         self._last_pos: dict[int, int] = {}
+        self.hicache = HiCacheMetrics(r, model_name)
 
     def after_step(self, st: EngineSnapshot, outputs: list[RequestOutput]) -> None:
         kv = st.kv
@@ -133,6 +188,8 @@ class ServerMetrics:
             if count > self._last_pos.get(pos, 0):
                 self.spec_per_pos.labels(self.model, str(pos)).inc(count - self._last_pos.get(pos, 0))
                 self._last_pos[pos] = count
+        if st.hicache is not None:
+            self.hicache.update(st.hicache)
         if st.steps > last["steps"] and st.last_step_time is not None:
             self.step_seconds.observe(st.last_step_time)
             last["steps"] = st.steps
