@@ -44,6 +44,7 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._hash_of: dict[int, Hashable] = {}
         self._block_of: dict[Hashable, int] = {}
+        self.evicted: list[tuple[int, Hashable]] | None = None  # when a list: every eviction is recorded there
 
     def num_free(self) -> int:
         """Blocks :meth:`allocate` can hand out now: free plus cached-unreferenced (evictable)."""
@@ -69,7 +70,10 @@ class BlockPool:
                 block = self._free.popleft()
             else:
                 block, _ = self._evictable.popitem(last=False)
-                del self._block_of[self._hash_of.pop(block)]
+                block_hash = self._hash_of.pop(block)
+                del self._block_of[block_hash]
+                if self.evicted is not None:  # its KV is still there until the step after it (a write-back)
+                    self.evicted.append((block, block_hash))
             self._refs[block] = 1
             blocks.append(block)
         return blocks

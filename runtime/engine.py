@@ -23,7 +23,7 @@ from omforge.errors import OmforgeError
 from omforge.runtime.detokenizer import IncrementalDetokenizer
 from omforge.runtime.engine_config import EngineConfig, EngineConfigError
 from omforge.runtime.executor import Executor, run_plan
-from omforge.runtime.hicache.attach import after_step, build_hicache
+from omforge.runtime.hicache.attach import build_tiers, host_tier_slots
 from omforge.runtime.kv_cache_manager import KVCacheManager
 from omforge.runtime.ort import kernels
 from omforge.runtime.ort.ort_executor import OrtExecutor
@@ -131,12 +131,13 @@ class LLMEngine:
         self.kv = KVCacheManager(cfg.num_kv_blocks, self.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
                                  num_host_blocks=cfg.num_host_blocks)
         try:
-            self.hicache = build_hicache(cfg, m, self.executor, self.kv)  # tiers below the pool, or None
+            self.hicache = build_tiers(cfg, m, self.executor, self.kv)  # tiers below the pool, or None
         except OmforgeError:
             self.executor.close()
             raise
         self.scheduler = Scheduler(self.kv, cfg.scheduler_config(self.config, caps.supports_mixed_batches),
-                                   tiers=self.hicache)
+                                   tiers=self.hicache and self.hicache.controller,
+                                   host=self.hicache and self.hicache.host)
         self.tokenizer = TextTokenizer(bundle / m.tokenizer.file, m.tokenizer) if m.tokenizer.file else None
         self.sampler = Sampler(eos_token_ids=tuple(self.config["eos_token_ids"]))
         self.requests: dict[str, Request] = {}
@@ -156,7 +157,8 @@ class LLMEngine:
         if m.target == "ascend":
             from omforge.runtime.ascend.acl_executor import AclExecutor
 
-            return AclExecutor(bundle, m, acl=acl_module, num_host_blocks=cfg.num_host_blocks)
+            return AclExecutor(bundle, m, acl=acl_module,  # the swap tier, then the host tier's slots
+                               num_host_blocks=cfg.num_host_blocks + host_tier_slots(cfg, m))
         if m.kernels and not kernels.status().available:
             raise BundleError(f"{bundle}: compiled for omforge's CPU kernel library (paged attention), which is "
                               f"unavailable here: {kernels.status().reason}; or recompile the bundle on this machine")
@@ -296,10 +298,10 @@ class LLMEngine:
         """Drop all cached prefixes; returns False (nothing done) while requests are in flight."""
         if self.has_unfinished():
             return False
-        collect = self.kv.collect_committed
         self.kv = KVCacheManager(self.kv.pool.num_blocks, self.block_size, self.kv.enable_prefix_caching,
                                  self.kv.num_host_blocks)
-        self.kv.collect_committed = collect
+        if self.hicache is not None:
+            self.hicache.prepare(self.kv)
         self.scheduler.kv = self.kv
         return True
 
@@ -318,7 +320,7 @@ class LLMEngine:
         logits = run_plan(self.executor, plan)
         if logits is None:
             if self.hicache is not None:
-                after_step(self.hicache, self.kv, 0, 0.0, idle=True)
+                self.hicache.after_step(self.kv, 0, 0.0, idle=True)
             return []
         now = time.monotonic()
         for req, row, start, count in plan.prompt_rows:
@@ -360,7 +362,7 @@ class LLMEngine:
         st.prefill_tokens += plan.num_tokens - decode
         st.step_times.append(time.perf_counter() - t0)
         if self.hicache is not None:
-            after_step(self.hicache, self.kv, st.last_prefill_tokens, st.step_times[-1], idle=False)
+            self.hicache.after_step(self.kv, st.last_prefill_tokens, st.step_times[-1], idle=False)
         return outputs
 
     # --- after the model step ------------------------------------------------------------------------------

@@ -92,7 +92,7 @@ class KVCacheManager:
         self.collect_committed = False
         self._committed: list[tuple[int, BlockHash]] = []
         self._pins: Counter[int] = Counter()
-        self._loading: dict[str, int] = {}  # request -> index of its first reserved (not yet installed) block
+        self._loading: dict[str, tuple[int, int]] = {}  # request -> (first reserved block's index, how many)
 
     def _table(self, req_id: str) -> list[int]:
         if req_id in self._host_tables:
@@ -174,6 +174,14 @@ class KVCacheManager:
 
     # --- the tiers below the pool (runtime/hicache) -----------------------------------------------------------
 
+    def take_evicted(self) -> list[tuple[int, BlockHash]]:
+        """The ``(block, hash)`` pairs the pool evicted since the last call (``pool.evicted`` a list: a write-back
+        tier); their KV is intact until the plan that allocated them runs."""
+        evicted = self.pool.evicted or []
+        if self.pool.evicted is not None:
+            self.pool.evicted = []
+        return evicted
+
     def take_committed(self) -> list[tuple[int, BlockHash]]:
         """The ``(block, hash)`` pairs registered by :meth:`commit` since the last call (``collect_committed``)."""
         committed, self._committed = self._committed, []
@@ -212,20 +220,24 @@ class KVCacheManager:
         if len(hashes) > self.pool.num_free():
             return None
         blocks = self.pool.allocate(len(hashes))
-        self._loading[req_id] = len(table)
+        self._loading[req_id] = (len(table), len(hashes))
         table.extend(blocks)
         chain.extend(hashes)
         return blocks
 
     def install_loaded(self, req_id: str, num_loaded: int) -> int:
         """The load of :meth:`reserve_loaded` ended with its first ``num_loaded`` blocks in place: register them
-        (prefix-cache hits from now on), release the rest. Returns the tokens the request has computed."""
-        first = self._loading.pop(req_id)
+        (prefix-cache hits from now on), release the rest. Returns the tokens the reserved span ends at (the
+        request's computed tokens, when the load is installed before its table grows; a partial load must be)."""
+        first, count = self._loading.pop(req_id)
         table, chain = self._table(req_id), self._hashes[req_id]
-        keep = first + num_loaded
-        self.pool.decref(reversed(table[keep:]))
-        del table[keep:], chain[keep:]
-        for block, block_hash in zip(table[first:], chain[first:]):
+        keep, end = first + num_loaded, first + count
+        if not 0 <= num_loaded <= count or (num_loaded < count and len(table) > end):
+            raise ValueError(f"request {req_id!r}: cannot install {num_loaded} of {count} loaded blocks "
+                             f"(its table holds {len(table)} blocks)")
+        self.pool.decref(reversed(table[keep:end]))
+        del table[keep:end], chain[keep:end]
+        for block, block_hash in zip(table[first:keep], chain[first:keep]):
             self.pool.register(block, block_hash)  # False: another block got the hash meanwhile; ours stays private
         return keep * self.block_size
 
@@ -321,8 +333,8 @@ class KVCacheManager:
         assert all(self.pool.ref_count(b) == held[b] for b in range(self.pool.num_blocks)), \
             "a refcount differs from the number of tables and pins holding the block (leak or double free)"
         assert all(self.pool.block_hash(b) is not None for b in self._pins), "a pinned block without a hash"
-        for req_id, first in self._loading.items():
-            loading = self._tables[req_id][first:]
+        for req_id, (first, count) in self._loading.items():
+            loading = self._tables[req_id][first:first + count]
             assert all(self.pool.block_hash(b) is None for b in loading), \
                 f"request {req_id!r}: a block still loading is findable in the prefix cache"
         live = [[b for b in t if b != NO_BLOCK] for t in self._tables.values()]

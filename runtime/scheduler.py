@@ -12,7 +12,10 @@ Policy only; allocation is the KV cache manager's. Every step:
      of the prompt. With tiers below the pool (``tiers``: runtime/hicache), the blocks past the pool's hit that a
      tier holds are loaded instead of computed when the tiers' cost rule says so: the request takes its seat and
      its blocks, waits in ``loading`` while other requests keep stepping, and joins RUNNING (its load's checked
-     blocks computed, the rest to prefill) in the first step after its load ends.
+     blocks computed, the rest to prefill) in the first step after its load ends. With a host tier (``host``: a
+     pool in device memory, runtime/hicache/host_tier.py) the pool's evictions are written back to host slots by
+     the plan (``swap_out``, before anything rewrites the blocks) and a hit is copied back by the same plan that
+     admits the request (``swap_in``).
 With ``mixed_batches`` (executors that support them, ``ExecutorCapabilities.supports_mixed_batches``: the ORT step
 graph's decode group, ``contract.DECODE_GROUP_INPUTS``) every step carries the running decodes and fills the rest of
 the budget with prefill chunks, vLLM's chunked prefill: the decodes are attended apart from the chunks and cost
@@ -40,32 +43,17 @@ The engine keeps sampling, detokenising (stop strings end a request through :met
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from omforge.runtime.kv_cache_manager import KVCacheManager
 from omforge.runtime.request import Request, Status
 from omforge.runtime.step import SeqWork
+from omforge.runtime.tier_admission import LOADING, WAIT, HostSlots, TieredAdmission, TierLoader
 
 PREEMPTION_MODES = ("recompute", "swap")
 MIN_PREFILL_WITH_DECODES = 32  # prefill tokens a step with decodes may always carry (the token budget's floor)
-
-
-class LoadedJob(Protocol):
-    key: str
-    loaded: int  # leading blocks whose KV is in place
-
-
-class TierLoader(Protocol):
-    """What the scheduler asks of the tiers below the pool (runtime/hicache/controller.py, ``HiCache``)."""
-
-    def match(self, hashes: Sequence[bytes]) -> int: ...
-    def worth_loading(self, num_blocks: int) -> bool: ...
-    def start_load(self, key: str, hashes: Sequence[bytes], blocks: Sequence[int]) -> object: ...
-    def finished_loads(self) -> Sequence[LoadedJob]: ...
 
 
 @dataclass(frozen=True)
@@ -154,13 +142,11 @@ class _StepBudget:
     decodes: bool
 
 
-class Scheduler:
-    def __init__(self, kv: KVCacheManager, config: SchedulerConfig, tiers: TierLoader | None = None):
+class Scheduler(TieredAdmission):
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig, tiers: TierLoader | None = None,
+                 host: HostSlots | None = None):
         self.kv = kv
-        self.tiers = tiers
-        self.loading: dict[str, Request] = {}  # load key -> request whose KV is loading (it holds blocks, a seat)
-        self._load_owner: dict[str, str] = {}  # load key -> the id its blocks are kept under (a tombstone if aborted)
-        self._load_keys = itertools.count()
+        self._init_tiers(tiers, host)
         self.config = config
         self.max_num_seqs = config.max_num_seqs
         self.budget = config.max_num_batched_tokens
@@ -198,12 +184,8 @@ class Scheduler:
     def remove(self, request: Request) -> None:
         """Drop a request from whichever queue holds it and release its blocks (finish or abort). A request whose
         load is in flight keeps its blocks, under a tombstone id, until the loader lets go of them."""
-        for key, req in list(self.loading.items()):
-            if req is request:
-                del self.loading[key]
-                self._load_owner[key] = f"{request.request_id}\0cancelled-load-{key}"
-                self.kv.rename(request.request_id, self._load_owner[key])
-                return
+        if self._cancel_load(request):
+            return
         for queue in (self.running, self.waiting, self.swapped):
             if request in queue:
                 queue.remove(request)
@@ -212,8 +194,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan the next step (see the module docstring); the KV cache manager records its block moves now."""
         out = SchedulerOutput()
+        if self.host is not None:
+            self.host.release()  # the previous plan ran: its host slots are free to reuse
         self._finish_loads()
         self._fill(out)
+        self._write_back(out)
         rows = 0
         for s in out.scheduled:
             req = s.request
@@ -395,60 +380,31 @@ class Scheduler:
             req = self.waiting[0]
             if self._occupied() + self._seats(req) > self.max_num_seqs:
                 break  # an n > 1 request waits until all its sequences can run
+            from_host: str | list[tuple[int, int]] = []
             if req.num_computed_tokens == 0:  # prompt logprobs are computed, never read from the cache
                 use_cache = req.params.prompt_logprobs is None
                 cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids, use_cache=use_cache)
                 req.num_computed_tokens = cached
-                req.num_cached_tokens = max(req.num_cached_tokens, min(cached, len(req.prompt_token_ids)))
-                if use_cache and self.kv.enable_prefix_caching and self._start_load(req):
-                    continue
+                if use_cache and self.kv.enable_prefix_caching:
+                    from_host = self._from_tiers(req)  # the tiers below the pool (tier_admission.py)
+                    if from_host == LOADING:
+                        continue
+                req.num_cached_tokens = max(req.num_cached_tokens,
+                                            min(req.num_computed_tokens, len(req.prompt_token_ids)))
             n = min(req.num_tokens - req.num_computed_tokens, step.tokens, step.prefill)
-            copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
+            copies = None if from_host == WAIT else self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
             if copies is None:
-                self.kv.free(req.request_id)  # give back the prefix-cache references; retry next step
+                self.kv.free(req.request_id)  # give back the prefix-cache references (and host hits); retry later
                 req.num_computed_tokens = 0
                 break
+            if from_host:  # admitted: its host hits are copied in by this plan, before the step reads them
+                self.kv.install_loaded(req.request_id, len(from_host))
+                out.swap_in += from_host
+            self._record_lookup()
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
             self._admit(out, step, req, n, copies, prefill=True)
-
-    def _start_load(self, req: Request) -> bool:
-        """Load the blocks past ``req``'s pool hit that a tier holds, if the tiers' cost rule says so and the pool
-        has room; True when ``req`` left the waiting queue for ``loading``."""
-        if self.tiers is None:
-            return False
-        hashes = self.kv.next_block_hashes(req.request_id, req.all_token_ids)
-        n = self.tiers.match(hashes) if hashes else 0
-        if not n or not self.tiers.worth_loading(n):
-            return False
-        blocks = self.kv.reserve_loaded(req.request_id, hashes[:n])
-        if blocks is None:
-            return False  # it computes instead (and waits for blocks like any request)
-        key = str(next(self._load_keys))
-        self.waiting.popleft()
-        self.loading[key], self._load_owner[key] = req, req.request_id
-        req.status = Status.LOADING
-        self.tiers.start_load(key, hashes[:n], blocks)
-        return True
-
-    def _finish_loads(self) -> None:
-        """Loads that ended: their requests join RUNNING with the checked blocks computed; an aborted request's
-        blocks are freed now that the loader no longer writes them."""
-        if self.tiers is None or not self._load_owner:
-            return
-        for job in self.tiers.finished_loads():
-            owner = self._load_owner.pop(job.key)
-            req = self.loading.pop(job.key, None)
-            if req is None:
-                self.kv.install_loaded(owner, 0)
-                self.kv.free(owner)
-                continue
-            computed = self.kv.install_loaded(owner, job.loaded)
-            req.num_computed_tokens = computed
-            req.num_cached_tokens = max(req.num_cached_tokens, min(computed, len(req.prompt_token_ids)))
-            req.status = Status.RUNNING
-            self.running.append(req)
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)

@@ -111,10 +111,10 @@ def serve(bundle: str | Path, options: ServeOptions, **engine_options: Any) -> i
           f"{engine.scheduler.max_num_seqs}, context {engine.max_model_len}, loaded in "
           f"{time.perf_counter() - t0:.1f}s", flush=True)
     if engine.hicache is not None:
-        tier = engine.hicache.stats().tiers["storage"]
-        print(f"omforge serve: hierarchical cache: storage tier {engine.hicache.storage.dir} ({tier.blocks} blocks, "
-              f"{tier.bytes / (1 << 30):.2f} of {tier.capacity_bytes / (1 << 30):.2f} GiB), write-through",
-              flush=True)
+        for name, tier in engine.hicache.stats().tiers.items():
+            where = f" {engine.hicache.storage.dir}" if name == "storage" else ""
+            print(f"omforge serve: hierarchical cache: {name} tier{where} ({tier.blocks} blocks, "
+                  f"{tier.bytes / (1 << 30):.2f} of {tier.capacity_bytes / (1 << 30):.2f} GiB)", flush=True)
     print(f"omforge serve: listening on http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
           f"{' (API key required)' if options.api_key else ''}", flush=True)
     # uvicorn's own graceful timeout is longer than the drain: at the drain timeout the engine ends what is left

@@ -1,5 +1,6 @@
 """The scheduler and the KV cache manager with a tier below the pool: loads on admission, write-through pins,
-aborts during a load, and a hypothesis fuzz of whole lifecycles with the KV invariants checked after every step.
+aborts during a load, and hypothesis fuzzes of whole lifecycles with the KV invariants checked after every step —
+against a stand-in tier, and against the real controller (files, writer and loader threads) over the fake pool.
 
 :class:`SlowTier` is a stand-in for runtime/hicache's controller (the real one, with files and threads, is tested
 in test_hicache.py and test_hicache_storage.py): it keeps block contents in LRU order within a capacity, finishes
@@ -15,10 +16,16 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_scheduler import EOS, FakeStep, make, request, step
 
+from omforge.runtime.hicache.attach import after_step
+from omforge.runtime.hicache.controller import HiCache
+from omforge.runtime.hicache.host_tier import HostTier
+from omforge.runtime.hicache.identity import BlockLayout, BundleIdentity
+from omforge.runtime.hicache.storage import FileTier
 from omforge.runtime.kv_cache_manager import KVCacheManager
 from omforge.runtime.request import Request, Status
 from omforge.runtime.sampling_params import SamplingParams
@@ -55,10 +62,11 @@ class SlowTier:
         return n
 
     def worth_loading(self, num_blocks: int) -> bool:
-        take = self.rng.random() < 0.8
-        self.taken += take
-        self.skipped += not take
-        return take
+        return self.rng.random() < 0.8
+
+    def record(self, lookups: int, hits: int, decision: str | None) -> None:
+        self.taken += decision == "taken"
+        self.skipped += decision == "skipped"
 
     def start_load(self, key: str, hashes: list[bytes], blocks: list[int]) -> Job:
         job = Job(key, list(hashes), list(blocks), self.now + self.rng.randint(0, 3))
@@ -203,6 +211,11 @@ def test_fuzz_lifecycles_with_a_tier_keep_the_invariants(case: dict) -> None:
     s, fake, tier = tiered(case["blocks"], case["block_size"], rng, case["capacity"], case["loss"],
                            max_num_seqs=case["max_num_seqs"], max_num_batched_tokens=case["budget"],
                            preemption_mode=case["mode"], host=8)
+    lifecycle(s, fake, tier.after_step, tier.busy, case, rng)
+
+
+def lifecycle(s: Scheduler, fake: FakeStep, after: object, busy: object, case: dict, rng: random.Random) -> None:
+    """Run one fuzz case; ``after(kv)`` follows each step (the tier's write-through), ``busy()``: tier I/O left."""
     families = [[rng.randrange(3, 40) for _ in range(24)] for _ in range(5)]
     live: list[Request] = []
     for t in range(800):
@@ -215,14 +228,94 @@ def test_fuzz_lifecycles_with_a_tier_keep_the_invariants(case: dict) -> None:
             victim = rng.choice(live)
             if not victim.finished:
                 s.finish(victim, "abort")
-        if t > 60 and not s.has_unfinished() and not tier.busy():
+        if t > 60 and not s.has_unfinished() and not busy():
             break
         step(s, fake, tokens=lambda r: EOS if rng.random() < 0.1 else rng.randrange(3, 40))
-        tier.after_step(s.kv)
+        after(s.kv)
         s.kv.check_invariants()
         assert sum(1 + len(r.followers) for r in (*s.running, *s.loading.values())) <= s.max_num_seqs
         queues = [*s.waiting, *s.running, *s.swapped, *s.loading.values()]
         assert len({id(r) for r in queues}) == len(queues) and not any(r.finished for r in queues)
-    assert not s.has_unfinished() and not tier.busy()
+    assert not s.has_unfinished() and not busy()
     assert all(r.finished for r in live)
     assert s.kv.stats().num_free == case["blocks"]
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(case=cases())
+def test_fuzz_lifecycles_with_the_real_controller_keep_the_invariants(
+        case: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The same lifecycles with runtime/hicache's own controller: block files in a directory within a budget of
+    ``capacity`` blocks, the writer reading pinned pool blocks and the loader writing reserved ones from their
+    threads while steps run. Reading every context back checks the pins held (a block rewritten before its write
+    finished would load wrong tokens later) and that nothing is read before its load is installed."""
+    rng = random.Random(case["seed"])
+    bs = case["block_size"]
+    s, fake = make(case["blocks"], bs, caching=True, max_num_seqs=case["max_num_seqs"],
+                   max_num_batched_tokens=case["budget"], preemption_mode=case["mode"], host=8)
+    layout = BlockLayout(block_size=bs, num_layers=1, kv_heads=1, row_elems=1, kv_dtype="float32", itemsize=4)
+    ident = BundleIdentity(b"\x07" * 32, "fake", layout)  # the fake pool's int64 slot = two 4-byte "pools"
+
+    def views(block: int) -> list[memoryview]:
+        raw = memoryview(fake.pool[block]).cast("B")
+        return [raw[:4 * bs], raw[4 * bs:]]
+
+    storage = FileTier(tmp_path_factory.mktemp("tier"), ident, case["capacity"] * (layout.block_bytes + 4096) + 1)
+    hicache = HiCache(storage, views, bs, write_queue_blocks=8)
+    s.tiers, s.kv.collect_committed = hicache, True
+    try:
+        lifecycle(s, fake, lambda kv: after_step(hicache, kv, 0, 0.0, idle=False) or hicache.wait(0.001),
+                  lambda: hicache.busy() or bool(s.loading), case, rng)
+        for _ in range(200):  # the last writes: the server loop's idle steps do the same
+            if not hicache.busy():
+                break
+            after_step(hicache, s.kv, 0, 0.0, idle=True)
+        assert not hicache.busy() and s.kv.stats().num_free == case["blocks"]
+        assert storage.num_bytes <= storage.capacity
+    finally:
+        hicache.close()
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_fuzz_lifecycles_with_a_host_tier_keep_the_invariants(case: dict) -> None:
+    """The same lifecycles over a pool in "device memory" with runtime/hicache's host tier below it (a swap tier
+    of 8 blocks first, then ``capacity`` slots): evictions are written back and hits copied in by the step plans.
+    Reading every context back checks that no write-back ran after its block was rewritten, no hit read a slot a
+    write-back of the same plan overwrote, and no block was read before its copy."""
+    rng = random.Random(case["seed"])
+    s, _ = make(case["blocks"], case["block_size"], caching=True, max_num_seqs=case["max_num_seqs"],
+                max_num_batched_tokens=case["budget"], preemption_mode=case["mode"], host=8)
+    fake = FakeStep(case["blocks"], case["block_size"], num_host_blocks=8 + case["capacity"])
+    host = HostTier(base=8, num_slots=case["capacity"], block_bytes=1)
+    s.host = host
+    s.kv.pool.evicted = []
+
+    def after(kv: KVCacheManager) -> None:
+        host.check_invariants()
+
+    lifecycle(s, fake, after, lambda: False, case, rng)
+
+
+def test_a_host_tier_writes_evictions_back_and_copies_a_hit_in_with_the_admitting_plan() -> None:
+    """a (12 tokens, 3 blocks of 4) finishes; b and c evict a's second and third blocks, which the plans write
+    back to host slots. a's prompt again: its first block is a pool hit, its second comes from the host tier in
+    the plan that admits it (the third holds the last prompt token, always computed)."""
+    s, _ = make(8, 4, caching=True)
+    fake = FakeStep(8, 4, num_host_blocks=4)
+    s.host, s.kv.pool.evicted = HostTier(base=0, num_slots=4, block_bytes=1), []
+    a = request("a", 12, max_tokens=2, seed=1)
+    for req in (a, request("b", 12, max_tokens=2, seed=2), request("c", 12, max_tokens=2, seed=3)):
+        s.add(req)
+        for _ in range(10):
+            if not s.has_unfinished():
+                break
+            step(s, fake)
+    assert s.host.stats.stored == 2 and s.kv.get_computed_blocks("probe", a.prompt_token_ids) == 4
+    s.kv.free("probe")
+    again = Request("a2", a.prompt_token_ids, a.params)
+    s.add(again)
+    plan = step(s, fake)  # reads a2's context back: the pool hit, the copied block and the prefilled last one
+    assert len(plan.swap_in) == 1 and [(x.start, x.num_new_tokens) for x in plan.scheduled] == [(8, 4)]
+    assert again.num_cached_tokens == 8 and s.host.stats.hits == 1

@@ -106,26 +106,26 @@ class HiCache:
         return bool(self._pending_writes or self._pending_loads)
 
     def match(self, hashes: Sequence[bytes]) -> int:
-        """How many leading ``hashes`` the tier holds now (each still checked when loaded)."""
+        """How many leading ``hashes`` the tier holds now (each still checked when loaded); counts nothing."""
         n = 0
         for block_hash in hashes:
             if not self.storage.contains(block_hash):
                 break
             n += 1
-        with self._lock:
-            self._stats.lookups += min(n + 1, len(hashes))
-            self._stats.hits += n
         return n
 
+    def record(self, lookups: int, hits: int, decision: str | None) -> None:
+        """Count one admitted request's lookup: blocks looked up, found, and the cost rule's decision on them."""
+        with self._lock:
+            self._stats.lookups += lookups
+            self._stats.hits += hits
+        self.loads_taken += decision == "taken"
+        self.loads_skipped += decision == "skipped"
+
     def worth_loading(self, num_blocks: int) -> bool:
-        """The cost rule (module docstring); counts the decision."""
+        """The cost rule (module docstring)."""
         bw, rate = self._read_bw, self._prefill_rate
-        take = bw is None or rate is None or num_blocks * self.block_bytes / bw < num_blocks * self.block_size / rate
-        if take:
-            self.loads_taken += 1
-        else:
-            self.loads_skipped += 1
-        return take
+        return bw is None or rate is None or num_blocks * self.block_bytes / bw < num_blocks * self.block_size / rate
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """One step's prefill tokens and its duration (the engine's prefill speed, for the cost rule)."""

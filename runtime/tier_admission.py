@@ -1,0 +1,138 @@
+"""The scheduler's admission from the tiers below the KV pool (runtime/hicache): host-tier hits copied in by the
+admitting plan, storage-tier hits loaded while other requests step, the host tier's write-back of evictions.
+
+A mixin of :class:`~omforge.runtime.scheduler.Scheduler` (its queues, KV cache manager and plan): policy only, the
+tiers' I/O is theirs. A request loading from storage holds its seat and its reserved blocks in ``loading`` (status
+LOADING) until its load ends; one aborted meanwhile keeps its blocks under a tombstone id until then, so the
+loader never writes a block that was given to someone else.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from omforge.runtime.request import Request, Status
+
+LOADING = "loading"  # _from_tiers: the request's KV is loading
+WAIT = "wait"  # _from_tiers: tier hits need more free blocks than the pool has now
+
+if TYPE_CHECKING:
+    from omforge.runtime.kv_cache_manager import KVCacheManager
+    from omforge.runtime.scheduler import SchedulerOutput
+
+
+class LoadedJob(Protocol):
+    key: str
+    loaded: int  # leading blocks whose KV is in place
+
+
+class HostSlots(Protocol):
+    """What the scheduler asks of a host tier (runtime/hicache/host_tier.py, ``HostTier``)."""
+
+    def match(self, hashes: Sequence[bytes]) -> int: ...
+    def record(self, lookups: int, hits: int, decision: str | None) -> None: ...
+    def take(self, hashes: Sequence[bytes]) -> list[int]: ...
+    def store(self, block_hash: bytes) -> int | None: ...
+    def release(self) -> None: ...
+
+
+class TierLoader(Protocol):
+    """What the scheduler asks of the tiers below the pool (runtime/hicache/controller.py, ``HiCache``)."""
+
+    def match(self, hashes: Sequence[bytes]) -> int: ...
+    def record(self, lookups: int, hits: int, decision: str | None) -> None: ...
+    def worth_loading(self, num_blocks: int) -> bool: ...
+    def start_load(self, key: str, hashes: Sequence[bytes], blocks: Sequence[int]) -> object: ...
+    def finished_loads(self) -> Sequence[LoadedJob]: ...
+
+
+
+class TieredAdmission:
+    """The tier side of the scheduler (module docstring); ``kv``, ``waiting`` and ``running`` are the scheduler's."""
+
+    kv: KVCacheManager
+    waiting: object
+    running: list[Request]
+
+    def _init_tiers(self, tiers: TierLoader | None, host: HostSlots | None) -> None:
+        self.tiers, self.host = tiers, host
+        self.loading: dict[str, Request] = {}  # load key -> request whose KV is loading (it holds blocks, a seat)
+        self._load_owner: dict[str, str] = {}  # load key -> the id its blocks are kept under (a tombstone if aborted)
+        self._load_keys = itertools.count()
+        self._lookup: tuple | None = None  # (tier, blocks looked up, hits, decision) of the request being admitted
+
+    def _cancel_load(self, request: Request) -> bool:
+        """An aborted request whose load is in flight: its blocks stay held, under a tombstone id, until the
+        loader lets go of them (:meth:`_finish_loads` frees them). False if it is not loading."""
+        for key, req in list(self.loading.items()):
+            if req is request:
+                del self.loading[key]
+                self._load_owner[key] = f"{request.request_id}\0cancelled-load-{key}"
+                self.kv.rename(request.request_id, self._load_owner[key])
+                return True
+        return False
+
+    def _write_back(self, out: SchedulerOutput) -> None:
+        """The host tier's write-back, first in the plan: before anything rewrites the blocks evicted by it."""
+        if self.host is not None:
+            out.swap_out += [(block, slot) for block, block_hash in self.kv.take_evicted()
+                             if (slot := self.host.store(block_hash)) is not None]
+
+    def _from_tiers(self, req: Request) -> str | list[tuple[int, int]]:
+        """After ``req``'s pool hit: its next blocks from the tiers below. Returns ``LOADING`` (it left the waiting
+        queue for ``loading``), ``WAIT`` (the tiers hold blocks worth taking but the pool lacks the free blocks
+        for them: the caller gives back its pool hit and retries next step — computing instead would redo work
+        a later step can load), or the host tier's ``(slot, block)`` copies for the plan to make if ``req`` is
+        admitted (``[]``: nothing below, or not worth loading: it computes). Lookups are counted by
+        :meth:`_record_lookup` once ``req`` is admitted, so a retried request counts once."""
+        self._lookup = None
+        hashes = self.kv.next_block_hashes(req.request_id, req.all_token_ids) if self.host or self.tiers else []
+        if not hashes:
+            return []
+        tier = self.host if self.host is not None else self.tiers
+        n = tier.match(hashes)
+        worth = n > 0 and (self.host is not None or self.tiers.worth_loading(n))
+        self._lookup = (tier, min(n + 1, len(hashes)), n, None if not n else "taken" if worth else "skipped")
+        if not worth:
+            return []
+        blocks = self.kv.reserve_loaded(req.request_id, hashes[:n])
+        if blocks is None:
+            self._lookup = None
+            return WAIT
+        if self.host is not None:
+            req.num_computed_tokens += n * self.kv.block_size
+            return list(zip(self.host.take(hashes[:n]), blocks))
+        key = str(next(self._load_keys))
+        self.waiting.popleft()
+        self.loading[key], self._load_owner[key] = req, req.request_id
+        req.status = Status.LOADING
+        self.tiers.start_load(key, hashes[:n], blocks)
+        self._record_lookup()
+        return LOADING
+
+    def _record_lookup(self) -> None:
+        """Count the latest :meth:`_from_tiers` lookup in its tier (blocks looked up, hits, the decision)."""
+        if self._lookup is not None:
+            tier, looked, hits, decision = self._lookup
+            tier.record(looked, hits, decision)
+            self._lookup = None
+
+    def _finish_loads(self) -> None:
+        """Loads that ended: their requests join RUNNING with the checked blocks computed; an aborted request's
+        blocks are freed now that the loader no longer writes them."""
+        if self.tiers is None or not self._load_owner:
+            return
+        for job in self.tiers.finished_loads():
+            owner = self._load_owner.pop(job.key)
+            req = self.loading.pop(job.key, None)
+            if req is None:
+                self.kv.install_loaded(owner, 0)
+                self.kv.free(owner)
+                continue
+            computed = self.kv.install_loaded(owner, job.loaded)
+            req.num_computed_tokens = computed
+            req.num_cached_tokens = max(req.num_cached_tokens, min(computed, len(req.prompt_token_ids)))
+            req.status = Status.RUNNING
+            self.running.append(req)
