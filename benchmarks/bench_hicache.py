@@ -10,10 +10,22 @@ message of ``--user-tokens`` tokens — as a text prompt to /v1/completions (str
 turns run. The KV pool is sized small (``--num-kv-blocks``; by default about ``--pool-fraction`` of the tokens
 the concurrent conversations' final histories hold) so that histories are evicted between turns.
 
-Modes, one server at a time, in this order (``--modes`` picks a subset):
+Modes (``--modes``; exact first, then one server at a time in the order given):
   off           the plain server (tiers off) with the small pool;
   on            the same plus ``--enable-hierarchical-cache --hicache-storage-backend file`` on a fresh directory;
-  restart-warm  a new server on the same storage directory (nothing else carried over), the same workload.
+  restart-warm  a new server on the same storage directory (nothing else carried over), the same workload;
+  off-again     the plain server once more, same settings: a control, the greedy answers that differ between two
+                off runs (batching differs with timing) against those that differ between off and on;
+  exact         offline, no server (``omforge.runtime.engine.LLMEngine``): ``--exact-conversations`` conversations
+                of ``--turns`` turns (``--exact-max-tokens`` per answer) with token-id histories (previous
+                prompt ids + answer ids + new user ids), run strictly one request at a time, turn 1 of every
+                conversation, then turn 2, … (so every batch is one request's chunks or decode, the same in every
+                run), three times: (a) a pool big enough never to evict, tiers off; (b) a small pool (histories
+                evicted between turns) with the storage tier on; (c) the small pool, tiers off. Each answer of (b)
+                and (c) compared with (a)'s token for token and by its tokens' logprobs (bit for bit): (a) = (b)
+                if tier KV is bit-exact (same hits, chunks, batches and bytes); (c) recomputes evicted prefixes
+                in other chunks, so its logprobs may move and its tokens differ on near-ties. Prefill tokens of
+                each, storage blocks loaded / written of (b).
 
 Per mode: client TTFT (first streamed text chunk) p50/p99 over all turns and p50 over turns >= 2, per-turn
 TTFT p50, latency p50, output tok/s, wall time; from /metrics (difference over the run) prefill tokens computed,
@@ -21,7 +33,8 @@ prompt tokens, prefix-cache hits and every ``omforge:hicache_*`` series; whether
 equals mode off's. Ratios on/off (prefill tokens, TTFT p50) and restart-warm/on (TTFT p50). Medians, not means.
 
     .venv/bin/python benchmarks/bench_hicache.py --bundle BUNDLE [--conversations 32] [--turns 6]
-        [--concurrency 8] [--modes off,on,restart-warm] [--num-kv-blocks N] [--threads T] [--json OUT]
+        [--concurrency 8] [--modes off,on,restart-warm,off-again,exact] [--num-kv-blocks N] [--threads T]
+        [--serve-arg=--max-num-seqs --serve-arg=8] [--exact-conversations 8] [--json OUT]
 """
 
 from __future__ import annotations
@@ -55,7 +68,8 @@ SHARED_BENCH = REPO.parent / "shared" / "bench"
 sys.path.insert(0, str(SHARED_BENCH))
 import workload  # noqa: E402 - the shared harness's prompt factory
 
-MODES = ("off", "on", "restart-warm")
+MODES = ("off", "on", "restart-warm", "off-again", "exact")
+SERVER_MODES = ("off", "on", "restart-warm", "off-again")
 STARTUP_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
 HICACHE_PREFIX = "omforge:hicache_"
@@ -111,9 +125,11 @@ def build_conversations(bundle: Path, args: argparse.Namespace) -> list[Conversa
             for i in range(args.conversations)]
 
 
-def final_history_tokens(args: argparse.Namespace) -> int:
-    """Tokens a conversation holds after its last turn (about: answers re-tokenized may merge at the seams)."""
-    return args.first_tokens + (args.turns - 1) * (args.user_tokens + args.max_tokens) + args.max_tokens
+def final_history_tokens(args: argparse.Namespace, max_tokens: int | None = None) -> int:
+    """Tokens a conversation holds after its last turn (about: answers re-tokenized may merge at the seams), with
+    ``max_tokens`` (default ``--max-tokens``) per answer."""
+    answer = args.max_tokens if max_tokens is None else max_tokens
+    return args.first_tokens + (args.turns - 1) * (args.user_tokens + answer) + answer
 
 
 def pool_blocks(args: argparse.Namespace, block_size: int) -> tuple[int, str]:
@@ -322,7 +338,7 @@ def server_args(mode: str, args: argparse.Namespace, blocks: int, storage: Path)
     out = ["--num-kv-blocks", str(blocks), "--log-level", "warning"]
     if args.threads:
         out += ["--threads", str(args.threads)]
-    if mode != "off":
+    if mode not in ("off", "off-again"):
         out += ["--enable-hierarchical-cache", "--hicache-storage-backend", "file", "--hicache-storage-dir",
                 str(storage), "--hicache-storage-size", f"{args.storage_gb:g}"]
     return out + args.serve_arg
@@ -344,6 +360,173 @@ def run_mode(mode: str, bundle: Path, convs: list[Conversation], args: argparse.
     if code not in (0, None) or "Traceback" in log:
         print(f"  server exit code {code}; log tail:\n{log[-2000:]}", flush=True)
     return ModeResult(mode, sargs, wall, turns, engine, hicache, log)
+
+
+# ---------------------------------------------------------------- exact: offline, token ids, one request at a time
+
+
+@dataclass
+class ExactRun:
+    """One engine's pass over the exactness workload: every (conversation, turn)'s answer token ids."""
+
+    label: str
+    num_kv_blocks: int
+    tiers: bool
+    seconds: float = 0.0
+    answers: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    logprobs: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # each answer token's logprob
+    prefill_tokens: int = 0
+    prompt_tokens: int = 0
+    steps: int = 0
+    hicache: dict[str, float] = field(default_factory=dict)
+
+
+def exact_conversations(bundle: Path, args: argparse.Namespace) -> list[tuple[list[int], list[list[int]]]]:
+    """(turn 1's token ids, the user messages' token ids) per conversation: the serving workload's token counts and
+    seeds, kept as ids (no text round trip, so a history is exactly the ids the engine saw and produced)."""
+    factory = workload.PromptFactory(workload._load_tokenizer(str(bundle)))
+
+    def ids(tag: str, n: int) -> list[int]:
+        return factory.token_ids(random.Random(f"{args.seed}-exact-{tag}"), n)
+
+    return [(ids(f"conv{i}-turn1", args.first_tokens),
+             [ids(f"conv{i}-turn{t}", args.user_tokens) for t in range(2, args.turns + 1)])
+            for i in range(args.exact_conversations)]
+
+
+def exact_pools(args: argparse.Namespace, block_size: int) -> tuple[int, int, str]:
+    """(big pool: every conversation's final history plus one more and a margin, so nothing is ever evicted;
+    small pool: ``--exact-small-blocks`` or two final histories + 1, so histories are evicted between turns)."""
+    per_conv = math.ceil(final_history_tokens(args, args.exact_max_tokens) / block_size)
+    total = args.exact_conversations * per_conv
+    big = total + per_conv + 8
+    small = args.exact_small_blocks or 2 * per_conv + 1
+    return big, small, (f"final history {per_conv} blocks per conversation, {total} for all "
+                        f"{args.exact_conversations}; big pool {big} blocks, small pool {small} ({small / total:.0%})")
+
+
+def generate_one(engine: object, prompt: list[int], params: object, request_id: str,
+                 max_steps: int) -> tuple[list[int], list[float]]:
+    """One request alone in the engine, stepped until it and the tiers' I/O are done (queued writes too, so the
+    next request finds them); at most ``max_steps`` steps (idle ones wait for the tier's workers). Returns its
+    token ids and each one's logprob (float32 logits: equal bits only if every input bit was equal)."""
+    engine.add_request(prompt, params, request_id=request_id)
+    out = None
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        for o in engine.step():
+            if o.request_id == request_id and o.finished:
+                out = o
+    else:
+        raise RuntimeError(f"{request_id}: not finished after {max_steps} steps")
+    if out is None:
+        raise RuntimeError(f"{request_id}: the engine finished without an output")
+    return list(out.token_ids), [e.logprob for e in out.logprobs]
+
+
+def run_exact_engine(run: ExactRun, bundle: Path, convs: list[tuple[list[int], list[list[int]]]],
+                     args: argparse.Namespace, storage: Path | None) -> ExactRun:
+    """Turn 1 of every conversation, then turn 2 of every one, …, strictly one request at a time; each history is
+    the previous prompt's ids + the answer's ids + the next user message's ids."""
+    from omforge.runtime.engine import LLMEngine
+    from omforge.runtime.sampling_params import SamplingParams
+
+    overrides: dict = {"num_kv_blocks": run.num_kv_blocks}
+    if args.threads:
+        overrides["threads"] = args.threads
+    if storage is not None:
+        overrides.update(enable_hierarchical_cache=True, hicache_storage_backend="file",
+                         hicache_storage_dir=str(storage), hicache_storage_size_gb=args.storage_gb)
+    t0 = time.perf_counter()
+    engine = LLMEngine(bundle, **overrides)
+    try:
+        params = SamplingParams(max_tokens=args.exact_max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+        histories = [first for first, _ in convs]
+        max_steps = 4 * final_history_tokens(args, args.exact_max_tokens) + 2000  # idle waits of 0.05 s included
+        for turn in range(1, args.turns + 1):
+            for i, (_, users) in enumerate(convs):
+                answer, logprobs = generate_one(engine, histories[i], params, f"{run.label}-c{i}-t{turn}",
+                                                max_steps)
+                run.answers[(i, turn)], run.logprobs[(i, turn)] = answer, logprobs
+                if turn < args.turns:
+                    histories[i] = histories[i] + answer + users[turn - 1]
+        run.prefill_tokens, run.prompt_tokens = engine.stats.prefill_tokens, engine.stats.prompt_tokens
+        run.steps = engine.stats.steps
+        if engine.hicache is not None:
+            st = engine.hicache.stats()
+            tier = st.tiers["storage"]
+            run.hicache = {"lookup_blocks": tier.lookups, "hit_blocks": tier.hits,
+                           "loaded_blocks": tier.loaded_blocks, "written_blocks": tier.written_blocks,
+                           "queue_drops": tier.queue_drops, "bad_blocks": sum(tier.bad_blocks.values()),
+                           "tier_blocks": tier.blocks, "loads_taken": st.loads_taken,
+                           "loads_skipped": st.loads_skipped}
+    finally:
+        engine.close()
+    run.seconds = time.perf_counter() - t0
+    return run
+
+
+def compare_exact(run: ExactRun, ref: ExactRun) -> dict:
+    """Answers equal to ``ref``'s token for token; per differing answer its first differing position; of the
+    equal answers, how many have every token's logprob bit-equal to ``ref``'s, and the largest difference."""
+    differ = {}
+    for key, tokens in sorted(run.answers.items()):
+        other = ref.answers.get(key)
+        if other is not None and other != tokens:
+            differ[key] = next((k for k, (a, b) in enumerate(zip(tokens, other)) if a != b),
+                               min(len(tokens), len(other)))
+    first_per_conv: dict[int, tuple[int, int]] = {}
+    for (conv, turn), pos in differ.items():
+        first_per_conv.setdefault(conv, (turn, pos))
+    same = [k for k in run.answers if k in ref.answers and k not in differ]
+    gaps = [abs(a - b) for k in same for a, b in zip(run.logprobs[k], ref.logprobs[k])]
+    return {"compared": sum(k in ref.answers for k in run.answers), "identical": len(run.answers) - len(differ),
+            "logprobs_bit_equal": sum(run.logprobs[k] == ref.logprobs[k] for k in same),
+            "max_abs_logprob_diff": max(gaps, default=0.0),
+            "differ": len(differ), "first_differing_turn_and_token_per_conv": first_per_conv}
+
+
+def exact_summary(run: ExactRun, ref: ExactRun | None) -> dict:
+    out = {"label": run.label, "num_kv_blocks": run.num_kv_blocks, "tiers": run.tiers,
+           "seconds": round(run.seconds, 1), "answers": len(run.answers), "prefill_tokens": run.prefill_tokens,
+           "prompt_tokens": run.prompt_tokens, "steps": run.steps, "hicache": run.hicache}
+    if ref is not None and ref is not run:
+        out["vs_" + ref.label] = compare_exact(run, ref)
+    return out
+
+
+def run_exact(args: argparse.Namespace, workdir: Path) -> dict:
+    """(a) big pool, tiers off; (b) small pool, storage tier on (a fresh directory); (c) small pool, tiers off."""
+    bundle = args.bundle.resolve()
+    convs = exact_conversations(bundle, args)
+    big, small, line = exact_pools(args, block_size_of(bundle))
+    print(f"\n== exact: {len(convs)} conversations x {args.turns} turns, one request at a time (turn-major), "
+          f"token-id histories, greedy, {args.exact_max_tokens} tokens per answer\n  {line}", flush=True)
+    storage = workdir / "exact-storage"
+    storage.mkdir(parents=True, exist_ok=True)
+    runs = [ExactRun("a-big-off", big, False), ExactRun("b-small-storage", small, True),
+            ExactRun("c-small-off", small, False)]
+    summaries = []
+    try:
+        for run in runs:
+            run_exact_engine(run, bundle, convs, args, storage if run.tiers else None)
+            s = exact_summary(run, runs[0])
+            summaries.append(s)
+            vs = s.get("vs_a-big-off")
+            same = (f", {vs['identical']} of {vs['compared']} answers identical to (a), {vs['logprobs_bit_equal']} "
+                    f"of them with bit-equal logprobs (largest difference {vs['max_abs_logprob_diff']:.3g})"
+                    if vs else "")
+            print(f"  {run.label}: pool {run.num_kv_blocks}, {run.seconds:.1f} s, prefill tokens "
+                  f"{run.prefill_tokens} of {run.prompt_tokens} prompt tokens{same}"
+                  f"{', ' + str(run.hicache) if run.hicache else ''}", flush=True)
+            if vs and vs["differ"]:
+                print(f"    first (turn, token) differing per conversation: "
+                      f"{vs['first_differing_turn_and_token_per_conv']}", flush=True)
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+    return {"pools": line, "runs": summaries,
+            "answers": {r.label: {f"{c},{t}": ids for (c, t), ids in r.answers.items()} for r in runs}}
 
 
 def hicache_flags_exist() -> bool:
@@ -397,6 +580,18 @@ def summarize(res: ModeResult, reference: ModeResult | None, args: argparse.Name
     return summary
 
 
+def pairwise_differ(results: dict[str, ModeResult]) -> dict[str, str]:
+    """``"a vs b": "differing of compared"`` for every pair of modes (the (conversation, turn)s both answered)."""
+    texts = {m: {(t.conv, t.turn): t.text for t in r.turns if t.ok} for m, r in results.items()}
+    out = {}
+    modes = list(results)
+    for i, a in enumerate(modes):
+        for b in modes[i + 1:]:
+            both = texts[a].keys() & texts[b].keys()
+            out[f"{a} vs {b}"] = f"{sum(texts[a][k] != texts[b][k] for k in both)} of {len(both)}"
+    return out
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
@@ -414,7 +609,9 @@ def ratios(s: dict[str, dict]) -> dict[str, float | None]:
                                                get("off", "ttft_ms_p50_turn2plus")),
             "prefill_tokens restart-warm/on": ratio(get("restart-warm", prefill), get("on", prefill)),
             "ttft_p50 restart-warm/on": ratio(get("restart-warm", "ttft_ms_p50"), get("on", "ttft_ms_p50")),
-            "ttft_p50 restart-warm/off": ratio(get("restart-warm", "ttft_ms_p50"), get("off", "ttft_ms_p50"))}
+            "ttft_p50 restart-warm/off": ratio(get("restart-warm", "ttft_ms_p50"), get("off", "ttft_ms_p50")),
+            "ttft_p50 off-again/off": ratio(get("off-again", "ttft_ms_p50"), get("off", "ttft_ms_p50")),
+            "prefill_tokens off-again/off": ratio(get("off-again", prefill), get("off", prefill))}
 
 
 def print_summary(s: dict) -> None:
@@ -442,7 +639,8 @@ def print_summary(s: dict) -> None:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bundle", required=True, type=Path, help="an ort bundle (omforge compile's output)")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, run in this order: {MODES}")
+    ap.add_argument("--modes", default="off,on,restart-warm,off-again",
+                    help=f"comma-separated from {MODES}: exact first, then the servers in the order given")
     ap.add_argument("--conversations", type=int, default=32)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--concurrency", type=int, default=8, help="conversations at a time")
@@ -461,11 +659,19 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, s")
     ap.add_argument("--deadline", type=float, default=3600.0, help="whole benchmark limit, s")
     ap.add_argument("--json", type=Path, default=None, help="write summaries and every turn here")
+    ap.add_argument("--exact-conversations", type=int, default=8, help="mode exact: conversations (--turns each)")
+    ap.add_argument("--exact-max-tokens", type=int, default=32,
+                    help="mode exact: tokens per answer (decode runs one sequence at a time here: 8 x 6 turns x 64 "
+                         "tokens took ~5.5 min for the three runs on 2 cores, x 32 about 3.5)")
+    ap.add_argument("--exact-small-blocks", type=int, default=None,
+                    help="mode exact: the small pool of (b) and (c) (default two final histories + 1)")
     args = ap.parse_args()
     args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in args.mode_list if m not in MODES]
     if bad:
         ap.error(f"unknown mode(s) {bad}; choose from {MODES}")
+    if len(set(args.mode_list)) != len(args.mode_list):
+        ap.error("a mode named twice; for a second off run use off-again")
     if "restart-warm" in args.mode_list and "on" not in args.mode_list and args.storage_dir is None:
         ap.error("restart-warm without on needs --storage-dir holding an earlier run's blocks")
     return args
@@ -477,6 +683,15 @@ def block_size_of(bundle: Path) -> int:
 
 def run_all(args: argparse.Namespace, storage: Path, workdir: Path) -> dict:
     t_end = time.monotonic() + args.deadline
+    report: dict = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    if "exact" in args.mode_list:
+        report["exact"] = run_exact(args, workdir)
+    if any(m in SERVER_MODES for m in args.mode_list):
+        report.update(run_servers(args, storage, workdir, t_end))
+    return report
+
+
+def run_servers(args: argparse.Namespace, storage: Path, workdir: Path, t_end: float) -> dict:
     bundle = args.bundle.resolve()
     convs = build_conversations(bundle, args)
     blocks, pool_line = pool_blocks(args, block_size_of(bundle))
@@ -484,7 +699,7 @@ def run_all(args: argparse.Namespace, storage: Path, workdir: Path) -> dict:
           f"{args.first_tokens} tokens, +{args.user_tokens} user +{args.max_tokens} answer per turn; final history "
           f"~{final_history_tokens(args)} tokens\n{pool_line}\nstorage {storage}", flush=True)
     results: dict[str, ModeResult] = {}
-    for mode in args.mode_list:
+    for mode in [m for m in args.mode_list if m in SERVER_MODES]:
         budget = t_end - time.monotonic()
         if budget < 10:
             print(f"\n== {mode}: skipped, the deadline is reached", flush=True)
@@ -496,15 +711,18 @@ def run_all(args: argparse.Namespace, storage: Path, workdir: Path) -> dict:
     summaries = {m: summarize(r, reference, args) for m, r in results.items()}
     rat = ratios(summaries)
     print("\nratios: " + ", ".join(f"{k} {v}" for k, v in rat.items() if v is not None), flush=True)
-    return {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "num_kv_blocks": blocks, "pool": pool_line, "summaries": summaries, "ratios": rat,
+    pairs = pairwise_differ(results)
+    print("greedy answers differing, per pair of modes: " + ", ".join(f"{k} {v}" for k, v in pairs.items()),
+          flush=True)
+    return {"num_kv_blocks": blocks, "pool": pool_line, "summaries": summaries, "ratios": rat,
+            "pairwise_differ": pairs,
             "turns": {m: [asdict(t) for t in r.turns] for m, r in results.items()},
             "server_args": {m: r.server_args for m, r in results.items()}}
 
 
 def main() -> int:
     args = parse_args()
-    if any(m != "off" for m in args.mode_list) and not hicache_flags_exist():
+    if any(m in ("on", "restart-warm") for m in args.mode_list) and not hicache_flags_exist():
         print("bench_hicache: omforge serve has no --enable-hierarchical-cache yet; run --modes off", file=sys.stderr)
         return 2
     workdir = Path(tempfile.mkdtemp(prefix="bench-hicache-"))
@@ -519,7 +737,7 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")
-    errors = sum(s["errors"] + s["turns_not_run"] for s in report["summaries"].values())
+    errors = sum(s["errors"] + s["turns_not_run"] for s in report.get("summaries", {}).values())
     return 1 if errors else 0
 
 
