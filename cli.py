@@ -232,6 +232,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise OmforgeError(f"--speculative-config: not JSON ({e})") from None
     if args.enable_prefix_caching is not None:
         engine_options["enable_prefix_caching"] = args.enable_prefix_caching
+    if args.kv_transfer_config is not None:  # parsed (one-line errors naming the field) when the engine starts
+        engine_options["kv_transfer_config"] = args.kv_transfer_config
     return serve(args.bundle, options, **engine_options)
 
 
@@ -306,6 +308,9 @@ def _serve_parser(sub: _Subparsers) -> None:
                    help="override serve.enable_prefix_caching")
     p.add_argument("--threads", type=int, help="onnxruntime intra-op threads (default: all cores)")
     _hicache_arguments(p)
+    p.add_argument("--kv-transfer-config", metavar="JSON",
+                   help='prefill/decode disaggregation over NIXL, vLLM\'s flag: \'{"kv_connector": "NixlConnector", '
+                        '"kv_role": "kv_producer"|"kv_consumer"|"kv_both"}\' (docs/pd.md; needs .[cluster])')
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get to finish "
                    "after SIGTERM (default 30)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +24,19 @@ from omforge.runtime.engine_config import EngineConfig, EngineConfigError
 from omforge.runtime.executor import Executor, run_plan
 from omforge.runtime.hicache.attach import build_tiers, host_tier_slots
 from omforge.runtime.kv_cache_manager import KVCacheManager
+from omforge.runtime.kv_transfer.connector import build_connector, request_params
 from omforge.runtime.ort import kernels
 from omforge.runtime.ort.ort_executor import OrtExecutor
+from omforge.runtime.outputs import EngineStats, RequestOutput
 from omforge.runtime.request import Request, Status, seq_ids
 from omforge.runtime.sampler import LogprobEntry, Sampler, prompt_logprobs
 from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
 from omforge.runtime.scheduler import Scheduler
-from omforge.runtime.spec_decode import SpeculativeConfig, SpeculativeDecoder, Verified
+from omforge.runtime.spec_decode import SpeculativeConfig, SpeculativeDecoder
 from omforge.runtime.structured import GrammarMasks, StructuredOutputError, compiled_grammar
 from omforge.runtime.tokenizer import TextTokenizer
+
+PD_IDLE_POLL_S = 0.002  # an idle engine with PD blocks held or reads in flight polls NIXL this often
 
 
 class RequestRejected(OmforgeError):
@@ -43,65 +46,6 @@ class RequestRejected(OmforgeError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    step_times: deque = field(default_factory=lambda: deque(maxlen=1000))  # seconds, the last 1000 steps
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    last_prefill_tokens: int = 0
-    last_decode_tokens: int = 0
-    preemptions: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    finished: int = 0
-    # speculative decoding (vLLM's spec_decode counters): drafts made, tokens drafted / accepted, and accepted
-    # tokens per draft position (0 = the first drafted token)
-    spec_drafts: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    spec_accepted_per_position: dict[int, int] = field(default_factory=dict)
-
-    def count_verified(self, v: Verified) -> None:
-        """Count one sequence's verified draft."""
-        self.spec_drafts += 1
-        self.spec_draft_tokens += v.num_drafted
-        self.spec_accepted_tokens += v.num_accepted
-        for i in range(v.num_accepted):
-            self.spec_accepted_per_position[i] = self.spec_accepted_per_position.get(i, 0) + 1
-
-
-@dataclass
-class RequestOutput:
-    """One request's result so far (``new_text`` / ``new_token_ids``: what this step added). Its token ids, times
-    and logprob entries are its own copies, taken when it was made (the request's lists grow on)."""
-
-    request_id: str
-    index: int
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    new_text: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    stop_reason: str | int | None
-    num_cached_tokens: int
-    logprobs: tuple[LogprobEntry, ...]
-    arrival_time: float
-    first_token_time: float | None
-    token_times: list[float]
-    prompt_logprobs: tuple[LogprobEntry | None, ...] | None = None  # SamplingParams.prompt_logprobs: (None, …)
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def inter_token_latencies(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
 
 class LLMEngine:
@@ -132,12 +76,13 @@ class LLMEngine:
                                  num_host_blocks=cfg.num_host_blocks)
         try:
             self.hicache = build_tiers(cfg, m, self.executor, self.kv)  # tiers below the pool, or None
+            self.pd = build_connector(cfg.kv_transfer_config, m, self.executor)  # PD over NIXL, or None
         except OmforgeError:
             self.executor.close()
             raise
         self.scheduler = Scheduler(self.kv, cfg.scheduler_config(self.config, caps.supports_mixed_batches),
                                    tiers=self.hicache and self.hicache.controller,
-                                   host=self.hicache and self.hicache.host)
+                                   host=self.hicache and self.hicache.host, remote=self.pd)
         self.tokenizer = TextTokenizer(bundle / m.tokenizer.file, m.tokenizer) if m.tokenizer.file else None
         self.sampler = Sampler(eos_token_ids=tuple(self.config["eos_token_ids"]))
         self.requests: dict[str, Request] = {}
@@ -205,6 +150,10 @@ class LLMEngine:
         if params.n > self.scheduler.max_num_seqs:  # its sequences are admitted together
             raise SamplingParamsError("n", f"n must be at most max_num_seqs ({self.scheduler.max_num_seqs}), "
                                            f"got {params.n}")
+        try:  # a PD leg this replica's role, protocol or layout cannot serve
+            request_params(self.pd, params.kv_transfer_params, self.block_size)
+        except ValueError as exc:
+            raise SamplingParamsError("kv_transfer_params", str(exc)) from None
         need = -(-(len(ids) + max_tokens) // self.block_size)
         if need > self.kv.pool.num_blocks:
             raise RequestRejected(f"prompt + max_tokens needs {need} KV blocks but the pool has "
@@ -224,12 +173,14 @@ class LLMEngine:
         else:
             ids, text = list(prompt), None
         params = self.check_request(ids, params)
+        kv_transfer = request_params(self.pd, params.kv_transfer_params, self.block_size)  # checked just now
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise RequestRejected(f"request id '{rid}' is already in use")
         reqs = []
         for i, sid in enumerate(seq_ids(rid, params.n)):
-            req = Request(sid, ids, params, prompt=text, index=i, generator=params.make_generator(i))
+            req = Request(sid, ids, params, prompt=text, index=i, generator=params.make_generator(i),
+                          kv_transfer=kv_transfer)
             if arrival_time is not None:
                 req.arrival_time = arrival_time
             if self.tokenizer is not None:
@@ -287,12 +238,15 @@ class LLMEngine:
             self.closed = True
             if self.hicache is not None:  # its workers stop before the pool they read and write goes
                 self.hicache.close()
+            if self.pd is not None:  # NIXL lets go of the pools before they go
+                self.pd.close()
             self.executor.close()
             self._grammars.close()
 
     def has_unfinished(self) -> bool:
         """Requests in flight, or tier I/O (runtime/hicache) whose blocks are still pinned or reserved."""
-        return self.scheduler.has_unfinished() or (self.hicache is not None and self.hicache.busy())
+        return (self.scheduler.has_unfinished() or (self.hicache is not None and self.hicache.busy())
+                or (self.pd is not None and self.pd.busy()))
 
     def reset_prefix_cache(self) -> bool:
         """Drop all cached prefixes; returns False (nothing done) while requests are in flight."""
@@ -318,10 +272,14 @@ class LLMEngine:
         self.stats.preemptions = self.scheduler.num_preemptions
         masks = self._grammars.start([r.matcher for r, _ in plan.sample_rows])  # beside the model step
         logits = run_plan(self.executor, plan)
+        failed = [self._failed(req) for req in self.scheduler.failed]  # ended without an answer (a KV read)
+        self.scheduler.failed.clear()
         if logits is None:
             if self.hicache is not None:
                 self.hicache.after_step(self.kv, 0, 0.0, idle=True)
-            return []
+            if self.pd is not None and not failed and self.pd.busy():
+                time.sleep(PD_IDLE_POLL_S)  # held blocks or reads in flight: poll again soon, not at once
+            return failed
         now = time.monotonic()
         for req, row, start, count in plan.prompt_rows:
             self._prompt_logprobs(req, logits[row:row + count], start)
@@ -351,8 +309,8 @@ class LLMEngine:
         sampled = self.scheduler.update_from_output(plan, tokens, verified)
         if masks is not None:
             self._advance_grammars(sampled)
-        outputs = [self._emit(req, req.output_token_ids[before[req.request_id]:], entries.get(req.request_id), now)
-                   for req in sampled]
+        outputs = failed + [self._emit(req, req.output_token_ids[before[req.request_id]:], entries.get(req.request_id),
+                                       now) for req in sampled]
         decode = plan.num_decode_tokens
         st = self.stats
         st.steps += 1
@@ -420,9 +378,14 @@ class LLMEngine:
             self.stats.finished += 1
         return self._output(req, new_text, kept)
 
+    def _failed(self, req: Request) -> RequestOutput:  # ended by the scheduler without an answer (req.error)
+        self.requests.pop(req.request_id, None)
+        return self._output(req, "", [])
+
     def _output(self, req: Request, new_text: str, new_ids: list[int]) -> RequestOutput:
         text = req.detokenizer.text if req.detokenizer is not None else ""
         return RequestOutput(req.request_id, req.index, req.prompt_token_ids, text, list(req.output_token_ids),
                              new_text, new_ids, req.finished, req.finish_reason, req.stop_reason,
                              req.num_cached_tokens, tuple(req.logprobs), req.arrival_time, req.first_token_time,
-                             list(req.token_times), tuple(req.prompt_logprobs) if req.prompt_logprobs else None)
+                             list(req.token_times), tuple(req.prompt_logprobs) if req.prompt_logprobs else None,
+                             req.kv_transfer_out, req.error)

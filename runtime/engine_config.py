@@ -64,6 +64,7 @@ class EngineConfig:
     hicache_storage_backend: str | None = None  # "file"
     hicache_storage_dir: str | None = None
     hicache_storage_size_gb: float = DEFAULT_HICACHE_STORAGE_GB
+    kv_transfer_config: str | dict | None = None  # vLLM's --kv-transfer-config (PD over NIXL; runtime/kv_transfer)
 
     @classmethod
     def resolve(cls, manifest: Manifest, **overrides: Any) -> EngineConfig:
@@ -113,7 +114,8 @@ class EngineConfig:
                    threads=overrides.get("threads"), explicit_kv_blocks=overrides.get("num_kv_blocks") is not None,
                    kv_cache_space_gb=None if pick("num_kv_blocks") else budget / (1 << 30),
                    speculative_config=pick("speculative_config"), prefault_kv=bool(overrides.get("prefault_kv")),
-                   serving=bool(overrides.get("serving")), **tiers)
+                   serving=bool(overrides.get("serving")), kv_transfer_config=overrides.get("kv_transfer_config"),
+                   **tiers)
 
     def with_num_kv_blocks(self, num_blocks: int) -> EngineConfig:
         """The same configuration on a pool the executor fixed (``ExecutorCapabilities.num_blocks``)."""

@@ -241,6 +241,32 @@ class KVCacheManager:
             self.pool.register(block, block_hash)  # False: another block got the hash meanwhile; ours stays private
         return keep * self.block_size
 
+    def reserve_remote(self, req_id: str, num_blocks: int) -> list[int] | None:
+        """A NEW request's whole table for a remote read (a PD decode leg): ``num_blocks`` fresh blocks, no
+        chain yet (:meth:`commit` hashes them once their KV is in place). None, with nothing changed, when the pool
+        lacks them."""
+        if req_id in self._tables or req_id in self._host_tables:
+            raise ValueError(f"request {req_id!r} already holds blocks")
+        if num_blocks > self.pool.num_free():
+            return None
+        self._tables[req_id], self._hashes[req_id] = self.pool.allocate(num_blocks), []
+        self._loading[req_id] = (0, num_blocks)
+        return list(self._tables[req_id])
+
+    def install_remote(self, req_id: str, ok: bool) -> None:
+        """The read of :meth:`reserve_remote` ended: on success the blocks are the request's (commit them); else
+        they go back to the pool."""
+        self._loading.pop(req_id)
+        if not ok:
+            self.pool.decref(reversed(self._tables[req_id]))
+            self._tables[req_id] = []
+
+    def quarantine(self, req_id: str) -> None:
+        """A reserved table that a transfer may still write (it could not be cancelled): kept, under another id,
+        for the process's life — never freed, never read."""
+        self.rename(req_id, f"{req_id}\0quarantined")
+        self._loading.pop(f"{req_id}\0quarantined", None)
+
     def rename(self, old_id: str, new_id: str) -> None:
         """Keep a request's blocks under another id (a cancelled load: freed once the loader lets go)."""
         if new_id in self._tables or new_id in self._host_tables:
@@ -332,7 +358,6 @@ class KVCacheManager:
         held = Counter(b for table in self._tables.values() for b in table if b != NO_BLOCK) + self._pins
         assert all(self.pool.ref_count(b) == held[b] for b in range(self.pool.num_blocks)), \
             "a refcount differs from the number of tables and pins holding the block (leak or double free)"
-        assert all(self.pool.block_hash(b) is not None for b in self._pins), "a pinned block without a hash"
         for req_id, (first, count) in self._loading.items():
             loading = self._tables[req_id][first:first + count]
             assert all(self.pool.block_hash(b) is None for b in loading), \

@@ -54,6 +54,9 @@ class Request:
     parent: Request | None = None  # n > 1: the leader whose prompt KV this follower shares (forked, COW)
     followers: list[Request] = field(default_factory=list)  # n > 1, on the leader: not yet forked from it
     index: int = 0  # n > 1: which of the n completions
+    kv_transfer: Any = None  # runtime/kv_transfer's KVTransferParams of a PD leg, None otherwise
+    kv_transfer_out: dict | None = None  # a finished prefill leg: the decode leg's kv_transfer_params
+    error: str | None = None  # why it ended without an answer (a failed KV transfer)
 
     @property
     def all_token_ids(self) -> list[int]:

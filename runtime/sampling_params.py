@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -59,6 +60,8 @@ class SamplingParams:
     structured: StructuredOutput | None = None  # the output must match this grammar (runtime/structured.py)
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # vLLM's kv_transfer_params (prefill/decode disaggregation, runtime/kv_transfer): read by the engine
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI accepts one string or a list

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from omforge.runtime.kv_cache_manager import KVCacheManager
 from omforge.runtime.request import Request, Status
 from omforge.runtime.step import SeqWork
-from omforge.runtime.tier_admission import LOADING, WAIT, HostSlots, TieredAdmission, TierLoader
+from omforge.runtime.tier_admission import LOADING, WAIT, HostSlots, RemoteKV, TieredAdmission, TierLoader
 
 PREEMPTION_MODES = ("recompute", "swap")
 MIN_PREFILL_WITH_DECODES = 32  # prefill tokens a step with decodes may always carry (the token budget's floor)
@@ -144,9 +144,9 @@ class _StepBudget:
 
 class Scheduler(TieredAdmission):
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig, tiers: TierLoader | None = None,
-                 host: HostSlots | None = None):
+                 host: HostSlots | None = None, remote: RemoteKV | None = None):
         self.kv = kv
-        self._init_tiers(tiers, host)
+        self._init_tiers(tiers, host, remote)
         self.config = config
         self.max_num_seqs = config.max_num_seqs
         self.budget = config.max_num_batched_tokens
@@ -178,7 +178,8 @@ class Scheduler(TieredAdmission):
         return sum(1 + len(r.followers) for r in (*self.running, *self.loading.values()))
 
     def has_unfinished(self) -> bool:
-        """Requests in any queue, or a load still in flight (a cancelled one holds blocks until it ends)."""
+        """Requests in any queue, or a load still in flight (a cancelled one holds blocks until it ends); PD's
+        held prefill blocks are the connector's (``LLMEngine.has_unfinished``)."""
         return bool(self.waiting or self.running or self.swapped or self._load_owner)
 
     def remove(self, request: Request) -> None:
@@ -196,6 +197,7 @@ class Scheduler(TieredAdmission):
         out = SchedulerOutput()
         if self.host is not None:
             self.host.release()  # the previous plan ran: its host slots are free to reuse
+        self._free_released()
         self._finish_loads()
         self._fill(out)
         self._write_back(out)
@@ -272,6 +274,11 @@ class Scheduler(TieredAdmission):
     def finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
         """End ``request`` (``reason``: "stop", "length", "abort"): FINISHED, out of every queue, blocks freed."""
         request.status, request.finish_reason, request.stop_reason = Status.FINISHED, reason, stop_reason
+        if self._hold_for_remote(request, reason):  # a PD prefill leg: its blocks wait for the decode side
+            for queue in (self.running, self.waiting, self.swapped):
+                if request in queue:
+                    queue.remove(request)
+            return
         self.remove(request)
 
     def _stop(self, req: Request, token: int) -> tuple[str | None, int | None]:
@@ -381,6 +388,11 @@ class Scheduler(TieredAdmission):
             if self._occupied() + self._seats(req) > self.max_num_seqs:
                 break  # an n > 1 request waits until all its sequences can run
             from_host: str | list[tuple[int, int]] = []
+            remote = self._from_remote(req) if req.num_computed_tokens == 0 else None  # a PD decode leg
+            if remote == LOADING:
+                continue
+            if remote == WAIT:
+                break
             if req.num_computed_tokens == 0:  # prompt logprobs are computed, never read from the cache
                 use_cache = req.params.prompt_logprobs is None
                 cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids, use_cache=use_cache)

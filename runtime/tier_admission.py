@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from omforge.runtime.request import Request, Status
 
@@ -49,6 +49,17 @@ class TierLoader(Protocol):
 
 
 
+class RemoteKV(Protocol):
+    """What the scheduler asks of prefill/decode disaggregation (runtime/kv_transfer/connector.py)."""
+
+    config: Any
+
+    def start_read(self, key: str, params: Any, blocks: Sequence[int]) -> object: ...
+    def finished_loads(self) -> Sequence[LoadedJob]: ...
+    def hold(self, request_id: str, kv_id: str, blocks: Sequence[int], num_tokens: int) -> dict: ...
+    def releases(self) -> list[str]: ...
+
+
 class TieredAdmission:
     """The tier side of the scheduler (module docstring); ``kv``, ``waiting`` and ``running`` are the scheduler's."""
 
@@ -56,8 +67,10 @@ class TieredAdmission:
     waiting: object
     running: list[Request]
 
-    def _init_tiers(self, tiers: TierLoader | None, host: HostSlots | None) -> None:
-        self.tiers, self.host = tiers, host
+    def _init_tiers(self, tiers: TierLoader | None, host: HostSlots | None, remote: RemoteKV | None = None) -> None:
+        self.tiers, self.host, self.remote = tiers, host, remote
+        self.failed: list[Request] = []  # ended without an answer (a failed KV read): the engine reports them
+        self._remote_keys: set[str] = set()
         self.loading: dict[str, Request] = {}  # load key -> request whose KV is loading (it holds blocks, a seat)
         self._load_owner: dict[str, str] = {}  # load key -> the id its blocks are kept under (a tombstone if aborted)
         self._load_keys = itertools.count()
@@ -119,9 +132,85 @@ class TieredAdmission:
             tier.record(looked, hits, decision)
             self._lookup = None
 
+    def _from_remote(self, req: Request) -> str | None:
+        """A PD decode leg with blocks to pull: fresh blocks for its whole prompt, then the read (``LOADING``);
+        ``WAIT`` while the pool lacks them; None for any other request (or blocks that cannot hold the prompt:
+        it is prefilled here)."""
+        params = req.kv_transfer
+        if self.remote is None or params is None or not params.pulls_blocks:
+            return None
+        need = -(-len(req.prompt_token_ids) // self.kv.block_size)
+        if len(params.remote_block_ids) < need:
+            return None
+        blocks = self.kv.reserve_remote(req.request_id, need)
+        if blocks is None:
+            return WAIT
+        key = str(next(self._load_keys))
+        self.waiting.popleft()
+        self.loading[key], self._load_owner[key] = req, req.request_id
+        self._remote_keys.add(key)
+        req.status = Status.LOADING
+        self.remote.start_read(key, params, blocks)
+        return LOADING
+
+    def _finish_remote(self) -> None:
+        """Decode legs whose read ended: with the prompt's KV they join RUNNING to compute the last prompt token
+        (its logits give the first output token, vLLM's rule); a failed read fails the request, or prefills it
+        here (``kv_load_failure_policy: recompute``). An aborted one's blocks are freed (kept if NIXL could not
+        cancel its read)."""
+        for job in self.remote.finished_loads():
+            owner = self._load_owner.pop(job.key)
+            self._remote_keys.discard(job.key)
+            req = self.loading.pop(job.key, None)
+            ok = bool(job.loaded)
+            if job.keep_blocks:  # NIXL may still write them: quarantined for the process's life
+                self.kv.quarantine(owner)
+            else:
+                self.kv.install_remote(owner, ok)
+            if req is None:
+                if not job.keep_blocks:
+                    self.kv.free(owner)
+                continue
+            if ok:
+                req.num_computed_tokens = len(req.prompt_token_ids) - 1
+                req.num_cached_tokens = req.num_computed_tokens
+                self.kv.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
+                req.status = Status.RUNNING
+                self.running.append(req)
+                continue
+            self.kv.free(req.request_id)
+            if self.remote.config.kv_load_failure_policy == "recompute":
+                req.kv_transfer, req.status = None, Status.WAITING
+                self.waiting.appendleft(req)
+            else:
+                req.error, req.status, req.finish_reason = job.error, Status.FINISHED, "abort"
+                self.failed.append(req)
+
+    def _hold_for_remote(self, request: Request, reason: str) -> bool:
+        """A PD prefill leg that finished normally: its blocks are held (under another id, out of every queue)
+        for the decode side, and its ``kv_transfer_out`` names them; False for any other request."""
+        params = request.kv_transfer
+        if self.remote is None or params is None or not params.is_prefill_leg or reason not in ("stop", "length"):
+            return False
+        held = f"{request.request_id}\0held-for-decode"
+        self.kv.rename(request.request_id, held)
+        prompt_blocks = -(-len(request.prompt_token_ids) // self.kv.block_size)
+        request.kv_transfer_out = self.remote.hold(request.request_id, held,
+                                                   self.kv.block_table(held)[:prompt_blocks],
+                                                   len(request.prompt_token_ids))
+        return True
+
+    def _free_released(self) -> None:
+        """Held prefill blocks the decode side released (or whose lease ran out)."""
+        if self.remote is not None:
+            for kv_id in self.remote.releases():
+                self.kv.free(kv_id)
+
     def _finish_loads(self) -> None:
         """Loads that ended: their requests join RUNNING with the checked blocks computed; an aborted request's
         blocks are freed now that the loader no longer writes them."""
+        if self.remote is not None and self._remote_keys:
+            self._finish_remote()
         if self.tiers is None or not self._load_owner:
             return
         for job in self.tiers.finished_loads():

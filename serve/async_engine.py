@@ -28,7 +28,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from omforge.errors import OmforgeError
 from omforge.runtime.engine import LLMEngine, RequestOutput
@@ -53,6 +53,10 @@ class EngineUnavailable(OmforgeError):
 
 class QueueTimeout(EngineUnavailable):
     """The request waited longer than ``max_queue_time_s`` without starting (answer a retryable 503)."""
+
+
+class KVTransferFailed(EngineUnavailable):
+    """A PD decode leg whose KV could not be read from its prefill replica (answer 503)."""
 
 
 @dataclass(frozen=True)
@@ -179,7 +183,8 @@ class AsyncEngine:
             spec_drafts=st.spec_drafts, spec_draft_tokens=st.spec_draft_tokens,
             spec_accepted_tokens=st.spec_accepted_tokens,
             spec_accepted_per_position=dict(st.spec_accepted_per_position),
-            hicache=self._engine.hicache.stats() if self._engine.hicache is not None else None)
+            hicache=self._engine.hicache.stats() if self._engine.hicache is not None else None,
+            pd=replace(self._engine.pd.stats) if self._engine.pd is not None else None)
 
     # --- requests (event loop) ----------------------------------------------------------------------------
 
@@ -252,7 +257,10 @@ class AsyncEngine:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """On the event loop: route one step's outputs to their groups (one list per group per step)."""
         per_group: dict[int, tuple[RequestGroup, list[RequestOutput]]] = {}
-        for out in outputs:
+        failed = [o for o in outputs if o.error is not None]
+        for out in failed:  # ended without an answer (a PD decode leg's KV read): the group ends with an error
+            self._fail([out.request_id], KVTransferFailed(out.error))
+        for out in outputs if not failed else [o for o in outputs if o.error is None]:
             group = self._groups.get(out.request_id)
             if group is not None:  # None: aborted meanwhile
                 per_group.setdefault(id(group), (group, []))[1].append(out)

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from omforge.runtime.engine import RequestOutput
 from omforge.runtime.hicache.controller import HiCacheStats
 from omforge.runtime.kv_cache_manager import KVCacheStats
+from omforge.runtime.kv_transfer.connector import PDStats
 
 PREFIX = "omforge:"
 # vLLM's buckets (seconds), so the quantiles read the same way.
@@ -54,6 +55,7 @@ class EngineSnapshot:
     spec_accepted_tokens: int
     spec_accepted_per_position: dict[int, int]
     hicache: HiCacheStats | None = None  # the tiers below the pool (runtime/hicache), None when off
+    pd: PDStats | None = None  # prefill/decode disaggregation (runtime/kv_transfer), None when off
 
 
 # the tiers' counters: (metric name, TierStats field, help)
@@ -108,6 +110,42 @@ class HiCacheMetrics:
         advance(self.loads, (self.model, "skipped"), st.loads_skipped, "loads")
 
 
+class PDMetrics:
+    """``omforge:kv_transfer_*``: a decode replica's reads (requests, blocks, bytes, seconds, failures) and a
+    prefill replica's held blocks and how they were released (``reason``: ``notified`` by the decode side,
+    ``expired`` at the lease's end)."""
+
+    COUNTERS = (("kv_transfer_read_requests", "read_requests", "PD decode legs whose KV was read from a prefill "
+                 "replica (started)."),
+                ("kv_transfer_read_blocks", "read_blocks", "KV blocks read from prefill replicas."),
+                ("kv_transfer_read_bytes", "read_bytes", "KV bytes read from prefill replicas."),
+                ("kv_transfer_read_seconds", "read_seconds", "Seconds from posting a KV read to its end."),
+                ("kv_transfer_read_failures", "read_failures", "KV reads that failed or timed out."),
+                ("kv_transfer_held_requests", "held_requests", "PD prefill legs whose blocks were held for a "
+                 "decode replica."))
+
+    def __init__(self, registry: CollectorRegistry, model: str):
+        self.model = model
+        self.counters = {f: Counter(PREFIX + n, h, ["model_name"], registry=registry) for n, f, h in self.COUNTERS}
+        self.released = Counter(PREFIX + "kv_transfer_released", "Held prefill blocks' requests released, by how.",
+                                ["model_name", "reason"], registry=registry)
+        self.held = Gauge(PREFIX + "kv_transfer_held_blocks", "KV blocks held now for decode replicas.",
+                          ["model_name"], registry=registry)
+        self._last: dict[str, float] = {}
+
+    def update(self, st: PDStats) -> None:
+        values = {f: getattr(st, f) for f in self.counters}
+        for f, metric in self.counters.items():
+            if values[f] > self._last.get(f, 0):
+                metric.labels(self.model).inc(values[f] - self._last.get(f, 0))
+                self._last[f] = values[f]
+        for reason, value in (("notified", st.released_notified), ("expired", st.released_expired)):
+            if value > self._last.get(reason, 0):
+                self.released.labels(self.model, reason).inc(value - self._last.get(reason, 0))
+                self._last[reason] = value
+        self.held.labels(self.model).set(st.held_blocks)
+
+
 class ServerMetrics:
     def __init__(self, model_name: str):
         self.registry = r = CollectorRegistry()
@@ -160,6 +198,7 @@ class ServerMetrics:
         self._last = dict.fromkeys(("prompt", "prefill", "gen", "pre", "q", "h", "steps", "sd", "sdt", "sa"), 0)
         self._last_pos: dict[int, int] = {}
         self.hicache = HiCacheMetrics(r, model_name)
+        self.pd = PDMetrics(r, model_name)
 
     def after_step(self, st: EngineSnapshot, outputs: list[RequestOutput]) -> None:
         kv = st.kv
@@ -190,6 +229,8 @@ class ServerMetrics:
                 self._last_pos[pos] = count
         if st.hicache is not None:
             self.hicache.update(st.hicache)
+        if st.pd is not None:
+            self.pd.update(st.pd)
         if st.steps > last["steps"] and st.last_step_time is not None:
             self.step_seconds.observe(st.last_step_time)
             last["steps"] = st.steps

@@ -127,6 +127,7 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     prompt_logprobs: int | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's: a prefill/decode disaggregation leg (docs/pd.md)
     # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -196,7 +197,8 @@ class _Common(BaseModel):
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=_or(self.ignore_eos, False),
             logprobs=logprobs, skip_special_tokens=_or(self.skip_special_tokens, d.skip_special_tokens),
-            logit_bias=bias, prompt_logprobs=self.prompt_logprobs, structured=self.structured())
+            logit_bias=bias, prompt_logprobs=self.prompt_logprobs, structured=self.structured(),
+            kv_transfer_params=self.kv_transfer_params)
 
     @property
     def include_usage(self) -> bool:

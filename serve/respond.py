@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from omforge.runtime.engine import RequestOutput
 from omforge.runtime.sampling_params import SamplingParams
-from omforge.serve.async_engine import AsyncEngine, EngineUnavailable, QueueTimeout, RequestGroup
+from omforge.serve.async_engine import AsyncEngine, EngineUnavailable, KVTransferFailed, QueueTimeout, RequestGroup
 from omforge.serve.intake import RETRY_AFTER_S, submit
 from omforge.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from omforge.serve.responses import SSE_DONE, ResponseBuilder, sse, usage
@@ -78,7 +78,11 @@ async def collect(engine: AsyncEngine, run: Run, builder: ResponseBuilder) -> di
         prompt, _ = run.choice(out)
         prefix = run.echo[prompt] if run.echo else ""
         choices.append((index, prefix + ("" if run.scoring_only else out.text), out))
-    return builder.full(choices, run.usage(finals), echo=bool(run.echo), scoring_only=run.scoring_only)
+    body = builder.full(choices, run.usage(finals), echo=bool(run.echo), scoring_only=run.scoring_only)
+    handoff = next((o.kv_transfer_params for o in finals.values() if o.kv_transfer_params), None)
+    if handoff is not None:  # a PD prefill leg: what the decode leg needs (vLLM's top-level field)
+        body["kv_transfer_params"] = handoff
+    return body
 
 
 async def stream(engine: AsyncEngine, run: Run, builder: ResponseBuilder, include_usage: bool) -> AsyncIterator[str]:
@@ -164,6 +168,8 @@ async def until_done_or_disconnect(request: Request, work: Any, on_gone: Callabl
 
 def unavailable(exc: EngineUnavailable) -> APIError:
     """The 503 of an ended request: a queue timeout is retryable (``Retry-After``, ``code: queue_timeout``)."""
+    if isinstance(exc, KVTransferFailed):
+        return APIError(503, str(exc), type="server_error", code="kv_transfer_failed")
     if isinstance(exc, QueueTimeout):
         return APIError(503, str(exc), type="server_overloaded", code="queue_timeout",
                         headers={"Retry-After": str(RETRY_AFTER_S)})

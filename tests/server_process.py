@@ -20,13 +20,13 @@ STARTUP_TIMEOUT_S = 180.0
 class ServerProcess:
     """``omforge serve BUNDLE --port 0 ARGS…`` in its own process group; ``url`` is read from its startup line."""
 
-    def __init__(self, bundle: Path, *args: str, api_key: str | None = None):
+    def __init__(self, bundle: Path, *args: str, api_key: str | None = None, env: dict[str, str] | None = None):
         self.api_key = api_key
         self.log_path = Path(tempfile.mkstemp(prefix="omforge-serve-", suffix=".log")[1])
         cmd = [sys.executable, "-m", "omforge", "serve", str(bundle), "--port", "0", "--host", "127.0.0.1", *args]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

@@ -66,10 +66,15 @@ def assert_idle(engine: LLMEngine) -> None:
 
 @pytest.fixture(scope="module")
 def reference(smollm2_bundle: Path) -> tuple[list[list[int]], int]:
-    engine = LLMEngine(smollm2_bundle, **POOL)
-    answers = converse(engine, "ref")
-    assert_idle(engine)
-    return answers, engine.stats.prefill_tokens
+    """The answers of a pool that never evicts (every second turn's prefix a pool hit: the same chunks and bytes
+    a tier must reproduce), and the prefill tokens the small pool computes without tiers."""
+    roomy = LLMEngine(smollm2_bundle, num_kv_blocks=64, max_num_seqs=2)
+    answers = converse(roomy, "ref")
+    assert_idle(roomy)
+    small = LLMEngine(smollm2_bundle, **POOL)
+    converse(small, "small")
+    assert small.stats.prefill_tokens > roomy.stats.prefill_tokens  # the small pool did evict and recompute
+    return answers, small.stats.prefill_tokens
 
 
 def test_the_storage_tier_loads_evicted_prefixes_bit_exact_and_survives_a_restart(

@@ -1,0 +1,195 @@
+"""Prefill/decode disaggregation over NIXL on 127.0.0.1 (docs/pd.md): a prefill replica and a decode replica of
+the SmolLM2 bundle driven as vLLM's proxies and SMG's vLLM PD mode drive them — the prefill leg with
+``max_tokens: 1`` and ``kv_transfer_params: {"do_remote_decode": true}``, then the decode leg with the
+``kv_transfer_params`` the prefill answered — through the official openai client. Greedy output equal to one
+server's, streamed and not; the decode replica's metrics show the blocks it read; and the faults: a decode side
+that never reads (the prefill frees its held blocks at the lease's end), a prefill replica killed before the
+decode leg (an error, nothing hangs), a client gone during the prefill leg — every replica's blocks back to idle.
+Skipped without NIXL (``pip install '.[cluster]'``)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from server_process import ServerProcess
+
+nixl = pytest.importorskip("nixl_cu12", reason="NIXL is not installed (pip install '.[cluster]')")
+
+UCX = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+LEASE_S = 4
+MODEL = "smollm2-135m"
+PROMPTS = [f"Question {i}: " + " ".join(["the river ran past the old mill and the town"] * (3 + 4 * i))
+           for i in range(10)]
+PREFILL_LEG = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+               "remote_block_ids": None, "remote_host": None, "remote_port": None}  # vLLM's toy proxy sends these
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def replica(bundle: Path, role: str, engine_id: str) -> ServerProcess:
+    config = {"kv_connector": "NixlConnector", "kv_role": role, "engine_id": engine_id,
+              "kv_connector_extra_config": {"kv_lease_duration": LEASE_S}}
+    env = {**UCX, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+    return ServerProcess(bundle, "--num-kv-blocks", "96", "--threads", "1", "--kv-transfer-config",
+                         json.dumps(config), env=env)
+
+
+@pytest.fixture(scope="module")
+def replicas(smollm2_bundle: Path):  # noqa: ANN201
+    prefill = replica(smollm2_bundle, "kv_producer", "prefill-0")
+    decode = replica(smollm2_bundle, "kv_consumer", "decode-0")
+    yield prefill, decode
+    prefill.stop()
+    decode.stop()
+
+
+def prefill_leg(server: ServerProcess, prompt: str, engine: str = "prefill-0", **kwargs: object) -> dict:
+    first = server.client(**kwargs).completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                                        extra_body={"kv_transfer_params": PREFILL_LEG})
+    params = first.model_extra["kv_transfer_params"]
+    assert params["do_remote_prefill"] and params["remote_engine_id"] == engine and params["remote_block_ids"]
+    return params
+
+
+def decode_leg(server: ServerProcess, prompt: str, params: dict, stream: bool) -> str:
+    client = server.client()
+    body = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, extra_body={"kv_transfer_params": params})
+    if not stream:
+        return client.completions.create(**body).choices[0].text
+    return "".join(c.choices[0].text for c in client.completions.create(stream=True, **body) if c.choices)
+
+
+def idle(server: ServerProcess) -> None:
+    """Every block back in the pool (no request, nothing held), within a bound."""
+    server.wait_for_metric("omforge:kv_cache_used_blocks", lambda v: v == 0, timeout=LEASE_S + 10)
+
+
+def test_pd_gives_one_servers_greedy_output_and_the_decode_side_reads_the_blocks(replicas) -> None:  # noqa: ANN001
+    prefill, decode = replicas
+    want = [decode.client().completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0).choices[0].text
+            for p in PROMPTS]  # one server: the decode replica on its own
+    for i, prompt in enumerate(PROMPTS):
+        assert decode_leg(decode, prompt, prefill_leg(prefill, prompt), stream=i % 2 == 1) == want[i], i
+    got = decode.metrics()
+    assert got["omforge:kv_transfer_read_requests_total"] == len(PROMPTS)
+    assert got["omforge:kv_transfer_read_blocks_total"] >= len(PROMPTS)
+    assert prefill.wait_for_metric("omforge:kv_transfer_released_total{reason=notified}",
+                                   lambda v: v == len(PROMPTS), timeout=10)
+    idle(prefill)
+    idle(decode)
+
+
+def test_a_decode_side_that_never_reads_costs_the_held_blocks_for_the_lease_only(replicas) -> None:  # noqa: ANN001
+    prefill, _ = replicas
+    before = prefill.metrics().get("omforge:kv_transfer_released_total{reason=expired}", 0)
+    params = prefill_leg(prefill, PROMPTS[5])
+    prefill.wait_for_metric("omforge:kv_transfer_held_blocks", lambda v: v == len(params["remote_block_ids"]))
+    t0 = time.monotonic()
+    prefill.wait_for_metric("omforge:kv_transfer_released_total{reason=expired}", lambda v: v == before + 1,
+                            timeout=LEASE_S + 10)
+    assert time.monotonic() - t0 >= LEASE_S - 1.5  # held for the lease, not less
+    idle(prefill)
+
+
+def test_a_client_gone_during_the_prefill_leg_holds_nothing(replicas) -> None:  # noqa: ANN001
+    prefill, _ = replicas
+    held = prefill.metrics().get("omforge:kv_transfer_held_requests_total", 0)
+    with pytest.raises(openai.APITimeoutError):
+        prefill_leg(prefill, " ".join(["a long prompt of many words"] * 250), timeout=0.05)
+    time.sleep(1.0)
+    idle(prefill)
+    assert prefill.metrics().get("omforge:kv_transfer_held_requests_total", 0) == held
+
+
+def test_a_prefill_replica_killed_before_the_decode_leg_is_an_error_not_a_hang(smollm2_bundle: Path,
+                                                                                replicas) -> None:  # noqa: ANN001
+    _, decode = replicas
+    doomed = replica(smollm2_bundle, "kv_producer", "prefill-doomed")  # its own engine id: a new peer
+    try:
+        params = prefill_leg(doomed, PROMPTS[3], engine="prefill-doomed")
+    finally:
+        doomed.kill()
+    t0 = time.monotonic()
+    with pytest.raises(openai.InternalServerError, match="KV transfer|kv_transfer"):
+        decode_leg(decode, PROMPTS[3], params, stream=False)
+    assert time.monotonic() - t0 < LEASE_S + 10
+    assert decode.metrics()["omforge:kv_transfer_read_failures_total"] >= 1
+    idle(decode)
+    assert decode_leg(decode, PROMPTS[0], {}, stream=False)  # the replica still serves
+
+
+def test_bad_kv_transfer_params_are_a_400_naming_the_field(replicas) -> None:  # noqa: ANN001
+    prefill, decode = replicas
+    with pytest.raises(openai.BadRequestError, match="prefill leg"):
+        decode.client().completions.create(model=MODEL, prompt="hi", max_tokens=1,
+                                           extra_body={"kv_transfer_params": {"do_remote_decode": True}})
+    with pytest.raises(openai.BadRequestError, match="remote_host"):
+        decode.client().completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body={
+            "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [1], "remote_engine_id": "p",
+                                   "remote_request_id": "r", "remote_port": 5600}})
+
+
+@pytest.fixture
+def gateway(replicas):  # noqa: ANN001, ANN201
+    """SMG in its PD mode over the two replicas (it treats them as vLLM workers: /version), on 127.0.0.1."""
+    import shutil
+    import subprocess
+    import urllib.request
+
+    from helpers import REPO
+
+    smg = shutil.which("smg", path=str(REPO / ".venv" / "bin")) or shutil.which("smg")
+    if smg is None:
+        pytest.skip("SMG is not installed (pip install '.[cluster]')")
+    prefill, decode = replicas
+    port = free_port()
+    proc = subprocess.Popen([smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--prometheus-host",
+                             "127.0.0.1", "--prometheus-port", str(free_port()), "--pd-disaggregation", "--prefill",
+                             prefill.url, "--decode", decode.url, "--policy", "round_robin", "--backend", "vllm",
+                             "--worker-startup-check-interval", "1", "--log-level", "warn"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(url + "/workers", timeout=2) as r:
+                    if len(json.load(r).get("workers", [])) >= 2:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None, proc.stdout.read().decode(errors="replace")
+            time.sleep(0.5)
+        else:
+            raise AssertionError("SMG did not register both replicas within 60 s")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_smg_drives_pd_with_one_servers_greedy_output(replicas, gateway: str) -> None:  # noqa: ANN001
+    prefill, decode = replicas
+    reads = decode.metrics().get("omforge:kv_transfer_read_requests_total", 0)
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0, timeout=120)
+    for prompt in PROMPTS[:4]:
+        want = decode.client().completions.create(model=MODEL, prompt=prompt, max_tokens=16,
+                                                  temperature=0).choices[0].text
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+        assert got.choices[0].text == want
+    assert decode.metrics()["omforge:kv_transfer_read_requests_total"] == reads + 4  # the KV came over NIXL
+    idle(prefill)
+    idle(decode)
