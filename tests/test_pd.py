@@ -141,7 +141,13 @@ def test_bad_kv_transfer_params_are_a_400_naming_the_field(replicas) -> None:  #
 
 @pytest.fixture
 def gateway(replicas):  # noqa: ANN001, ANN201
-    """SMG in its PD mode over the two replicas (it treats them as vLLM workers: /version), on 127.0.0.1."""
+    """SMG in its PD mode over the two replicas, on 127.0.0.1."""
+    yield from smg_pd(*replicas)
+
+
+def smg_pd(prefill: ServerProcess, decode: ServerProcess):  # noqa: ANN201 - a generator of the gateway's URL
+    """SMG's PD mode (``--backend vllm``: vLLM's sequential handoff) over one prefill and one decode replica; it
+    treats them as vLLM workers (/version)."""
     import shutil
     import subprocess
     import urllib.request
@@ -151,7 +157,6 @@ def gateway(replicas):  # noqa: ANN001, ANN201
     smg = shutil.which("smg", path=str(REPO / ".venv" / "bin")) or shutil.which("smg")
     if smg is None:
         pytest.skip("SMG is not installed (pip install '.[cluster]')")
-    prefill, decode = replicas
     port = free_port()
     proc = subprocess.Popen([smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--prometheus-host",
                              "127.0.0.1", "--prometheus-port", str(free_port()), "--pd-disaggregation", "--prefill",
@@ -182,14 +187,41 @@ def gateway(replicas):  # noqa: ANN001, ANN201
 
 
 def test_smg_drives_pd_with_one_servers_greedy_output(replicas, gateway: str) -> None:  # noqa: ANN001
+    """Ten prompts through SMG's PD mode, streamed and not: one server's greedy text, the KV read over NIXL."""
     prefill, decode = replicas
     reads = decode.metrics().get("omforge:kv_transfer_read_requests_total", 0)
     client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0, timeout=120)
-    for prompt in PROMPTS[:4]:
+    for i, prompt in enumerate(PROMPTS):
         want = decode.client().completions.create(model=MODEL, prompt=prompt, max_tokens=16,
                                                   temperature=0).choices[0].text
-        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
-        assert got.choices[0].text == want
-    assert decode.metrics()["omforge:kv_transfer_read_requests_total"] == reads + 4  # the KV came over NIXL
+        body = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+        got = ("".join(c.choices[0].text for c in client.completions.create(stream=True, **body) if c.choices)
+               if i % 2 else client.completions.create(**body).choices[0].text)
+        assert got == want, i
+    assert decode.metrics()["omforge:kv_transfer_read_requests_total"] == reads + len(PROMPTS)  # over NIXL
     idle(prefill)
     idle(decode)
+
+
+def test_through_smg_a_dead_decode_replica_is_an_error_and_the_prefill_frees_at_the_lease(
+        smollm2_bundle: Path, replicas) -> None:  # noqa: ANN001
+    prefill, _ = replicas
+    doomed = replica(smollm2_bundle, "kv_consumer", "decode-doomed")
+    gen = smg_pd(prefill, doomed)
+    url = next(gen)
+    try:
+        doomed.kill()  # after SMG registered it: the prefill leg runs, the decode leg finds nobody
+        before = prefill.metrics()
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIError):
+            client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=0)
+        assert time.monotonic() - t0 < 60
+        held = prefill.metrics().get("omforge:kv_transfer_held_requests_total", 0)
+        if held > before.get("omforge:kv_transfer_held_requests_total", 0):  # SMG ran the prefill leg first
+            prefill.wait_for_metric("omforge:kv_transfer_released_total{reason=expired}",
+                                    lambda v: v > before.get("omforge:kv_transfer_released_total{reason=expired}", 0),
+                                    timeout=LEASE_S + 10)
+        idle(prefill)
+    finally:
+        gen.close()
