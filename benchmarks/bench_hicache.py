@@ -41,37 +41,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
-import os
 import random
-import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_BENCH = REPO.parent / "shared" / "bench"
 sys.path.insert(0, str(SHARED_BENCH))
+sys.path.insert(0, str(REPO / "benchmarks"))
 import workload  # noqa: E402 - the shared harness's prompt factory
+from serving_harness import ServeProcess, ms, pct, recording_errors, scrape, stream_completion  # noqa: E402
 
 MODES = ("off", "on", "restart-warm", "off-again", "exact")
 SERVER_MODES = ("off", "on", "restart-warm", "off-again")
-STARTUP_TIMEOUT_S = 300.0
-STOP_TIMEOUT_S = 60.0
 HICACHE_PREFIX = "omforge:hicache_"
 ENGINE_SERIES = ("omforge:prefill_tokens_total", "omforge:prompt_tokens_total", "omforge:prefix_cache_hits_total",
                  "omforge:prefix_cache_queries_total", "omforge:num_preemptions_total")
@@ -147,80 +140,6 @@ def pool_blocks(args: argparse.Namespace, block_size: int) -> tuple[int, str]:
 # ---------------------------------------------------------------- server
 
 
-class Server:
-    """``omforge serve BUNDLE --port 0 ARGS`` on 127.0.0.1 in its own session; the URL from its startup line."""
-
-    def __init__(self, bundle: Path, server_args: list[str], log_path: Path):
-        self.log_path = log_path
-        cmd = [sys.executable, "-m", "omforge", "serve", str(bundle), "--host", "127.0.0.1", "--port", "0",
-               *server_args]
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.url = self._wait_url()
-        self._wait_health()
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def _wait_url(self) -> str:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            m = re.search(r"listening on (http://\S+)/v1", self.log())
-            if m:
-                return m.group(1)
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"omforge serve exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"omforge serve printed no URL within {STARTUP_TIMEOUT_S:.0f}s:\n{self.log()[-3000:]}")
-
-    def _wait_health(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if http_get(self.url + "/health")[0] == 200:
-                return
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"/health not 200 within {STARTUP_TIMEOUT_S:.0f}s")
-
-    def stop(self) -> int | None:
-        """SIGINT, a bounded wait, then SIGKILL to its process group."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                print(f"  server did not stop within {STOP_TIMEOUT_S:.0f}s of SIGINT: killed", flush=True)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
-        return self.proc.returncode
-
-
-def http_get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=30) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-        return 0, str(e)
-
-
-def scrape(url: str) -> dict[str, float]:
-    """``/metrics`` as ``{"name{label=value,…}": value}`` (labels sorted, model_name dropped)."""
-    status, text = http_get(url + "/metrics")
-    if status != 200:
-        raise RuntimeError(f"/metrics: HTTP {status}: {text[:200]}")
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
-
-
 def metric_deltas(before: dict[str, float], after: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
     """(ENGINE_SERIES differences, hicache series: ``*_total`` differences, other series' end values)."""
     engine = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in ENGINE_SERIES}
@@ -235,51 +154,18 @@ def metric_deltas(before: dict[str, float], after: dict[str, float]) -> tuple[di
 # ---------------------------------------------------------------- client
 
 
-async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict, timeout: float,
-                            rec: TurnResult) -> None:
-    """POST /v1/completions (stream); fills ``rec``: TTFT at the first chunk with text, usage's token counts."""
-    t0 = time.perf_counter()
-    texts: list[str] = []
-    async with session.post(url + "/v1/completions", json=body,
-                            timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-        if resp.status != 200:
-            rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-            return
-        async for raw in resp.content:  # one SSE line at a time; ends with the response (bounded by timeout)
-            line = raw.strip()
-            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-                continue
-            msg = json.loads(line[5:])
-            if "error" in msg:
-                rec.error = str(msg["error"])[:200]
-                return
-            if msg.get("usage"):
-                rec.out_tokens = msg["usage"].get("completion_tokens") or 0
-                rec.prompt_tokens = msg["usage"].get("prompt_tokens") or 0
-            choices = msg.get("choices") or []
-            if choices and choices[0].get("text"):
-                if rec.ttft is None:
-                    rec.ttft = time.perf_counter() - t0
-                texts.append(choices[0]["text"])
-    rec.latency = time.perf_counter() - t0
-    rec.text = "".join(texts)
-    rec.ok = rec.ttft is not None
-    if not rec.ok:
-        rec.error = "no text streamed"
-
-
 async def one_turn(session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int,
                    timeout: float, conv: int, turn: int) -> TurnResult:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     rec = TurnResult(conv, turn)
-    try:
-        await stream_completion(session, url, body, timeout, rec)
-    except asyncio.CancelledError:
-        rec.error = "cancelled at the deadline"
-        raise
-    except Exception as e:  # a failed turn is recorded, not fatal
-        rec.error = f"{type(e).__name__}: {e}"[:200]
+
+    async def turn_stream() -> None:
+        got = await stream_completion(session, url, body, timeout)
+        rec.ok, rec.error, rec.ttft, rec.latency = got.ok, got.error, got.ttft, got.latency
+        rec.out_tokens, rec.prompt_tokens, rec.text = got.out_tokens, got.prompt_tokens, got.text
+
+    await recording_errors(rec, turn_stream())
     return rec
 
 
@@ -349,8 +235,9 @@ def run_mode(mode: str, bundle: Path, convs: list[Conversation], args: argparse.
     sargs = server_args(mode, args, blocks, storage)
     log_path = workdir / f"serve-{mode}.log"
     print(f"\n== {mode}: omforge serve {' '.join(sargs)}  (log {log_path})", flush=True)
-    server = Server(bundle, sargs, log_path)
+    server = ServeProcess(mode, bundle, sargs, log_path)
     try:
+        server.ready()
         wall, turns, before = asyncio.run(run_workload(server.url, convs, args, budget_s))
         time.sleep(0.5)  # the engine thread's last step's counters
         engine, hicache = metric_deltas(before, scrape(server.url))
@@ -536,19 +423,6 @@ def hicache_flags_exist() -> bool:
 
 
 # ---------------------------------------------------------------- report
-
-
-def pct(xs: list[float], p: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = (len(xs) - 1) * p / 100
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def ms(x: float | None) -> float | None:
-    return None if x is None else round(1000 * x, 1)
 
 
 def summarize(res: ModeResult, reference: ModeResult | None, args: argparse.Namespace) -> dict:
