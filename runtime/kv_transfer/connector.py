@@ -123,6 +123,7 @@ class PDConnector:
                                                 notif_msg=release_notif(params.remote_request_id))
         except (KVTransferError, OmforgeError, OSError, ValueError) as exc:  # OmforgeError: a layout mismatch
             self._failed(job, exc, params.remote_engine_id)
+        self.agent.set_active(self.busy())
         return job
 
     def finished_loads(self) -> list[RemoteJob]:
@@ -145,6 +146,7 @@ class PDConnector:
             if job.loaded or job.error is not None:
                 done.append(job)
         self._jobs = [j for j in self._jobs if j not in done]
+        self.agent.set_active(self.busy())
         return done
 
     def _failed(self, job: RemoteJob, exc: Exception, engine_id: str | None) -> None:
@@ -162,6 +164,7 @@ class PDConnector:
         self._held[request_id] = _Held(kv_id, time.monotonic() + self.config.lease_s, len(blocks))
         self.stats.held_requests += 1
         self.stats.held_blocks += len(blocks)
+        self.agent.set_active(True)
         return prefill_response_params(engine_id=self.config.engine_id, request_id=request_id, block_ids=blocks,
                                        host=self.host, port=self.port, num_tokens=num_tokens,
                                        block_size=self.block_size)
@@ -181,6 +184,7 @@ class PDConnector:
             log.warning("kv transfer: the blocks of %s were not read within the %g s lease; freed", request_id,
                         self.config.lease_s)
         self.stats.held_blocks = sum(h.num_blocks for h in self._held.values())
+        self.agent.set_active(self.busy())
         return free
 
     def busy(self) -> bool:
