@@ -378,3 +378,17 @@ def test_peer_stalled_then_killed_while_reading(consumer: tuple, producer: Produ
             time.sleep(0.005)
     assert e.value.handle_released
     agent.remove_peer(peer.engine_id)
+
+
+@needs_nixl
+def test_an_idle_agent_leaves_the_cpu_alone(consumer: tuple) -> None:
+    """nixl-cu12 1.5.1's own UCX progress thread spins a core with nothing to do (1.0 CPU-s/s); ours sleeps
+    between progress calls, so this whole process stays far below that while idle and while active."""
+    agent, _ = consumer
+    for active in (False, True):
+        agent.set_active(active)
+        cpu, wall = time.process_time(), time.monotonic()
+        time.sleep(1.0)
+        used = (time.process_time() - cpu) / (time.monotonic() - wall)
+        assert used < 0.4, f"{used:.2f} CPU-s/s with the agent {'active' if active else 'idle'}"
+    agent.set_active(False)
