@@ -242,16 +242,21 @@ class KVCacheManager:
         return keep * self.block_size
 
     def reserve_remote(self, req_id: str, num_blocks: int) -> list[int] | None:
-        """A NEW request's whole table for a remote read (a PD decode leg): ``num_blocks`` fresh blocks, no
-        chain yet (:meth:`commit` hashes them once their KV is in place). None, with nothing changed, when the pool
-        lacks them."""
-        if req_id in self._tables or req_id in self._host_tables:
-            raise ValueError(f"request {req_id!r} already holds blocks")
+        """The rest of a PD decode leg's table for a remote read: ``num_blocks`` fresh blocks appended to what it
+        holds — nothing (a NEW request) or exactly its prefix-cache hits (just after :meth:`get_computed_blocks`:
+        those blocks are not read again) — with no chain yet (:meth:`commit` hashes them once their KV is in
+        place). Returns the fresh blocks; None, with nothing changed, when the pool lacks them."""
+        if req_id in self._host_tables or req_id in self._loading or (
+                req_id in self._tables and len(self._tables[req_id]) != len(self._hashes[req_id])):
+            raise ValueError(f"request {req_id!r} must hold nothing or exactly its prefix-cache hits")
         if num_blocks > self.pool.num_free():
             return None
-        self._tables[req_id], self._hashes[req_id] = self.pool.allocate(num_blocks), []
-        self._loading[req_id] = (0, num_blocks)
-        return list(self._tables[req_id])
+        table = self._tables.setdefault(req_id, [])
+        self._hashes.setdefault(req_id, [])
+        first = len(table)
+        table.extend(self.pool.allocate(num_blocks))
+        self._loading[req_id] = (first, num_blocks)
+        return table[first:]
 
     def install_remote(self, req_id: str, ok: bool) -> None:
         """The read of :meth:`reserve_remote` ended: on success the blocks are the request's (commit them); else

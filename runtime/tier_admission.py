@@ -133,24 +133,29 @@ class TieredAdmission:
             self._lookup = None
 
     def _from_remote(self, req: Request) -> str | None:
-        """A PD decode leg with blocks to pull: fresh blocks for its whole prompt, then the read (``LOADING``);
-        ``WAIT`` while the pool lacks them; None for any other request (or blocks that cannot hold the prompt:
-        it is prefilled here)."""
+        """A PD decode leg with blocks to pull: its prefix-cache hits here, fresh blocks for the rest of its prompt
+        and the read of just those (``LOADING``; vLLM's decode side reads only past its local hit too); ``WAIT``
+        while the pool lacks them; None for any other request (or blocks that cannot hold the prompt: it is
+        prefilled here). The hit always leaves the prompt's last block to read (:meth:`get_computed_blocks`)."""
         params = req.kv_transfer
         if self.remote is None or params is None or not params.pulls_blocks:
             return None
-        need = -(-len(req.prompt_token_ids) // self.kv.block_size)
+        bs = self.kv.block_size
+        need = -(-len(req.prompt_token_ids) // bs)
         if len(params.remote_block_ids) < need:
             return None
-        blocks = self.kv.reserve_remote(req.request_id, need)
+        hit = self.kv.get_computed_blocks(req.request_id, req.all_token_ids,
+                                          use_cache=req.params.prompt_logprobs is None) // bs
+        blocks = self.kv.reserve_remote(req.request_id, need - hit)
         if blocks is None:
+            self.kv.free(req.request_id)  # give back the hits' references; retried next step
             return WAIT
         key = str(next(self._load_keys))
         self.waiting.popleft()
         self.loading[key], self._load_owner[key] = req, req.request_id
         self._remote_keys.add(key)
         req.status = Status.LOADING
-        self.remote.start_read(key, params, blocks)
+        self.remote.start_read(key, params, blocks, first=hit)
         return LOADING
 
     def _finish_remote(self) -> None:

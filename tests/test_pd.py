@@ -2,7 +2,9 @@
 the SmolLM2 bundle driven as vLLM's proxies and SMG's vLLM PD mode drive them — the prefill leg with
 ``max_tokens: 1`` and ``kv_transfer_params: {"do_remote_decode": true}``, then the decode leg with the
 ``kv_transfer_params`` the prefill answered — through the official openai client. Greedy output equal to one
-server's, streamed and not; the decode replica's metrics show the blocks it read; and the faults: a decode side
+server's (the offline engine on the same bundle, so no replica's prefix cache is warmed by the reference),
+streamed and not; the decode replica's metrics show the blocks it read — every block of a prompt it has not seen,
+only the last one of a prompt its prefix cache holds; and the faults: a decode side
 that never reads (the prefill frees its held blocks at the lease's end), a prefill replica killed before the
 decode leg (an error, nothing hangs), a client gone during the prefill leg — every replica's blocks back to idle.
 Skipped without NIXL (``pip install '.[cluster]'``)."""
@@ -45,6 +47,19 @@ def replica(bundle: Path, role: str, engine_id: str) -> ServerProcess:
 
 
 @pytest.fixture(scope="module")
+def want(smollm2_bundle: Path) -> list[str]:
+    """One server's greedy answers to PROMPTS (16 tokens), from the offline engine on the same bundle."""
+    from omforge import LLM, SamplingParams
+
+    llm = LLM(smollm2_bundle)
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    finally:
+        llm.close()
+    return [o.text for o in outs]
+
+
+@pytest.fixture(scope="module")
 def replicas(smollm2_bundle: Path):  # noqa: ANN201
     prefill = replica(smollm2_bundle, "kv_producer", "prefill-0")
     decode = replica(smollm2_bundle, "kv_consumer", "decode-0")
@@ -74,17 +89,24 @@ def idle(server: ServerProcess) -> None:
     server.wait_for_metric("omforge:kv_cache_used_blocks", lambda v: v == 0, timeout=LEASE_S + 10)
 
 
-def test_pd_gives_one_servers_greedy_output_and_the_decode_side_reads_the_blocks(replicas) -> None:  # noqa: ANN001
+def test_pd_gives_one_servers_greedy_output_and_the_decode_side_reads_the_blocks(replicas, want) -> None:  # noqa: ANN001
+    """First pass: the decode replica has seen none of the prompts and reads every block of each; second pass,
+    the same prompts: its prefix cache holds all their full blocks, so it reads only each prompt's last block."""
     prefill, decode = replicas
-    want = [decode.client().completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0).choices[0].text
-            for p in PROMPTS]  # one server: the decode replica on its own
-    for i, prompt in enumerate(PROMPTS):
-        assert decode_leg(decode, prompt, prefill_leg(prefill, prompt), stream=i % 2 == 1) == want[i], i
+    for rnd in range(2):
+        before = decode.metrics().get("omforge:kv_transfer_read_blocks_total", 0)
+        blocks = 0
+        for i, prompt in enumerate(PROMPTS):
+            params = prefill_leg(prefill, prompt)
+            blocks += len(params["remote_block_ids"])
+            assert decode_leg(decode, prompt, params, stream=i % 2 == 1) == want[i], (rnd, i)
+        read = decode.metrics()["omforge:kv_transfer_read_blocks_total"] - before
+        assert read == (blocks if rnd == 0 else len(PROMPTS)), (rnd, read, blocks)
+        assert blocks > 2 * len(PROMPTS)  # multi-block prompts: the first pass moved whole prompts
     got = decode.metrics()
-    assert got["omforge:kv_transfer_read_requests_total"] == len(PROMPTS)
-    assert got["omforge:kv_transfer_read_blocks_total"] >= len(PROMPTS)
+    assert got["omforge:kv_transfer_read_requests_total"] == 2 * len(PROMPTS)
     assert prefill.wait_for_metric("omforge:kv_transfer_released_total{reason=notified}",
-                                   lambda v: v == len(PROMPTS), timeout=10)
+                                   lambda v: v == 2 * len(PROMPTS), timeout=10)
     idle(prefill)
     idle(decode)
 
@@ -186,18 +208,16 @@ def smg_pd(prefill: ServerProcess, decode: ServerProcess):  # noqa: ANN201 - a g
             proc.kill()
 
 
-def test_smg_drives_pd_with_one_servers_greedy_output(replicas, gateway: str) -> None:  # noqa: ANN001
+def test_smg_drives_pd_with_one_servers_greedy_output(replicas, gateway: str, want: list[str]) -> None:  # noqa: ANN001
     """Ten prompts through SMG's PD mode, streamed and not: one server's greedy text, the KV read over NIXL."""
     prefill, decode = replicas
     reads = decode.metrics().get("omforge:kv_transfer_read_requests_total", 0)
     client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0, timeout=120)
     for i, prompt in enumerate(PROMPTS):
-        want = decode.client().completions.create(model=MODEL, prompt=prompt, max_tokens=16,
-                                                  temperature=0).choices[0].text
         body = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
         got = ("".join(c.choices[0].text for c in client.completions.create(stream=True, **body) if c.choices)
                if i % 2 else client.completions.create(**body).choices[0].text)
-        assert got == want, i
+        assert got == want[i], i
     assert decode.metrics()["omforge:kv_transfer_read_requests_total"] == reads + len(PROMPTS)  # over NIXL
     idle(prefill)
     idle(decode)

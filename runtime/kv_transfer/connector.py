@@ -109,9 +109,10 @@ class PDConnector:
 
     # --- decode side ----------------------------------------------------------------------------------------
 
-    def start_read(self, key: str, params: KVTransferParams, blocks: Sequence[int]) -> RemoteJob:
-        """Pull ``params.remote_block_ids[:len(blocks)]`` into ``blocks`` (reserved by the caller, read by
-        nobody until reported done); a failure to start is reported like any other, by :meth:`finished_loads`."""
+    def start_read(self, key: str, params: KVTransferParams, blocks: Sequence[int], first: int = 0) -> RemoteJob:
+        """Pull ``params.remote_block_ids[first:first + len(blocks)]`` into ``blocks`` (reserved by the caller,
+        read by nobody until reported done; ``first``: the prompt's blocks this side already holds, its prefix
+        hit); a failure to start is reported like any other, by :meth:`finished_loads`."""
         job = RemoteJob(key, list(blocks), time.monotonic() + self.config.lease_s)
         self._jobs.append(job)
         self.stats.read_requests += 1
@@ -119,7 +120,7 @@ class PDConnector:
             peer = self.agent.peer(params.remote_engine_id) or self.agent.add_peer(fetch_metadata(
                 params.remote_host, params.remote_port, timeout_s=HANDSHAKE_TIMEOUT_S,
                 expected_engine_id=params.remote_engine_id))
-            job.pending = self.agent.start_read(peer, params.remote_block_ids[:len(blocks)], blocks,
+            job.pending = self.agent.start_read(peer, params.remote_block_ids[first:first + len(blocks)], blocks,
                                                 notif_msg=release_notif(params.remote_request_id))
         except (KVTransferError, OmforgeError, OSError, ValueError) as exc:  # OmforgeError: a layout mismatch
             self._failed(job, exc, params.remote_engine_id)
