@@ -155,7 +155,7 @@ class TieredAdmission:
         self.loading[key], self._load_owner[key] = req, req.request_id
         self._remote_keys.add(key)
         req.status = Status.LOADING
-        self.remote.start_read(key, params, blocks, first=hit)
+        self.remote.start_read(key, params, blocks, first=hit, arrival=req.arrival_time)
         return LOADING
 
     def _finish_remote(self) -> None:

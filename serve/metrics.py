@@ -122,7 +122,9 @@ class PDMetrics:
                 ("kv_transfer_read_seconds", "read_seconds", "Seconds from posting a KV read to its end."),
                 ("kv_transfer_read_failures", "read_failures", "KV reads that failed or timed out."),
                 ("kv_transfer_held_requests", "held_requests", "PD prefill legs whose blocks were held for a "
-                 "decode replica."))
+                 "decode replica."),
+                ("kv_transfer_heartbeats", "heartbeats", "Held requests' leases renewed by a decode side's "
+                 "heartbeat."))
 
     def __init__(self, registry: CollectorRegistry, model: str):
         self.model = model

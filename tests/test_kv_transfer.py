@@ -392,3 +392,26 @@ def test_an_idle_agent_leaves_the_cpu_alone(consumer: tuple) -> None:
         used = (time.process_time() - cpu) / (time.monotonic() - wall)
         assert used < 0.4, f"{used:.2f} CPU-s/s with the agent {'active' if active else 'idle'}"
     agent.set_active(False)
+
+
+@needs_nixl
+def test_a_decode_leg_older_than_the_lease_is_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its prefill side may have freed and reused the blocks: the read is refused before any peer is contacted
+    (the port below answers nothing), reported by finished_loads like any failed read."""
+    from omforge.runtime.kv_transfer.connector import PDConnector
+
+    for name, value in UCX_ENV.items():
+        monkeypatch.setenv(name, value)
+    config = parse_kv_transfer_config({"kv_connector": "NixlConnector", "kv_role": "kv_consumer",
+                                       "kv_connector_extra_config": {"kv_lease_duration": 10}})
+    connector = PDConnector.start(config, LAYOUT, pools(0.0), "")
+    try:
+        params = parse_kv_transfer_params({"do_remote_prefill": True, "remote_engine_id": "p-gone",
+                                           "remote_request_id": "r-1", "remote_host": "127.0.0.1",
+                                           "remote_port": 9, "remote_block_ids": [0, 1]})
+        connector.start_read("k", params, [0, 1], arrival=time.monotonic() - 9.0)
+        (job,) = connector.finished_loads()
+        assert job.loaded == 0 and "lease" in job.error and not job.keep_blocks, job.error
+        assert connector.stats.read_failures == 1 and not connector.busy()
+    finally:
+        connector.close()

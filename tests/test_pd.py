@@ -16,6 +16,7 @@ import socket
 import time
 from pathlib import Path
 
+import numpy as np
 import openai
 import pytest
 
@@ -245,3 +246,36 @@ def test_through_smg_a_dead_decode_replica_is_an_error_and_the_prefill_frees_at_
         idle(prefill)
     finally:
         gen.close()
+
+
+def test_a_decode_sides_heartbeats_renew_the_lease(replicas) -> None:  # noqa: ANN001
+    """vLLM 0.33's decode side renews a held request's lease with ``HB:<id>`` while it waits to read: sent here
+    from a bare NIXL agent of this process (one block per pool: a peer's pool size may differ), the prefill
+    replica keeps the blocks past the lease, then frees them one lease after the last heartbeat."""
+    from omforge.contract import PagedLayout
+    from omforge.runtime.kv_transfer import NixlKVAgent, fetch_metadata
+
+    prefill, _ = replicas
+    params = prefill_leg(prefill, PROMPTS[4])
+    meta = fetch_metadata(params["remote_host"], params["remote_port"], timeout_s=5.0,
+                          expected_engine_id=params["remote_engine_id"])
+    layout: PagedLayout = meta.layout
+    shape = (1, layout.block_size, layout.kv_heads, layout.row_elems)
+    before = prefill.metrics().get("omforge:kv_transfer_released_total{reason=expired}", 0)
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in UCX.items():
+            mp.setenv(name, value)
+        with NixlKVAgent("hb-test", layout, [np.zeros(shape, np.float32) for _ in range(2 * layout.num_layers)]) \
+                as agent:
+            peer = agent.add_peer(meta)
+            end = time.monotonic() + 2 * LEASE_S
+            while time.monotonic() < end:  # bounded: two leases of heartbeats, one a second
+                agent.notify(peer, f"HB:{params['remote_request_id']}".encode())
+                time.sleep(1.0)
+            assert prefill.metrics()["omforge:kv_transfer_held_blocks"] == len(params["remote_block_ids"])
+            assert prefill.metrics()["omforge:kv_transfer_heartbeats_total"] >= LEASE_S
+            t0 = time.monotonic()
+            prefill.wait_for_metric("omforge:kv_transfer_released_total{reason=expired}", lambda v: v == before + 1,
+                                    timeout=LEASE_S + 10)
+            assert time.monotonic() - t0 >= LEASE_S - 2.0  # a whole lease after the last heartbeat
+    idle(prefill)

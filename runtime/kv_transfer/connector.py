@@ -7,12 +7,16 @@ Engine thread only (NIXL calls go through the agent's lock; the handshake listen
   ``kv_transfer_params``. The blocks are freed when the decode side's release notification arrives (it is sent
   with the READ and delivered once the data has moved: vLLM's ``"<request id>:1"``) or when the lease
   (``kv_lease_duration``, default 30 s) runs out, so a decode replica that died mid-transfer costs the blocks for
-  the lease at most. Nothing is freed while a READ may still be reading it: the notification comes after.
-- **Decode replica** (``kv_consumer``): a decode leg with blocks (``do_remote_prefill``) gets fresh blocks for
-  its whole prompt, reserved and unregistered, and :meth:`PDConnector.start_read` pulls the prefill's blocks into
-  them (handshake once per engine id, bounded). :meth:`PDConnector.finished_loads` reports reads that ended — all
-  blocks, or none with the error — the scheduler's ``LoadedJob`` shape; a read past its deadline (the lease) is
-  cancelled. If NIXL cannot cancel it, the job says so (``keep_blocks``) and the blocks are never reused.
+  the lease at most; a decode side's heartbeat (vLLM 0.33's ``HB:id,…``) renews the leases of the ids it names.
+  Nothing is freed while a READ may still be reading it: the notification comes after.
+- **Decode replica** (``kv_consumer``): a decode leg with blocks (``do_remote_prefill``) takes its prefix-cache
+  hits and fresh blocks, reserved and unregistered, for the rest of its prompt, and :meth:`PDConnector.start_read`
+  pulls the prefill's blocks into them (handshake once per engine id, bounded). A decode leg that waited here
+  longer than the lease less ``STALE_MARGIN_S`` is not read at all: the prefill side may have freed (and reused)
+  those blocks, and a read would copy whatever is there now (this side sends no heartbeats; both sides are
+  assumed to share the lease). :meth:`PDConnector.finished_loads` reports reads that ended — all blocks, or none
+  with the error — the scheduler's ``LoadedJob`` shape; a read past its deadline (the lease) is cancelled. If
+  NIXL cannot cancel it, the job says so (``keep_blocks``) and the blocks are never reused.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from omforge.runtime.kv_transfer.errors import KVTransferConfigError, KVTransfer
 from omforge.runtime.kv_transfer.handshake import HandshakeListener, fetch_metadata
 from omforge.runtime.kv_transfer.nixl_agent import NixlKVAgent, PendingRead
 from omforge.runtime.kv_transfer.params import (
+    HeartbeatNotif,
     KVTransferParams,
     ReleaseNotif,
     parse_notif,
@@ -40,6 +45,7 @@ from omforge.runtime.kv_transfer.params import (
 
 log = logging.getLogger("omforge.kv_transfer")
 HANDSHAKE_TIMEOUT_S = 5.0
+STALE_MARGIN_S = 2.0  # a decode leg older than the lease less this is not read (its blocks may be gone)
 
 
 @dataclass
@@ -54,6 +60,7 @@ class PDStats:
     held_requests: int = 0
     released_notified: int = 0
     released_expired: int = 0
+    heartbeats: int = 0  # leases renewed by a decode side's ``HB:`` notification
     held_blocks: int = 0
 
 
@@ -109,13 +116,22 @@ class PDConnector:
 
     # --- decode side ----------------------------------------------------------------------------------------
 
-    def start_read(self, key: str, params: KVTransferParams, blocks: Sequence[int], first: int = 0) -> RemoteJob:
+    def start_read(self, key: str, params: KVTransferParams, blocks: Sequence[int], first: int = 0,
+                   arrival: float | None = None) -> RemoteJob:
         """Pull ``params.remote_block_ids[first:first + len(blocks)]`` into ``blocks`` (reserved by the caller,
         read by nobody until reported done; ``first``: the prompt's blocks this side already holds, its prefix
-        hit); a failure to start is reported like any other, by :meth:`finished_loads`."""
+        hit; ``arrival``: when the decode leg arrived, ``time.monotonic()``); a failure to start, or a leg too old
+        to read safely, is reported like any other, by :meth:`finished_loads`."""
         job = RemoteJob(key, list(blocks), time.monotonic() + self.config.lease_s)
         self._jobs.append(job)
         self.stats.read_requests += 1
+        if arrival is not None and time.monotonic() - arrival > self.config.lease_s - STALE_MARGIN_S:
+            self._failed(job, KVTransferError(f"the request waited {time.monotonic() - arrival:.1f} s here, past "
+                                              f"the prefill side's {self.config.lease_s:g} s lease less "
+                                              f"{STALE_MARGIN_S:g} s: its blocks may be freed; not read"),
+                         params.remote_engine_id, drop_peer=False)
+            self.agent.set_active(self.busy())
+            return job
         try:
             peer = self.agent.peer(params.remote_engine_id) or self.agent.add_peer(fetch_metadata(
                 params.remote_host, params.remote_port, timeout_s=HANDSHAKE_TIMEOUT_S,
@@ -150,11 +166,11 @@ class PDConnector:
         self.agent.set_active(self.busy())
         return done
 
-    def _failed(self, job: RemoteJob, exc: Exception, engine_id: str | None) -> None:
+    def _failed(self, job: RemoteJob, exc: Exception, engine_id: str | None, drop_peer: bool = True) -> None:
         job.error = f"KV transfer from prefill engine {engine_id} failed: {one_line(exc)}"
         job.keep_blocks = job.keep_blocks or getattr(exc, "handle_released", True) is False
         self.stats.read_failures += 1
-        if engine_id is not None:
+        if engine_id is not None and drop_peer:
             self.agent.remove_peer(engine_id)  # a restarted prefill replica has new addresses: handshake again
         log.warning("%s", job.error)
 
@@ -173,12 +189,17 @@ class PDConnector:
     def releases(self) -> list[str]:
         """The held ids to free now: released by their decode side, or past their lease."""
         free = []
+        now = time.monotonic()
         for _, message in self.agent.poll_notifs():
             notif = parse_notif(message)
             if isinstance(notif, ReleaseNotif) and notif.request_id in self._held:
                 free.append(self._held.pop(notif.request_id).kv_id)
                 self.stats.released_notified += 1
-        now = time.monotonic()
+            elif isinstance(notif, HeartbeatNotif):  # a decode side still waiting to read: a new lease
+                for request_id in notif.request_ids:
+                    if request_id in self._held:
+                        self._held[request_id].deadline = now + self.config.lease_s
+                        self.stats.heartbeats += 1
         for request_id in [r for r, h in self._held.items() if now > h.deadline]:
             free.append(self._held.pop(request_id).kv_id)
             self.stats.released_expired += 1
