@@ -125,21 +125,21 @@ class PDConnector:
         job = RemoteJob(key, list(blocks), time.monotonic() + self.config.lease_s)
         self._jobs.append(job)
         self.stats.read_requests += 1
-        if arrival is not None and time.monotonic() - arrival > self.config.lease_s - STALE_MARGIN_S:
-            self._failed(job, KVTransferError(f"the request waited {time.monotonic() - arrival:.1f} s here, past "
-                                              f"the prefill side's {self.config.lease_s:g} s lease less "
-                                              f"{STALE_MARGIN_S:g} s: its blocks may be freed; not read"),
+        waited = None if arrival is None else time.monotonic() - arrival
+        if waited is not None and waited > self.config.lease_s - STALE_MARGIN_S:
+            self._failed(job, KVTransferError(f"the request waited {waited:.1f} s here, past the prefill side's "
+                                              f"{self.config.lease_s:g} s lease less {STALE_MARGIN_S:g} s: its "
+                                              "blocks may be freed; not read"),
                          params.remote_engine_id, drop_peer=False)
-            self.agent.set_active(self.busy())
-            return job
-        try:
-            peer = self.agent.peer(params.remote_engine_id) or self.agent.add_peer(fetch_metadata(
-                params.remote_host, params.remote_port, timeout_s=HANDSHAKE_TIMEOUT_S,
-                expected_engine_id=params.remote_engine_id))
-            job.pending = self.agent.start_read(peer, params.remote_block_ids[first:first + len(blocks)], blocks,
-                                                notif_msg=release_notif(params.remote_request_id))
-        except (KVTransferError, OmforgeError, OSError, ValueError) as exc:  # OmforgeError: a layout mismatch
-            self._failed(job, exc, params.remote_engine_id)
+        else:
+            try:
+                peer = self.agent.peer(params.remote_engine_id) or self.agent.add_peer(fetch_metadata(
+                    params.remote_host, params.remote_port, timeout_s=HANDSHAKE_TIMEOUT_S,
+                    expected_engine_id=params.remote_engine_id))
+                job.pending = self.agent.start_read(peer, params.remote_block_ids[first:first + len(blocks)],
+                                                    blocks, notif_msg=release_notif(params.remote_request_id))
+            except (KVTransferError, OmforgeError, OSError, ValueError) as exc:  # OmforgeError: a layout mismatch
+                self._failed(job, exc, params.remote_engine_id)
         self.agent.set_active(self.busy())
         return job
 

@@ -155,7 +155,7 @@ class NixlKVAgent:
         self._nixl = api.nixl_agent(f"{engine_id}-{uuid.uuid4().hex[:8]}", config)
         self._inbox: list[tuple[str, bytes]] = []
         self._active = False
-        self._wake, self._stop = threading.Event(), threading.Event()
+        self._wake = threading.Event()
         missing = [b for b in backends if b not in self._nixl.backends]
         if missing:
             raise KVTransferConfigError(f"kv_connector_extra_config.backends: NIXL backend {missing[0]!r} is not "
@@ -176,7 +176,7 @@ class NixlKVAgent:
                 self._wake.set()
 
     def _progress_loop(self) -> None:
-        while not self._stop.is_set():
+        while True:  # until close() marks the agent closed
             with self._lock:
                 if self._closed:
                     return
@@ -282,10 +282,10 @@ class NixlKVAgent:
         """Release every handle and descriptor list, unload the peers and deregister the pools (idempotent)."""
         if self._closed:
             return
-        self._stop.set()
+        with self._lock:
+            self._closed = True  # the progress thread's next pass ends it
         self._wake.set()
         self._progress.join(timeout=5.0)
-        self._closed = True
         for handle in self._stuck:
             self._quietly(self._nixl.release_xfer_handle, handle)
         self._stuck.clear()
