@@ -104,6 +104,11 @@ def sessions(w: np.ndarray, bits: int, affine: bool, threads: int) -> dict[str, 
                                           block_size=32, layout=gemm_pack.LAYOUT)],
                         q_inits, k, n, threads, {"": 17, "omforge.kernels": 1})
            for op in ("MatMulQ", *(("MatMulQBF16",) if kernels.status().qbf16 else ()))}
+    if kernels.status().bf16:  # the same weights as bfloat16 (compile.weights: bfloat16)
+        out["MatMulBF16"] = _session([helper.make_node("MatMulBF16", ["x", "codes"], ["y"], domain="omforge.kernels",
+                                                       K=k, N=n, layout=gemm_pack.LAYOUT)],
+                                     [arr(gemm_pack.pack_bf16(w), "codes")], k, n, threads,
+                                     {"": 17, "omforge.kernels": 1})
     for level in (4, 0):  # affine blocks: MatMulNBits + the block-offset MatMul, as quantize_weights lowers them
         nodes = [helper.make_node("MatMulNBits", ["x", "b", "s"], ["y0" if affine else "y"], domain="com.microsoft",
                                   K=k, N=n, bits=bits, block_size=32, accuracy_level=level)]
@@ -144,7 +149,7 @@ def main() -> None:
         raise SystemExit(f"the kernel library's MatMulQ is unavailable: {kernels.status().reason}")
     peak = vnni_peak(a.threads)
     print(f"VNNI peak ({a.threads} threads, vpdpbusd zmm loop): " + (f"{peak:.0f} GOP/s" if peak else "not measured"))
-    print(f"MatMulQ path {kernels.status().gemm}, MatMulQBF16 path {kernels.status().qbf16}; "
+    print(f"MatMulQ path {kernels.status().gemm}, MatMulQBF16 and MatMulBF16 path {kernels.status().qbf16}; "
           f"int{a.bits} {'affine' if a.affine else 'symmetric'} blocks of 32")
     rng = np.random.default_rng(0)
     shapes = [s for key in (SHAPES if a.shapes == "all" else [a.shapes]) for s in SHAPES[key]]

@@ -13,7 +13,8 @@ Nothing here is required: :func:`status` says whether the library is usable in t
 enough, loadable, the same kernel ABI version) and why not; compile then falls back to the plain-op lowering, and
 a bundle that needs the library fails to load with one clear line. :func:`register` adds it to a session's
 options. ``OMFORGE_KERNELS=0`` disables the library (tests of the fallback); ``OMFORGE_KERNELS_ISA`` (``avx512``,
-``avx2``, ``generic``) forces a slower code path than the CPU allows.
+``avx2``, ``generic``) forces a slower code path than the CPU allows (``avx512``: the bfloat16 ops on
+``vdpbf16ps`` rather than the AMX tile unit).
 """
 
 from __future__ import annotations

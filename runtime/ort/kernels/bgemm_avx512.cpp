@@ -24,13 +24,13 @@ void tile(const Bf16Panels& T, int64_t m0) {
   __m512 acc[MR][NP];
   for (int r = 0; r < MR; ++r)
     for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_setzero_ps();
-  const uint16_t* a = T.a + m0 * T.Kp;
+  const uint16_t* a = T.a + m0 * T.lda;
   for (int64_t i = 0; i < pairs; ++i) {
     __m512bh w[NP];
     for (int q = 0; q < NP; ++q) w[q] = (__m512bh)_mm512_loadu_si512(T.w + q * panel_elems + i * 32);
     for (int r = 0; r < MR; ++r) {
       int32_t pair;
-      std::memcpy(&pair, a + r * T.Kp + 2 * i, 4);
+      std::memcpy(&pair, a + r * T.lda + 2 * i, 4);
       const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
       for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_dpbf16_ps(acc[r][q], x, w[q]);
     }
@@ -68,7 +68,7 @@ void bf16_panels(const Bf16Panels& T, int panels) {
 void bgemm(const BGemmProblem& P, int64_t panel_begin, int64_t panel_end) {
   const int64_t panel_elems = P.Kp / 2 * 32;
   for (int64_t p = panel_begin; p < panel_end; p += 2)
-    bf16_panels({P.a, P.codes + p * panel_elems, P.y, P.M, P.N, P.Kp, p * kPanel}, p + 1 < panel_end ? 2 : 1);
+    bf16_panels({P.a, P.codes + p * panel_elems, P.y, P.M, P.N, P.Kp, p * kPanel, P.lda}, p + 1 < panel_end ? 2 : 1);
 }
 
 void to_bf16_rows(const float* x, int64_t K, int64_t Kp, uint16_t* out, int64_t row_begin, int64_t row_end) {

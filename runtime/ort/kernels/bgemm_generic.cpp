@@ -37,7 +37,7 @@ void bf16_panels(const Bf16Panels& T, int panels) {
       const int64_t n = T.n0 + q * kPanel + c;
       if (n >= T.N) break;
       for (int64_t m = 0; m < T.M; ++m) {
-        const uint16_t* a = T.a + m * T.Kp;
+        const uint16_t* a = T.a + m * T.lda;
         float acc = 0.0f;
         for (int64_t i = 0; i < pairs; ++i) {
           acc += bf16_to_float(a[2 * i + 1]) * bf16_to_float(panel[i * 32 + 2 * c + 1]);
@@ -52,7 +52,7 @@ void bf16_panels(const Bf16Panels& T, int panels) {
 void bgemm(const BGemmProblem& P, int64_t panel_begin, int64_t panel_end) {
   const int64_t panel_elems = P.Kp / 2 * 32;
   for (int64_t p = panel_begin; p < panel_end; ++p)
-    bf16_panels({P.a, P.codes + p * panel_elems, P.y, P.M, P.N, P.Kp, p * kPanel}, 1);
+    bf16_panels({P.a, P.codes + p * panel_elems, P.y, P.M, P.N, P.Kp, p * kPanel, P.lda}, 1);
 }
 
 }  // namespace generic

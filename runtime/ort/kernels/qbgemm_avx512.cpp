@@ -32,7 +32,7 @@ inline void store_pair(uint16_t* out, __m512 even, __m512 odd, __m512i interleav
 }
 
 template <int BITS>
-void decompress(const QBGemmProblem& P, int64_t p, uint16_t* out) {
+void decompress_bits(const QBGemmProblem& P, int64_t p, uint16_t* out) {
   const int64_t chunks = P.Kp / kChunk, kb = P.Kp / P.block;
   constexpr int64_t chunk_bytes = kPanel * kChunk * BITS / 8;
   const uint8_t* panel = P.codes + p * chunks * chunk_bytes;
@@ -68,9 +68,13 @@ void decompress(const QBGemmProblem& P, int64_t p, uint16_t* out) {
 
 }  // namespace
 
+void decompress_panel(const QBGemmProblem& P, int64_t p, uint16_t* out) {
+  if (P.bits == 4) decompress_bits<4>(P, p, out);
+  else decompress_bits<8>(P, p, out);
+}
+
 void qbgemm(const QBGemmProblem& P, int64_t panel_begin, int64_t panel_end) {
-  qbgemm_pairs(P, panel_begin, panel_end,
-               [&P](int64_t p, uint16_t* out) { P.bits == 4 ? decompress<4>(P, p, out) : decompress<8>(P, p, out); },
+  qbgemm_pairs(P, panel_begin, panel_end, [&P](int64_t p, uint16_t* out) { decompress_panel(P, p, out); },
                [](const Bf16Panels& T, int n) { bf16_panels(T, n); });
 }
 

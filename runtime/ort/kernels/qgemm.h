@@ -81,6 +81,7 @@ struct BGemmProblem {
   const uint16_t* codes;  // [P, Kp/2, 32]
   float* y;
   int64_t M, N, K, Kp;
+  int64_t lda;  // a's row stride (≥ Kp, zero past K; the AMX path's is a multiple of 32 and its rows a multiple of 16)
 };
 using BGemmFn = void (*)(const BGemmProblem&, int64_t panel_begin, int64_t panel_end);
 using ToBf16Fn = void (*)(const float* x, int64_t K, int64_t Kp, uint16_t* out, int64_t row_begin, int64_t row_end);
@@ -93,6 +94,7 @@ struct Bf16Panels {
   const uint16_t* w;  // [panels, Kp/2, 32] bfloat16
   float* y;
   int64_t M, N, Kp, n0;
+  int64_t lda;  // a's row stride, as in BGemmProblem
 };
 
 // MatMulQBF16 (qbgemm_generic.cpp, qbgemm_avx512.cpp): MatMulQ's panel16 weights × activations rounded to bfloat16
@@ -106,6 +108,7 @@ struct QBGemmProblem {
   const float* offsets;  // null: symmetric
   float* y;
   int64_t M, N, K, Kp, bits, block;
+  int64_t lda;  // a's row stride, as in BGemmProblem
 };
 using QBGemmFn = void (*)(const QBGemmProblem&, int64_t panel_begin, int64_t panel_end);
 
@@ -121,7 +124,7 @@ inline void qbgemm_pairs(const QBGemmProblem& P, int64_t panel_begin, int64_t pa
   for (int64_t p = panel_begin; p < panel_end; p += 2) {
     const int n = p + 1 < panel_end ? 2 : 1;
     for (int q = 0; q < n; ++q) decompress(p + q, w.data() + q * panel_elems);
-    panels(Bf16Panels{P.a, w.data(), P.y, P.M, P.N, P.Kp, p * kPanel}, n);
+    panels(Bf16Panels{P.a, w.data(), P.y, P.M, P.N, P.Kp, p * kPanel, P.lda}, n);
   }
 }
 
@@ -130,7 +133,17 @@ void bgemm(const BGemmProblem&, int64_t, int64_t);
 void bf16_panels(const Bf16Panels&, int panels);
 void qbgemm(const QBGemmProblem&, int64_t, int64_t);
 void to_bf16_rows(const float*, int64_t, int64_t, uint16_t*, int64_t, int64_t);
+void decompress_panel(const QBGemmProblem&, int64_t p, uint16_t* out);  // panel p of the codes, panel16-bf16
 }  // namespace avx512bf16
+
+// AMX (bgemm_amx.cpp): MatMulBF16's and MatMulQBF16's tiles on the tile unit (tdpbf16ps), where the CPU has amx-bf16
+// and the kernel grants this process the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM).
+namespace amx {
+bool available();  // asks the kernel once; false without amx-bf16 or without the permission
+void bgemm(const BGemmProblem&, int64_t, int64_t);
+void bf16_panels(const Bf16Panels&, int panels);
+void qbgemm(const QBGemmProblem&, int64_t, int64_t);
+}  // namespace amx
 
 namespace avx512vnni {
 void qgemm(const QGemmProblem&, int64_t, int64_t);

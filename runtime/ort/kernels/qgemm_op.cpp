@@ -32,11 +32,16 @@ GemmIsa choose() {
   return {"generic", &generic::qgemm, &generic::quantize_rows};
 }
 
+// AMX tiles where the CPU and the kernel allow them, else AVX-512 BF16, else portable; OMFORGE_KERNELS_ISA=avx512
+// forces the AVX-512 path ("generic" the portable one).
 Bf16Isa choose_bf16() {
   const char* want = std::getenv("OMFORGE_KERNELS_ISA");
   const std::string w = want ? want : "";
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") && (w.empty() || w == "amx") &&
+      amx::available())
+    return {"amx-bf16", &amx::bgemm, &avx512bf16::to_bf16_rows, &amx::qbgemm, 16, 32};
   if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") && (w.empty() || w == "avx512"))
     return {"avx512bf16", &avx512bf16::bgemm, &avx512bf16::to_bf16_rows, &avx512bf16::qbgemm};
 #endif
@@ -100,6 +105,18 @@ void gemm_item(void* data, size_t i) {
   gemm_isa().qgemm(*P, first, std::min(panels, first + kPanelsPerItem));
 }
 
+int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
+
+// this calling thread's scratch for M rows of bfloat16 activations with row stride lda (kept between calls): the rows
+// past M up to the path's m_align are zero (to_bf16 writes the zeros past K itself)
+uint16_t* bf16_rows(int64_t M, int64_t lda) {
+  thread_local std::vector<uint16_t> xa;
+  const int64_t Mp = round_up(M, bf16_isa().m_align);
+  xa.resize(static_cast<size_t>(Mp * lda));
+  std::memset(xa.data() + M * lda, 0, static_cast<size_t>((Mp - M) * lda) * sizeof(uint16_t));
+  return xa.data();
+}
+
 struct Bf16Run {
   const float* x;
   BGemmProblem prob;
@@ -109,7 +126,7 @@ struct Bf16Run {
 void to_bf16_item(void* data, size_t i) {
   const Bf16Run* r = static_cast<const Bf16Run*>(data);
   const int64_t first = static_cast<int64_t>(i) * r->rows_per_item;
-  bf16_isa().to_bf16(r->x, r->prob.K, r->prob.Kp, const_cast<uint16_t*>(r->prob.a), first,
+  bf16_isa().to_bf16(r->x, r->prob.K, r->prob.lda, const_cast<uint16_t*>(r->prob.a), first,
                      std::min(r->prob.M, first + r->rows_per_item));
 }
 
@@ -146,10 +163,10 @@ OrtStatus* compute_matmul_bf16(const ort::Api& api, const MatMulQAttrs& A, OrtKe
   if (OrtStatus* s = last_dim_output(api, ctx, 0, x, A.N, &y)) return s;
   const int64_t M = x.numel() / A.K;
   if (M == 0) return nullptr;
-  thread_local std::vector<uint16_t> xa;  // scratch kept per calling thread between calls
-  xa.resize(static_cast<size_t>(M * Kp));
+  const int64_t lda = round_up(Kp, bf16_isa().k_align);
   Bf16Run run{static_cast<const float*>(x.data),
-              {xa.data(), static_cast<const uint16_t*>(codes.data), static_cast<float*>(y), M, A.N, A.K, Kp},
+              {bf16_rows(M, lda), static_cast<const uint16_t*>(codes.data), static_cast<float*>(y), M, A.N, A.K, Kp,
+               lda},
               rows_per_item(A.K)};
   if (OrtStatus* s = run_items(api, ctx, &to_bf16_item, items_of(M, run.rows_per_item), &run)) return s;
   return run_items(api, ctx, &bgemm_item, items_of(P, kPanelsPerItem), &run.prob);
@@ -210,14 +227,14 @@ OrtStatus* compute_matmul_qbf16(const ort::Api& api, const MatMulQAttrs& A, OrtK
   if (OrtStatus* s = panel16_inputs(api, "MatMulQBF16", A, ctx, in, have, &y, &M)) return s;
   if (M == 0) return nullptr;
   const int64_t P = (A.N + kPanel - 1) / kPanel, Kp = (A.K + A.block - 1) / A.block * A.block;
-  thread_local std::vector<uint16_t> xa;  // the activations in bfloat16, scratch kept per calling thread
-  xa.resize(static_cast<size_t>(M * Kp));
-  Bf16Run run{static_cast<const float*>(in[0].data), {xa.data(), nullptr, nullptr, M, A.N, A.K, Kp},
+  const int64_t lda = round_up(Kp, bf16_isa().k_align);
+  uint16_t* xa = bf16_rows(M, lda);
+  Bf16Run run{static_cast<const float*>(in[0].data), {xa, nullptr, nullptr, M, A.N, A.K, Kp, lda},
               rows_per_item(A.K)};
   if (OrtStatus* s = run_items(api, ctx, &to_bf16_item, items_of(M, run.rows_per_item), &run)) return s;
-  QBGemmProblem prob{xa.data(), static_cast<const uint8_t*>(in[1].data), static_cast<const float*>(in[2].data),
+  QBGemmProblem prob{xa, static_cast<const uint8_t*>(in[1].data), static_cast<const float*>(in[2].data),
                      have[3] ? static_cast<const float*>(in[3].data) : nullptr, static_cast<float*>(y),
-                     M, A.N, A.K, Kp, A.bits, A.block};
+                     M, A.N, A.K, Kp, A.bits, A.block, lda};
   return run_items(api, ctx, &qbgemm_item, items_of(P, kPanelsPerItem), &prob);
 }
 

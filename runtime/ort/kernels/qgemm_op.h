@@ -30,6 +30,7 @@ struct Bf16Isa {
   BGemmFn bgemm;
   ToBf16Fn to_bf16;
   QBGemmFn qbgemm;
+  int64_t m_align = 1, k_align = 2;  // the activations' rows and row stride are padded (with zeros) to multiples
 };
 
 const GemmIsa& gemm_isa();
