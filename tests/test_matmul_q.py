@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 
 from kernel_reference import kernel_session as session
@@ -117,6 +118,36 @@ def test_slower_paths_agree(isa: str, tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     here = session(matmul_q_model(w)).run(None, {"x": x})[0]
     assert np.array_equal(np.load(tmp_path / "y.npy"), here)
+
+
+def test_the_tile_unit_gives_the_vnni_bits(tmp_path: Path) -> None:
+    """Where MatMulQ runs on AMX (whole 16-row tiles on tdpbsud, the other rows on VNNI), its results are the VNNI
+    path's bit for bit (the same exact integer products per chunk, the same float operations in the same order),
+    so the rows a batch puts on either path change nothing: 4- and 8-bit codes, blocks of 32 / 64 / 128, symmetric
+    and affine, partial panels and odd K, M from 16 to 70, and a wide output (streaming stores)."""
+    if kernels.status().gemm != "amx-int8":
+        pytest.skip(f"MatMulQ runs on {kernels.status().gemm} here, not the tile unit")
+    rng = np.random.default_rng(21)
+    cases = [(4, 32, False, 50, 300), (4, 64, True, 33, 576), (8, 128, False, 40, 200), (8, 32, True, 17, 96),
+             (4, 32, True, 8200, 64)]
+    xs = {m: rng.standard_normal((m, 576)).astype(np.float32) for m in (16, 17, 31, 32, 48, 70)}
+    for i, (bits, block, sym, n, k) in enumerate(cases):
+        packed = quant.quantize(rng.standard_normal((n, k)).astype(np.float32), bits, block, symmetric=sym)
+        (tmp_path / f"m{i}.onnx").write_bytes(matmul_q_model(gemm_pack.pack(packed)).SerializeToString())
+    for m, x in xs.items():
+        np.save(tmp_path / f"x{m}.npy", x)
+    code = ("import sys, onnx, numpy as np, test_matmul_q as t; from omforge.runtime.ort import kernels; "
+            "assert kernels.status().gemm == 'avx512vnni', kernels.status(); d = sys.argv[1]; "
+            f"[np.save(f'{{d}}/y{{i}}-{{m}}.npy', t.session(onnx.load(f'{{d}}/m{{i}}.onnx')).run(None, "
+            f"{{'x': np.load(f'{{d}}/x{{m}}.npy')[:, :k]}})[0]) for i, k in enumerate({[c[4] for c in cases]}) "
+            f"for m in {list(xs)}]")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env={**os.environ, "OMFORGE_KERNELS_ISA": "avx512"},
+                       cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for i, (_, _, _, _, k) in enumerate(cases):
+        s = session(onnx.load(tmp_path / f"m{i}.onnx"))
+        for m, x in xs.items():
+            assert np.array_equal(s.run(None, {"x": x[:, :k].copy()})[0], np.load(tmp_path / f"y{i}-{m}.npy")), (i, m)
 
 
 def test_zero_rows_and_a_batched_input() -> None:

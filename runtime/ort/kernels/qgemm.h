@@ -143,6 +143,9 @@ bool available();  // asks the kernel once; false without amx-bf16 or without th
 void bgemm(const BGemmProblem&, int64_t, int64_t);
 void bf16_panels(const Bf16Panels&, int panels);
 void qbgemm(const QBGemmProblem&, int64_t, int64_t);
+// MatMulQ (qgemm_amx.cpp): whole 16-row tiles on tdpbsud, the other rows on the VNNI path, bit for bit its results
+bool available_int8();  // amx-int8 + avx512vnni and the permission
+void qgemm(const QGemmProblem&, int64_t, int64_t);
 }  // namespace amx
 
 namespace avx512vnni {

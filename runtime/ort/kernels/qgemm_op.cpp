@@ -15,14 +15,17 @@
 namespace omf {
 namespace {
 
-// The fastest path the CPU has: AVX-512 VNNI, AVX-VNNI (256-bit), AVX2, portable. OMFORGE_KERNELS_ISA forces a
-// slower one (tests exercise each): "avx512" (the best), "avxvnni", "avx2" (plain AVX2), "generic".
+// The fastest path the CPU has: AMX int8 (its 16-row tiles; bit for bit AVX-512 VNNI's results), AVX-512 VNNI,
+// AVX-VNNI (256-bit), AVX2, portable. OMFORGE_KERNELS_ISA forces a slower one (tests exercise each): "avx512"
+// (VNNI), "avxvnni", "avx2" (plain AVX2), "generic".
 GemmIsa choose() {
   const char* want = std::getenv("OMFORGE_KERNELS_ISA");
   const std::string w = want ? want : "";
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (w.empty() || w == "amx")
+    if (amx::available_int8()) return {"amx-int8", &amx::qgemm, &avx512vnni::quantize_rows};
   if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") && (w.empty() || w == "avx512"))
     return {"avx512vnni", &avx512vnni::qgemm, &avx512vnni::quantize_rows};
   if (avx2 && __builtin_cpu_supports("avxvnni") && (w.empty() || w == "avx512" || w == "avxvnni"))
