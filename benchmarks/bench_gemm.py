@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import subprocess
 import tempfile
 import time
@@ -36,6 +37,8 @@ SHAPES = {  # (name, N, K): the weight matrices of a layer (merged as omforge's 
 
 PEAK_SOURCE = r"""
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <thread>
 #include <vector>
 // 16 independent accumulator chains, all in registers (more spill; fewer leave the pipes idle on latency)
@@ -58,19 +61,50 @@ extern "C" void run(long iters, int threads) {
   for (int t = 0; t < threads; ++t) ts.emplace_back(chain, iters, &sink[t]);
   for (auto& t : ts) t.join();
 }
+// the tile unit's int8 peak: 4 independent tdpbusd (16 x 16 x 64 each) on tiles loaded once; 0 without permission
+struct alignas(64) Cfg { unsigned char palette, start, reserved[14]; unsigned short colsb[16]; unsigned char rows[16]; };
+__attribute__((target("amx-tile,amx-int8"))) static void tiles(long iters) {
+  Cfg c = {};
+  c.palette = 1;
+  for (int i = 0; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = 16;
+  alignas(64) static thread_local char buf[1024];
+  asm volatile("" : : "r"(&c) : "memory");  // GCC 12's _tile_loadconfig claims to read 8 bytes of the 64
+  _tile_loadconfig(&c);
+  _tile_loadd(4, buf, 64); _tile_loadd(5, buf, 64); _tile_loadd(6, buf, 64); _tile_loadd(7, buf, 64);
+  for (long n = 0; n < iters; ++n) {
+    _tile_dpbusd(0, 4, 6); _tile_dpbusd(1, 4, 7); _tile_dpbusd(2, 5, 6); _tile_dpbusd(3, 5, 7);
+  }
+  _tile_release();
+}
+extern "C" int run_amx(long iters, int threads) {
+  if (!__builtin_cpu_supports("amx-int8") || syscall(SYS_arch_prctl, 0x1023, 18) != 0) return 0;
+  std::vector<std::thread> ts;
+  for (int t = 0; t < threads; ++t) ts.emplace_back(tiles, iters);
+  for (auto& t : ts) t.join();
+  return 1;
+}
 """
+
+
+@functools.cache
+def _peak_library() -> Path | None:
+    """PEAK_SOURCE compiled here with g++ (None without it)."""
+    tmp = Path(tempfile.mkdtemp(prefix="omforge-peak-"))
+    (tmp / "peak.cpp").write_text(PEAK_SOURCE)
+    try:
+        subprocess.run(["g++", "-O2", "-shared", "-fPIC", "-pthread", str(tmp / "peak.cpp"), "-o",
+                        str(tmp / "peak.so")], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return tmp / "peak.so"
 
 
 def vnni_peak(threads: int) -> float | None:
     """int8 GOP/s of ``threads`` threads issuing only vpdpbusd zmm (64 multiply-adds each), or None."""
-    tmp = Path(tempfile.mkdtemp(prefix="omforge-peak-"))
-    (tmp / "peak.cpp").write_text(PEAK_SOURCE)
-    try:
-        subprocess.run(["g++", "-O3", "-shared", "-fPIC", "-pthread", str(tmp / "peak.cpp"), "-o",
-                        str(tmp / "peak.so")], check=True, capture_output=True)
-    except (OSError, subprocess.CalledProcessError):
+    path = _peak_library()
+    if path is None:
         return None
-    lib = ctypes.CDLL(str(tmp / "peak.so"))
+    lib = ctypes.CDLL(str(path))
     lib.run.argtypes = [ctypes.c_long, ctypes.c_int]
     iters = 20_000_000
     lib.run(iters // 10, threads)
@@ -79,6 +113,21 @@ def vnni_peak(threads: int) -> float | None:
         t0 = time.perf_counter()
         lib.run(iters, threads)
         best = max(best, iters * 16 * 64 * 2 * threads / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def amx_peak(threads: int) -> float | None:
+    """int8 GOP/s of ``threads`` threads issuing only tdpbusd (16·16·64 multiply-adds each), or None without AMX."""
+    lib = ctypes.CDLL(str(_peak_library()))
+    lib.run_amx.argtypes = [ctypes.c_long, ctypes.c_int]
+    iters = 2_000_000
+    if not lib.run_amx(iters // 10, threads):
+        return None
+    best = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        lib.run_amx(iters, threads)
+        best = max(best, iters * 4 * 16 * 16 * 64 * 2 * threads / (time.perf_counter() - t0) / 1e9)
     return best
 
 
@@ -149,6 +198,10 @@ def main() -> None:
         raise SystemExit(f"the kernel library's MatMulQ is unavailable: {kernels.status().reason}")
     peak = vnni_peak(a.threads)
     print(f"VNNI peak ({a.threads} threads, vpdpbusd zmm loop): " + (f"{peak:.0f} GOP/s" if peak else "not measured"))
+    tile_peak = amx_peak(a.threads) if peak else None
+    if tile_peak:  # MatMulQ runs its 16-row tiles on the tile unit where it has one: "of peak" is then against it
+        print(f"AMX int8 peak ({a.threads} threads, tdpbusd loop on resident tiles): {tile_peak:.0f} GOP/s")
+        peak = tile_peak if kernels.status().gemm == "amx-int8" else peak
     print(f"MatMulQ path {kernels.status().gemm}, MatMulQBF16 and MatMulBF16 path {kernels.status().qbf16}; "
           f"int{a.bits} {'affine' if a.affine else 'symmetric'} blocks of 32")
     rng = np.random.default_rng(0)

@@ -59,6 +59,9 @@ void configure(int rows) {
     c.rows[t] = static_cast<uint8_t>(t < 6 ? rows : 16);
     c.colsb[t] = 64;
   }
+  // GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes of the 64: without this barrier the stores to
+  // the rest may be dropped or sunk past it at -O2 (seen: a #GP on ldtilecfg in a benchmark's loop)
+  asm volatile("" : : "r"(&c) : "memory");
   _tile_loadconfig(&c);
 }
 

@@ -57,6 +57,9 @@ void configure() {
   for (int t : {0, 1}) c.rows[t] = 16, c.colsb[t] = 64;
   for (int t : {4, 5}) c.rows[t] = 16, c.colsb[t] = 32;
   c.rows[6] = 8, c.colsb[6] = 64;
+  // GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes of the 64: without this barrier the stores to
+  // the rest may be dropped or sunk past it at -O2 (seen: a #GP on ldtilecfg in a benchmark's loop)
+  asm volatile("" : : "r"(&c) : "memory");
   _tile_loadconfig(&c);
 }
 
