@@ -62,7 +62,11 @@ extern "C" void run(long iters, int threads) {
   for (auto& t : ts) t.join();
 }
 // the tile unit's int8 peak: 4 independent tdpbusd (16 x 16 x 64 each) on tiles loaded once; 0 without permission
-struct alignas(64) Cfg { unsigned char palette, start, reserved[14]; unsigned short colsb[16]; unsigned char rows[16]; };
+struct alignas(64) Cfg {
+  unsigned char palette, start, reserved[14];
+  unsigned short colsb[16];
+  unsigned char rows[16];
+};
 __attribute__((target("amx-tile,amx-int8"))) static void tiles(long iters) {
   Cfg c = {};
   c.palette = 1;

@@ -141,8 +141,9 @@ def test_the_tile_unit_gives_the_vnni_bits(tmp_path: Path) -> None:
             f"[np.save(f'{{d}}/y{{i}}-{{m}}.npy', t.session(onnx.load(f'{{d}}/m{{i}}.onnx')).run(None, "
             f"{{'x': np.load(f'{{d}}/x{{m}}.npy')[:, :k]}})[0]) for i, k in enumerate({[c[4] for c in cases]}) "
             f"for m in {list(xs)}]")
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env={**os.environ, "OMFORGE_KERNELS_ISA": "avx512"},
-                       cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)],
+                       env={**os.environ, "OMFORGE_KERNELS_ISA": "avx512"}, cwd=Path(__file__).parent,
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     for i, (_, _, _, _, k) in enumerate(cases):
         s = session(onnx.load(tmp_path / f"m{i}.onnx"))

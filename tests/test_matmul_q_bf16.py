@@ -71,8 +71,8 @@ def _child_outputs(tmp_path: Path, isa: str, n: int) -> np.ndarray | None:
     want = "generic" if isa == "generic" else "avx512bf16"
     code = ("import sys, onnx, numpy as np, test_matmul_q_bf16 as t; from omforge.runtime.ort import kernels; "
             f"kernels.status().qbf16 == {want!r} or sys.exit(3); d = sys.argv[1]; x = np.load(d + '/x.npy'); "
-            f"np.save(d + '/y-{isa}.npy', np.stack([t.session(onnx.load(f'{{d}}/m{{i}}.onnx')).run(None, {{'x': x}})[0] "
-            f"for i in range({n})]))")
+            f"np.save(d + '/y-{isa}.npy', np.stack([t.session(onnx.load(f'{{d}}/m{{i}}.onnx'))"
+            f".run(None, {{'x': x}})[0] for i in range({n})]))")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env={**os.environ, "OMFORGE_KERNELS_ISA": isa},
                        cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
     if r.returncode == 3:
