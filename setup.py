@@ -11,7 +11,7 @@ from setuptools import Extension, setup
 SOURCES = ("custom_op", "pa_avx512", "pa_avx2", "pa_generic", "qgemm_op", "qgemm_avx512", "qgemm_avx2",
            "qgemm_generic", "qgemm_amx", "bgemm_avx512",
            "bgemm_amx", "bgemm_generic", "qbgemm_avx512", "qbgemm_generic")
-HEADERS = ("ort_abi", "ort_tensor", "bf16", "paged_attention", "paged_attention_impl", "qgemm", "qgemm_op",
+HEADERS = ("ort_abi", "ort_tensor", "bf16", "amx", "paged_attention", "paged_attention_impl", "qgemm", "qgemm_op",
            "qgemm_avx2_impl")
 KERNELS = Extension(
     "omforge.runtime.ort.kernels._omforge_kernels",

@@ -15,22 +15,15 @@
 #include "qgemm.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
 namespace omf::amx {
 
 namespace {
-// Linux's ABI for the tile data state (arch/x86/include/uapi/asm/prctl.h; Documentation/arch/x86/xstate.rst):
-// a process must ask for it once before its first tile instruction.
-constexpr long kArchReqXcompPerm = 0x1023;
-constexpr long kXfeatureXtileData = 18;
-
 bool ask() {
   __builtin_cpu_init();
   if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtileData) == 0;
+  return request_tile_data();
 }
 }  // namespace
 
@@ -44,25 +37,14 @@ bool available() {
 
 namespace {
 
-struct alignas(64) TileConfig {  // palette 1's 64-byte layout (Intel SDM, LDTILECFG)
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // C and A tiles of `rows` rows (M itself below 16: no wasted rows), B tiles of 16 k pairs; all 64 bytes wide
 void configure(int rows) {
-  TileConfig c;
-  std::memset(&c, 0, sizeof c);
-  c.palette = 1;
+  TileConfig c = palette1();
   for (int t = 0; t < 8; ++t) {
     c.rows[t] = static_cast<uint8_t>(t < 6 ? rows : 16);
     c.colsb[t] = 64;
   }
-  // GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes of the 64: without this barrier the stores to
-  // the rest may be dropped or sunk past it at -O2 (seen: a #GP on ldtilecfg in a benchmark's loop)
-  asm volatile("" : : "r"(&c) : "memory");
-  _tile_loadconfig(&c);
+  load(c);
 }
 
 // tile t of C (0–3) to memory (the intrinsic wants its tile number as a literal)

@@ -16,9 +16,7 @@
 #include "qgemm.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
 namespace omf::amx {
 
@@ -28,8 +26,7 @@ bool ask_int8() {
   if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8") ||
       !__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw"))
     return false;
-  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtileData = 18;  // as in bgemm_amx.cpp
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtileData) == 0;
+  return request_tile_data();
 }
 }  // namespace
 
@@ -43,24 +40,13 @@ bool available_int8() {
 
 namespace {
 
-struct alignas(64) TileConfig {  // palette 1 (Intel SDM, LDTILECFG)
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // tiles 0–1: C (16 rows × 16 int32), 4–5: A (16 rows × 32 bytes), 6: B (8 rows × 64 bytes)
 void configure() {
-  TileConfig c;
-  std::memset(&c, 0, sizeof c);
-  c.palette = 1;
+  TileConfig c = palette1();
   for (int t : {0, 1}) c.rows[t] = 16, c.colsb[t] = 64;
   for (int t : {4, 5}) c.rows[t] = 16, c.colsb[t] = 32;
   c.rows[6] = 8, c.colsb[6] = 64;
-  // GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes of the 64: without this barrier the stores to
-  // the rest may be dropped or sunk past it at -O2 (seen: a #GP on ldtilecfg in a benchmark's loop)
-  asm volatile("" : : "r"(&c) : "memory");
-  _tile_loadconfig(&c);
+  load(c);
 }
 
 constexpr int64_t kStreamColumns = 8192;  // as the VNNI path: wide outputs (the logits) with streaming stores
