@@ -56,3 +56,16 @@ def test_doctor_reports_a_toolkit_on_path(tmp_path: Path) -> None:
                               "set_env_sourced": True}
     assert report["targets"]["ascend"]["compile"] is True
     assert report["targets"]["ascend"]["run"] is False
+
+
+def test_doctor_advises_bf16_activations_only_where_the_tile_unit_runs_them() -> None:
+    """The advice line follows the kernel library's MatMulQBF16 path: AMX (batched int4 measured 1.28–1.47× with
+    bfloat16 activations there, docs/weights.md) and nowhere else; the real report of this machine, then the same
+    report with the path replaced."""
+    from omforge import doctor as doc
+
+    report = doc.gather()
+    for path, advised in (("amx-bf16", True), ("avx512-bf16", False), (None, False)):
+        report["kernels"]["qbf16"] = path
+        text = doc.render(report)
+        assert ("compile.quantization.activations: bfloat16" in text) is advised, path
