@@ -144,7 +144,7 @@ def render(report: dict[str, Any]) -> str:
                  else "unavailable (needs the kernel library)"))
     rows.append(("ort int4/int8 × bf16 activations", f"MatMulQBF16 ({k['qbf16']} path)" if k.get("qbf16")
                  else "unavailable (needs the kernel library with MatMulQBF16)"))
-    if k.get("qbf16", "") and str(k["qbf16"]).startswith("amx"):
+    if (k.get("qbf16") or "").startswith("amx"):  # the library's MatMulQBF16 path: "amx-bf16" on the tile unit
         rows.append(("  advice", "this CPU's tile unit runs MatMulQBF16: for batched serving of int4/int8 weights, "
                      "compile.quantization.activations: bfloat16 (docs/weights.md)"))
     width = max(len(k) for k, _ in rows)
