@@ -6,7 +6,8 @@ One node (SmolLM2's heads: 9 query, 3 KV, head_dim 64; block 64) built as tests/
 pools bound in place as the executor binds them, each sequence's blocks drawn at random from a pool just large
 enough; contexts spread over [C/2, 3C/2). Prints the median µs per call, the K/V bytes read and the rate they
 imply — compare it with the machine's ~36 GB/s two-thread read bandwidth (in a single node the pools partly sit in
-the L3 cache, so the rate can exceed what a whole step sees). Run two libraries in one sitting with
+the L3 cache, so the rate can exceed what a whole step sees; ``--layers 30`` cycles the calls over 30 pools, as a
+step's 30 layers do, so they come from memory). Run two libraries in one sitting with
 ``OMFORGE_KERNELS_LIBRARY`` to compare kernels.
 """
 
@@ -29,8 +30,8 @@ CASES = ((64, 192), (32, 512), (16, 2048), (1, 192))  # (sequences, mean context
 
 
 def run(batch: int, context: int, kv: str, reps: int, q_heads: int = 9, kv_heads: int = 3, head_dim: int = 64,
-        block_size: int = 64) -> tuple[float, float]:
-    """(median seconds per call, K/V megabytes read per call)."""
+        block_size: int = 64, layers: int = 1) -> tuple[float, float]:
+    """(median seconds per call, K/V megabytes read per call); calls cycle over ``layers`` pools."""
     rng = np.random.default_rng(0)
     lengths = rng.integers(max(1, context // 2), max(2, context * 3 // 2), batch)
     num_blocks = int(sum(-(-(n + 1) // block_size) for n in lengths)) + 8
@@ -41,23 +42,29 @@ def run(batch: int, context: int, kv: str, reps: int, q_heads: int = 9, kv_heads
     model = kernel_model(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
                          scale=head_dim ** -0.5, kv_dtype=kv)
     sess = kernel_session(model)
-    binding = sess.io_binding()
-    binding.bind_output("o")
-    for name in ("slot_mapping", "block_tables", "query_index", "token_index", "position_ids", "decode_block_tables",
-                 "decode_query_index"):
-        binding.bind_cpu_input(name, np.ascontiguousarray(step[name]))
-    for name, heads in (("q", q_heads), ("k", kv_heads), ("v", kv_heads)):
-        binding.bind_cpu_input(name, rng.standard_normal((1, heads, T, head_dim), dtype=np.float32))
-    for name in ("key_cache", "value_cache"):
-        pool = ENCODE[kv](rng.standard_normal((num_blocks * block_size, kv_heads, head_dim), dtype=np.float32))
-        value = (ort.OrtValue.ortvalue_from_numpy_with_onnx_type(pool, 16) if kv == "bfloat16"
-                 else ort.OrtValue.ortvalue_from_numpy(pool))
-        binding.bind_ortvalue_input(name, value)
-        binding.bind_ortvalue_output(name + "_out", value)
-    for _ in range(10):
-        sess.run_with_iobinding(binding)
+    activations = {name: rng.standard_normal((1, heads, T, head_dim), dtype=np.float32)
+                   for name, heads in (("q", q_heads), ("k", kv_heads), ("v", kv_heads))}
+    bindings = []
+    for _ in range(layers):
+        binding = sess.io_binding()
+        binding.bind_output("o")
+        for name in ("slot_mapping", "block_tables", "query_index", "token_index", "position_ids",
+                     "decode_block_tables", "decode_query_index"):
+            binding.bind_cpu_input(name, np.ascontiguousarray(step[name]))
+        for name, x in activations.items():
+            binding.bind_cpu_input(name, x)
+        for name in ("key_cache", "value_cache"):
+            pool = ENCODE[kv](rng.standard_normal((num_blocks * block_size, kv_heads, head_dim), dtype=np.float32))
+            value = (ort.OrtValue.ortvalue_from_numpy_with_onnx_type(pool, 16) if kv == "bfloat16"
+                     else ort.OrtValue.ortvalue_from_numpy(pool))
+            binding.bind_ortvalue_input(name, value)
+            binding.bind_ortvalue_output(name + "_out", value)
+        bindings.append(binding)
+    for i in range(max(10, layers)):
+        sess.run_with_iobinding(bindings[i % layers])
     times = []
-    for _ in range(reps):
+    for i in range(reps):
+        binding = bindings[i % layers]
         t0 = time.perf_counter()
         sess.run_with_iobinding(binding)
         times.append(time.perf_counter() - t0)
@@ -70,11 +77,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kv", default="int8,bfloat16,float32", help="pool dtypes, comma-separated")
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--layers", type=int, default=1, help="pools the calls cycle over (30: read from memory)")
     a = ap.parse_args()
     print(f"kernel library: {kernels.status().path} (isa {kernels.status().isa})")
     for kv in a.kv.split(","):
         for batch, context in CASES:
-            t, mb = run(batch, context, kv, a.reps)
+            t, mb = run(batch, context, kv, a.reps, layers=a.layers)
             print(f"decode b{batch:<3} c{context:<5} {kv:9s} {t * 1e6:8.1f} µs  K/V {mb:6.2f} MB  "
                   f"{mb / 1e3 / t:5.1f} GB/s")
 

@@ -78,10 +78,27 @@ static inline typename Vec::V vexp(typename Vec::V x) {
   return Vec::select_positive(keep, Vec::scale_pow2(y, n), Vec::zero());
 }
 
-static inline void prefetch_row(const void* p, size_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
-}
+// The cache lines of one contiguous region, prefetched a few per call of pump() so that the loads overlap the
+// compute issued between the calls (a burst of prefetches stalls on the core's few line-fill buffers).
+struct PrefetchPump {
+  const char* p = nullptr;
+  const char* end = nullptr;
+  int64_t per_call = 0;
+  // the region [base, base + bytes), spread over `calls` calls of pump()
+  void start(const void* base, int64_t bytes, int64_t calls) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(base);
+    p = reinterpret_cast<const char*>(a & ~uintptr_t{63});
+    end = static_cast<const char*>(base) + std::max<int64_t>(bytes, 0);
+    const int64_t lines = (end - p + 63) / 64;
+    per_call = calls > 0 ? (lines + calls - 1) / calls : lines;
+  }
+  void pump() {
+    for (int64_t i = 0; i < per_call && p < end; ++i, p += 64) __builtin_prefetch(p, 0, 3);
+  }
+  void drain() {
+    for (; p < end; p += 64) __builtin_prefetch(p, 0, 3);
+  }
+};
 
 // Scores of one query row (q scaled, D floats) against m <= W key rows of one head (kbase + j * row_stride):
 // one FMA chain per key row, then the W partial vectors reduced together (Vec::reduce_rows: lane i = the sum
@@ -256,8 +273,28 @@ static inline void score_cols(const float* Q, const float* Kt, int64_t ldk, floa
   }
 }
 
+// The key rows of `it`'s first visible block that its queries can see, as (pointer, bytes); (nullptr, 0) when its
+// table does not hold that block (attend_item reports that error when it runs the item).
 template <int D, typename KV>
-static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, const char** error) {
+static std::pair<const KV*, int64_t> first_key_block(const omf::PagedProblem& P, const omf::WorkItem& it) {
+  const int64_t bs = P.block_size, row_stride = static_cast<int64_t>(P.kv_heads) * head_elems<KV, D>();
+  int64_t pmax = -1, pmin = std::numeric_limits<int64_t>::max();
+  for (int i = 0; i < it.count; ++i) {
+    pmax = std::max(pmax, P.positions[P.tokens[it.first + i]]);
+    pmin = std::min(pmin, P.positions[P.tokens[it.first + i]]);
+  }
+  const int64_t b = (P.window > 0 ? std::max<int64_t>(0, pmin - P.window + 1) : 0) / bs;
+  if (pmax < 0 || b >= it.table_len || it.table[b] < 0 || it.table[b] >= P.num_slots / bs) return {nullptr, 0};
+  const int64_t n = std::min<int64_t>(bs, pmax + 1 - b * bs);
+  return {static_cast<const KV*>(P.key_pool) + it.table[b] * bs * row_stride,
+          n * row_stride * static_cast<int64_t>(sizeof(KV))};
+}
+
+// `next`: the item this thread most likely runs next (nullptr for none); its first key block is prefetched while
+// this item's last block runs.
+template <int D, typename KV>
+static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, const omf::WorkItem* next,
+                        const char** error) {
   const int Hq = P.q_heads, Hkv = P.kv_heads, G = Hq / Hkv, bs = P.block_size;
   constexpr int64_t HE = head_elems<KV, D>();
   const int64_t row_stride = static_cast<int64_t>(Hkv) * HE;  // elements per slot row
@@ -315,20 +352,28 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
   const KV* kpool = static_cast<const KV*>(P.key_pool);
   const KV* vpool = static_cast<const KV*>(P.value_pool);
   std::vector<const KV*> vrows(bs);
+  PrefetchPump pump;
+  if (row_path) {  // this item's first key block (usually in flight already: the previous item prefetched it)
+    const auto [k0, bytes] = first_key_block<D, KV>(P, it);
+    pump.start(k0, bytes, 1);
+    pump.drain();
+  }
 
   for (int64_t b = first_block; b <= last_block; ++b) {
     const int64_t base = it.table[b] * bs, j0 = b * bs;
     const int64_t n = std::min<int64_t>(bs, pmax + 1 - j0);  // keys of this block any query can see
     const int64_t np = round_up(n, Vec::W);
-    const int64_t next_base = b < last_block ? it.table[b + 1] * bs : -1;
     if (row_path) {
-      // Whole slot rows, W at a time (all heads of a row used while it is in L1; rows read in order), the
-      // same rows of the next block prefetched meanwhile.
+      // Whole slot rows, W at a time (all heads of a row used while it is in L1; rows read in order). Memory
+      // overlaps compute: this block's value rows are prefetched during its scores, the next block's key rows
+      // (or the next item's first ones) during its P·V, a few lines per inner call.
+      const int64_t chunks = (n + Vec::W - 1) / Vec::W;
+      pump.start(vpool + base * row_stride, n * row_stride * static_cast<int64_t>(sizeof(KV)), chunks * nrows);
       for (int64_t c = 0; c < n; c += Vec::W) {
         const int64_t m = std::min<int64_t>(Vec::W, n - c);
-        if (next_base >= 0) prefetch_row(kpool + (next_base + c) * row_stride, m * row_stride * sizeof(KV));
         const KV* kchunk = kpool + (base + c) * row_stride;
         for (int r = 0; r < nrows; ++r) {
+          pump.pump();
           if constexpr (int_scores)
             score_chunk_i8<D>(&S.q16[static_cast<size_t>(r) * D], kchunk + (r % Hq / G) * HE, row_stride, m,
                               &S.s[r * np_max + c]);
@@ -362,13 +407,22 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
           for (int64_t j = 0; j < n; ++j) S.s[r * np_max + j] *= sc[j];
         }
       }
+      pump.drain();
+      if (b < last_block) {
+        const int64_t nn = std::min<int64_t>(bs, pmax + 1 - (b + 1) * bs);
+        pump.start(kpool + it.table[b + 1] * bs * row_stride, nn * row_stride * static_cast<int64_t>(sizeof(KV)),
+                   chunks * Hkv * ntok);
+      } else if (next != nullptr) {
+        const auto [k0, bytes] = first_key_block<D, KV>(P, *next);
+        pump.start(k0, bytes, chunks * Hkv * ntok);
+      }
       // P·V in chunks of W rows: every KV head's group of query rows in registers over the chunk
       for (int64_t c = 0; c < n; c += Vec::W) {
         const int64_t m = std::min<int64_t>(Vec::W, n - c);
-        if (next_base >= 0) prefetch_row(vpool + (next_base + c) * row_stride, m * row_stride * sizeof(KV));
         for (int g = 0; g < Hkv; ++g) {
           for (int64_t j = 0; j < m; ++j) vrows[j] = vpool + (base + c + j) * row_stride + g * HE;
           for (int i = 0; i < ntok; ++i) {
+            pump.pump();
             const int r0 = i * Hq + g * G;
             pv_rows<D, KV>(&S.s[r0 * np_max + c], np_max, vrows.data(), m, &S.acc[static_cast<size_t>(r0) * D], G);
           }
@@ -458,12 +512,13 @@ void quantize_kv_int8(const float* x, int64_t D, int8_t* out) {
 
 bool attend(const omf::PagedProblem& P, size_t item, const char** error) {
   const omf::WorkItem& it = P.items[item];
-#define OMF_HEAD_DIM(d)                                                         \
-  case d:                                                                       \
-    switch (P.kv_type) {                                                        \
-      case omf::KvType::kBfloat16: return attend_item<d, uint16_t>(P, it, error); \
-      case omf::KvType::kInt8: return attend_item<d, int8_t>(P, it, error);       \
-      default: return attend_item<d, float>(P, it, error);                      \
+  const omf::WorkItem* next = item + 1 < P.num_items ? &P.items[item + 1] : nullptr;
+#define OMF_HEAD_DIM(d)                                                               \
+  case d:                                                                             \
+    switch (P.kv_type) {                                                              \
+      case omf::KvType::kBfloat16: return attend_item<d, uint16_t>(P, it, next, error); \
+      case omf::KvType::kInt8: return attend_item<d, int8_t>(P, it, next, error);       \
+      default: return attend_item<d, float>(P, it, next, error);                      \
     }
   switch (P.head_dim) {  // keep in step with kHeadDims (custom_op.cpp) and HEAD_DIMS (contract/kernel_abi.py)
     OMF_HEAD_DIM(16)
