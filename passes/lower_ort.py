@@ -24,12 +24,13 @@ from __future__ import annotations
 import re
 
 import onnx_ir as ir
+from onnx_ir.passes import common
 from onnxscript.rewriter import pattern
 
 from omforge.contract import row_elems
 from omforge.contract.kernel_abi import DOMAIN as KERNEL_DOMAIN
 from omforge.contract.kernel_abi import HEAD_DIMS
-from omforge.passes import decompose, ops
+from omforge.passes import decompose, ops, packed_qkv
 from omforge.passes.paged_kv import add_decode_group_inputs, new_rows_as_outputs
 
 ORT_OPSET = 23
@@ -155,6 +156,9 @@ def lower(model: ir.Model, kv_write: str = "graph", kernel: bool = False, kv_cac
     if kernel:
         model.opset_imports[KERNEL_DOMAIN] = 1
     count = rules.apply_to_model(model)
+    if kernel:  # after merging each layer's twin cos/sin slices (one Rotary lowering each for q and k)
+        common.CommonSubexpressionEliminationPass()(model)
+        count += packed_qkv.fuse(model.graph, tuple(KERNEL_OPS.values()))
     if kv_write == "runtime":
         new_rows_as_outputs(model.graph)  # the rows are outputs; slot_mapping is host-side only
     if kv_cache_dtype != "float32":

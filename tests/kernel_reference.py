@@ -87,20 +87,31 @@ def paged_attention_reference(f: dict[str, np.ndarray], *, q_heads: int, kv_head
 
 
 def kernel_model(*, q_heads: int, kv_heads: int, head_dim: int, block_size: int, scale: float, window: int = 0,
-                 token_major: bool = False, kv_dtype: str = "float32", attrs: dict | None = None) -> onnx.ModelProto:
-    """One PagedAttention node; q/k/v ``[1, H, T, D]`` (or ``[1, T, H*D]`` with ``token_major``)."""
+                 token_major: bool = False, kv_dtype: str = "float32", attrs: dict | None = None,
+                 packed: bool = False, rotary: bool = False) -> onnx.ModelProto:
+    """One PagedAttention node; q/k/v ``[1, H, T, D]`` (or ``[1, T, H*D]`` with ``token_major``). ``packed``: one
+    input ``qkv [1, T, (Hq + 2*Hkv)*D]`` and k, v omitted; ``rotary``: inputs ``cos_cache`` / ``sin_cache``
+    ``[1, T, D/2]`` (the kernel rotates q and k)."""
     def act(name: str, heads: int):  # noqa: ANN202
-        shape = [1, "T", heads * head_dim] if token_major else [1, heads, "T", head_dim]
+        shape = [1, "T", heads * head_dim] if token_major or packed else [1, heads, "T", head_dim]
         return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
 
     kv_type, op_type = KV_ONNX_TYPES[kv_dtype], KV_OPS[kv_dtype]
     row = head_dim + 4 if kv_dtype == "int8" else head_dim
     ints = {n: helper.make_tensor_value_info(n, TensorProto.INT64, None) for n in INPUTS[5:]}
     pools = [helper.make_tensor_value_info(n, kv_type, ["S", kv_heads, row]) for n in INPUTS[3:5]]
-    inputs = [act("q", q_heads), act("k", kv_heads), act("v", kv_heads), *pools, *ints.values()]
+    acts = [act("qkv", q_heads + 2 * kv_heads)] if packed else [act("q", q_heads), act("k", kv_heads),
+                                                                 act("v", kv_heads)]
+    node_inputs = ["qkv", "", "", *INPUTS[3:]] if packed else list(INPUTS)
+    caches = []
+    if rotary:
+        caches = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, "T", head_dim // 2])
+                  for n in ("cos_cache", "sin_cache")]
+        node_inputs += ["cos_cache", "sin_cache"]
+    inputs = [*acts, *pools, *ints.values(), *caches]
     attributes = dict(scale=scale, q_heads=q_heads, kv_heads=kv_heads, block_size=block_size, window=window)
     attributes.update(attrs or {})
-    node = helper.make_node(op_type, list(INPUTS), ["o", "key_cache_out", "value_cache_out"], domain=DOMAIN,
+    node = helper.make_node(op_type, node_inputs, ["o", "key_cache_out", "value_cache_out"], domain=DOMAIN,
                             **attributes)
     outputs = [helper.make_tensor_value_info("o", TensorProto.FLOAT, None),
                helper.make_tensor_value_info("key_cache_out", kv_type, None),
@@ -108,6 +119,15 @@ def kernel_model(*, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
     graph = helper.make_graph([node], "paged_attention", inputs, outputs)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)],
                              ir_version=9)
+
+
+def rotate_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE of ``x [T, H, D]`` with ``cos``/``sin [T, D/2]``, in float32 with each product and sum
+    rounded (the kernel's formula: x1·c − x2·s, x2·c + x1·s)."""
+    h = x.shape[-1] // 2
+    c, s = cos[:, None, :].astype(np.float32), sin[:, None, :].astype(np.float32)
+    x1, x2 = x[..., :h], x[..., h:]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(np.float32)
 
 
 def matmul_q_model(w, op: str = "MatMulQ", **attrs: int) -> onnx.ModelProto:  # noqa: ANN001 - gemm_pack.PanelWeights

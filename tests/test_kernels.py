@@ -8,7 +8,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from kernel_reference import ENCODE, kernel_model, paged_attention_reference
+from kernel_reference import ENCODE, INPUTS, kernel_model, paged_attention_reference, rotate_half
 from kernel_reference import kernel_session as session
 from omforge.runtime.ort import kernels
 from omforge.runtime.step import SeqWork, build_step
@@ -33,10 +33,13 @@ def make_step(rng: np.random.Generator, seqs: list[tuple[int, int]], block_size:
 
 def run_case(rng, seqs, *, q_heads=9, kv_heads=3, head_dim=64, block_size=16, num_blocks=64, window=0,  # noqa: ANN001
              shared_prefix_blocks: int = 0, in_place: bool = True, token_major: bool = False,
-             split_decodes: bool = True, kv_dtype: str = "float32", round_q_int16: bool = False) -> None:
+             split_decodes: bool = True, kv_dtype: str = "float32", round_q_int16: bool = False,
+             packed: bool = False, rotary: bool = False) -> None:
     """One node against the float64 reference. int8 pools: decode rows score with q rounded to int16 per row
     (paged_attention_impl.h), which moves outputs by ~1e-4 (atol 2e-4 here); ``round_q_int16`` gives the reference
-    that same rounding instead, and the float tolerance applies."""
+    that same rounding instead, and the float tolerance applies. ``packed``: q, k, v as one ``[1, T, (Hq+2Hkv)*D]``
+    input; ``rotary``: the kernel rotates q and k with cos/sin of the step's positions, the reference is given them
+    rotated in float32 (kernel_reference.rotate_half), so the pools must match exactly."""
     step = make_step(rng, seqs, block_size, num_blocks, shared_prefix_blocks, split_decodes)
     T = step["input_ids"].shape[1]
     scale = head_dim ** -0.5
@@ -48,12 +51,19 @@ def run_case(rng, seqs, *, q_heads=9, kv_heads=3, head_dim=64, block_size=16, nu
     pools = [ENCODE[kv_dtype](rng.standard_normal((num_blocks * block_size, kv_heads, head_dim), dtype=np.float32))
              for _ in range(2)]
     f["key_cache"], f["value_cache"] = (p.copy() for p in pools)
-    ref = dict(f, q=rounded_q_int16(f["q"], scale)) if round_q_int16 else f
+    ref = dict(f)
+    if rotary:  # the step's real angles: position × 10000^(-2i/D)
+        angles = f["position_ids"][0, :, None] * 10000.0 ** (-np.arange(head_dim // 2) * 2 / head_dim)
+        f["cos_cache"], f["sin_cache"] = (fn(angles).astype(np.float32)[None] for fn in (np.cos, np.sin))
+        ref.update(q=rotate_half(f["q"], f["cos_cache"][0], f["sin_cache"][0]),
+                   k=rotate_half(f["k"], f["cos_cache"][0], f["sin_cache"][0]))
+    if round_q_int16:
+        ref["q"] = rounded_q_int16(ref["q"], scale)
     want_o, want_k, want_v = paged_attention_reference(ref, q_heads=q_heads, kv_heads=kv_heads, block_size=block_size,
                                                        scale=scale, window=window, kv_dtype=kv_dtype)
     model = kernel_model(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, scale=scale,
-                         window=window, token_major=token_major, kv_dtype=kv_dtype)
-    o, k_out, v_out = run_kernel(model, f, pools, in_place, token_major, kv_dtype)
+                         window=window, token_major=token_major, kv_dtype=kv_dtype, packed=packed, rotary=rotary)
+    o, k_out, v_out = run_kernel(model, f, pools, in_place, token_major or packed, kv_dtype, packed=packed)
     atol = 2e-4 if kv_dtype == "int8" and head_dim % 32 == 0 and not round_q_int16 else 2e-5
     np.testing.assert_allclose(o, want_o, atol=atol, rtol=1e-4)  # against attention over the pools as stored
     np.testing.assert_array_equal(k_out, want_k)
@@ -70,13 +80,17 @@ def rounded_q_int16(q: np.ndarray, scale: float) -> np.ndarray:
     return q16 * (safe / np.float32(32767)).astype(np.float64) / scale
 
 
-def run_kernel(model, f, pools, in_place: bool, token_major: bool, kv_dtype: str = "float32"):  # noqa: ANN001, ANN201
-    """Run the node; with ``in_place`` the pool outputs are bound to the input buffers (as the executor does)."""
+def run_kernel(model, f, pools, in_place: bool, token_major: bool, kv_dtype: str = "float32",  # noqa: ANN001, ANN201
+               packed: bool = False):
+    """Run the node; with ``in_place`` the pool outputs are bound to the input buffers (as the executor does);
+    ``packed``: q, k and v fed as one ``qkv`` input (q heads, k heads, v heads per token)."""
     sess = session(model)
     T = f["q"].shape[0]
     feeds = dict(f)
     for name in ("q", "k", "v"):
         feeds[name] = (f[name].reshape(1, T, -1) if token_major else f[name].transpose(1, 0, 2)[None]).copy()
+    if packed:
+        feeds["qkv"] = np.concatenate([feeds.pop(name) for name in ("q", "k", "v")], axis=-1)
 
     def value(array: np.ndarray) -> ort.OrtValue:  # numpy has no bfloat16: bind its uint16 bits as bfloat16
         return (ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array, 16) if kv_dtype == "bfloat16"
@@ -165,6 +179,19 @@ def test_sliding_window(window: int) -> None:
     run_case(np.random.default_rng(6), [(50, 1), (20, 30), (90, 1)], window=window)
 
 
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("packed, rotary", [(True, False), (True, True), (False, True)],
+                         ids=["packed", "packed-rotary", "rotary"])
+def test_packed_qkv_and_rotary(kv_dtype: str, packed: bool, rotary: bool) -> None:
+    """The fused form the lowering emits (passes/packed_qkv.py): the QKV projection as one input and RoPE applied
+    in the kernel — the same attention and bit-identical pools as rotating first and passing q, k, v apart."""
+    rng = np.random.default_rng(12)
+    for q_heads, kv_heads, head_dim in ((9, 3, 64), (16, 2, 128)):
+        run_case(rng, [(30, 40), (70, 1), (5, 1), (0, 3)], q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                 kv_dtype=kv_dtype, packed=packed, rotary=rotary)
+    run_case(rng, [(20, 6), (33, 1)], kv_dtype=kv_dtype, packed=packed, rotary=rotary, in_place=False)
+
+
 ISAS = ["generic"] + [isa for isa in ("avx2", "avx512") if isa != "generic"]
 
 
@@ -239,6 +266,33 @@ def test_bad_inputs_are_ort_errors() -> None:
                                 "k": np.zeros((1, 3, 3, 48), np.float32), "v": np.zeros((1, 3, 3, 48), np.float32),
                                 "key_cache": np.zeros((64, 3, 48), np.float32),
                                 "value_cache": np.zeros((64, 3, 48), np.float32)})
+
+
+def test_packed_and_rotary_input_errors() -> None:
+    rng = np.random.default_rng(9)
+    step = make_step(rng, [(5, 3)], 16, 4)
+    f = {k: step[k] for k in ("slot_mapping", "block_tables", "query_index", "token_index", "position_ids",
+                              "decode_block_tables", "decode_query_index")}
+    f.update(key_cache=np.zeros((64, 3, 64), np.float32), value_cache=np.zeros((64, 3, 64), np.float32),
+             cos_cache=np.ones((1, 3, 32), np.float32), sin_cache=np.zeros((1, 3, 32), np.float32),
+             qkv=np.zeros((1, 3, 15 * 64), np.float32))
+    packed = kernel_model(q_heads=9, kv_heads=3, head_dim=64, block_size=16, scale=0.125, packed=True, rotary=True)
+    for value in packed.graph.input:  # widths left open, so that the kernel is the one to check them
+        if value.name in ("qkv", "cos_cache", "sin_cache"):
+            value.type.tensor_type.shape.dim[2].dim_param = "W"
+    sess = session(packed)
+    sess.run(None, f)  # well-formed
+    with pytest.raises(Exception, match=r"a packed q must be \[1, T, \(q_heads \+ 2\*kv_heads\)\*D\]"):
+        sess.run(None, {**f, "qkv": np.zeros((1, 3, 14 * 64), np.float32)})
+    with pytest.raises(Exception, match="cos_cache and sin_cache must be float32"):
+        half = np.ones((1, 3, 16), np.float32)
+        sess.run(None, {**f, "cos_cache": half, "sin_cache": half})
+    model = kernel_model(q_heads=9, kv_heads=3, head_dim=64, block_size=16, scale=0.125, token_major=True)
+    model.graph.node[0].input[2] = ""  # v omitted, k given
+    del model.graph.input[2]
+    feeds = {**f, "q": np.zeros((1, 3, 9 * 64), np.float32), "k": np.zeros((1, 3, 3 * 64), np.float32)}
+    with pytest.raises(Exception, match="k and v must be given together"):
+        session(model).run(None, {k: feeds[k] for k in ("q", "k", *INPUTS[3:])})
 
 
 def test_status_reports_the_isa() -> None:

@@ -11,7 +11,13 @@
 //            3 key_cache, 4 value_cache [S, Hkv, D]    5 slot_mapping [T]   6 block_tables [B, M]
 //            7 query_index [B, Q]   8 token_index [T]   9 position_ids [1, T]
 //            10 decode_block_tables [Bd, Md]   11 decode_query_index [Bd, 1]   (all index inputs int64)
-//   outputs  0 o (q's shape)   1 key_cache_out, 2 value_cache_out (the pools with this step's rows written)
+//            12 cos_cache, 13 sin_cache [1, T, D/2] or [T, D/2] float (optional, both or neither)
+//            k and v may both be omitted: q is then the packed projection [1, T, (Hq + 2*Hkv)*D] (q heads, k heads,
+//            v heads: the QKV MatMul's output as it is). With cos/sin, q and k are rotated first (rotate-half RoPE,
+//            non-interleaved, ONNX RotaryEmbedding's formula in float32: x1*c - x2*s, x2*c + x1*s), so the pools
+//            hold rotated keys.
+//   outputs  0 o: q's shape; [1, T, Hq*D] when q is packed   1 key_cache_out, 2 value_cache_out (the pools with
+//            this step's rows written)
 //   attrs    scale (float), q_heads, kv_heads, block_size, window (0: none)
 // Contract: the step's new K/V rows are written at slot_mapping first (in place when the output is bound to
 // the input's buffer; otherwise the pool is copied once, then written), then every referenced query row
@@ -33,7 +39,7 @@
 namespace omf {
 namespace {
 
-constexpr int kAbiVersion = 2;  // bump when the op's inputs, outputs or attributes change
+constexpr int kAbiVersion = 3;  // bump when the op's inputs, outputs or attributes change
 constexpr const char* kDomain = "omforge.kernels";
 constexpr int64_t kHeadDims[] = {16, 32, 64, 96, 128, 256};  // the instantiations in paged_attention_impl.h
 
@@ -101,30 +107,112 @@ bool activation_layout(const Tensor& t, int64_t heads, int64_t& tokens, int64_t&
   return false;
 }
 
+// Rotate-half RoPE of one head's row (ONNX RotaryEmbedding, interleaved = 0): out[i] = x[i]·c[i] − x[i+h]·s[i],
+// out[i+h] = x[i+h]·c[i] + x[i]·s[i] for i < h = D/2, each product and sum rounded to float32 (this file is built
+// without FMA, so no contraction). `out` may not alias `x`.
+void rotate_half(const float* x, const float* c, const float* s, int64_t h, float* out) {
+  for (int64_t i = 0; i < h; ++i) {
+    const float a = x[i], b = x[i + h];
+    out[i] = a * c[i] - b * s[i];
+    out[i + h] = b * c[i] + a * s[i];
+  }
+}
+
+// The step's rows written to the pools (keys rotated first when cos/sin are given) and, with cos/sin, the queries
+// rotated into qrot: tokens [i·kRowsPerItem, …) per work item, items over ORT's threads (slots checked before).
+struct RowWrite {
+  const float *k, *v;
+  int64_t kts, khs, vts, vhs;
+  const float* q;
+  int64_t qts, qhs;
+  float* qrot;  // [T, Hq, D], or nullptr: no rotary
+  const float *cos, *sin;
+  const int64_t* slot;
+  void *key_pool, *value_pool;
+  KvType kv_type;
+  int64_t q_heads, kv_heads, D, head_elems, T;
+};
+constexpr int64_t kRowsPerItem = 8;
+
+void write_rows(void* data, size_t item) {
+  const RowWrite& w = *static_cast<const RowWrite*>(data);
+  const int64_t D = w.D, half = D / 2, t0 = static_cast<int64_t>(item) * kRowsPerItem;
+  float krot[256];  // one rotated key row (D <= 256: kHeadDims)
+  for (int64_t t = t0; t < std::min(w.T, t0 + kRowsPerItem); ++t) {
+    const float* c = w.qrot ? w.cos + t * half : nullptr;
+    const float* s = w.qrot ? w.sin + t * half : nullptr;
+    for (int64_t g = 0; g < w.kv_heads; ++g) {
+      const float* ks = w.k + t * w.kts + g * w.khs;
+      const float* vs = w.v + t * w.vts + g * w.vhs;
+      if (w.qrot) {
+        rotate_half(ks, c, s, half, krot);
+        ks = krot;
+      }
+      const int64_t at = (w.slot[t] * w.kv_heads + g) * w.head_elems;
+      if (w.kv_type == KvType::kFloat32) {
+        std::memcpy(static_cast<float*>(w.key_pool) + at, ks, D * sizeof(float));
+        std::memcpy(static_cast<float*>(w.value_pool) + at, vs, D * sizeof(float));
+      } else if (w.kv_type == KvType::kBfloat16) {
+        uint16_t* kd = static_cast<uint16_t*>(w.key_pool) + at;
+        uint16_t* vd = static_cast<uint16_t*>(w.value_pool) + at;
+        for (int64_t d = 0; d < D; ++d) kd[d] = bf16_round(ks[d]), vd[d] = bf16_round(vs[d]);
+      } else {
+        isa().quantize_kv_int8(ks, D, static_cast<int8_t*>(w.key_pool) + at);  // paged_attention_impl.h
+        isa().quantize_kv_int8(vs, D, static_cast<int8_t*>(w.value_pool) + at);
+      }
+    }
+    if (w.qrot)
+      for (int64_t h = 0; h < w.q_heads; ++h)
+        rotate_half(w.q + t * w.qts + h * w.qhs, c, s, half, w.qrot + (t * w.q_heads + h) * D);
+  }
+}
+
 OrtStatus* compute(const Kernel& K, OrtKernelContext* ctx) {
   size_t nin = 0;
   if (OrtStatus* s = g_api.KernelContext_GetInputCount(ctx, &nin)) return s;
-  if (nin != 12) return fail("expected 12 inputs, got " + std::to_string(nin));
-  Tensor in[12];
-  for (size_t i = 0; i < 12; ++i) {
+  if (nin < 12 || nin > 14) return fail("expected 12 to 14 inputs, got " + std::to_string(nin));
+  Tensor in[14];
+  bool have[14] = {};
+  for (size_t i = 0; i < nin; ++i) {
     const OrtValue* v = nullptr;
     if (OrtStatus* s = g_api.KernelContext_GetInput(ctx, i, &v)) return s;
+    if (v == nullptr) continue;  // an omitted optional input
+    have[i] = true;
     if (OrtStatus* s = describe(g_api, v, in[i])) return s;
   }
   const Tensor &q = in[0], &k = in[1], &v = in[2], &kc = in[3], &vc = in[4], &slots = in[5], &tables = in[6],
-               &qidx = in[7], &tidx = in[8], &pos = in[9], &dtables = in[10], &dqidx = in[11];
+               &qidx = in[7], &tidx = in[8], &pos = in[9], &dtables = in[10], &dqidx = in[11], &cosc = in[12],
+               &sinc = in[13];
+  for (int i : {0, 3, 4, 5, 6, 7, 8, 9, 10, 11})
+    if (!have[i]) return fail("input " + std::to_string(i) + " is required");
+  if (have[1] != have[2]) return fail("k and v must be given together (or both omitted: q is the packed qkv)");
+  if (have[12] != have[13]) return fail("cos_cache and sin_cache must be given together");
+  const bool packed = !have[1], rotary = have[12];
   const int want_kv = K.kv_type == KvType::kBfloat16 ? kBfloat16 : K.kv_type == KvType::kInt8 ? kInt8 : kFloat;
-  if (q.type != kFloat || k.type != kFloat || v.type != kFloat) return fail("q, k and v must be float32");
+  if (q.type != kFloat || (!packed && (k.type != kFloat || v.type != kFloat))) return fail("q, k and v must be float32");
   if (kc.type != want_kv || vc.type != want_kv) return fail("the KV pools have the wrong element type");
   for (int i = 5; i < 12; ++i)
     if (in[i].type != kInt64) return fail("input " + std::to_string(i) + " must be int64");
   int64_t T = 0, D = 0, qts = 0, qhs = 0, Tk = 0, Dk = 0, kts = 0, khs = 0, Tv = 0, Dv = 0, vts = 0, vhs = 0;
-  if (!activation_layout(q, K.q_heads, T, D, qts, qhs)) return fail("q must be [1, q_heads, T, D] or [1, T, q_heads*D]");
-  if (!activation_layout(k, K.kv_heads, Tk, Dk, kts, khs) || !activation_layout(v, K.kv_heads, Tv, Dv, vts, vhs) ||
-      Tk != T || Tv != T || Dk != D || Dv != D)
-    return fail("k and v must be [1, kv_heads, T, D] or [1, T, kv_heads*D] matching q");
+  const float *qdata = static_cast<const float*>(q.data), *kdata = nullptr, *vdata = nullptr;
+  if (packed) {
+    const int64_t heads = K.q_heads + 2 * K.kv_heads;
+    if (!activation_layout(q, heads, T, D, qts, qhs) || q.dims.size() != 3)
+      return fail("a packed q must be [1, T, (q_heads + 2*kv_heads)*D]");
+    kts = vts = qts, khs = vhs = qhs;
+    kdata = qdata + K.q_heads * D, vdata = qdata + (K.q_heads + K.kv_heads) * D;
+  } else {
+    if (!activation_layout(q, K.q_heads, T, D, qts, qhs)) return fail("q must be [1, q_heads, T, D] or [1, T, q_heads*D]");
+    if (!activation_layout(k, K.kv_heads, Tk, Dk, kts, khs) || !activation_layout(v, K.kv_heads, Tv, Dv, vts, vhs) ||
+        Tk != T || Tv != T || Dk != D || Dv != D)
+      return fail("k and v must be [1, kv_heads, T, D] or [1, T, kv_heads*D] matching q");
+    kdata = static_cast<const float*>(k.data), vdata = static_cast<const float*>(v.data);
+  }
   if (std::find(std::begin(kHeadDims), std::end(kHeadDims), D) == std::end(kHeadDims))
     return fail("head_dim must be one of 16, 32, 64, 96, 128, 256, got " + std::to_string(D));
+  if (rotary && (cosc.type != kFloat || sinc.type != kFloat || cosc.numel() != T * (D / 2) ||
+                 sinc.numel() != T * (D / 2) || cosc.dims.empty() || cosc.dims.back() != D / 2))
+    return fail("cos_cache and sin_cache must be float32 [1, T, head_dim/2]");
   const int64_t head_elems = K.kv_type == KvType::kInt8 ? D + 4 : D;  // int8: the row's scale follows it
   if (kc.dims.size() != 3 || kc.dims[1] != K.kv_heads || kc.dims[2] != head_elems || vc.dims != kc.dims)
     return fail(K.kv_type == KvType::kInt8 ? "the int8 KV pools must be [num_slots, kv_heads, head_dim + 4]"
@@ -138,7 +226,10 @@ OrtStatus* compute(const Kernel& K, OrtKernelContext* ctx) {
     return fail("block_tables/query_index (and their decode-group twins) must be 2-D with one row per sequence");
 
   OrtValue* outs[3];
-  if (OrtStatus* s = g_api.KernelContext_GetOutput(ctx, 0, q.dims.data(), q.dims.size(), &outs[0])) return s;
+  // o: q's shape, or [1, T, Hq*D] for a packed q (then token-major like it)
+  const std::vector<int64_t> o_dims = packed ? std::vector<int64_t>{1, T, K.q_heads * D} : q.dims;
+  const int64_t ots = packed ? K.q_heads * D : qts, ohs = packed ? D : qhs;
+  if (OrtStatus* s = g_api.KernelContext_GetOutput(ctx, 0, o_dims.data(), o_dims.size(), &outs[0])) return s;
   if (OrtStatus* s = g_api.KernelContext_GetOutput(ctx, 1, kc.dims.data(), kc.dims.size(), &outs[1])) return s;
   if (OrtStatus* s = g_api.KernelContext_GetOutput(ctx, 2, vc.dims.data(), vc.dims.size(), &outs[2])) return s;
   void* out_data[3];
@@ -151,25 +242,17 @@ OrtStatus* compute(const Kernel& K, OrtKernelContext* ctx) {
   if (out_data[1] != kc.data) std::memcpy(out_data[1], kc.data, pool_bytes);
   if (out_data[2] != vc.data) std::memcpy(out_data[2], vc.data, pool_bytes);
   const int64_t* slot = static_cast<const int64_t*>(slots.data);
-  for (int64_t t = 0; t < T; ++t) {
+  for (int64_t t = 0; t < T; ++t)
     if (slot[t] < 0 || slot[t] >= S) return fail("slot_mapping holds a slot outside the pool");
-    for (int64_t g = 0; g < K.kv_heads; ++g) {
-      const float* ks = static_cast<const float*>(k.data) + t * kts + g * khs;
-      const float* vs = static_cast<const float*>(v.data) + t * vts + g * vhs;
-      const int64_t at = (slot[t] * K.kv_heads + g) * head_elems;
-      if (K.kv_type == KvType::kFloat32) {
-        std::memcpy(static_cast<float*>(out_data[1]) + at, ks, D * sizeof(float));
-        std::memcpy(static_cast<float*>(out_data[2]) + at, vs, D * sizeof(float));
-      } else if (K.kv_type == KvType::kBfloat16) {
-        uint16_t* kd = static_cast<uint16_t*>(out_data[1]) + at;
-        uint16_t* vd = static_cast<uint16_t*>(out_data[2]) + at;
-        for (int64_t d = 0; d < D; ++d) kd[d] = bf16_round(ks[d]), vd[d] = bf16_round(vs[d]);
-      } else {
-        isa().quantize_kv_int8(ks, D, static_cast<int8_t*>(out_data[1]) + at);  // paged_attention_impl.h
-        isa().quantize_kv_int8(vs, D, static_cast<int8_t*>(out_data[2]) + at);
-      }
-    }
-  }
+  thread_local std::vector<float> qrot;  // the rotated queries, token-major [T, Hq, D]; kept between calls
+  if (rotary) qrot.resize(static_cast<size_t>(T * K.q_heads * D));
+  RowWrite rw{kdata, vdata, kts, khs, vts, vhs, qdata, qts, qhs, rotary ? qrot.data() : nullptr,
+              rotary ? static_cast<const float*>(cosc.data) : nullptr,
+              rotary ? static_cast<const float*>(sinc.data) : nullptr, slot, out_data[1], out_data[2], K.kv_type,
+              K.q_heads, K.kv_heads, D, head_elems, T};
+  if (OrtStatus* s = run_items(g_api, ctx, &write_rows, static_cast<size_t>((T + kRowsPerItem - 1) / kRowsPerItem),
+                               &rw))
+    return s;
 
   // 2. work items: each referenced query row, grouped by sequence, chunks of <= kMaxItemTokens
   const int64_t B = tables.dims[0], M = tables.dims[1], Q = qidx.dims[1], Bd = dtables.dims[0], Md = dtables.dims[1];
@@ -204,8 +287,9 @@ OrtStatus* compute(const Kernel& K, OrtKernelContext* ctx) {
 
   // 3. attention, items spread over ORT's intra-op threads
   PagedProblem P{};
-  P.q = static_cast<const float*>(q.data), P.q_tok_stride = qts, P.q_head_stride = qhs;
-  P.o = static_cast<float*>(out_data[0]), P.o_tok_stride = qts, P.o_head_stride = qhs;
+  P.q = qdata, P.q_tok_stride = qts, P.q_head_stride = qhs;
+  if (rotary) P.q = qrot.data(), P.q_tok_stride = K.q_heads * D, P.q_head_stride = D;
+  P.o = static_cast<float*>(out_data[0]), P.o_tok_stride = ots, P.o_head_stride = ohs;
   P.key_pool = out_data[1], P.value_pool = out_data[2], P.kv_type = K.kv_type, P.num_slots = S;
   P.q_heads = static_cast<int>(K.q_heads), P.kv_heads = static_cast<int>(K.kv_heads), P.head_dim = static_cast<int>(D);
   P.block_size = static_cast<int>(K.block_size), P.scale = K.scale, P.window = K.window;
@@ -318,13 +402,13 @@ const char* op_ep(const OrtCustomOp*) { return "CPUExecutionProvider"; }
 size_t input_count(const OrtCustomOp* op) {
   const OpKind kind = as_op(op)->kind;
   if (kind == OpKind::kMatMulQ || kind == OpKind::kMatMulQBF16) return 4;
-  return kind == OpKind::kSwiGlu ? 1 : kind == OpKind::kMatMulBF16 ? 2 : 12;
+  return kind == OpKind::kSwiGlu ? 1 : kind == OpKind::kMatMulBF16 ? 2 : 14;
 }
 size_t output_count(const OrtCustomOp* op) { return as_op(op)->kind == OpKind::kPagedAttention ? 3 : 1; }
 int input_type(const OrtCustomOp* op, size_t i) {
   if (as_op(op)->kind == OpKind::kMatMulQ || as_op(op)->kind == OpKind::kMatMulQBF16) return i == 1 ? kUint8 : kFloat;
   if (as_op(op)->kind == OpKind::kMatMulBF16) return i == 1 ? kUint16 : kFloat;
-  if (i <= 2 || as_op(op)->kind == OpKind::kSwiGlu) return kFloat;
+  if (i <= 2 || i >= 12 || as_op(op)->kind == OpKind::kSwiGlu) return kFloat;
   if (i <= 4) {
     switch (as_op(op)->kv_type) {
       case KvType::kBfloat16: return kBfloat16;
@@ -336,8 +420,10 @@ int input_type(const OrtCustomOp* op, size_t i) {
 }
 int output_type(const OrtCustomOp* op, size_t i) { return i == 0 ? kFloat : input_type(op, 3); }
 int required(const OrtCustomOp*, size_t) { return 0; }
-int input_required(const OrtCustomOp* op, size_t i) {  // 1: optional (MatMulQ's and MatMulQBF16's offsets)
-  return (as_op(op)->kind == OpKind::kMatMulQ || as_op(op)->kind == OpKind::kMatMulQBF16) && i == 3 ? 1 : 0;
+int input_required(const OrtCustomOp* op, size_t i) {  // 1: optional (MatMulQ's and MatMulQBF16's offsets;
+  const OpKind kind = as_op(op)->kind;                   // PagedAttention's k, v and cos/sin caches)
+  if (kind == OpKind::kMatMulQ || kind == OpKind::kMatMulQBF16) return i == 3 ? 1 : 0;
+  return kind == OpKind::kPagedAttention && (i == 1 || i == 2 || i >= 12) ? 1 : 0;
 }
 int mem_default(const OrtCustomOp*, size_t) { return 0; }
 int one(const OrtCustomOp*) { return 1; }
