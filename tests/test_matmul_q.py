@@ -94,34 +94,37 @@ CPU_HAS = {"avxvnni": "avx_vnni", "avx2": "avx2", "generic": ""}
 
 @pytest.mark.parametrize("isa", ["avxvnni", "avx2", "generic"])
 def test_slower_paths_agree(isa: str, tmp_path: Path) -> None:
-    """Each slower path, forced in a child process (the path is fixed when the library loads): 4-bit codes give
-    the vector path's bits exactly (the same integer products, the same float operations in the same order);
-    8-bit codes (plain AVX2 takes the zero point out in integers) and every block size meet the reference."""
+    """Each slower path, forced in a child process (the path is fixed when the library loads): 4- and 8-bit codes
+    give the vector path's bits exactly (the same integer sums Σ (c − z)·a — plain AVX2's 8-bit codes signed, the
+    others' accumulators started at −z·Σa — and the same float operations in the same order); every block size
+    meets the reference."""
     flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
     if CPU_HAS[isa] and CPU_HAS[isa] not in flags:
         pytest.skip(f"this CPU has no {CPU_HAS[isa]}")
     rng = np.random.default_rng(11)
-    packed = quant.quantize(rng.standard_normal((50, 300)).astype(np.float32), 4, 64, symmetric=False)
-    w = gemm_pack.pack(packed)
+    ws = [gemm_pack.pack(quant.quantize(rng.standard_normal((50, 300)).astype(np.float32), bits, 64, symmetric=False))
+          for bits in (4, 8)]
     x = rng.standard_normal((13, 300)).astype(np.float32)
-    (tmp_path / "model.onnx").write_bytes(matmul_q_model(w).SerializeToString())
+    for bits, w in zip((4, 8), ws, strict=True):
+        (tmp_path / f"model{bits}.onnx").write_bytes(matmul_q_model(w).SerializeToString())
     np.save(tmp_path / "x.npy", x)
     code = ("import sys, numpy as np, onnxruntime as ort, test_matmul_q as t; from omforge.runtime.ort import kernels; "
             "from omforge.passes import quant; "
             f"assert kernels.status().gemm == {isa!r}, kernels.status(); d = sys.argv[1]; "
-            "np.save(d + '/y.npy', t.session(__import__('onnx').load(d + '/model.onnx')).run(None, "
-            "{'x': np.load(d + '/x.npy')})[0]); rng = np.random.default_rng(1); "
+            "[np.save(f'{d}/y{b}.npy', t.session(__import__('onnx').load(f'{d}/model{b}.onnx')).run(None, "
+            "{'x': np.load(d + '/x.npy')})[0]) for b in (4, 8)]; rng = np.random.default_rng(1); "
             "[t.check(quant.quantize(rng.standard_normal((40, 200)).astype(np.float32), bits, block, sym), "
             "(1, 2, 3, 9)) for bits in (4, 8) for block in (32, 128) for sym in (True, False)]")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env={**os.environ, "OMFORGE_KERNELS_ISA": isa},
                        cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    here = session(matmul_q_model(w)).run(None, {"x": x})[0]
-    assert np.array_equal(np.load(tmp_path / "y.npy"), here)
+    for bits, w in zip((4, 8), ws, strict=True):
+        here = session(matmul_q_model(w)).run(None, {"x": x})[0]
+        assert np.array_equal(np.load(tmp_path / f"y{bits}.npy"), here), bits
 
 
 def test_the_tile_unit_gives_the_vnni_bits(tmp_path: Path) -> None:
-    """Where MatMulQ runs on AMX (whole 16-row tiles on tdpbsud, the other rows on VNNI), its results are the VNNI
+    """Where MatMulQ runs on AMX (whole 16-row tiles on tdpbssd, the other rows on VNNI), its results are the VNNI
     path's bit for bit (the same exact integer products per chunk, the same float operations in the same order),
     so the rows a batch puts on either path change nothing: 4- and 8-bit codes, blocks of 32 / 64 / 128, symmetric
     and affine, partial panels and odd K, M from 16 to 70, and a wide output (streaming stores)."""

@@ -12,9 +12,12 @@
 // Each 64-byte group is 16 int32 lanes of 4 consecutive k: one vpdpbusd against 4 broadcast activations.
 //
 // Activations are quantized once per call, symmetric int8 per 32 consecutive k of a row (d = max|x| / 127,
-// a = round-half-even(x / d)); the products are exact integers per chunk, then
-//   y[m, n] = Σ_b s[n,b] · (Σ_{j∈b} d[m,j] · Σ_k c·a  −  z · Σ_{j∈b} d[m,j] · Σ_k a)  +  m[n,b] · Σ_{k∈b} x[m,k]
-// (the offset's term uses the exact float block sums of x, so affine blocks cost one FMA per block, not a MatMul).
+// a = round-half-even(x / d)); the products are exact integers per chunk, the zero point taken out in them
+// (Σ_k (c − z)·a = Σ_k c·a − z·Σ_k a: signed codes on the tile unit, the accumulator started at −z·Σa on the
+// vector paths), then
+//   y[m, n] = Σ_b (Σ_{j∈b} s[n,b]·d[m,j] · Σ_k (c − z)·a)  +  m[n,b] · Σ_{k∈b} x[m,k]
+// in float32, one fma per chunk (its product s·d rounded first) and one per block for the offset (the exact float
+// block sums of x, so affine blocks cost one FMA per block, not a MatMul).
 #pragma once
 #include <cmath>
 #include <cstddef>
@@ -30,17 +33,15 @@ constexpr int kChunk = 32;       // k per activation scale
 struct QuantizedRows {  // the activations of one call, made by quantize_rows
   int8_t* a;            // [M, Kp]
   float* d;             // [M, Kp/32] scale per chunk
-  float* zsum;          // [M, kb]  Σ_{j∈b} d·Σa  (the zero point's term)
+  int32_t* asum;        // [M, Kp/32] Σa per chunk (the zero point's term, taken out in integers)
   float* xsum;          // [M, kb]  Σ_{k∈b} x     (the offsets' term; filled only when the weight has offsets)
 };
 
-// One quantized chunk's bookkeeping, shared by every path (their results agree bit for bit): its scale d, and its
-// share of the zero point's term Σ_{j∈b} d·Σa, one rounding per chunk.
-inline void record_chunk(const QuantizedRows& q, int64_t m, int64_t chunks, int64_t kb, int64_t per_block, int64_t j,
-                         float d, int32_t sum) {
+// One quantized chunk's bookkeeping, shared by every path (their results agree bit for bit): its scale d and the
+// sum of its codes Σa.
+inline void record_chunk(const QuantizedRows& q, int64_t m, int64_t chunks, int64_t j, float d, int32_t sum) {
   q.d[m * chunks + j] = d;
-  float& z = q.zsum[m * kb + j / per_block];
-  z = std::fma(d, static_cast<float>(sum), j % per_block == 0 ? 0.0f : z);
+  q.asum[m * chunks + j] = sum;
 }
 
 // Σ_{k∈b} x of every weight block b of row xr: scalar, in k order (the same float sums on every path).
@@ -143,7 +144,7 @@ bool available();  // asks the kernel once; false without amx-bf16 or without th
 void bgemm(const BGemmProblem&, int64_t, int64_t);
 void bf16_panels(const Bf16Panels&, int panels);
 void qbgemm(const QBGemmProblem&, int64_t, int64_t);
-// MatMulQ (qgemm_amx.cpp): whole 16-row tiles on tdpbsud, the other rows on the VNNI path, bit for bit its results
+// MatMulQ (qgemm_amx.cpp): whole 16-row tiles on tdpbssd, the other rows on the VNNI path, bit for bit its results
 bool available_int8();  // amx-int8 + avx512vnni and the permission
 void qgemm(const QGemmProblem&, int64_t, int64_t);
 }  // namespace amx

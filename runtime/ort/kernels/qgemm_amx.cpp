@@ -1,10 +1,10 @@
 // MatMulQ on the AMX tile unit (amx-int8), for the rows of a call that fill whole 16-row tiles; the rest of the rows
 // go to the AVX-512 VNNI path. Bit for bit the VNNI path's results, so which rows take which path changes nothing:
-// per 32-k chunk the exact int32 products Σ c·a of 16 rows × 16 columns come from one tdpbsud (activations: signed
-// A tile, 16 rows × 32 bytes straight from the quantized rows; codes: unsigned B tile, 8 rows of 64 bytes — the
-// panel16 layout's groups as they are for 8 bits, the nibbles of each group split into two rows for 4 bits), and
-// then the same float operations in the same order as the VNNI tile (qgemm_avx512.cpp):
-//   acc = fma(float(dot), s·d, acc) per chunk; acc = fma(s, −z·zsum, acc) and acc = fma(m, xsum, acc) per block.
+// per 32-k chunk the exact int32 products Σ (c − z)·a of 16 rows × 16 columns come from one tdpbssd (activations:
+// A tile, 16 rows × 32 bytes straight from the quantized rows; signed codes c − z: B tile, 8 rows of 64 bytes — the
+// panel16 layout's groups with their top bit flipped for 8 bits, the nibbles of each group split into two rows and
+// less 8 for 4 bits), and then the same float operations in the same order as the VNNI tile (qgemm_avx512.cpp):
+//   acc = fma(float(dot), s·d, acc) per chunk; acc = fma(m, xsum, acc) per block.
 // One panel at a time, its 16 float accumulators per row tile in registers; the 4-bit panel's unpacked codes are
 // made once per call into a per-thread buffer and shared by every row tile. Tile configuration loaded per call and
 // released after it, as in bgemm_amx.cpp.
@@ -51,26 +51,30 @@ void configure() {
 
 constexpr int64_t kStreamColumns = 8192;  // as the VNNI path: wide outputs (the logits) with streaming stores
 
-// panel p's codes as B tiles: chunk j at out + j·512 (8 rows of 64 bytes, k quad t = row t); 8-bit codes are that
-// layout already (returned as they are), 4-bit groups are split into their low (quad 2h) and high (quad 2h+1) nibbles
+// panel p's signed codes c − z as B tiles: chunk j at out + j·512 (8 rows of 64 bytes, k quad t = row t); 8-bit
+// codes are that layout already (c − 128: the top bit flipped), 4-bit groups are split into their low (quad 2h) and
+// high (quad 2h+1) nibbles, less 8
 template <int BITS>
 const uint8_t* b_tiles(const QGemmProblem& P, int64_t p, std::vector<uint8_t>& buf) {
   const int64_t chunks = P.Kp / kChunk;
   constexpr int64_t chunk_bytes = kPanel * kChunk * BITS / 8;
   const uint8_t* panel = P.codes + p * chunks * chunk_bytes;
+  buf.resize(static_cast<size_t>(chunks * 512));
   if constexpr (BITS == 8) {
-    return panel;
+    const __m512i top = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int64_t i = 0; i < chunks * 8; ++i)
+      _mm512_storeu_si512(buf.data() + i * 64, _mm512_xor_si512(_mm512_loadu_si512(panel + i * 64), top));
   } else {
-    buf.resize(static_cast<size_t>(chunks * 512));
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
     for (int64_t j = 0; j < chunks; ++j)
       for (int h = 0; h < 4; ++h) {
         const __m512i v = _mm512_loadu_si512(panel + j * chunk_bytes + h * 64);
-        _mm512_storeu_si512(buf.data() + j * 512 + (2 * h) * 64, _mm512_and_si512(v, low4));
-        _mm512_storeu_si512(buf.data() + j * 512 + (2 * h + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+        _mm512_storeu_si512(buf.data() + j * 512 + (2 * h) * 64, _mm512_sub_epi8(_mm512_and_si512(v, low4), eight));
+        _mm512_storeu_si512(buf.data() + j * 512 + (2 * h + 1) * 64,
+                            _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), eight));
       }
-    return buf.data();
   }
+  return buf.data();
 }
 
 // the products of chunk j into C tile T (literal: the intrinsics want one)
@@ -79,7 +83,7 @@ const uint8_t* b_tiles(const QGemmProblem& P, int64_t p, std::vector<uint8_t>& b
     _tile_zero(T);                                                 \
     _tile_loadd(A, P.x.a + m0 * P.Kp + (j) * kChunk, P.Kp);        \
     _tile_loadd(6, bt + (j) * 512, 64);                            \
-    _tile_dpbsud(T, A, 6);                                         \
+    _tile_dpbssd(T, A, 6);                                         \
   } while (0)
 
 template <int BITS>
@@ -87,7 +91,6 @@ void row_tile(const QGemmProblem& P, int64_t m0, int64_t p, const uint8_t* bt) {
   const int64_t chunks = P.Kp / kChunk, kb = P.Kp / P.block, per_block = P.block / kChunk;
   const float* sp = P.scales + p * kb * kPanel;
   const float* op = P.offsets ? P.offsets + p * kb * kPanel : nullptr;
-  const float z = static_cast<float>(1 << (BITS - 1));
   __m512 acc[16];
   for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
   alignas(64) int32_t dot[2][16 * 16];
@@ -109,13 +112,9 @@ void row_tile(const QGemmProblem& P, int64_t m0, int64_t p, const uint8_t* bt) {
       const __m512 d = _mm512_set1_ps(P.x.d[(m0 + r) * chunks + j]);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dj + 16 * r)), _mm512_mul_ps(s, d), acc[r]);
     }
-    if ((j + 1) % per_block == 0) {  // the block's last chunk: its zero point's and offset's terms
-      for (int r = 0; r < 16; ++r)
-        acc[r] = _mm512_fmadd_ps(s, _mm512_set1_ps(-z * P.x.zsum[(m0 + r) * kb + b]), acc[r]);
-      if (op) {
-        const __m512 o = _mm512_loadu_ps(op + b * kPanel);
-        for (int r = 0; r < 16; ++r) acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(P.x.xsum[(m0 + r) * kb + b]), acc[r]);
-      }
+    if (op && (j + 1) % per_block == 0) {  // the block's last chunk: its offset's term
+      const __m512 o = _mm512_loadu_ps(op + b * kPanel);
+      for (int r = 0; r < 16; ++r) acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(P.x.xsum[(m0 + r) * kb + b]), acc[r]);
     }
   }
   const int64_t n0 = p * kPanel, valid = std::min<int64_t>(kPanel, P.N - n0);
@@ -131,7 +130,7 @@ void row_tile(const QGemmProblem& P, int64_t m0, int64_t p, const uint8_t* bt) {
 
 template <int BITS>
 void panels(const QGemmProblem& P, int64_t panel_begin, int64_t panel_end, int64_t rows) {
-  thread_local std::vector<uint8_t> buf;  // this thread's unpacked 4-bit panel, kept between calls
+  thread_local std::vector<uint8_t> buf;  // this thread's signed codes of one panel, kept between calls
   configure();
   for (int64_t p = panel_begin; p < panel_end; ++p) {
     const uint8_t* bt = b_tiles<BITS>(P, p, buf);
@@ -153,7 +152,7 @@ void qgemm(const QGemmProblem& P, int64_t panel_begin, int64_t panel_end) {
     QGemmProblem rest = P;
     rest.x.a += rows * P.Kp;
     rest.x.d += rows * chunks;
-    rest.x.zsum += rows * kb;
+    rest.x.asum += rows * chunks;
     rest.x.xsum += rows * kb;
     rest.y += rows * P.N;
     rest.M = P.M - rows;

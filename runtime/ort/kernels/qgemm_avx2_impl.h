@@ -2,8 +2,8 @@
 // AVX2: vpmaddubsw + vpmaddwd; 8-bit codes go through their signed form q = c - 128, |q| × sign(a, q), so no
 // 16-bit sum saturates, and the zero point's term is then already out). A tile is up to 2 rows × one 16-column
 // panel (two ymm halves): the 16 ymm registers hold its codes, broadcasts, products and accumulators.
-// Not bit-identical to the other paths for 8-bit codes without VNNI (the zero point leaves exactly, in integers,
-// instead of through the float block sums); within float32 rounding of them.
+// Either way the chunk's int32 sum is Σ (c − z)·a, as on every path (started at −z·Σa where the codes are unsigned),
+// so the results are the other paths' bit for bit.
 
 namespace {
 
@@ -33,11 +33,11 @@ template <int BITS, int MR>
 void tile(const QGemmProblem& P, int64_t m0, int64_t p) {
   const int64_t chunks = P.Kp / kChunk, kb = P.Kp / P.block, per_block = P.block / kChunk;
   constexpr int64_t chunk_bytes = kPanel * kChunk * BITS / 8;
-  constexpr bool kZeroInFloat = !(BITS == 8 && !OMF_VNNI);
+  constexpr bool kUnsignedCodes = !(BITS == 8 && !OMF_VNNI);  // else dot4 takes the zero point out itself
   const uint8_t* panel = P.codes + p * chunks * chunk_bytes;
   const float* sp = P.scales + p * kb * kPanel;
   const float* op = P.offsets ? P.offsets + p * kb * kPanel : nullptr;
-  const float z = static_cast<float>(1 << (BITS - 1));
+  constexpr int32_t z = kUnsignedCodes ? 1 << (BITS - 1) : 0;
   const int8_t* a[MR];
   for (int r = 0; r < MR; ++r) a[r] = P.x.a + (m0 + r) * P.Kp;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -49,7 +49,7 @@ void tile(const QGemmProblem& P, int64_t m0, int64_t p) {
       const uint8_t* c = panel + j * chunk_bytes;
       const int64_t k0 = j * kChunk;
       __m256i dot[MR][2];
-      for (int r = 0; r < MR; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+      for (int r = 0; r < MR; ++r) dot[r][0] = dot[r][1] = _mm256_set1_epi32(-z * P.x.asum[(m0 + r) * chunks + j]);
       for (int half = 0; half < 2; ++half) {
         if constexpr (BITS == 4) {
           for (int h = 0; h < 4; ++h) {
@@ -73,11 +73,6 @@ void tile(const QGemmProblem& P, int64_t m0, int64_t p) {
           acc[r][q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][q]), _mm256_mul_ps(s[q], d), acc[r][q]);
       }
     }
-    if constexpr (kZeroInFloat)
-      for (int r = 0; r < MR; ++r) {
-        const __m256 zs = _mm256_set1_ps(-z * P.x.zsum[(m0 + r) * kb + b]);
-        for (int q = 0; q < 2; ++q) acc[r][q] = _mm256_fmadd_ps(s[q], zs, acc[r][q]);
-      }
     if (op)
       for (int q = 0; q < 2; ++q) {
         const __m256 o = _mm256_loadu_ps(op + b * kPanel + 8 * q);

@@ -46,7 +46,7 @@ void tile(const QGemmProblem& P, int64_t m0, int64_t p) {
   const uint8_t* panel = P.codes + p * panel_bytes;
   const float* sp = P.scales + p * kb * kPanel;
   const float* op = P.offsets ? P.offsets + p * kb * kPanel : nullptr;
-  const float z = static_cast<float>(1 << (BITS - 1));
+  constexpr int32_t z = 1 << (BITS - 1);
   const int8_t* a[MR];
   for (int r = 0; r < MR; ++r) a[r] = P.x.a + (m0 + r) * P.Kp;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
@@ -59,9 +59,11 @@ void tile(const QGemmProblem& P, int64_t m0, int64_t p) {
     for (int64_t j = b * per_block; j < (b + 1) * per_block; ++j) {
       const uint8_t* c = panel + j * chunk_bytes;
       const int64_t k0 = j * kChunk;
-      __m512i dot[MR][NP];
-      for (int r = 0; r < MR; ++r)
-        for (int q = 0; q < NP; ++q) dot[r][q] = _mm512_setzero_si512();
+      __m512i dot[MR][NP];  // started at −z·Σa: the products come out as Σ (c − z)·a
+      for (int r = 0; r < MR; ++r) {
+        const __m512i start = _mm512_set1_epi32(-z * P.x.asum[(m0 + r) * chunks + j]);
+        for (int q = 0; q < NP; ++q) dot[r][q] = start;
+      }
       if constexpr (BITS == 4) {
         for (int h = 0; h < 4; ++h) {
           __m512i lo[NP], hi[NP];
@@ -93,10 +95,6 @@ void tile(const QGemmProblem& P, int64_t m0, int64_t p) {
         for (int q = 0; q < NP; ++q)
           acc[r][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][q]), _mm512_mul_ps(s[q], d), acc[r][q]);
       }
-    }
-    for (int r = 0; r < MR; ++r) {
-      const __m512 zs = _mm512_set1_ps(-z * P.x.zsum[(m0 + r) * kb + b]);
-      for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_fmadd_ps(s[q], zs, acc[r][q]);
     }
     if (op) {
       for (int q = 0; q < NP; ++q) {
@@ -155,7 +153,7 @@ void qgemm(const QGemmProblem& P, int64_t panel_begin, int64_t panel_end) {
 
 void quantize_rows(const float* x, int64_t K, int64_t Kp, int64_t block, bool want_xsum, const QuantizedRows& q,
                    int64_t row_begin, int64_t row_end) {
-  const int64_t chunks = Kp / kChunk, kb = Kp / block, per_block = block / kChunk;
+  const int64_t chunks = Kp / kChunk, kb = Kp / block;
   for (int64_t m = row_begin; m < row_end; ++m) {
     const float* xr = x + m * K;
     int8_t* ar = q.a + m * Kp;
@@ -171,7 +169,7 @@ void quantize_rows(const float* x, int64_t K, int64_t Kp, int64_t block, bool wa
       _mm_storeu_si128(reinterpret_cast<__m128i*>(ar + k0), _mm512_cvtepi32_epi8(q0));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(ar + k0 + 16), _mm512_cvtepi32_epi8(q1));
       const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-      record_chunk(q, m, chunks, kb, per_block, j, d, sum);
+      record_chunk(q, m, chunks, j, d, sum);
     }
     if (want_xsum) block_sums(xr, K, block, kb, q.xsum + m * kb);
   }

@@ -10,7 +10,7 @@ namespace omf::generic {
 
 void quantize_rows(const float* x, int64_t K, int64_t Kp, int64_t block, bool want_xsum, const QuantizedRows& q,
                    int64_t row_begin, int64_t row_end) {
-  const int64_t chunks = Kp / kChunk, kb = Kp / block, per_block = block / kChunk;
+  const int64_t chunks = Kp / kChunk, kb = Kp / block;
   for (int64_t m = row_begin; m < row_end; ++m) {
     const float* xr = x + m * K;
     int8_t* ar = q.a + m * Kp;
@@ -25,7 +25,7 @@ void quantize_rows(const float* x, int64_t K, int64_t Kp, int64_t block, bool wa
         ar[k0 + k] = static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, v)));
         sum += ar[k0 + k];
       }
-      record_chunk(q, m, chunks, kb, per_block, j, d, sum);
+      record_chunk(q, m, chunks, j, d, sum);
     }
     if (want_xsum) block_sums(xr, K, block, kb, q.xsum + m * kb);
   }
@@ -34,7 +34,7 @@ void quantize_rows(const float* x, int64_t K, int64_t Kp, int64_t block, bool wa
 void qgemm(const QGemmProblem& P, int64_t panel_begin, int64_t panel_end) {
   const int64_t chunks = P.Kp / kChunk, kb = P.Kp / P.block, per_block = P.block / kChunk;
   const int64_t chunk_bytes = kPanel * kChunk * P.bits / 8;
-  const float z = static_cast<float>(1 << (P.bits - 1));
+  const int32_t z = 1 << (P.bits - 1);
   for (int64_t p = panel_begin; p < panel_end; ++p) {
     const uint8_t* panel = P.codes + p * chunks * chunk_bytes;
     const float* sp = P.scales + p * kb * kPanel;
@@ -49,11 +49,10 @@ void qgemm(const QGemmProblem& P, int64_t panel_begin, int64_t panel_end) {
           const float s = sp[b * kPanel + i];
           for (int64_t j = b * per_block; j < (b + 1) * per_block; ++j) {
             const uint8_t* chunk = panel + j * chunk_bytes;
-            int32_t dot = 0;
+            int32_t dot = -z * P.x.asum[m * chunks + j];
             for (int t = 0; t < kChunk; ++t) dot += code_at(chunk, P.bits, i, t) * ar[j * kChunk + t];
             acc = std::fma(static_cast<float>(dot), s * P.x.d[m * chunks + j], acc);
           }
-          acc = std::fma(s, -z * P.x.zsum[m * kb + b], acc);
           if (op) acc = std::fma(op[b * kPanel + i], P.x.xsum[m * kb + b], acc);
         }
         P.y[m * P.N + n] = acc;

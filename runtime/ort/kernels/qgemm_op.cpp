@@ -254,9 +254,11 @@ OrtStatus* compute_matmul_q(const ort::Api& api, const MatMulQAttrs& A, OrtKerne
   // the activations, quantized once (scratch kept per calling thread between calls)
   thread_local std::vector<int8_t> qa;
   thread_local std::vector<float> qf;
+  thread_local std::vector<int32_t> qs;
   qa.resize(static_cast<size_t>(M * Kp));
-  qf.resize(static_cast<size_t>(M * (Kp / kChunk + 2 * kb)));
-  QuantizedRows q{qa.data(), qf.data(), qf.data() + M * (Kp / kChunk), qf.data() + M * (Kp / kChunk + kb)};
+  qf.resize(static_cast<size_t>(M * (Kp / kChunk + kb)));
+  qs.resize(static_cast<size_t>(M * (Kp / kChunk)));
+  QuantizedRows q{qa.data(), qf.data(), qs.data(), qf.data() + M * (Kp / kChunk)};
   QuantizeRun qr{static_cast<const float*>(x.data), A.K, Kp, A.block, M, rows_per_item(A.K), have[3], q};
   if (OrtStatus* s = run_items(api, ctx, &quantize_item, items_of(M, qr.rows_per_item), &qr)) return s;
 
