@@ -45,16 +45,19 @@ def _perm(node: ir.Node) -> list[int] | None:
     return list(attr.value) if attr is not None else None
 
 
-def _heads_of(value: ir.Value) -> tuple[ir.Value, list[ir.Node]] | None:
-    """``value = Transpose(Reshape(src), perm=[0, 2, 1, 3])``: (``src`` [1, T, H·D], the two nodes) or None."""
+def _heads_of(value: ir.Value, heads: int) -> tuple[ir.Value, list[ir.Node]] | None:
+    """``value = Transpose(Reshape(src) [1, T, heads, D], perm=[0, 2, 1, 3])``: (``src`` [1, T, heads·D], the two
+    nodes) or None (ranks and the head count checked where the shapes are known)."""
     transpose = _producer(value, "Transpose")
     if transpose is None or _perm(transpose) != _HEAD_MAJOR:
         return None
     reshape = _producer(transpose.inputs[0], "Reshape")
     if reshape is None or reshape.inputs[0] is None:
         return None
-    src = reshape.inputs[0]
+    src, split = reshape.inputs[0], reshape.outputs[0].shape
     if src.shape is not None and src.shape.rank() != 3:
+        return None
+    if split is not None and (split.rank() != 4 or isinstance(split[2], int) and split[2] != heads):
         return None
     return src, [transpose, reshape]
 
@@ -112,14 +115,14 @@ def fuse(graph: ir.Graph, kernel_ops: tuple[str, ...]) -> int:
             q, k, caches = node.inputs[0], node.inputs[1], []
         else:
             continue
-        heads = [_heads_of(x) for x in (q, k, node.inputs[2])]
+        heads = [_heads_of(x, h) for x, h in ((q, q_heads), (k, kv_heads), (node.inputs[2], kv_heads))]
         if any(h is None for h in heads):
             continue
         sources = [src for src, _ in heads]
         out_t = _only_use(node.outputs[0], "Transpose")
         out_r = _only_use(out_t.outputs[0], "Reshape") if out_t is not None and _perm(out_t) == _HEAD_MAJOR else None
-        if out_r is None:
-            continue
+        if out_r is None or out_r.outputs[0].shape is not None and out_r.outputs[0].shape.rank() != 3:
+            continue  # the heads merged back into [1, T, Hq·D], or another reshape: left alone
         packed = _packed_source(sources, q_heads, kv_heads)
         operands = [packed[0], None, None] if packed else sources
         dead += [n for _, nodes in heads for n in nodes] + ([packed[1]] if packed else [])

@@ -1,6 +1,7 @@
 """passes/packed_qkv.py: the kernel attention takes the QKV projection as it is (no Split, head transposes or
 RotaryEmbedding nodes) — on a one-layer graph against its unfused run, on compiled bundles, with the qkv_merge
-fusion off (q, k, v apart), and left alone where a value on the chain has another use."""
+fusion off (q, k, v apart), and left alone where a value on the chain has another use or a reshape is not the
+heads' split."""
 
 from __future__ import annotations
 
@@ -86,8 +87,16 @@ def test_one_layer_folds_into_the_kernel_and_computes_the_same() -> None:
     np.testing.assert_array_equal(got[2], want[2])  # v is copied, never rotated
 
 
-def test_a_chain_value_with_another_use_is_left_alone() -> None:
-    model = ir.from_proto(one_layer(extra_use=True))
+def other_split_of_heads() -> onnx.ModelProto:
+    """q's reshape declared as [1, T, 2·Hq, D/2]: not q's heads (the kernel would read it as Hq heads of D)."""
+    proto = one_layer()
+    proto.graph.value_info.append(helper.make_tensor_value_info("q4", TensorProto.FLOAT, [1, "T", 2 * HQ, D // 2]))
+    return proto
+
+
+@pytest.mark.parametrize("proto", [one_layer(extra_use=True), other_split_of_heads()], ids=["shared", "heads"])
+def test_a_layer_it_cannot_prove_is_left_alone(proto: onnx.ModelProto) -> None:
+    model = ir.from_proto(proto)
     before = [n.op_type for n in model.graph]
     assert packed_qkv.fuse(model.graph, ("PagedAttention",)) == 0
     assert [n.op_type for n in model.graph] == before
