@@ -107,6 +107,9 @@ class LLMEngine:
         if m.kernels and not kernels.status().available:
             raise BundleError(f"{bundle}: compiled for omforge's CPU kernel library (paged attention), which is "
                               f"unavailable here: {kernels.status().reason}; or recompile the bundle on this machine")
+        if m.kernels and (m.kernels.abi or 0) > kernels.ABI_VERSION:  # older bundles run: the ops keep their forms
+            raise BundleError(f"{bundle}: compiled for kernel ABI {m.kernels.abi}, this omforge's kernel library "
+                              f"speaks ABI {kernels.ABI_VERSION}; upgrade omforge or recompile the bundle with it")
         if m.kernels and m.kernels.weight_layout not in (None, kernels.status().weight_layout):
             raise BundleError(f"{bundle}: its weights are packed in MatMulQ layout version {m.kernels.weight_layout}, "
                               f"this kernel library reads version {kernels.status().weight_layout}; recompile it")

@@ -115,6 +115,29 @@ def tiny_bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return bundles
 
 
+def test_bundles_of_older_kernel_abis_run_and_newer_ones_fail_in_one_line(tiny_bundles: dict[str, Path],
+                                                                          tmp_path: Path) -> None:
+    """The ops keep their earlier forms (ABI 2's q, k, v inputs still run), so a bundle recording an older ABI loads;
+    one from a newer omforge (its graph may use forms this library lacks) is refused before ORT sees it."""
+    import shutil
+
+    from omforge.errors import OmforgeError
+
+    prompt = [[5, 6, 7, 8, 9]]
+    want = [o.token_ids for o in LLM(tiny_bundles["float32"]).generate(prompt, GREEDY, use_tqdm=False)]
+    for abi, loads in ((kernels.ABI_VERSION - 1, True), (kernels.ABI_VERSION + 1, False)):
+        bundle = shutil.copytree(tiny_bundles["float32"], tmp_path / f"abi{abi}")
+        manifest = json.loads((bundle / "manifest.json").read_text())
+        manifest["kernels"]["abi"] = abi
+        (bundle / "manifest.json").write_text(json.dumps(manifest))
+        if loads:
+            assert [o.token_ids for o in LLM(bundle).generate(prompt, GREEDY, use_tqdm=False)] == want
+        else:
+            with pytest.raises(OmforgeError, match=f"compiled for kernel ABI {abi}, this omforge's kernel library "
+                                                   f"speaks ABI {kernels.ABI_VERSION}"):
+                LLM(bundle)
+
+
 @pytest.mark.parametrize("dtype, itemsize, extra", [("bfloat16", 2, 0), ("int8", 1, 4)])
 def test_reduced_precision_kv_bundle(tiny_bundles: dict[str, Path], dtype: str, itemsize: int, extra: int) -> None:
     m, m32 = (load_manifest(tiny_bundles[d]) for d in (dtype, "float32"))
