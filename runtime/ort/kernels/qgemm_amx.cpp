@@ -5,8 +5,8 @@
 // panel16 layout's groups with their top bit flipped for 8 bits, the nibbles of each group split into two rows and
 // less 8 for 4 bits), and then the same float operations in the same order as the VNNI tile (qgemm_avx512.cpp):
 //   acc = fma(float(dot), s·d, acc) per chunk; acc = fma(m, xsum, acc) per block.
-// One panel at a time, its 16 float accumulators per row tile in registers; the 4-bit panel's unpacked codes are
-// made once per call into a per-thread buffer and shared by every row tile. Tile configuration loaded per call and
+// One panel at a time, its 16 float accumulators per row tile in registers; the panel's signed codes are made once
+// per call into a per-thread buffer and shared by every row tile. Tile configuration loaded per call and
 // released after it, as in bgemm_amx.cpp.
 #include <algorithm>
 #include <cstdint>
