@@ -61,8 +61,11 @@ struct Vec {
   }
   using VI = __m256i;
   static VI izero() { return _mm256_setzero_si256(); }
-  static VI dot_i16_i8(VI acc, const int16_t* q, const int8_t* k) {
-    const __m256i k16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k)));
+  using VK = __m256i;  // 2W keys widened to int16
+  static VK widen_i8(const int8_t* k) {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k)));
+  }
+  static VI dot_i16_k(VI acc, const int16_t* q, VK k16) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(k16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))));
   }
   static V reduce_rows_i(const VI* v) {  // 8 vectors -> their 8 exact sums, as float

@@ -54,8 +54,11 @@ struct Vec {
   }
   using VI = __m512i;
   static VI izero() { return _mm512_setzero_si512(); }
-  static VI dot_i16_i8(VI acc, const int16_t* q, const int8_t* k) {  // vpmaddwd: AVX-512BW
-    const __m512i k16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k)));
+  using VK = __m512i;  // 2W keys widened to int16
+  static VK widen_i8(const int8_t* k) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k)));
+  }
+  static VI dot_i16_k(VI acc, const int16_t* q, VK k16) {  // vpmaddwd: AVX-512BW
     return _mm512_add_epi32(acc, _mm512_madd_epi16(k16, _mm512_loadu_si512(q)));
   }
   static V reduce_rows_i(const VI* v) {  // reduce_rows in int32 (exact), then float

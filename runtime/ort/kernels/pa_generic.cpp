@@ -40,8 +40,16 @@ struct Vec {
   static V load_kv(const int8_t* p) { return V{float(p[0]), float(p[1]), float(p[2]), float(p[3])}; }
   typedef int32_t VI __attribute__((vector_size(16)));
   static VI izero() { return VI{0, 0, 0, 0}; }
-  static VI dot_i16_i8(VI acc, const int16_t* q, const int8_t* k) {
-    for (int i = 0; i < W; ++i) acc[i] += int32_t{q[2 * i]} * k[2 * i] + int32_t{q[2 * i + 1]} * k[2 * i + 1];
+  struct VK {  // 2W keys widened to int16
+    int16_t k[2 * W];
+  };
+  static VK widen_i8(const int8_t* k) {
+    VK w;
+    for (int i = 0; i < 2 * W; ++i) w.k[i] = k[i];
+    return w;
+  }
+  static VI dot_i16_k(VI acc, const int16_t* q, const VK& k) {
+    for (int i = 0; i < W; ++i) acc[i] += int32_t{q[2 * i]} * k.k[2 * i] + int32_t{q[2 * i + 1]} * k.k[2 * i + 1];
     return acc;
   }
   static V reduce_rows_i(const VI* v) {

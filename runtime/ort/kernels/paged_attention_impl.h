@@ -5,8 +5,9 @@
 // V max(V, V); float hsum(V); float hmax(V); V round_nearest(V); V scale_pow2(V y, V n) (y * 2^n);
 // V reduce_rows(const V v[W]) (lane i = the sum of the lanes of v[i]);
 // V load_kv(const float* | const uint16_t* | const int8_t*) (fp32, bf16 widened, int8 converted, unscaled);
-// VI: W int32 lanes; VI izero(); VI dot_i16_i8(VI acc, const int16_t* q, const int8_t* k) (lane i += q[2i]k[2i] +
-// q[2i+1]k[2i+1] over 2W elements, exact); V reduce_rows_i(const VI v[W]) (lane i = float of the exact int sum of v[i]);
+// VI: W int32 lanes; VI izero(); VK widen_i8(const int8_t* k) (2W keys as int16); VI dot_i16_k(VI acc, const
+// int16_t* q, VK k) (lane i += q[2i]k[2i] + q[2i+1]k[2i+1] over 2W elements, exact); V reduce_rows_i(const VI v[W])
+// (lane i = float of the exact int sum of v[i]);
 // (scalar conversions: omf::kv_to_float). It is included inside a
 // namespace, so it includes nothing itself (paged_attention.h brings the standard headers).
 //
@@ -15,7 +16,8 @@
 // hidden from a query (position after it, or outside the sliding window) score -inf. Two shapes:
 //  - few query rows (decodes): "row" path, every slot row of a block read whole (all KV heads at once):
 //    dot products per (row, head), P·V accumulated per head; the next block's rows prefetched; int8 pools score
-//    in integers (each query row rounded once to int16, exact int32 dots with the int8 keys: score_chunk_i8);
+//    in integers (each query row rounded once to int16, exact int32 dots with the int8 keys: score_group_i8, each
+//    key row widened once for all the query rows of its KV head);
 //  - many rows (prefill chunks): "tile" path, per KV head: the block's keys transposed once to [D][n],
 //    scores by a broadcast-FMA tile of 4 query rows x up to 4 vectors of keys, P·V by a register tile.
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -127,21 +129,31 @@ static inline void score_chunk(const float* q, const KV* kbase, int64_t row_stri
 template <int D>
 constexpr bool kIntScores = D % 32 == 0;  // the same head sizes on every path (2W divides 32 for W = 4, 8, 16)
 
+// The G query rows of one KV head (q: G rows D apart; s: G rows lds apart) against m <= W of its key rows: each key
+// row is widened to int16 once and used by all G rows (GQA), not once per query row.
+constexpr int kMaxGroupRows = 8;  // the row path's query rows per item (ntok · G <= 8)
+
 template <int D>
-static inline void score_chunk_i8(const int16_t* q, const int8_t* kbase, int64_t row_stride, int64_t m, float* s) {
+static inline void score_group_i8(const int16_t* q, int G, const int8_t* kbase, int64_t row_stride, int64_t m,
+                                  float* s, int64_t lds) {
   constexpr int NV = D / (2 * Vec::W);
-  typename Vec::VI part[Vec::W];
+  typename Vec::VI part[kMaxGroupRows][Vec::W];
   for (int jj = 0; jj < Vec::W; ++jj) {
     if (jj >= m) {
-      part[jj] = Vec::izero();
+      for (int r = 0; r < G; ++r) part[r][jj] = Vec::izero();
       continue;
     }
     const int8_t* k = kbase + jj * row_stride;
-    typename Vec::VI a = Vec::dot_i16_i8(Vec::izero(), q, k);
-    for (int i = 1; i < NV; ++i) a = Vec::dot_i16_i8(a, q + i * 2 * Vec::W, k + i * 2 * Vec::W);
-    part[jj] = a;
+    typename Vec::VK kw[NV];
+    for (int i = 0; i < NV; ++i) kw[i] = Vec::widen_i8(k + i * 2 * Vec::W);
+    for (int r = 0; r < G; ++r) {
+      const int16_t* qr = q + r * D;
+      typename Vec::VI a = Vec::dot_i16_k(Vec::izero(), qr, kw[0]);
+      for (int i = 1; i < NV; ++i) a = Vec::dot_i16_k(a, qr + i * 2 * Vec::W, kw[i]);
+      part[r][jj] = a;
+    }
   }
-  Vec::store(s, Vec::reduce_rows_i(part));
+  for (int r = 0; r < G; ++r) Vec::store(s + r * lds, Vec::reduce_rows_i(part[r]));
 }
 
 // max |x[d]| over d < n (exact, so the same on every path).
@@ -372,14 +384,20 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
       for (int64_t c = 0; c < n; c += Vec::W) {
         const int64_t m = std::min<int64_t>(Vec::W, n - c);
         const KV* kchunk = kpool + (base + c) * row_stride;
-        for (int r = 0; r < nrows; ++r) {
-          pump.pump();
-          if constexpr (int_scores)
-            score_chunk_i8<D>(&S.q16[static_cast<size_t>(r) * D], kchunk + (r % Hq / G) * HE, row_stride, m,
-                              &S.s[r * np_max + c]);
-          else
+        if constexpr (int_scores) {
+          for (int i = 0; i < ntok; ++i)
+            for (int g = 0; g < Hkv; ++g) {  // rows i·Hq + g·G … + G − 1: KV head g's query rows of token i
+              const int r0 = i * Hq + g * G;
+              for (int t = 0; t < G; ++t) pump.pump();
+              score_group_i8<D>(&S.q16[static_cast<size_t>(r0) * D], G, kchunk + g * HE, row_stride, m,
+                                &S.s[r0 * np_max + c], np_max);
+            }
+        } else {
+          for (int r = 0; r < nrows; ++r) {
+            pump.pump();
             score_chunk<D, KV>(&S.q[static_cast<size_t>(r) * D], kchunk + (r % Hq / G) * HE, row_stride, m,
                                &S.s[r * np_max + c]);
+          }
         }
       }
       if constexpr (std::is_same<KV, int8_t>::value) {  // each key row's scale, gathered once per head
