@@ -151,12 +151,23 @@ void qgemm(const QGemmProblem& P, int64_t panel_begin, int64_t panel_end) {
   if (P.N >= kStreamColumns) _mm_sfence();  // streaming stores are visible before the op returns
 }
 
+// qgemm.h's block_sums order from the chunk's two halves already in registers: acc = x0 + x1 on a block's first
+// chunk, (acc + x0) + x1 on the next, then the halving tree at the block's last chunk
+inline float halving_sum(__m512 acc) {
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));  // AVX-512F only
+  const __m256 h8 = _mm256_add_ps(_mm512_castps512_ps256(acc), hi);
+  const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+  const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+}
+
 void quantize_rows(const float* x, int64_t K, int64_t Kp, int64_t block, bool want_xsum, const QuantizedRows& q,
                    int64_t row_begin, int64_t row_end) {
-  const int64_t chunks = Kp / kChunk, kb = Kp / block;
+  const int64_t chunks = Kp / kChunk, per_block = block / kChunk;
   for (int64_t m = row_begin; m < row_end; ++m) {
     const float* xr = x + m * K;
     int8_t* ar = q.a + m * Kp;
+    __m512 bsum = _mm512_setzero_ps();
     for (int64_t j = 0; j < chunks; ++j) {
       const int64_t k0 = j * kChunk, n = std::max<int64_t>(0, std::min<int64_t>(kChunk, K - k0));
       const __mmask16 m0 = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1u);
@@ -170,8 +181,12 @@ void quantize_rows(const float* x, int64_t K, int64_t Kp, int64_t block, bool wa
       _mm_storeu_si128(reinterpret_cast<__m128i*>(ar + k0 + 16), _mm512_cvtepi32_epi8(q1));
       const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
       record_chunk(q, m, chunks, j, d, sum);
+      if (want_xsum) {
+        const int64_t c = j % per_block;
+        bsum = c == 0 ? _mm512_add_ps(x0, x1) : _mm512_add_ps(_mm512_add_ps(bsum, x0), x1);
+        if (c == per_block - 1) q.xsum[m * (Kp / block) + j / per_block] = halving_sum(bsum);
+      }
     }
-    if (want_xsum) block_sums(xr, K, block, kb, q.xsum + m * kb);
   }
 }
 
