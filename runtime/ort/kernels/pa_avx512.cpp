@@ -10,6 +10,7 @@
 #pragma GCC target("avx512f,avx512bw,avx2,fma")
 
 namespace omf::avx512 {
+#include "avx512_reduce.h"
 
 struct Vec {
   using V = __m512;
@@ -62,15 +63,7 @@ struct Vec {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(k16, _mm512_loadu_si512(q)));
   }
   static V reduce_rows_i(const VI* v) {  // reduce_rows in int32 (exact), then float
-    VI u[8], w[4];
-    for (int k = 0; k < 8; ++k)
-      u[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_epi32(v[2 * k], v[2 * k + 1]));
-    for (int k = 0; k < 4; ++k)
-      w[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(u[2 * k], u[2 * k + 1]), _mm512_unpackhi_epi64(u[2 * k], u[2 * k + 1]));
-    const VI s0 = _mm512_add_epi32(_mm512_shuffle_i32x4(w[0], w[1], 0x88), _mm512_shuffle_i32x4(w[0], w[1], 0xDD));
-    const VI s1 = _mm512_add_epi32(_mm512_shuffle_i32x4(w[2], w[3], 0x88), _mm512_shuffle_i32x4(w[2], w[3], 0xDD));
-    return _mm512_cvtepi32_ps(
-        _mm512_add_epi32(_mm512_shuffle_i32x4(s0, s1, 0x88), _mm512_shuffle_i32x4(s0, s1, 0xDD)));
+    return _mm512_cvtepi32_ps(reduce16(v, IntAdd{}));
   }
 };
 

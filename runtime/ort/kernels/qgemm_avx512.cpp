@@ -26,6 +26,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")
 
 namespace omf::avx512vnni {
+#include "avx512_reduce.h"
 namespace {
 
 constexpr int kRows2 = OMF_ROWS2;   // rows per tile of two panels
@@ -161,29 +162,11 @@ inline float halving_sum(__m512 acc) {
   return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
 }
 
-// 16 vectors → one: lane c = op over the 16 lanes of v[c] (op associative and commutative and exact here: an
-// integer sum, a float max), by pairs, 64-bit pairs, then 128-bit quarters
-template <typename Op>
-inline __m512i reduce16(const __m512i* v, Op op) {
-  __m512i u[8], w[4];
-  for (int k = 0; k < 8; ++k)
-    u[k] = op(_mm512_unpacklo_epi32(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_epi32(v[2 * k], v[2 * k + 1]));
-  for (int k = 0; k < 4; ++k)
-    w[k] = op(_mm512_unpacklo_epi64(u[2 * k], u[2 * k + 1]), _mm512_unpackhi_epi64(u[2 * k], u[2 * k + 1]));
-  const __m512i s0 = op(_mm512_shuffle_i32x4(w[0], w[1], 0x88), _mm512_shuffle_i32x4(w[0], w[1], 0xDD));
-  const __m512i s1 = op(_mm512_shuffle_i32x4(w[2], w[3], 0x88), _mm512_shuffle_i32x4(w[2], w[3], 0xDD));
-  return op(_mm512_shuffle_i32x4(s0, s1, 0x88), _mm512_shuffle_i32x4(s0, s1, 0xDD));
-}
-
 struct FloatMax {
   __m512i operator()(__m512i a, __m512i b) const {
     return _mm512_castps_si512(_mm512_max_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b)));
   }
 };
-struct IntAdd {
-  __m512i operator()(__m512i a, __m512i b) const { return _mm512_add_epi32(a, b); }
-};
-
 void quantize_rows(const float* x, int64_t K, int64_t Kp, int64_t block, bool want_xsum, const QuantizedRows& q,
                    int64_t row_begin, int64_t row_end) {
   const int64_t chunks = Kp / kChunk, per_block = block / kChunk;
