@@ -14,6 +14,17 @@ inline __m512i reduce16(const __m512i* v, Op op) {
   return op(_mm512_shuffle_i32x4(s0, s1, 0x88), _mm512_shuffle_i32x4(s0, s1, 0xDD));
 }
 
+// the ops, on float lanes carried in integer vectors where they are floats (the shuffles move bits either way)
 struct IntAdd {
   __m512i operator()(__m512i a, __m512i b) const { return _mm512_add_epi32(a, b); }
+};
+struct FloatAdd {
+  __m512i operator()(__m512i a, __m512i b) const {
+    return _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b)));
+  }
+};
+struct FloatMax {
+  __m512i operator()(__m512i a, __m512i b) const {
+    return _mm512_castps_si512(_mm512_max_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b)));
+  }
 };

@@ -31,17 +31,10 @@ struct Vec {
   static V max(V a, V b) { return _mm512_max_ps(a, b); }
   static float hsum(V v) { return _mm512_reduce_add_ps(v); }
   static float hmax(V v) { return _mm512_reduce_max_ps(v); }
-  static V reduce_rows(const V* v) {  // 16 vectors -> their 16 sums: pairs, then 64-bit pairs, then quarters
-    V u[8], w[4];
-    for (int k = 0; k < 8; ++k)
-      u[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-    for (int k = 0; k < 4; ++k) {
-      const __m512d a = _mm512_castps_pd(u[2 * k]), b = _mm512_castps_pd(u[2 * k + 1]);
-      w[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    const V s0 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-    const V s1 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88), _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(s0, s1, 0x88), _mm512_shuffle_f32x4(s0, s1, 0xDD));
+  static V reduce_rows(const V* v) {  // 16 vectors -> their 16 sums (reduce16: pairs, 64-bit pairs, quarters)
+    __m512i bits[16];
+    for (int i = 0; i < 16; ++i) bits[i] = _mm512_castps_si512(v[i]);
+    return _mm512_castsi512_ps(reduce16(bits, FloatAdd{}));
   }
   static V round_nearest(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static V scale_pow2(V y, V n) { return _mm512_scalef_ps(y, n); }  // y * 2^n

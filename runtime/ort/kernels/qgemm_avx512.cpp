@@ -162,11 +162,6 @@ inline float halving_sum(__m512 acc) {
   return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
 }
 
-struct FloatMax {
-  __m512i operator()(__m512i a, __m512i b) const {
-    return _mm512_castps_si512(_mm512_max_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b)));
-  }
-};
 void quantize_rows(const float* x, int64_t K, int64_t Kp, int64_t block, bool want_xsum, const QuantizedRows& q,
                    int64_t row_begin, int64_t row_end) {
   const int64_t chunks = Kp / kChunk, per_block = block / kChunk;
