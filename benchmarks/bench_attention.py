@@ -78,10 +78,13 @@ def main() -> None:
     ap.add_argument("--kv", default="int8,bfloat16,float32", help="pool dtypes, comma-separated")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--layers", type=int, default=1, help="pools the calls cycle over (30: read from memory)")
+    ap.add_argument("--cases", default=",".join(f"{b}x{c}" for b, c in CASES),
+                    help="SEQUENCESxCONTEXT decode cases, comma-separated (default: %(default)s)")
     a = ap.parse_args()
+    cases = [tuple(int(x) for x in case.split("x")) for case in a.cases.split(",")]
     print(f"kernel library: {kernels.status().path} (isa {kernels.status().isa})")
     for kv in a.kv.split(","):
-        for batch, context in CASES:
+        for batch, context in cases:
             t, mb = run(batch, context, kv, a.reps, layers=a.layers)
             print(f"decode b{batch:<3} c{context:<5} {kv:9s} {t * 1e6:8.1f} µs  K/V {mb:6.2f} MB  "
                   f"{mb / 1e3 / t:5.1f} GB/s")

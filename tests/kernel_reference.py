@@ -52,11 +52,17 @@ DECODE = {"float32": lambda p: p, "bfloat16": from_bf16, "int8": dequantize_int8
 
 
 def paged_attention_reference(f: dict[str, np.ndarray], *, q_heads: int, kv_heads: int, block_size: int,
-                              scale: float, window: int = 0, kv_dtype: str = "float32"
-                              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                              scale: float, window: int = 0, kv_dtype: str = "float32",
+                              p_rounding: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(o [T, Hq, D] float64, key_pool, value_pool)`` with the pools encoded as ``kv_dtype`` (the new rows
     written as the kernel writes them), activations given token-major ``[T, H, D]``; attention over the
-    pools as stored (decoded), in float64."""
+    pools as stored (decoded), in float64.
+
+    ``p_rounding`` (int8 pools; a ``[T, Hq, D]`` array, filled in): per output element, the standard deviation
+    that rounding the probabilities to int16 gives it, as the int8 decode path rounds them (paged_attention_impl.h
+    ``pv_tile_i16``: per block of keys, each probability times its value row's scale rounded with the row's own
+    step, the largest -> 32767): errors uniform within half a step, so σ² = Σ_blocks step² / 12 · Σ code², with the
+    step ``max(P·s_v) / 32767`` (P normalised) and the codes the block's int8 values of that element."""
     q = f["q"].astype(np.float64)
     pools = []
     for name, new in (("key_cache", f["k"]), ("value_cache", f["v"])):
@@ -83,6 +89,14 @@ def paged_attention_reference(f: dict[str, np.ndarray], *, q_heads: int, kv_head
             s = kc[slots, h // group] @ q[t, h] * scale
             w = np.exp(s - s.max())
             out[t, h] = (w / w.sum()) @ vc[slots, h // group]
+            if p_rounding is not None:
+                v = pools[1][slots, h // group]
+                codes2 = v[:, :-4].astype(np.float64) ** 2
+                pv = w / w.sum() * np.ascontiguousarray(v[:, -4:]).view(np.float32)[:, 0]
+                blocks = keys // block_size
+                var = sum((pv[blocks == b].max() / 32767) ** 2 / 12 * codes2[blocks == b].sum(0)
+                          for b in np.unique(blocks))
+                p_rounding[t, h] = np.sqrt(var)
     return out, pools[0], pools[1]
 
 

@@ -75,6 +75,30 @@ struct Vec {
     return _mm256_cvtepi32_ps(
         _mm256_add_epi32(_mm256_permute2x128_si256(w0, w1, 0x20), _mm256_permute2x128_si256(w0, w1, 0x31)));
   }
+  static void to_i16(const float* s, float inv, int16_t* out) {  // W probabilities in [0, 32767 / inv]
+    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(s), _mm256_set1_ps(inv)));
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), w);
+  }
+  // rows a, b (2W values each) widened and interleaved: lo holds the pairs (a[d], b[d]) of d in {0-3, 8-11}, hi
+  // those of {4-7, 12-15} (vpunpck*wd work within 128-bit halves); add_pairs undoes the order
+  static void interleave_pair(const int8_t* a, const int8_t* b, VK& lo, VK& hi) {
+    const __m256i wa = widen_i8(a), wb = widen_i8(b);
+    lo = _mm256_unpacklo_epi16(wa, wb);
+    hi = _mm256_unpackhi_epi16(wa, wb);
+  }
+  static VI dot_pair(VI acc, VK v, const int16_t* p) {  // lane += v.a * p[0] + v.b * p[1] (exact)
+    int32_t pp;
+    std::memcpy(&pp, p, sizeof pp);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(v, _mm256_set1_epi32(pp)));
+  }
+  static void add_pairs(float* out, VI lo, VI hi, float scale) {  // out[d] += float(sum of d) * scale, d < 2W
+    const V s = _mm256_set1_ps(scale);
+    const V v0 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(lo, hi, 0x20));
+    const V v1 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(lo, hi, 0x31));
+    _mm256_storeu_ps(out, _mm256_fmadd_ps(v0, s, _mm256_loadu_ps(out)));
+    _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(v1, s, _mm256_loadu_ps(out + 8)));
+  }
 };
 
 #include "paged_attention_impl.h"

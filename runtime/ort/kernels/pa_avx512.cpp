@@ -58,6 +58,30 @@ struct Vec {
   static V reduce_rows_i(const VI* v) {  // reduce_rows in int32 (exact), then float
     return _mm512_cvtepi32_ps(reduce16(v, IntAdd{}));
   }
+  static void to_i16(const float* s, float inv, int16_t* out) {  // W probabilities in [0, 32767 / inv]
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(s), _mm512_set1_ps(inv)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(q));
+  }
+  // rows a, b (2W values each) widened and interleaved: lo holds the pairs (a[d], b[d]) of d in {0-3, 8-11, 16-19,
+  // 24-27}, hi those of the other 16 (vpunpck*wd work within 128-bit quarters); add_pairs undoes the order
+  static void interleave_pair(const int8_t* a, const int8_t* b, VK& lo, VK& hi) {
+    const __m512i wa = widen_i8(a), wb = widen_i8(b);
+    lo = _mm512_unpacklo_epi16(wa, wb);
+    hi = _mm512_unpackhi_epi16(wa, wb);
+  }
+  static VI dot_pair(VI acc, VK v, const int16_t* p) {  // lane += v.a * p[0] + v.b * p[1] (exact)
+    int32_t pp;
+    std::memcpy(&pp, p, sizeof pp);
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(v, _mm512_set1_epi32(pp)));
+  }
+  static void add_pairs(float* out, VI lo, VI hi, float scale) {  // out[d] += float(sum of d) * scale, d < 2W
+    const __m512i t0 = _mm512_shuffle_i32x4(lo, hi, 0x44), t1 = _mm512_shuffle_i32x4(lo, hi, 0xEE);
+    const V s = _mm512_set1_ps(scale);
+    const V v0 = _mm512_cvtepi32_ps(_mm512_shuffle_i32x4(t0, t0, 0xD8));  // quarters lo0 hi0 lo1 hi1
+    const V v1 = _mm512_cvtepi32_ps(_mm512_shuffle_i32x4(t1, t1, 0xD8));  // lo2 hi2 lo3 hi3
+    _mm512_storeu_ps(out, _mm512_fmadd_ps(v0, s, _mm512_loadu_ps(out)));
+    _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(v1, s, _mm512_loadu_ps(out + 16)));
+  }
 };
 
 #include "paged_attention_impl.h"

@@ -57,6 +57,26 @@ struct Vec {
     for (int i = 0; i < W; ++i) out[i] = static_cast<float>((v[i][0] + v[i][1]) + (v[i][2] + v[i][3]));
     return out;
   }
+  static void to_i16(const float* s, float inv, int16_t* out) {  // W probabilities in [0, 32767 / inv]
+    for (int i = 0; i < W; ++i) out[i] = static_cast<int16_t>(std::nearbyint(s[i] * inv));
+  }
+  // rows a, b (2W values each) widened and interleaved: lo holds the pairs (a[d], b[d]) of d < W, hi of the rest
+  static void interleave_pair(const int8_t* a, const int8_t* b, VK& lo, VK& hi) {
+    for (int i = 0; i < W; ++i) {
+      lo.k[2 * i] = a[i], lo.k[2 * i + 1] = b[i];
+      hi.k[2 * i] = a[W + i], hi.k[2 * i + 1] = b[W + i];
+    }
+  }
+  static VI dot_pair(VI acc, const VK& v, const int16_t* p) {  // lane += v.a * p[0] + v.b * p[1] (exact)
+    for (int i = 0; i < W; ++i) acc[i] += int32_t{v.k[2 * i]} * p[0] + int32_t{v.k[2 * i + 1]} * p[1];
+    return acc;
+  }
+  static void add_pairs(float* out, VI lo, VI hi, float scale) {  // out[d] += float(sum of d) * scale, d < 2W
+    for (int i = 0; i < W; ++i) {
+      out[i] = std::fma(static_cast<float>(lo[i]), scale, out[i]);
+      out[W + i] = std::fma(static_cast<float>(hi[i]), scale, out[W + i]);
+    }
+  }
 };
 
 #include "paged_attention_impl.h"

@@ -7,7 +7,11 @@
 // V load_kv(const float* | const uint16_t* | const int8_t*) (fp32, bf16 widened, int8 converted, unscaled);
 // VI: W int32 lanes; VI izero(); VK widen_i8(const int8_t* k) (2W keys as int16); VI dot_i16_k(VI acc, const
 // int16_t* q, VK k) (lane i += q[2i]k[2i] + q[2i+1]k[2i+1] over 2W elements, exact); V reduce_rows_i(const VI v[W])
-// (lane i = float of the exact int sum of v[i]);
+// (lane i = float of the exact int sum of v[i]); P·V in integers (pv_tile_i16): void to_i16(const float* s, float inv,
+// int16_t* out) (W values rounded to nearest of s·inv); void interleave_pair(const int8_t* a, const int8_t* b, VK& lo,
+// VK& hi) (2W values of rows a and b widened, pairs (a[d], b[d]) split over lo and hi in an order of the ISA's
+// choosing); VI dot_pair(VI acc, VK v, const int16_t* p) (lane += a·p[0] + b·p[1], exact); void add_pairs(float*
+// out, VI lo, VI hi, float s) (out[d] += float(sum of d)·s for the 2W d of one interleave_pair, in d order);
 // (scalar conversions: omf::kv_to_float). It is included inside a
 // namespace, so it includes nothing itself (paged_attention.h brings the standard headers).
 //
@@ -17,14 +21,16 @@
 //  - few query rows (decodes): "row" path, every slot row of a block read whole (all KV heads at once):
 //    dot products per (row, head), P·V accumulated per head; the next block's rows prefetched; int8 pools score
 //    in integers (each query row rounded once to int16, exact int32 dots with the int8 keys: score_group_i8, each
-//    key row widened once for all the query rows of its KV head);
+//    key row widened once for all the query rows of its KV head), and P·V too (each row's probabilities, value
+//    scales folded in, rounded to int16 per block: pv_tile_i16, two keys per vpmaddwd);
 //  - many rows (prefill chunks): "tile" path, per KV head: the block's keys transposed once to [D][n],
 //    scores by a broadcast-FMA tile of 4 query rows x up to 4 vectors of keys, P·V by a register tile.
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Scratch {
   std::vector<float> q, s, acc, m, l, kt, scale, vscale, qscale;
-  std::vector<int16_t> q16;
+  std::vector<int16_t> q16, p16;
+  std::vector<float> pscale;
   std::vector<int64_t> pos;
   std::vector<const float*> qrow;
 };
@@ -81,7 +87,9 @@ static inline typename Vec::V vexp(typename Vec::V x) {
 }
 
 // The cache lines of one contiguous region, prefetched a few per call of pump() so that the loads overlap the
-// compute issued between the calls (a burst of prefetches stalls on the core's few line-fill buffers).
+// compute issued between the calls (a burst of prefetches stalls on the core's few line-fill buffers). Into L2
+// (prefetcht2), not L1: on the Zen 4 VM the int8 decode benchmark read 15–25% faster so (bench_attention.py, 30
+// layers: b64 c192 474–496 -> 362–372 µs, b16 c2048 1030–1135 -> 762–811 µs), the L1 left to the rows in use.
 struct PrefetchPump {
   const char* p = nullptr;
   const char* end = nullptr;
@@ -95,10 +103,10 @@ struct PrefetchPump {
     per_call = calls > 0 ? (lines + calls - 1) / calls : lines;
   }
   void pump() {
-    for (int64_t i = 0; i < per_call && p < end; ++i, p += 64) __builtin_prefetch(p, 0, 3);
+    for (int64_t i = 0; i < per_call && p < end; ++i, p += 64) __builtin_prefetch(p, 0, 1);
   }
   void drain() {
-    for (; p < end; p += 64) __builtin_prefetch(p, 0, 3);
+    for (; p < end; p += 64) __builtin_prefetch(p, 0, 1);
   }
 };
 
@@ -239,6 +247,9 @@ static inline void score_tile(const float* Q, const float* Kt, int64_t ldk, floa
     for (int c = 0; c < CT; ++c) Vec::store(S + r * lds + c * Vec::W, acc[r][c]);
 }
 
+template <int D>
+constexpr int kPvRows = D > 128 ? 1 : D > 64 ? 2 : 4;  // register tile rows of the float P·V tiles
+
 // P·V tile: Acc[r][:] += sum_j P[r][j] * V[j][:] for RT rows; V rows of head g at vbase + slot * row_stride.
 template <int D, int RT, typename KV>
 static inline void pv_tile(const float* P, int64_t ldp, const KV* const* vrows, int64_t n, float* Acc) {
@@ -261,13 +272,73 @@ static inline void pv_tile(const float* P, int64_t ldp, const KV* const* vrows, 
 // P·V for `rows` consecutive rows (P rows ldp apart, accumulators D apart), register tiles of up to RP rows.
 template <int D, typename KV>
 static inline void pv_rows(const float* P, int64_t ldp, const KV* const* vrows, int64_t n, float* Acc, int rows) {
-  constexpr int RP = D > 128 ? 1 : D > 64 ? 2 : 4;
+  constexpr int RP = kPvRows<D>;
   int r = 0;
   for (; r + RP <= rows; r += RP) pv_tile<D, RP, KV>(P + r * ldp, ldp, vrows, n, Acc + r * D);
   switch (rows - r) {  // the rest in one tile (< RP rows)
     case 3: if constexpr (RP > 3) pv_tile<D, 3, KV>(P + r * ldp, ldp, vrows, n, Acc + r * D); break;
     case 2: if constexpr (RP > 2) pv_tile<D, 2, KV>(P + r * ldp, ldp, vrows, n, Acc + r * D); break;
     case 1: pv_tile<D, 1, KV>(P + r * ldp, ldp, vrows, n, Acc + r * D); break;
+    default: break;
+  }
+}
+
+// int8 pools, decode rows: P·V in integers. Each row's probabilities over a block (each already multiplied by its
+// value row's scale) are rounded once to int16 with the row's own scale (its largest -> 32767: relative error
+// <= 2^-16 of the largest, against the int8 values' 2^-8); the sums over up to kPairsPerFlush key pairs are exact in
+// int32 (|sum| <= 2 * 32767 * 127 * kPairsPerFlush < 2^31), then made float, scaled and added. vpmaddwd takes two
+// keys per product, so the multiplies are half the float path's FMAs and the int8 values are never converted.
+constexpr int64_t kPairsPerFlush = 256;
+
+// Acc[r][:] += pscale[r] * sum_j P16[r][j] * V[j][:] for RT rows (P16 rows ldp apart, the n keys padded to whole
+// pairs with probability 0; vrows[j] the value rows, vrows[n] valid when n is odd).
+template <int D, int RT>
+static inline void pv_tile_i16(const int16_t* P16, int64_t ldp, const int8_t* const* vrows, int64_t n,
+                               const float* pscale, float* Acc, PrefetchPump& pump) {
+  constexpr int NP = D / (2 * Vec::W);  // interleaved vector pairs per pair of value rows
+  const int64_t pairs = (n + 1) / 2;
+  for (int64_t p0 = 0; p0 < pairs; p0 += kPairsPerFlush) {
+    const int64_t p1 = std::min(pairs, p0 + kPairsPerFlush);
+    typename Vec::VI lo[RT][NP], hi[RT][NP];
+    for (int r = 0; r < RT; ++r)
+      for (int i = 0; i < NP; ++i) lo[r][i] = hi[r][i] = Vec::izero();
+    for (int64_t jp = p0; jp < p1; ++jp) {
+      if ((jp & 3) == 0) pump.pump();
+      const int8_t* a = vrows[2 * jp];
+      const int8_t* b = vrows[2 * jp + 1];
+      for (int i = 0; i < NP; ++i) {
+        typename Vec::VK vl, vh;
+        Vec::interleave_pair(a + i * 2 * Vec::W, b + i * 2 * Vec::W, vl, vh);
+        for (int r = 0; r < RT; ++r) {
+          lo[r][i] = Vec::dot_pair(lo[r][i], vl, P16 + r * ldp + 2 * jp);
+          hi[r][i] = Vec::dot_pair(hi[r][i], vh, P16 + r * ldp + 2 * jp);
+        }
+      }
+    }
+    for (int r = 0; r < RT; ++r)
+      for (int i = 0; i < NP; ++i) Vec::add_pairs(Acc + r * D + i * 2 * Vec::W, lo[r][i], hi[r][i], pscale[r]);
+  }
+}
+
+// register tile rows of pv_tile_i16: 2 · D / (2W) int32 accumulators per row within ~3/4 of the vector registers
+template <int D>
+constexpr int kPvRowsI16 = std::max(1, std::min(kPvRows<D>, (Vec::W == 16 ? 24 : 12) / (D / Vec::W)));
+
+// pv_tile_i16 over `rows` consecutive rows, register tiles of up to kPvRowsI16 rows; pv_tiles(rows) tiles run,
+// each with a pump.pump() every 4 key pairs.
+template <int D>
+static inline int pv_tiles(int rows) { return (rows + kPvRowsI16<D> - 1) / kPvRowsI16<D>; }
+
+template <int D>
+static inline void pv_rows_i16(const int16_t* P16, int64_t ldp, const int8_t* const* vrows, int64_t n,
+                               const float* pscale, float* Acc, int rows, PrefetchPump& pump) {
+  constexpr int RP = kPvRowsI16<D>;
+  int r = 0;
+  for (; r + RP <= rows; r += RP) pv_tile_i16<D, RP>(P16 + r * ldp, ldp, vrows, n, pscale + r, Acc + r * D, pump);
+  switch (rows - r) {  // the rest in one tile (< RP rows)
+    case 3: if constexpr (RP > 3) pv_tile_i16<D, 3>(P16 + r * ldp, ldp, vrows, n, pscale + r, Acc + r * D, pump); break;
+    case 2: if constexpr (RP > 2) pv_tile_i16<D, 2>(P16 + r * ldp, ldp, vrows, n, pscale + r, Acc + r * D, pump); break;
+    case 1: pv_tile_i16<D, 1>(P16 + r * ldp, ldp, vrows, n, pscale + r, Acc + r * D, pump); break;
     default: break;
   }
 }
@@ -363,7 +434,7 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
   }
   const KV* kpool = static_cast<const KV*>(P.key_pool);
   const KV* vpool = static_cast<const KV*>(P.value_pool);
-  std::vector<const KV*> vrows(bs);
+  std::vector<const KV*> vrows(bs + 1);
   PrefetchPump pump;
   if (row_path) {  // this item's first key block (usually in flight already: the previous item prefetched it)
     const auto [k0, bytes] = first_key_block<D, KV>(P, it);
@@ -425,14 +496,44 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
           for (int64_t j = 0; j < n; ++j) S.s[r * np_max + j] *= sc[j];
         }
       }
+      if constexpr (int_scores) {  // each row's probabilities as int16 with the row's own scale (pv_tile_i16)
+        S.p16.resize(static_cast<size_t>(nrows) * np_max);
+        S.pscale.resize(nrows);
+        for (int r = 0; r < nrows; ++r) {
+          const float* s = &S.s[r * np_max];
+          int16_t* p16 = &S.p16[static_cast<size_t>(r) * np_max];
+          const float amax = abs_max(s, np);  // the probabilities past n are 0
+          if (!(amax > 0.0f)) {
+            std::fill(p16, p16 + np, int16_t{0});
+            S.pscale[r] = 0.0f;
+            continue;
+          }
+          for (int64_t j = 0; j < np; j += Vec::W) Vec::to_i16(s + j, 32767.0f / amax, p16 + j);
+          S.pscale[r] = amax / 32767.0f;
+        }
+      }
+      // the P·V below calls pump.pump() `pv_calls` times
+      const int64_t pv_calls = int_scores ? Hkv * ntok * pv_tiles<D>(G) * (((n + 1) / 2 + 3) / 4) : chunks * Hkv * ntok;
       pump.drain();
       if (b < last_block) {
         const int64_t nn = std::min<int64_t>(bs, pmax + 1 - (b + 1) * bs);
         pump.start(kpool + it.table[b + 1] * bs * row_stride, nn * row_stride * static_cast<int64_t>(sizeof(KV)),
-                   chunks * Hkv * ntok);
+                   pv_calls);
       } else if (next != nullptr) {
         const auto [k0, bytes] = first_key_block<D, KV>(P, *next);
-        pump.start(k0, bytes, chunks * Hkv * ntok);
+        pump.start(k0, bytes, pv_calls);
+      }
+      if constexpr (int_scores) {  // P·V per KV head over the whole block, in integers
+        for (int g = 0; g < Hkv; ++g) {
+          for (int64_t j = 0; j < n; ++j) vrows[j] = vpool + (base + j) * row_stride + g * HE;
+          if (n & 1) vrows[n] = vrows[n - 1];  // the padding key (probability 0)
+          for (int i = 0; i < ntok; ++i) {
+            const int r0 = i * Hq + g * G;
+            pv_rows_i16<D>(&S.p16[static_cast<size_t>(r0) * np_max], np_max, vrows.data(), n, &S.pscale[r0],
+                           &S.acc[static_cast<size_t>(r0) * D], G, pump);
+          }
+        }
+        continue;
       }
       // P·V in chunks of W rows: every KV head's group of query rows in registers over the chunk
       for (int64_t c = 0; c < n; c += Vec::W) {
