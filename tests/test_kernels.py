@@ -38,9 +38,10 @@ def run_case(rng, seqs, *, q_heads=9, kv_heads=3, head_dim=64, block_size=16, nu
     """One node against the float64 reference. int8 pools: decode rows score with q rounded to int16 per row
     (paged_attention_impl.h), which moves outputs by ~1e-4 (atol 2e-4 here); ``round_q_int16`` gives the reference
     that same rounding instead, and the float tolerance applies; their probabilities are rounded to int16 per block
-    too, and each element's tolerance grows by 6 σ of what that moves it by (kernel_reference ``p_rounding``). ``packed``: q, k, v as one ``[1, T, (Hq+2Hkv)*D]``
-    input; ``rotary``: the kernel rotates q and k with cos/sin of the step's positions, the reference is given them
-    rotated in float32 (kernel_reference.rotate_half), so the pools must match exactly."""
+    too, and each element's tolerance grows by 6 σ of what that moves it by (kernel_reference ``p_rounding``).
+    ``packed``: q, k, v as one ``[1, T, (Hq+2Hkv)*D]`` input; ``rotary``: the kernel rotates q and k with cos/sin
+    of the step's positions, the reference is given them rotated in float32 (kernel_reference.rotate_half), so the
+    pools must match exactly."""
     step = make_step(rng, seqs, block_size, num_blocks, shared_prefix_blocks, split_decodes)
     T = step["input_ids"].shape[1]
     scale = head_dim ** -0.5
