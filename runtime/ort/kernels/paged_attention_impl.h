@@ -137,20 +137,24 @@ static inline void score_chunk(const float* q, const KV* kbase, int64_t row_stri
 template <int D>
 constexpr bool kIntScores = D % 32 == 0;  // the same head sizes on every path (2W divides 32 for W = 4, 8, 16)
 
-// The G query rows of one KV head (q: G rows D apart; s: G rows lds apart) against m <= W of its key rows: each key
-// row is widened to int16 once and used by all G rows (GQA), not once per query row.
+// The G query rows of one KV head (q: G rows D apart, qscale their scales; s: G rows lds apart) against m <= W of
+// its key rows: each key row is widened to int16 once and used by all G rows (GQA), not once per query row; each
+// score is float(exact dot) · (key scale · query scale), the key scales read from the rows just loaded.
 constexpr int kMaxGroupRows = 8;  // the row path's query rows per item (ntok · G <= 8)
 
 template <int D>
-static inline void score_group_i8(const int16_t* q, int G, const int8_t* kbase, int64_t row_stride, int64_t m,
-                                  float* s, int64_t lds) {
+static inline void score_group_i8(const int16_t* q, const float* qscale, int G, const int8_t* kbase,
+                                  int64_t row_stride, int64_t m, float* s, int64_t lds) {
   constexpr int NV = D / (2 * Vec::W);
   typename Vec::VI part[kMaxGroupRows][Vec::W];
+  alignas(64) float kscale[Vec::W];
   for (int jj = 0; jj < Vec::W; ++jj) {
     if (jj >= m) {
       for (int r = 0; r < G; ++r) part[r][jj] = Vec::izero();
+      kscale[jj] = 0.0f;
       continue;
     }
+    kscale[jj] = row_scale<int8_t, D>(kbase + jj * row_stride);
     const int8_t* k = kbase + jj * row_stride;
     typename Vec::VK kw[NV];
     for (int i = 0; i < NV; ++i) kw[i] = Vec::widen_i8(k + i * 2 * Vec::W);
@@ -161,7 +165,9 @@ static inline void score_group_i8(const int16_t* q, int G, const int8_t* kbase, 
       part[r][jj] = a;
     }
   }
-  for (int r = 0; r < G; ++r) Vec::store(s + r * lds, Vec::reduce_rows_i(part[r]));
+  const typename Vec::V ks = Vec::load(kscale);
+  for (int r = 0; r < G; ++r)
+    Vec::store(s + r * lds, Vec::mul(Vec::reduce_rows_i(part[r]), Vec::mul(ks, Vec::set1(qscale[r]))));
 }
 
 // max |x[d]| over d < n (exact, so the same on every path).
@@ -206,7 +212,7 @@ static inline float softmax_update(float* s, int64_t np, float& m, float& l) {
     return 1.0f;
   }
   const float mn = std::max(m, bm);
-  const float corr = (m == kNegInf) ? 0.0f : std::exp(m - mn);
+  const float corr = (m == kNegInf) ? 0.0f : (m == mn) ? 1.0f : std::exp(m - mn);  // exp(0) = 1: no call
   const typename Vec::V vmn = Vec::set1(mn);
   typename Vec::V sum = Vec::zero();
   for (int64_t j = 0; j < np; j += Vec::W) {
@@ -460,8 +466,8 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
             for (int g = 0; g < Hkv; ++g) {  // rows i·Hq + g·G … + G − 1: KV head g's query rows of token i
               const int r0 = i * Hq + g * G;
               for (int t = 0; t < G; ++t) pump.pump();
-              score_group_i8<D>(&S.q16[static_cast<size_t>(r0) * D], G, kchunk + g * HE, row_stride, m,
-                                &S.s[r0 * np_max + c], np_max);
+              score_group_i8<D>(&S.q16[static_cast<size_t>(r0) * D], &S.qscale[r0], G, kchunk + g * HE,
+                                row_stride, m, &S.s[r0 * np_max + c], np_max);
             }
         } else {
           for (int r = 0; r < nrows; ++r) {
@@ -471,12 +477,11 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
           }
         }
       }
-      if constexpr (std::is_same<KV, int8_t>::value) {  // each key row's scale, gathered once per head
+      if constexpr (std::is_same<KV, int8_t>::value && !int_scores) {  // each key row's scale, gathered per head
         gather_scales<KV, D>(kpool + base * row_stride, row_stride, n, Hkv, HE, np_max, S.scale);
         for (int r = 0; r < nrows; ++r) {
           const float* sc = &S.scale[(r % Hq / G) * np_max];
-          const float qs = int_scores ? S.qscale[r] : 1.0f;
-          for (int64_t j = 0; j < n; ++j) S.s[r * np_max + j] *= sc[j] * qs;
+          for (int64_t j = 0; j < n; ++j) S.s[r * np_max + j] *= sc[j];
         }
       }
       for (int r = 0; r < nrows; ++r) {
