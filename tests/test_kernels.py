@@ -188,6 +188,19 @@ def test_int8_decode_scores_are_integer_dots_of_int16_queries(head_dim: int, q_h
              round_q_int16=True, block_size=64, num_blocks=8)
 
 
+@pytest.mark.parametrize("seqs, q_heads, kv_heads", [
+    ([(37, 5), (100, 8), (3, 2), (63, 1)], 9, 3),   # 15, 24, 6 and 3 rows: speculative verification, short chunks
+    ([(37, 3), (70, 2), (0, 3)], 16, 2),            # 8 query heads per KV head: 24 rows at most
+])
+def test_int8_short_items_take_the_integer_row_path(seqs, q_heads: int, kv_heads: int) -> None:  # noqa: ANN001
+    """int8 pools: items of a few tokens (up to 24 query rows per KV head take the integer row path, as decodes do):
+    each token sees only the keys up to its own position — against the reference given the same rounded q."""
+    rng = np.random.default_rng(12)
+    run_case(rng, seqs, q_heads=q_heads, kv_heads=kv_heads, kv_dtype="int8", round_q_int16=True)
+    run_case(rng, seqs, q_heads=q_heads, kv_heads=kv_heads, kv_dtype="int8", round_q_int16=True, block_size=64,
+             num_blocks=16)
+
+
 @pytest.mark.parametrize("window", [1, 7, 40])
 def test_sliding_window(window: int) -> None:
     run_case(np.random.default_rng(6), [(50, 1), (20, 30), (90, 1)], window=window)

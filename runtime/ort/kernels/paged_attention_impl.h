@@ -18,7 +18,8 @@
 // Algorithm (one work item = one sequence's query tokens, <= kMaxItemTokens): online softmax over the
 // sequence's blocks in order; a block no query of the item can see is never touched; within a block, keys
 // hidden from a query (position after it, or outside the sliding window) score -inf. Two shapes:
-//  - few query rows (decodes): "row" path, every slot row of a block read whole (all KV heads at once):
+//  - few query rows (decodes; with int8 pools also speculative verification and short chunks: kRowPathRows): "row"
+//    path, every slot row of a block read whole (all KV heads at once):
 //    dot products per (row, head), P·V accumulated per head; the next block's rows prefetched; int8 pools score
 //    in integers (each query row rounded once to int16, exact int32 dots with the int8 keys: score_group_i8, each
 //    key row widened once for all the query rows of its KV head), and P·V too (each row's probabilities, value
@@ -140,7 +141,14 @@ constexpr bool kIntScores = D % 32 == 0;  // the same head sizes on every path (
 // The G query rows of one KV head (q: G rows D apart, qscale their scales; s: G rows lds apart) against m <= W of
 // its key rows: each key row is widened to int16 once and used by all G rows (GQA), not once per query row; each
 // score is float(exact dot) · (key scale · query scale), the key scales read from the rows just loaded.
-constexpr int kMaxGroupRows = 8;  // the row path's query rows per item (ntok · G <= 8)
+constexpr int kMaxGroupRows = 8;  // a KV head's query rows per token (G) on the integer row path
+
+// An item takes the row path up to this many query rows (tokens × q heads per KV head), the tile path beyond. int8
+// pools' integer row path wins further: a step of 8 sequences × k tokens at context 500 (int4 + int8 KV, Zen 4)
+// took, row path up to 8 rows → up to 24: k = 5 41.8 / 42.1 → 35.2 / 34.5 ms, k = 8 69.2 / 58.5 → 49.4 / 49.9;
+// k = 16 and 32 gained nothing from the row path (the tile path's register blocking pays there).
+constexpr int kRowPathRows = 8;
+constexpr int kRowPathRowsInt = 24;
 
 template <int D>
 static inline void score_group_i8(const int16_t* q, const float* qscale, int G, const int8_t* kbase,
@@ -409,7 +417,8 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
     }
   const int64_t np_max = round_up(bs, Vec::W);
   // Row layout: row r = token i * Hq + head h (row path) or, per KV head, i * G + hh (tile path).
-  const bool row_path = ntok * G <= 8;
+  constexpr bool int_rows = std::is_same<KV, int8_t>::value && kIntScores<D>;
+  const bool row_path = int_rows ? ntok * G <= kRowPathRowsInt && G <= kMaxGroupRows : ntok * G <= kRowPathRows;
   const int nrows = ntok * Hq;
   const int rows_per_head = static_cast<int>(round_up(ntok * G, 4));  // tile path: each head's rows padded to 4
   const size_t rows = static_cast<size_t>(std::max(nrows, rows_per_head * Hkv));  // scratch rows, either layout
