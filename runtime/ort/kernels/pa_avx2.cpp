@@ -87,9 +87,7 @@ struct Vec {
     lo = _mm256_unpacklo_epi16(wa, wb);
     hi = _mm256_unpackhi_epi16(wa, wb);
   }
-  static VI dot_pair(VI acc, VK v, const int16_t* p) {  // lane += v.a * p[0] + v.b * p[1] (exact)
-    int32_t pp;
-    std::memcpy(&pp, p, sizeof pp);
+  static VI dot_pair(VI acc, VK v, int32_t pp) {  // lane += v.a * p0 + v.b * p1, pp = the int16 pair (p0, p1)
     return _mm256_add_epi32(acc, _mm256_madd_epi16(v, _mm256_set1_epi32(pp)));
   }
   static void add_pairs(float* out, VI lo, VI hi, float scale) {  // out[d] += float(sum of d) * scale, d < 2W

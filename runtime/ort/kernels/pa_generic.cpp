@@ -67,7 +67,9 @@ struct Vec {
       hi.k[2 * i] = a[W + i], hi.k[2 * i + 1] = b[W + i];
     }
   }
-  static VI dot_pair(VI acc, const VK& v, const int16_t* p) {  // lane += v.a * p[0] + v.b * p[1] (exact)
+  static VI dot_pair(VI acc, const VK& v, int32_t pp) {  // lane += v.a * p0 + v.b * p1, pp = the int16 pair (p0, p1)
+    int16_t p[2];
+    std::memcpy(p, &pp, sizeof p);
     for (int i = 0; i < W; ++i) acc[i] += int32_t{v.k[2 * i]} * p[0] + int32_t{v.k[2 * i + 1]} * p[1];
     return acc;
   }

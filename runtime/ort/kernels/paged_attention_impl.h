@@ -10,10 +10,10 @@
 // (lane i = float of the exact int sum of v[i]); P·V in integers (pv_tile_i16): void to_i16(const float* s, float inv,
 // int16_t* out) (W values rounded to nearest of s·inv); void interleave_pair(const int8_t* a, const int8_t* b, VK& lo,
 // VK& hi) (2W values of rows a and b widened, pairs (a[d], b[d]) split over lo and hi in an order of the ISA's
-// choosing); VI dot_pair(VI acc, VK v, const int16_t* p) (lane += a·p[0] + b·p[1], exact); void add_pairs(float*
-// out, VI lo, VI hi, float s) (out[d] += float(sum of d)·s for the 2W d of one interleave_pair, in d order);
-// (scalar conversions: omf::kv_to_float). It is included inside a
-// namespace, so it includes nothing itself (paged_attention.h brings the standard headers).
+// choosing); VI dot_pair(VI acc, VK v, int32_t pp) (lane += a·p0 + b·p1, pp the int16 pair, exact); void
+// add_pairs(float* out, VI lo, VI hi, float s) (out[d] += float(sum of d)·s for the 2W d of one interleave_pair, in
+// d order); (scalar conversions: omf::kv_to_float). It is included inside a namespace, so it includes nothing itself
+// (paged_attention.h brings the standard headers).
 //
 // Algorithm (one work item = one sequence's query tokens, <= kMaxItemTokens): online softmax over the
 // sequence's blocks in order; a block no query of the item can see is never touched; within a block, keys
@@ -320,12 +320,14 @@ static inline void pv_tile_i16(const int16_t* P16, int64_t ldp, const int8_t* co
       if ((jp & 3) == 0) pump.pump();
       const int8_t* a = vrows[2 * jp];
       const int8_t* b = vrows[2 * jp + 1];
+      int32_t pp[RT];  // each row's two probabilities, (p[2jp], p[2jp + 1]) as one 32-bit pair
+      for (int r = 0; r < RT; ++r) std::memcpy(&pp[r], P16 + r * ldp + 2 * jp, sizeof pp[r]);
       for (int i = 0; i < NP; ++i) {
         typename Vec::VK vl, vh;
         Vec::interleave_pair(a + i * 2 * Vec::W, b + i * 2 * Vec::W, vl, vh);
         for (int r = 0; r < RT; ++r) {
-          lo[r][i] = Vec::dot_pair(lo[r][i], vl, P16 + r * ldp + 2 * jp);
-          hi[r][i] = Vec::dot_pair(hi[r][i], vh, P16 + r * ldp + 2 * jp);
+          lo[r][i] = Vec::dot_pair(lo[r][i], vl, pp[r]);
+          hi[r][i] = Vec::dot_pair(hi[r][i], vh, pp[r]);
         }
       }
     }
