@@ -234,7 +234,8 @@ def test_slower_isa_paths(isa: str, tmp_path) -> None:  # noqa: ANN001
             "t.run_case(np.random.default_rng(8), [(3, 9), (33, 1)], q_heads=16, kv_heads=2, head_dim=128, window=5); "
             "t.run_case(np.random.default_rng(9), [(30, 40), (70, 1)], kv_dtype='bfloat16'); "
             "t.run_case(np.random.default_rng(9), [(30, 40), (70, 1)], kv_dtype='int8'); "
-            "t.run_case(np.random.default_rng(9), [(37, 1), (70, 1)], kv_dtype='int8', round_q_int16=True)")
+            "t.run_case(np.random.default_rng(9), [(37, 1), (70, 1)], kv_dtype='int8', round_q_int16=True); "
+            "t.check_add_rms_norm((1, 64, 576)); t.check_add_rms_norm((2, 3, 37))")
     import os
     env = {**os.environ, "OMFORGE_KERNELS_ISA": isa}
     tests_dir = str(__import__("pathlib").Path(__file__).parent)
@@ -345,3 +346,40 @@ def test_swiglu(shape: tuple[int, ...]) -> None:
     np.testing.assert_allclose(y, g / (1 + np.exp(-g)) * u, rtol=2e-6, atol=1e-6)
     with pytest.raises(Exception, match="even last dimension"):
         session(model).run(None, {"x": x[..., :-1].copy()})
+
+
+def add_rms_norm_model(epsilon: float = 1e-5):  # noqa: ANN201
+    from onnx import TensorProto, helper
+
+    node = helper.make_node("AddRMSNorm", ["a", "b", "w"], ["y", "s"], domain=kernels.DOMAIN, epsilon=epsilon)
+    graph = helper.make_graph([node], "add_rms_norm",
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("a", "b", "w")],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "s")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(kernels.DOMAIN, 1)],
+                             ir_version=9)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (1, 64, 576), (2, 3, 37), (1, 512, 960)])
+def test_add_rms_norm(shape: tuple[int, ...]) -> None:
+    """AddRMSNorm: the residual sum exactly as float32 adds it, the RMSNorm of it against float64 (the slower ISA
+    paths: test_slower_isa_paths)."""
+    check_add_rms_norm(shape)
+
+
+def check_add_rms_norm(shape: tuple[int, ...]) -> None:
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal(shape, dtype=np.float32) * 3 for _ in range(2))
+    w = rng.standard_normal(shape[-1], dtype=np.float32)
+    y, s = session(add_rms_norm_model(1e-5)).run(None, {"a": a, "b": b, "w": w})
+    np.testing.assert_array_equal(s, a + b)
+    total = (a + b).astype(np.float64)
+    want = total / np.sqrt((total ** 2).mean(-1, keepdims=True) + 1e-5) * w
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+
+
+def test_add_rms_norm_errors() -> None:
+    a = np.ones((2, 8), np.float32)
+    with pytest.raises(Exception, match="one shape"):
+        session(add_rms_norm_model()).run(None, {"a": a, "b": a[:1].copy(), "w": np.ones(8, np.float32)})
+    with pytest.raises(Exception, match=r"weight must be \[H\]"):
+        session(add_rms_norm_model()).run(None, {"a": a, "b": a, "w": np.ones(4, np.float32)})

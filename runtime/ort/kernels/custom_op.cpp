@@ -1,6 +1,7 @@
 // The omforge kernel library: registers the custom-op domain `omforge.kernels` with ONNX Runtime
 // (entry point RegisterCustomOps) and implements its ops on the CPU EP: PagedAttention (three KV pool
-// dtypes, below), SwiGLU (gate_up [..., 2F] -> silu(gate) * up [..., F]), MatMulQ (a block-quantized weight
+// dtypes, below), SwiGLU (gate_up [..., 2F] -> silu(gate) * up [..., F]), AddRMSNorm (a + b and its RMSNorm, as
+// ORT's SkipSimplifiedLayerNormalization without the broadcasting), MatMulQ (a block-quantized weight
 // MatMul with int8 activations: qgemm.h, qgemm_op.h), MatMulQBF16 (the same weights, bfloat16 activations) and
 // MatMulBF16 (bfloat16 weights: bgemm_generic.cpp).
 //
@@ -39,7 +40,7 @@
 namespace omf {
 namespace {
 
-constexpr int kAbiVersion = 3;  // bump when the op's inputs, outputs or attributes change
+constexpr int kAbiVersion = 4;  // bump when the op's inputs, outputs or attributes change
 constexpr const char* kDomain = "omforge.kernels";
 constexpr int64_t kHeadDims[] = {16, 32, 64, 96, 128, 256};  // the instantiations in paged_attention_impl.h
 
@@ -50,6 +51,7 @@ struct Isa {
   AttendFn fn;
   SwiGluFn swiglu;
   QuantizeKvFn quantize_kv_int8;
+  AddRmsNormFn add_rms_norm;
 };
 
 Isa choose_isa() {
@@ -59,10 +61,13 @@ Isa choose_isa() {
   __builtin_cpu_init();
   const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");  // pa_avx512: BW for the int8 dots
   const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (has512 && (w.empty() || w == "avx512")) return {"avx512", &avx512::attend, &avx512::swiglu, &avx512::quantize_kv_int8};
-  if (has2 && (w.empty() || w == "avx512" || w == "avx2")) return {"avx2", &avx2::attend, &avx2::swiglu, &avx2::quantize_kv_int8};
+  if (has512 && (w.empty() || w == "avx512")) return {"avx512", &avx512::attend, &avx512::swiglu, &avx512::quantize_kv_int8,
+            &avx512::add_rms_norm};
+  if (has2 && (w.empty() || w == "avx512" || w == "avx2")) return {"avx2", &avx2::attend, &avx2::swiglu, &avx2::quantize_kv_int8,
+            &avx2::add_rms_norm};
 #endif
-  return {"generic", &generic::attend, &generic::swiglu, &generic::quantize_kv_int8};
+  return {"generic", &generic::attend, &generic::swiglu, &generic::quantize_kv_int8,
+            &generic::add_rms_norm};
 }
 
 const Isa& isa() {
@@ -72,13 +77,13 @@ const Isa& isa() {
 
 OrtStatus* fail(const std::string& msg) { return g_api.CreateStatus(kOrtInvalidArgument, ("PagedAttention: " + msg).c_str()); }
 
-enum class OpKind { kPagedAttention, kSwiGlu, kMatMulQ, kMatMulQBF16, kMatMulBF16 };
+enum class OpKind { kPagedAttention, kSwiGlu, kMatMulQ, kMatMulQBF16, kMatMulBF16, kAddRmsNorm };
 
 struct Kernel {
   OpKind kind = OpKind::kPagedAttention;
   KvType kv_type;
   int64_t q_heads = 0, kv_heads = 0, block_size = 0, window = 0;
-  float scale = 0.0f;
+  float scale = 0.0f, epsilon = 0.0f;
   MatMulQAttrs gemm;
 };
 
@@ -334,6 +339,50 @@ OrtStatus* compute_swiglu(OrtKernelContext* ctx) {
   return run_items(g_api, ctx, &run_swiglu_item, items, &run);
 }
 
+struct AddRmsNormRun {
+  const float *a, *b, *w;
+  float eps;
+  float *y, *sum;
+  int64_t rows, H, rows_per_item;
+};
+
+void run_add_rms_norm_item(void* data, size_t i) {
+  const AddRmsNormRun* r = static_cast<const AddRmsNormRun*>(data);
+  const int64_t first = static_cast<int64_t>(i) * r->rows_per_item;
+  const int64_t n = std::min(r->rows_per_item, r->rows - first);
+  isa().add_rms_norm(r->a + first * r->H, r->b + first * r->H, r->w, r->eps, r->y + first * r->H,
+                     r->sum + first * r->H, n, r->H);
+}
+
+// AddRMSNorm(a, b, weight [H]; epsilon) -> (y, sum), a and b of one shape [..., H]: sum = a + b, y = RMSNorm(sum) ·
+// weight (ORT's SkipSimplifiedLayerNormalization outputs 0 and 3, without its skip broadcasting); rows over ORT's
+// threads.
+OrtStatus* compute_add_rms_norm(const Kernel& K, OrtKernelContext* ctx) {
+  Tensor in[3];
+  for (size_t i = 0; i < 3; ++i) {
+    const OrtValue* v = nullptr;
+    if (OrtStatus* s = g_api.KernelContext_GetInput(ctx, i, &v)) return s;
+    if (OrtStatus* s = describe(g_api, v, in[i])) return s;
+  }
+  const Tensor &a = in[0], &b = in[1], &w = in[2];
+  if (a.type != kFloat || b.type != kFloat || w.type != kFloat)
+    return g_api.CreateStatus(kOrtInvalidArgument, "AddRMSNorm: a, b and weight must be float32");
+  if (a.dims.empty() || a.dims != b.dims)
+    return g_api.CreateStatus(kOrtInvalidArgument, "AddRMSNorm: a and b must have one shape [..., H]");
+  const int64_t H = a.dims.back();
+  if (w.dims != std::vector<int64_t>{H})
+    return g_api.CreateStatus(kOrtInvalidArgument, "AddRMSNorm: weight must be [H], H the last dimension of a");
+  void *y = nullptr, *sum = nullptr;
+  if (OrtStatus* s = last_dim_output(g_api, ctx, 0, a, H, &y)) return s;
+  if (OrtStatus* s = last_dim_output(g_api, ctx, 1, a, H, &sum)) return s;
+  AddRmsNormRun run{static_cast<const float*>(a.data), static_cast<const float*>(b.data),
+                    static_cast<const float*>(w.data), K.epsilon, static_cast<float*>(y), static_cast<float*>(sum),
+                    H ? a.numel() / H : 0, H, 0};
+  run.rows_per_item = std::max<int64_t>(1, 8192 / std::max<int64_t>(H, 1));  // ~32 KB of a row block per item
+  const size_t items = static_cast<size_t>((run.rows + run.rows_per_item - 1) / run.rows_per_item);
+  return run_items(g_api, ctx, &run_add_rms_norm_item, items, &run);
+}
+
 // ---- the OrtCustomOp tables ----
 
 struct Op {
@@ -351,6 +400,16 @@ OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernelIn
   k->kind = as_op(op)->kind;
   k->kv_type = as_op(op)->kv_type;
   if (k->kind == OpKind::kSwiGlu) {  // no attributes
+    *out = k;
+    return nullptr;
+  }
+  if (k->kind == OpKind::kAddRmsNorm) {
+    OrtStatus* s = g_api.KernelInfoGetAttribute_float(info, "epsilon", &k->epsilon);
+    if (!s && !(k->epsilon >= 0.0f)) s = g_api.CreateStatus(kOrtInvalidArgument, "AddRMSNorm: epsilon must be >= 0");
+    if (s) {
+      delete k;
+      return s;
+    }
     *out = k;
     return nullptr;
   }
@@ -390,6 +449,7 @@ OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
     if (k.kind == OpKind::kMatMulQ) return compute_matmul_q(g_api, k.gemm, ctx);
     if (k.kind == OpKind::kMatMulQBF16) return compute_matmul_qbf16(g_api, k.gemm, ctx);
     if (k.kind == OpKind::kMatMulBF16) return compute_matmul_bf16(g_api, k.gemm, ctx);
+    if (k.kind == OpKind::kAddRmsNorm) return compute_add_rms_norm(k, ctx);
     return k.kind == OpKind::kSwiGlu ? compute_swiglu(ctx) : compute(k, ctx);
   } catch (const std::bad_alloc&) {
     return g_api.CreateStatus(kOrtFail, "PagedAttention: out of memory");
@@ -402,13 +462,17 @@ const char* op_ep(const OrtCustomOp*) { return "CPUExecutionProvider"; }
 size_t input_count(const OrtCustomOp* op) {
   const OpKind kind = as_op(op)->kind;
   if (kind == OpKind::kMatMulQ || kind == OpKind::kMatMulQBF16) return 4;
+  if (kind == OpKind::kAddRmsNorm) return 3;
   return kind == OpKind::kSwiGlu ? 1 : kind == OpKind::kMatMulBF16 ? 2 : 14;
 }
-size_t output_count(const OrtCustomOp* op) { return as_op(op)->kind == OpKind::kPagedAttention ? 3 : 1; }
+size_t output_count(const OrtCustomOp* op) {
+  const OpKind kind = as_op(op)->kind;
+  return kind == OpKind::kPagedAttention ? 3 : kind == OpKind::kAddRmsNorm ? 2 : 1;
+}
 int input_type(const OrtCustomOp* op, size_t i) {
   if (as_op(op)->kind == OpKind::kMatMulQ || as_op(op)->kind == OpKind::kMatMulQBF16) return i == 1 ? kUint8 : kFloat;
   if (as_op(op)->kind == OpKind::kMatMulBF16) return i == 1 ? kUint16 : kFloat;
-  if (i <= 2 || i >= 12 || as_op(op)->kind == OpKind::kSwiGlu) return kFloat;
+  if (i <= 2 || i >= 12 || as_op(op)->kind == OpKind::kSwiGlu || as_op(op)->kind == OpKind::kAddRmsNorm) return kFloat;
   if (i <= 4) {
     switch (as_op(op)->kv_type) {
       case KvType::kBfloat16: return kBfloat16;
@@ -463,6 +527,7 @@ Op g_ops[] = {make_op("PagedAttention", OpKind::kPagedAttention, KvType::kFloat3
               make_op("PagedAttentionBF16", OpKind::kPagedAttention, KvType::kBfloat16),
               make_op("PagedAttentionInt8", OpKind::kPagedAttention, KvType::kInt8),
               make_op("SwiGLU", OpKind::kSwiGlu, KvType::kFloat32),
+              make_op("AddRMSNorm", OpKind::kAddRmsNorm, KvType::kFloat32),
               make_op("MatMulQ", OpKind::kMatMulQ, KvType::kFloat32),
               make_op("MatMulQBF16", OpKind::kMatMulQBF16, KvType::kFloat32),
               make_op("MatMulBF16", OpKind::kMatMulBF16, KvType::kFloat32)};

@@ -62,21 +62,30 @@ inline float kv_to_float(uint16_t x) { return bf16_to_float(x); }
 using SwiGluFn = void (*)(const float* in, float* out, int64_t rows, int64_t F);
 // One head's row into an int8 pool: D int8 values and the row's float scale (paged_attention_impl.h).
 using QuantizeKvFn = void (*)(const float* x, int64_t D, int8_t* out);
+// AddRMSNorm of `rows` rows of H (paged_attention_impl.h add_rms_norm).
+using AddRmsNormFn = void (*)(const float* a, const float* b, const float* w, float eps, float* y, float* sum,
+                              int64_t rows, int64_t H);
 
 namespace avx512 {
 bool attend(const PagedProblem&, size_t item, const char** error);
 void swiglu(const float* in, float* out, int64_t rows, int64_t F);
 void quantize_kv_int8(const float* x, int64_t D, int8_t* out);
+void add_rms_norm(const float* a, const float* b, const float* w, float eps, float* y, float* sum, int64_t rows,
+                  int64_t H);
 }  // namespace avx512
 namespace avx2 {
 bool attend(const PagedProblem&, size_t item, const char** error);
 void swiglu(const float* in, float* out, int64_t rows, int64_t F);
 void quantize_kv_int8(const float* x, int64_t D, int8_t* out);
+void add_rms_norm(const float* a, const float* b, const float* w, float eps, float* y, float* sum, int64_t rows,
+                  int64_t H);
 }  // namespace avx2
 namespace generic {
 bool attend(const PagedProblem&, size_t item, const char** error);
 void swiglu(const float* in, float* out, int64_t rows, int64_t F);
 void quantize_kv_int8(const float* x, int64_t D, int8_t* out);
+void add_rms_norm(const float* a, const float* b, const float* w, float eps, float* y, float* sum, int64_t rows,
+                  int64_t H);
 }  // namespace generic
 
 }  // namespace omf

@@ -684,3 +684,32 @@ void swiglu(const float* in, float* out, int64_t rows, int64_t F) {
     for (; i < F; ++i) o[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
   }
 }
+
+// AddRMSNorm over `rows` rows of H: sum = a + b; y = sum / sqrt(mean(sum²) + eps) · w (sum of squares in float,
+// W lanes then a horizontal sum).
+void add_rms_norm(const float* a, const float* b, const float* w, float eps, float* y, float* sum, int64_t rows,
+                  int64_t H) {
+  using V = typename Vec::V;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* ar = a + r * H;
+    const float* br = b + r * H;
+    float* sr = sum + r * H;
+    float* yr = y + r * H;
+    V acc = Vec::zero();
+    int64_t i = 0;
+    for (; i + Vec::W <= H; i += Vec::W) {
+      const V v = Vec::add(Vec::load(ar + i), Vec::load(br + i));
+      Vec::store(sr + i, v);
+      acc = Vec::fma(v, v, acc);
+    }
+    float ss = Vec::hsum(acc);
+    for (; i < H; ++i) {
+      sr[i] = ar[i] + br[i];
+      ss += sr[i] * sr[i];
+    }
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+    const V vinv = Vec::set1(inv);
+    for (i = 0; i + Vec::W <= H; i += Vec::W) Vec::store(yr + i, Vec::mul(Vec::mul(Vec::load(sr + i), vinv), Vec::load(w + i)));
+    for (; i < H; ++i) yr[i] = sr[i] * inv * w[i];
+  }
+}
