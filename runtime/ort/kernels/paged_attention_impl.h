@@ -162,8 +162,8 @@ static inline void score_group_i8(const int16_t* q, const float* qscale, int G, 
       kscale[jj] = 0.0f;
       continue;
     }
-    kscale[jj] = row_scale<int8_t, D>(kbase + jj * row_stride);
     const int8_t* k = kbase + jj * row_stride;
+    kscale[jj] = row_scale<int8_t, D>(k);
     typename Vec::VK kw[NV];
     for (int i = 0; i < NV; ++i) kw[i] = Vec::widen_i8(k + i * 2 * Vec::W);
     for (int r = 0; r < G; ++r) {
@@ -283,18 +283,26 @@ static inline void pv_tile(const float* P, int64_t ldp, const KV* const* vrows, 
     for (int i = 0; i < NV; ++i) Vec::store(Acc + r * D + i * Vec::W, acc[r][i]);
 }
 
-// P·V for `rows` consecutive rows (P rows ldp apart, accumulators D apart), register tiles of up to RP rows.
-template <int D, typename KV>
-static inline void pv_rows(const float* P, int64_t ldp, const KV* const* vrows, int64_t n, float* Acc, int rows) {
-  constexpr int RP = kPvRows<D>;
+// `rows` consecutive rows in register tiles of RP rows (RP <= 4), the rest in one smaller tile: tile(rt, r) runs a
+// tile of decltype(rt)::value rows from row r (rt a std::integral_constant, so the tile's size is a template argument).
+template <int RP, typename Tile>
+static inline void row_tiles(int rows, Tile&& tile) {
   int r = 0;
-  for (; r + RP <= rows; r += RP) pv_tile<D, RP, KV>(P + r * ldp, ldp, vrows, n, Acc + r * D);
+  for (; r + RP <= rows; r += RP) tile(std::integral_constant<int, RP>{}, r);
   switch (rows - r) {  // the rest in one tile (< RP rows)
-    case 3: if constexpr (RP > 3) pv_tile<D, 3, KV>(P + r * ldp, ldp, vrows, n, Acc + r * D); break;
-    case 2: if constexpr (RP > 2) pv_tile<D, 2, KV>(P + r * ldp, ldp, vrows, n, Acc + r * D); break;
-    case 1: pv_tile<D, 1, KV>(P + r * ldp, ldp, vrows, n, Acc + r * D); break;
+    case 3: if constexpr (RP > 3) tile(std::integral_constant<int, 3>{}, r); break;
+    case 2: if constexpr (RP > 2) tile(std::integral_constant<int, 2>{}, r); break;
+    case 1: tile(std::integral_constant<int, 1>{}, r); break;
     default: break;
   }
+}
+
+// P·V for `rows` consecutive rows (P rows ldp apart, accumulators D apart), register tiles of up to kPvRows rows.
+template <int D, typename KV>
+static inline void pv_rows(const float* P, int64_t ldp, const KV* const* vrows, int64_t n, float* Acc, int rows) {
+  row_tiles<kPvRows<D>>(rows, [&](auto rt, int r) {
+    pv_tile<D, decltype(rt)::value, KV>(P + r * ldp, ldp, vrows, n, Acc + r * D);
+  });
 }
 
 // int8 pools, decode rows: P·V in integers. Each row's probabilities over a block (each already multiplied by its
@@ -348,15 +356,9 @@ static inline int pv_tiles(int rows) { return (rows + kPvRowsI16<D> - 1) / kPvRo
 template <int D>
 static inline void pv_rows_i16(const int16_t* P16, int64_t ldp, const int8_t* const* vrows, int64_t n,
                                const float* pscale, float* Acc, int rows, PrefetchPump& pump) {
-  constexpr int RP = kPvRowsI16<D>;
-  int r = 0;
-  for (; r + RP <= rows; r += RP) pv_tile_i16<D, RP>(P16 + r * ldp, ldp, vrows, n, pscale + r, Acc + r * D, pump);
-  switch (rows - r) {  // the rest in one tile (< RP rows)
-    case 3: if constexpr (RP > 3) pv_tile_i16<D, 3>(P16 + r * ldp, ldp, vrows, n, pscale + r, Acc + r * D, pump); break;
-    case 2: if constexpr (RP > 2) pv_tile_i16<D, 2>(P16 + r * ldp, ldp, vrows, n, pscale + r, Acc + r * D, pump); break;
-    case 1: pv_tile_i16<D, 1>(P16 + r * ldp, ldp, vrows, n, pscale + r, Acc + r * D, pump); break;
-    default: break;
-  }
+  row_tiles<kPvRowsI16<D>>(rows, [&](auto rt, int r) {
+    pv_tile_i16<D, decltype(rt)::value>(P16 + r * ldp, ldp, vrows, n, pscale + r, Acc + r * D, pump);
+  });
 }
 
 template <int D>
@@ -709,7 +711,8 @@ void add_rms_norm(const float* a, const float* b, const float* w, float eps, flo
     }
     const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
     const V vinv = Vec::set1(inv);
-    for (i = 0; i + Vec::W <= H; i += Vec::W) Vec::store(yr + i, Vec::mul(Vec::mul(Vec::load(sr + i), vinv), Vec::load(w + i)));
+    for (i = 0; i + Vec::W <= H; i += Vec::W)
+      Vec::store(yr + i, Vec::mul(Vec::mul(Vec::load(sr + i), vinv), Vec::load(w + i)));
     for (; i < H; ++i) yr[i] = sr[i] * inv * w[i];
   }
 }
