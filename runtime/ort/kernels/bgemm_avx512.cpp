@@ -5,7 +5,8 @@
 // panels is multiplied, the next pair is prefetched, a few lines per k pair spread over the pair's row tiles, so
 // the memory reads overlap the vdpbf16ps instead of stalling the first tile of every pair. Into L1 when the pair
 // has several row tiles, L2 when one: a C++ harness of a decode step's 121 bf16 matrices on the Zen 4 VM (2
-// threads) read M 64 344–360 → 372–394 GOP/s, M 16 185–247 → 242–289, M 8 171–176 → 200–224.
+// threads) read M 64 344–360 → 372–394 GOP/s, M 16 185–247 → 242–289, M 8 171–176 → 200–224; in decode steps
+// (same process, switched step by step) 8 rows 16.0 → 13.0 ms, 4 rows 12.9 → 12.0.
 // Layout and contract: bgemm_generic.cpp. Its own translation unit, as every vector path here.
 #include <algorithm>
 #include <cstdint>
@@ -26,6 +27,9 @@ namespace {
 // up to this many rows the next panels are prefetched; beyond, the first tile's misses are a small share of a
 // pair's many tiles and the prefetches only displace them (M 256–512: 2–10% slower with them)
 constexpr int64_t kPrefetchRows = 128;
+// below this many rows the hardware prefetcher streams the panels alone (one row: 9.3 → 10.1 ms a decode step
+// with the prefetch, same process, alternated)
+constexpr int64_t kPrefetchMinRows = 4;
 
 // PF: prefetches `lines` cache lines from `pf` on, evenly over the tile's k pairs (a separate instantiation: the
 // bookkeeping in the loop cost large M 5% where it prefetches nothing)
@@ -90,7 +94,7 @@ void bgemm(const BGemmProblem& P, int64_t panel_begin, int64_t panel_end) {
   const int64_t panel_elems = P.Kp / 2 * 32, total = (P.N + kPanel - 1) / kPanel;
   for (int64_t p = panel_begin; p < panel_end; p += 2) {
     // the next pair: this thread's next work item as ORT's pool hands them out (contiguous runs per thread)
-    const int64_t ahead = P.M <= kPrefetchRows ? std::clamp<int64_t>(total - (p + 2), 0, 2) : 0;
+    const int64_t ahead = P.M >= kPrefetchMinRows && P.M <= kPrefetchRows ? std::clamp<int64_t>(total - (p + 2), 0, 2) : 0;
     const uint16_t* next = ahead ? P.codes + (p + 2) * panel_elems : nullptr;
     const Bf16Panels T{P.a, P.codes + p * panel_elems, P.y, P.M, P.N, P.Kp, p * kPanel, P.lda};
     const int64_t bytes = ahead * panel_elems * 2;
