@@ -51,6 +51,11 @@ struct Vec {
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
   }
+  static void store_i8(int8_t* out, V x) {  // W integral values within ±127, narrowed
+    const __m256i q = _mm256_cvtps_epi32(x);
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packs_epi16(w, w));
+  }
   static V load_kv(const float* p) { return _mm256_loadu_ps(p); }
   static V load_kv(const uint16_t* p) {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

@@ -38,6 +38,9 @@ struct Vec {
   }
   static V round_nearest(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static V scale_pow2(V y, V n) { return _mm512_scalef_ps(y, n); }  // y * 2^n
+  static void store_i8(int8_t* out, V x) {  // W integral values within ±127, narrowed
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(x)));
+  }
   static V load_kv(const float* p) { return _mm512_loadu_ps(p); }
   static V load_kv(const uint16_t* p) {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

@@ -33,6 +33,9 @@ struct Vec {
     return V{std::ldexp(y[0], int(n[0])), std::ldexp(y[1], int(n[1])), std::ldexp(y[2], int(n[2])),
              std::ldexp(y[3], int(n[3]))};
   }
+  static void store_i8(int8_t* out, V x) {  // W integral values within ±127, narrowed
+    for (int i = 0; i < W; ++i) out[i] = static_cast<int8_t>(x[i]);
+  }
   static V load_kv(const float* p) { return load(p); }
   static V load_kv(const uint16_t* p) {
     return V{kv_to_float(p[0]), kv_to_float(p[1]), kv_to_float(p[2]), kv_to_float(p[3])};

@@ -636,13 +636,10 @@ void quantize_kv_int8(const float* x, int64_t D, int8_t* out) {
     std::fill(out, out + D, int8_t{0});
   } else {
     const V vs = Vec::set1(scale), hi = Vec::set1(127.0f), lo = Vec::set1(-127.0f);
-    float q[Vec::W];
-    int64_t d = 0;
-    for (; d + Vec::W <= D; d += Vec::W) {
-      Vec::store(q, Vec::max(lo, Vec::min(hi, Vec::round_nearest(Vec::div(Vec::load(x + d), vs)))));
-      for (int i = 0; i < Vec::W; ++i) out[d + i] = static_cast<int8_t>(q[i]);
-    }
-    for (; d < D; ++d) out[d] = static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, std::nearbyint(x[d] / scale))));
+    const int64_t whole = D / Vec::W * Vec::W;
+    for (int64_t d = 0; d < whole; d += Vec::W)
+      Vec::store_i8(out + d, Vec::max(lo, Vec::min(hi, Vec::round_nearest(Vec::div(Vec::load(x + d), vs)))));
+    for (int64_t d = whole; d < D; ++d) out[d] = static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, std::nearbyint(x[d] / scale))));
   }
   std::memcpy(out + D, &scale, sizeof scale);
 }
