@@ -6,7 +6,12 @@ when it cannot be built (no C++ compiler, another platform) the install goes on 
 falls back to the plain-op lowering (see omforge.runtime.ort.kernels).
 """
 
+import os
+
 from setuptools import Extension, setup
+
+# OMFORGE_KERNELS_DEBUG=1: with symbols and line tables, unstripped (perf annotate, gdb); the same -O3 code
+PROFILE_BUILD = os.environ.get("OMFORGE_KERNELS_DEBUG") == "1"
 
 SOURCES = ("custom_op", "pa_avx512", "pa_avx2", "pa_generic", "qgemm_op", "qgemm_avx512", "qgemm_avx2",
            "qgemm_generic", "qgemm_amx", "bgemm_avx512",
@@ -18,8 +23,9 @@ KERNELS = Extension(
     sources=[f"runtime/ort/kernels/{name}.cpp" for name in SOURCES],
     depends=[f"runtime/ort/kernels/{name}.h" for name in HEADERS],
     language="c++",
-    extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden", "-Wno-maybe-uninitialized"],
-    extra_link_args=["-s"],  # stripped: the wheel carries ~1 MB instead of ~7
+    extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden", "-Wno-maybe-uninitialized"]
+    + (["-g"] if PROFILE_BUILD else []),
+    extra_link_args=[] if PROFILE_BUILD else ["-s"],  # stripped: the wheel carries ~1 MB instead of ~7
     optional=True,
 )
 
