@@ -43,6 +43,13 @@ def test_against_the_rounded_product(n: int, k: int) -> None:
     check(n, k, rows=(1, 3, 8, 9, 16, 17, 33, 64))
 
 
+def test_a_wide_output() -> None:
+    """N ≥ 8,192 (an lm_head's logits) is written with streaming stores: whole aligned panels, the partial last
+    panel and an odd row stride through the ordinary masked store."""
+    check(8192 + 16 + 5, 64, rows=(1, 9, 64))
+    check(8192 + 32, 40, rows=(2, 16))
+
+
 @pytest.mark.parametrize(("isa", "want"), [("generic", "generic"), ("avx512", "avx512bf16")])
 def test_the_slower_paths(isa: str, want: str) -> None:
     """The portable path and (where the CPU has it) the AVX-512 path forced in a child process, when the default is

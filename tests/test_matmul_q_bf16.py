@@ -57,6 +57,12 @@ def test_row_counts_on_a_model_shape(m: int, bits: int) -> None:
     check(quant.quantize(w, bits, 32, symmetric=False), rows=(m, m + 5 if m < 256 else m - 3))
 
 
+def test_a_wide_output() -> None:
+    """N ≥ 8,192 (an lm_head) goes out through MatMulBF16's streaming stores, the partial last panel masked."""
+    w = np.random.default_rng(3).standard_normal((8192 + 16 + 5, 64)).astype(np.float32)
+    check(quant.quantize(w, 4, 32, symmetric=False), rows=(1, 9, 64))
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 def test_gguf_blocks_as_they_are(kind: str) -> None:
     from test_matmul_q import _gguf_rows

@@ -27,6 +27,7 @@ namespace {
 // up to this many rows the next panels are prefetched; beyond, the first tile's misses are a small share of a
 // pair's many tiles and the prefetches only displace them (M 256–512: 2–10% slower with them)
 constexpr int64_t kPrefetchRows = 128;
+constexpr int64_t kStreamColumns = 8192;  // outputs at least this wide are written with streaming stores
 // below this many rows the hardware prefetcher streams the panels alone (one row: 9.3 → 10.1 ms a decode step
 // with the prefetch, same process, alternated)
 constexpr int64_t kPrefetchMinRows = 4;
@@ -61,10 +62,17 @@ void tile(const Bf16Panels& T, int64_t m0, const char* pf, int64_t lines) {
       for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_dpbf16_ps(acc[r][q], x, w[q]);
     }
   }
+  // a wide output (the lm_head's logits, M × 49,152 floats, far beyond L2) with streaming stores, as MatMulQ's:
+  // a plain store of a line not in cache reads it first
+  const bool stream = T.N >= kStreamColumns;
   for (int q = 0; q < NP; ++q) {
     const int64_t n0 = T.n0 + q * kPanel, valid = std::min<int64_t>(kPanel, T.N - n0);
     const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(T.y + (m0 + r) * T.N + n0, mask, acc[r][q]);
+    for (int r = 0; r < MR; ++r) {
+      float* y = T.y + (m0 + r) * T.N + n0;
+      if (stream && valid == kPanel && (reinterpret_cast<uintptr_t>(y) & 63) == 0) _mm512_stream_ps(y, acc[r][q]);
+      else _mm512_mask_storeu_ps(y, mask, acc[r][q]);
+    }
   }
 }
 
@@ -86,6 +94,7 @@ void rows(const Bf16Panels& T, const void* next, int64_t next_bytes) {
       default: tile<8, NP, PF>(T, m0, pf, n); break;
     }
   }
+  if (T.N >= kStreamColumns) _mm_sfence();  // this pair's streaming stores visible before the call returns
 }
 
 }  // namespace
