@@ -27,7 +27,6 @@ namespace {
 // up to this many rows the next panels are prefetched; beyond, the first tile's misses are a small share of a
 // pair's many tiles and the prefetches only displace them (M 256–512: 2–10% slower with them)
 constexpr int64_t kPrefetchRows = 128;
-constexpr int64_t kStreamColumns = 8192;  // outputs at least this wide are written with streaming stores
 // below this many rows the hardware prefetcher streams the panels alone (one row: 9.3 → 10.1 ms a decode step
 // with the prefetch, same process, alternated)
 constexpr int64_t kPrefetchMinRows = 4;
@@ -36,6 +35,7 @@ constexpr int64_t kPrefetchMinRows = 4;
 // 327–345 → 286–295 GOP/s with them, M 64 no better — while MatMulQ's 4-bit pairs (a quarter of the bytes) gained
 // there too (M 64 468–532 → 559–577, M 16 405–424 → 449–481)
 constexpr int64_t kPrefetchMaxK = 2048;
+constexpr int64_t kStreamColumns = 8192;  // outputs at least this wide are written with streaming stores
 
 // PF: prefetches `lines` cache lines from `pf` on, evenly over the tile's k pairs (a separate instantiation: the
 // bookkeeping in the loop cost large M 5% where it prefetches nothing)
