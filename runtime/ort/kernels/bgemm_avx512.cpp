@@ -24,18 +24,14 @@
 namespace omf::avx512bf16 {
 namespace {
 
-// up to this many rows the next panels are prefetched; beyond, the first tile's misses are a small share of a
-// pair's many tiles and the prefetches only displace them (M 256–512: 2–10% slower with them)
-constexpr int64_t kPrefetchRows = 128;
-// below this many rows the hardware prefetcher streams the panels alone (one row: 9.3 → 10.1 ms a decode step
-// with the prefetch, same process, alternated)
+// the next panels are prefetched up to kPrefetchRows rows (qgemm.h); below this many rows the hardware prefetcher
+// streams the panels alone (one row: 9.3 → 10.1 ms a decode step with the prefetch, same process, alternated)
 constexpr int64_t kPrefetchMinRows = 4;
 // and only while a pair of panels (Kp × 64 bytes) is small beside L2: at Llama-3-8B's K 4,096 and 14,336 (pairs of
 // 256 KB and 900 KB) the prefetched lines displaced the pair being read — the harness of two 8B layers read M 16
 // 327–345 → 286–295 GOP/s with them, M 64 no better — while MatMulQ's 4-bit pairs (a quarter of the bytes) gained
 // there too (M 64 468–532 → 559–577, M 16 405–424 → 449–481)
 constexpr int64_t kPrefetchMaxK = 2048;
-constexpr int64_t kStreamColumns = 8192;  // outputs at least this wide are written with streaming stores
 
 // PF: prefetches `lines` cache lines from `pf` on, evenly over the tile's k pairs (a separate instantiation: the
 // bookkeeping in the loop cost large M 5% where it prefetches nothing)
@@ -106,9 +102,9 @@ void bf16_panels(const Bf16Panels& T, int panels) {
 
 void bgemm(const BGemmProblem& P, int64_t panel_begin, int64_t panel_end) {
   const int64_t panel_elems = P.Kp / 2 * 32, total = (P.N + kPanel - 1) / kPanel;
+  const bool prefetch = P.M >= kPrefetchMinRows && P.M <= kPrefetchRows && P.Kp <= kPrefetchMaxK;
   for (int64_t p = panel_begin; p < panel_end; p += 2) {
     // the next pair: this thread's next work item as ORT's pool hands them out (contiguous runs per thread)
-    const bool prefetch = P.M >= kPrefetchMinRows && P.M <= kPrefetchRows && P.Kp <= kPrefetchMaxK;
     const int64_t ahead = prefetch ? std::clamp<int64_t>(total - (p + 2), 0, 2) : 0;
     const uint16_t* next = ahead ? P.codes + (p + 2) * panel_elems : nullptr;
     const Bf16Panels T{P.a, P.codes + p * panel_elems, P.y, P.M, P.N, P.Kp, p * kPanel, P.lda};

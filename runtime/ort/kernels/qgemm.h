@@ -30,6 +30,14 @@ constexpr int kPanelLayout = 1;  // bump with any change of the byte layout abov
 constexpr int kPanel = 16;       // columns per panel
 constexpr int kChunk = 32;       // k per activation scale
 
+// Outputs at least this wide (an lm_head's logits, far beyond L2) are written with streaming stores by the vector
+// and tile GEMMs: a plain store of a line not in cache reads it first (~2× slower measured at M 64, MatMulQ).
+constexpr int64_t kStreamColumns = 8192;
+// Up to this many rows the AVX-512 GEMMs prefetch the next pair of panels while they multiply a pair; beyond, the
+// first tile's misses are a small share of a pair's many tiles and the prefetches only displace them (MatMulBF16 at
+// M 256–512: 2–10% slower with them).
+constexpr int64_t kPrefetchRows = 128;
+
 struct QuantizedRows {  // the activations of one call, made by quantize_rows
   int8_t* a;            // [M, Kp]
   float* d;             // [M, Kp/32] scale per chunk

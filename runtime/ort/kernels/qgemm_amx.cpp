@@ -54,8 +54,6 @@ void configure() {
   load(c);
 }
 
-constexpr int64_t kStreamColumns = 8192;  // as the VNNI path: wide outputs (the logits) with streaming stores
-
 inline uint8_t* align64(uint8_t* p) {
   return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
 }

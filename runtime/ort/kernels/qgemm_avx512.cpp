@@ -38,8 +38,6 @@ namespace {
 
 constexpr int kRows2 = OMF_ROWS2;   // rows per tile of two panels
 constexpr int kPairRows = OMF_PAIR;  // from this many rows on, tiles span two panels
-constexpr int64_t kStreamColumns = 8192;  // outputs at least this wide are written with streaming stores
-constexpr int64_t kPrefetchRows = 128;    // up to this many rows the next pair of panels is prefetched
 
 // The cache lines of up to three regions (the next panels' codes, scales, offsets), prefetched one per call of
 // next(), in order.
