@@ -254,9 +254,7 @@ OrtStatus* compute(const Kernel& K, OrtKernelContext* ctx) {
               rotary ? static_cast<const float*>(cosc.data) : nullptr,
               rotary ? static_cast<const float*>(sinc.data) : nullptr, slot, out_data[1], out_data[2], K.kv_type,
               K.q_heads, K.kv_heads, D, head_elems, T};
-  if (OrtStatus* s = run_items(g_api, ctx, &write_rows, static_cast<size_t>((T + kRowsPerItem - 1) / kRowsPerItem),
-                               &rw))
-    return s;
+  if (OrtStatus* s = run_items(g_api, ctx, &write_rows, items_of(T, kRowsPerItem), &rw)) return s;
 
   // 2. work items: each referenced query row, grouped by sequence, chunks of <= kMaxItemTokens
   const int64_t B = tables.dims[0], M = tables.dims[1], Q = qidx.dims[1], Bd = dtables.dims[0], Md = dtables.dims[1];
@@ -334,8 +332,7 @@ OrtStatus* compute_swiglu(OrtKernelContext* ctx) {
   if (OrtStatus* s = last_dim_output(g_api, ctx, 0, x, F, &out_data)) return s;
   SwiGluRun run{static_cast<const float*>(x.data), static_cast<float*>(out_data), F ? x.numel() / (2 * F) : 0, F, 0};
   run.rows_per_item = std::max<int64_t>(1, 16384 / std::max<int64_t>(F, 1));  // ~64 KB of output per item
-  const size_t items = static_cast<size_t>((run.rows + run.rows_per_item - 1) / run.rows_per_item);
-  return run_items(g_api, ctx, &run_swiglu_item, items, &run);
+  return run_items(g_api, ctx, &run_swiglu_item, items_of(run.rows, run.rows_per_item), &run);
 }
 
 struct AddRmsNormRun {
@@ -358,11 +355,10 @@ void run_add_rms_norm_item(void* data, size_t i) {
 // threads.
 OrtStatus* compute_add_rms_norm(const Kernel& K, OrtKernelContext* ctx) {
   Tensor in[3];
-  for (size_t i = 0; i < 3; ++i) {
-    const OrtValue* v = nullptr;
-    if (OrtStatus* s = g_api.KernelContext_GetInput(ctx, i, &v)) return s;
-    if (OrtStatus* s = describe(g_api, v, in[i])) return s;
-  }
+  bool have[3] = {false, false, false};
+  if (OrtStatus* s = read_inputs(g_api, ctx, 3, in, have)) return s;
+  if (!have[0] || !have[1] || !have[2])
+    return g_api.CreateStatus(kOrtInvalidArgument, "AddRMSNorm: a, b and weight are required");
   const Tensor &a = in[0], &b = in[1], &w = in[2];
   if (a.type != kFloat || b.type != kFloat || w.type != kFloat)
     return g_api.CreateStatus(kOrtInvalidArgument, "AddRMSNorm: a, b and weight must be float32");
@@ -378,8 +374,7 @@ OrtStatus* compute_add_rms_norm(const Kernel& K, OrtKernelContext* ctx) {
                     static_cast<const float*>(w.data), K.epsilon, static_cast<float*>(y), static_cast<float*>(sum),
                     H ? a.numel() / H : 0, H, 0};
   run.rows_per_item = std::max<int64_t>(1, 8192 / std::max<int64_t>(H, 1));  // ~32 KB of a row block per item
-  const size_t items = static_cast<size_t>((run.rows + run.rows_per_item - 1) / run.rows_per_item);
-  return run_items(g_api, ctx, &run_add_rms_norm_item, items, &run);
+  return run_items(g_api, ctx, &run_add_rms_norm_item, items_of(run.rows, run.rows_per_item), &run);
 }
 
 // ---- the OrtCustomOp tables ----

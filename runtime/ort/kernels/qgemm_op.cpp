@@ -68,23 +68,7 @@ OrtStatus* read_shape_attrs(const ort::Api& api, const OrtKernelInfo* info, cons
   return nullptr;
 }
 
-// the inputs [0, n): all present (optional ones may be absent: have[i] false)
-OrtStatus* read_inputs(const ort::Api& api, OrtKernelContext* ctx, size_t n, Tensor* in, bool* have) {
-  size_t count = 0;
-  if (OrtStatus* s = api.KernelContext_GetInputCount(ctx, &count)) return s;
-  for (size_t i = 0; i < std::min(count, n); ++i) {
-    const OrtValue* v = nullptr;
-    if (OrtStatus* s = api.KernelContext_GetInput(ctx, i, &v)) return s;
-    if (v == nullptr) continue;  // an omitted optional input
-    if (OrtStatus* s = describe(api, v, in[i])) return s;
-    have[i] = true;
-  }
-  return nullptr;
-}
-
 int64_t rows_per_item(int64_t K) { return std::max<int64_t>(1, 16384 / K); }  // ~64 KB of activations per item
-
-size_t items_of(int64_t total, int64_t per_item) { return static_cast<size_t>((total + per_item - 1) / per_item); }
 
 struct QuantizeRun {
   const float* x;
