@@ -100,11 +100,12 @@ def gather(env: dict[str, str] | None = None) -> dict[str, Any]:
                          "abi": k.abi, "path": k.path, "reason": k.reason or None,
                          "ort_paged_attention": "kernel" if k.available else "plain",
                          "gemm": k.gemm if k.available else None, "bf16": k.bf16 if k.available else None,
-                         "qbf16": k.qbf16 if k.available else None, "weight_layout": k.weight_layout}
+                         "qbf16": k.qbf16 if k.available else None, "f32": k.f32 if k.available else None,
+                         "weight_layout": k.weight_layout}
     except Exception as e:
         kernel_report = {"built": False, "available": False, "isa": None, "abi": None, "path": None,
                          "reason": f"{type(e).__name__}: {e}", "ort_paged_attention": "plain", "gemm": None,
-                         "bf16": None, "qbf16": None, "weight_layout": None}
+                         "bf16": None, "qbf16": None, "f32": None, "weight_layout": None}
     if not can_export:
         missing = [p for p in EXPORT_NEEDS if not packages[p]]
         for t in targets.values():
@@ -140,6 +141,8 @@ def render(report: dict[str, Any]) -> str:
     rows.append(("ort paged attention", f"{k['ort_paged_attention']} lowering for bundles compiled here"))
     rows.append(("ort int4/int8 weights", f"MatMulQ ({k['gemm']} path, weight layout {k['weight_layout']})"
                  if k.get("gemm") else "MatMulNBits (onnxruntime's op; the kernel library's GEMM is unavailable)"))
+    rows.append(("ort float32 weights", "MatMulF32 (avx512f path)" if k.get("f32") == "avx512f"
+                 else "MatMul (onnxruntime's MLAS: no AVX-512 MatMulF32 of the kernel library here)"))
     rows.append(("ort bfloat16 weights", f"MatMulBF16 ({k['bf16']} path)" if k.get("bf16")
                  else "unavailable (needs the kernel library)"))
     rows.append(("ort int4/int8 × bf16 activations", f"MatMulQBF16 ({k['qbf16']} path)" if k.get("qbf16")

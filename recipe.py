@@ -149,6 +149,7 @@ class CompileSection(_Section):
     fusions: dict[str, bool] = Field(default_factory=lambda: {f: True for f in FUSIONS})
     weights: Literal["float32", "bfloat16", "float16", "int8", "int4"] = "float32"
     quantization: QuantizationSection = Field(default_factory=QuantizationSection)
+    float_gemm: Literal["auto", "MatMulF32", "MatMul"] = "auto"
     soc_version: str = "Ascend910B3"
     precision_mode: Literal[
         "force_fp16", "force_fp32", "cube_fp16in_fp32out", "allow_fp32_to_fp16",
@@ -188,6 +189,9 @@ class CompileSection(_Section):
         if self.weights == "bfloat16" and self.target != "ort":
             raise _KeyError("weights", "bfloat16 weights are built for the ort target (omforge's MatMulBF16 kernel); "
                             f"target {self.target} takes float32, float16 or int8")
+        if self.float_gemm != "auto" and (self.weights != "float32" or self.target != "ort"):
+            raise _KeyError("float_gemm", f"chooses the op of float32 weight MatMuls on the ort target; this recipe "
+                            f"builds {self.weights} weights for {self.target}")
         if self.weights in ("float32", "float16", "bfloat16") and self.quantization.model_fields_set:
             raise _KeyError("quantization", f"applies to weights int8 or int4; compile.weights is {self.weights}")
         act = self.quantization.activation_type

@@ -191,6 +191,8 @@ def _passes_stage(job: _Job, export_dir: Path, digest: str) -> Stage:
         "export": digest, "fusions": recipe.compile.fusions, "block_size": block_size, "target": target,
         "paged_attention": f"kernel-abi{kernels.ABI_VERSION}" if job.kernel else "plain", "kv_cache_dtype": kv_dtype,
         "weights": weights, "quantization": recipe.compile.quantization.model_dump() if weights != "float32" else None,
+        # float32: the recipe's choice and the library path that "auto" decides by
+        "float_gemm": [recipe.compile.float_gemm, kernels.status().f32] if weights == "float32" else None,
         "passes_source": _source_digest(stage_sources(target)),
         "tools": tool_versions(),
         "num_slots": _static_slots(recipe, target, block_size),
@@ -303,7 +305,8 @@ def _static_slots(recipe: Recipe, target: str, block_size: int) -> int | None:
     return ascend.num_slots(recipe, block_size)
 
 
-_OUR_GEMMS = ("MatMulQ", "MatMulQBF16", "MatMulBF16")  # weight MatMuls in the kernel library's packed layouts
+# weight MatMuls in the kernel library's packed layouts
+_OUR_GEMMS = ("MatMulQ", "MatMulQBF16", "MatMulBF16", "MatMulF32")
 
 
 def kernel_lowering(target: str, quiet: bool = False) -> bool:
@@ -337,7 +340,7 @@ def _run_passes(export_dir: Path, stage: Stage, recipe: Recipe, target: str, blo
         blocks = load_source_blocks(export_dir) if recipe.compile.weights != "float32" and q.source_blocks else None
         report = build(export_dir, out / "step.onnx", fusions=recipe.compile.fusions, block_size=block_size,
                        kernel=kernel, kv_cache_dtype=kv_dtype, weights=recipe.compile.weights,
-                       quantization=q.model_dump(), blocks=blocks)
+                       quantization=q.model_dump(), blocks=blocks, float_gemm=recipe.compile.float_gemm)
         stage.finish({**report.to_dict(), "abi": report.extra["abi"], "graph": "step.onnx",
                       "paged_attention": report.extra["paged_attention"], "weights": report.extra["weights"]})
         return

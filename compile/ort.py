@@ -35,7 +35,7 @@ class PassReport:
 
 
 WEIGHT_BITS = {"int8": 8, "int4": 4}
-_GEMM_OP = {"int8": "MatMulQ", "int4": "MatMulQ", "bfloat16": "MatMulBF16"}
+_GEMM_OP = {"int8": "MatMulQ", "int4": "MatMulQ", "bfloat16": "MatMulBF16", "float32": "MatMulF32"}
 
 
 def _activations(quantization: Mapping[str, Any] | None) -> str | None:
@@ -43,17 +43,27 @@ def _activations(quantization: Mapping[str, Any] | None) -> str | None:
     return activations_of(q.get("activations"), q.get("accuracy_level", 4))
 
 
-def gemm_lowering(weights: str, quantization: Mapping[str, Any] | None, kernel: bool) -> str | None:
-    """Which op the weight MatMuls become, as :class:`QuantizeWeights`' ``gemm``; None for float32. bfloat16: the
+def gemm_lowering(weights: str, quantization: Mapping[str, Any] | None, kernel: bool, paged: bool = True,
+                  float_gemm: str = "auto") -> str | None:
+    """Which op the weight MatMuls become, as :class:`QuantizeWeights`' ``gemm``. float32: the kernel library's
+    MatMulF32 ("kernel") in a paged step graph whose attention is the kernel's, where the library's AVX-512 path
+    runs here; else None (ORT's MatMul: the library's portable path is slower than MLAS, and an unpaged graph —
+    ``omforge diff``'s — keeps the exported MatMuls so that its drift is the fusions'); the recipe's
+    ``float_gemm`` MatMul always None, MatMulF32 the kernel in a paged graph or a one-line error. bfloat16: the
     kernel library's MatMulBF16 ("kernel") or a one-line error. int8 / int4 (recipe ``quantization.gemm`` and
     ``activations``): bfloat16 activations — omforge's ``MatMulQBF16`` ("kernel_bf16") or a one-line error;
     ``auto`` — omforge's ``MatMulQ`` ("kernel") where int8 activations are asked for (accuracy level 4, the
     default) and the kernel library here has the GEMM, else ORT's MatMulNBits ("nbits"; float32 activations,
     accuracy level 0, are exact and slow); ``MatMulQ`` — the kernel or an error naming why it cannot be;
     ``MatMulNBits`` — always ORT's op."""
-    if weights == "float32":
-        return None
     why = kernels.status().reason or "paged attention is not lowered to it"
+    if weights == "float32":
+        if float_gemm == "MatMulF32" and paged and not (kernel and kernels.status().f32):
+            raise OmforgeError("compile.float_gemm: MatMulF32 needs omforge's kernel library, unavailable here "
+                               f"({why}); use auto or MatMul")
+        if float_gemm == "MatMul" or not (kernel and paged):
+            return None
+        return "kernel" if float_gemm == "MatMulF32" or kernels.status().f32 == "avx512f" else None
     if weights == "bfloat16":
         if not (kernel and kernels.status().bf16):
             raise OmforgeError("compile.weights: bfloat16 needs omforge's kernel library (its MatMulBF16), "
@@ -89,8 +99,8 @@ def _activation_report(weights: str, quantization: Mapping[str, Any] | None) -> 
 def quantize_options(weights: str, quantization: Mapping[str, Any] | None,
                      blocks: Mapping[str, tuple[str, Any, int]] | None, gemm: str = "nbits") -> dict[str, Any] | None:
     """:class:`QuantizeWeights` options for the recipe's ``weights`` and ``quantization``; None for float."""
-    if weights == "float32":
-        return None
+    if weights == "float32":  # through MatMulF32 (its panels) when the kernel runs it, else ORT's MatMul as exported
+        return {"bits": 32, "embedding": "float", "gemm": "kernel"} if gemm == "kernel" else None
     if weights == "bfloat16":  # every weight MatMul in bfloat16 through MatMulBF16; the embedding stays float32
         return {"bits": 16, "embedding": "float", "gemm": "kernel"}
     if weights not in WEIGHT_BITS:
@@ -106,11 +116,13 @@ def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | Non
           block_size: int | None = None, target: str = "ort", kv_write: str = "graph",
           kernel: bool | None = None, kv_cache_dtype: str = "float32", weights: str = "float32",
           quantization: Mapping[str, Any] | None = None,
-          blocks: Mapping[str, tuple[str, Any, int]] | None = None) -> PassReport:
+          blocks: Mapping[str, tuple[str, Any, int]] | None = None, float_gemm: str = "auto") -> PassReport:
     """Fuse (switches ``fusions``), page the KV cache when ``block_size`` is given, lower to ``target``,
     and save ``out_path`` with its weights in ``out_path.name + '.data'`` beside it. ``kernel``: lower paged
     attention to omforge's CPU kernel (None: when the kernel library is usable here and ``kv_write="graph"``);
-    ``kv_cache_dtype``: the pools' element type (not float32: needs the kernel). ``weights`` bfloat16: every weight
+    ``kv_cache_dtype``: the pools' element type (not float32: needs the kernel). ``weights`` float32: the weight
+    MatMuls of a paged graph through the kernel library's MatMulF32 where its AVX-512 path runs (``float_gemm``, the
+    recipe's choice: :func:`gemm_lowering`); bfloat16: every weight
     MatMul in bfloat16 through the kernel library's MatMulBF16 (the embedding gather stays float32); int8 / int4:
     weight-only quantization with the recipe's ``quantization`` options (``recipe.QuantizationSection``), taking
     the export's GGUF ``blocks`` as they are where they fit (``passes/quantize_weights.py``)."""
@@ -119,7 +131,7 @@ def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | Non
     model = ir.load(export_dir / "model.onnx")
     if kernel is None:
         kernel = kv_write == "graph" and kernels.status().available
-    gemm = gemm_lowering(weights, quantization, kernel)
+    gemm = gemm_lowering(weights, quantization, kernel, paged=block_size is not None, float_gemm=float_gemm)
     run = Pipeline(target, fusions or {}, block_size,
                    {"kv_write": kv_write, "kernel": kernel, "kv_cache_dtype": kv_cache_dtype},
                    quantize_options(weights, quantization, blocks, gemm or "nbits")).run(model)

@@ -102,6 +102,21 @@ def pack_bf16(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b).reshape(panels, kp // 2, 2 * PANEL)
 
 
+def pack_f32(w: np.ndarray) -> np.ndarray:
+    """``W [N, K]`` (float) in MatMulF32's layout (runtime/ort/kernels/fgemm_generic.cpp): float32 ``[P, K, 16]``,
+    element ``[p, k, c] = W[16p + c, k]``; N padded to whole panels with zero columns. Values unchanged."""
+    n, k = w.shape
+    panels = -(-n // PANEL)
+    padded = np.zeros((panels * PANEL, k), np.float32)
+    padded[:n] = w
+    return np.ascontiguousarray(padded.reshape(panels, PANEL, k).transpose(0, 2, 1))
+
+
+def unpack_f32(w: np.ndarray, n: int, k: int) -> np.ndarray:
+    """The float32 weight ``[N, K]`` a MatMulF32 layout holds (for tests)."""
+    return w.transpose(0, 2, 1).reshape(-1, w.shape[1])[:n, :k]
+
+
 def unpack_bf16(codes: np.ndarray, n: int, k: int) -> np.ndarray:
     """The float32 weight ``[N, K]`` a MatMulBF16 layout stands for (for tests)."""
     panels, pairs, _ = codes.shape

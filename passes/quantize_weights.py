@@ -15,8 +15,10 @@ matrix is checked against the graph's float weight before it is used (the export
 Which op (``gemm``): ``"nbits"`` — ``com.microsoft.MatMulNBits`` (an affine block's offsets as one extra
 ``blocksum(x) @ block_minᵀ`` MatMul); ``"kernel"`` — omforge's ``MatMulQ`` (int8 activations, the offsets folded
 into the kernel), its weights packed at compile time (:mod:`omforge.passes.gemm_pack`); ``"kernel_bf16"`` —
-omforge's ``MatMulQBF16``, the same packed weights × bfloat16 activations. The compile stage decides
-(compile/ort.py) and hands the choice in.
+omforge's ``MatMulQBF16``, the same packed weights × bfloat16 activations. ``bits`` 16 and 32 quantize nothing: every
+weight MatMul becomes omforge's ``MatMulBF16`` (weights rounded to bfloat16) or ``MatMulF32`` (the float32 weights
+as they are, in column panels), the embedding gather stays float32. The compile stage decides (compile/ort.py) and
+hands the choice in.
 Postcondition: no quantized group's MatMul is left, and ``report`` names the source and width of every weight.
 """
 
@@ -33,6 +35,7 @@ from omforge.passes import gemm_pack, quant
 from omforge.passes.util import drop_unused_initializers, read_weight, weight_matmuls
 
 MS_DOMAIN = "com.microsoft"
+_FLOAT_OPS = {16: "MatMulBF16", 32: "MatMulF32"}  # float weights: the kernel op each width becomes
 _MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
@@ -62,15 +65,15 @@ class QuantizeWeights(ir.passes.InPlacePass):
         super().__init__()
         if gemm not in ("nbits", "kernel", "kernel_bf16"):
             raise ValueError(f"gemm must be 'nbits', 'kernel' or 'kernel_bf16', got {gemm!r}")
-        if bits == 16 and (gemm != "kernel" or embedding != "float"):
-            raise ValueError("bits 16 (bfloat16) is the kernel's MatMulBF16, with a float32 embedding")
+        if bits in _FLOAT_OPS and (gemm != "kernel" or embedding != "float"):
+            raise ValueError(f"bits {bits} is the kernel's {_FLOAT_OPS[bits]}, with a float32 embedding")
         self.gemm = gemm
         self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
         self.matrices, self.embedding, self.accuracy_level = set(matrices), embedding, accuracy_level
         self.blocks = blocks or {}
         self.report: dict[str, dict[str, object]] = {}
         self._packed: dict[str, quant.Packed | None] = {}
-        self._bf16: dict[str, tuple[int, int]] = {}  # bits 16: the (N, K) of each source packed so far
+        self._float: dict[str, tuple[int, int]] = {}  # bits 16 / 32: the (N, K) of each source packed so far
 
     # --- the weights -------------------------------------------------------------------------------------------
 
@@ -141,7 +144,7 @@ class QuantizeWeights(ir.passes.InPlacePass):
             if node.op_type == "MatMul" and len(node.inputs) > 1:
                 source, _, _ = weight_source(node.inputs[1])
                 if source is not None and group_of(source) in self.matrices and (
-                        self.bits == 16 or self._packed.get(source) is not None):
+                        self.bits in _FLOAT_OPS or self._packed.get(source) is not None):
                     raise ir.passes.PostconditionError(f"{source}: its MatMul was not quantized")
 
     def _matmul(self, graph: ir.Graph, node: ir.Node) -> bool:
@@ -149,8 +152,8 @@ class QuantizeWeights(ir.passes.InPlacePass):
         source, const, transposed = weight_source(w)
         if source is None or group_of(source) not in self.matrices:
             return False
-        if self.bits == 16:
-            return self._matmul_bf16(graph, node, source, lambda: _rows(const, transposed))
+        if self.bits in _FLOAT_OPS:
+            return self._matmul_float(graph, node, source, lambda: _rows(const, transposed))
         p = self._pack(source, lambda: _rows(const, transposed))
         if p is None:
             return False
@@ -195,19 +198,23 @@ class QuantizeWeights(ir.passes.InPlacePass):
         ir.convenience.replace_nodes_and_values(graph, node, [node], [gemm], node.outputs, gemm.outputs)
         return True
 
-    def _matmul_bf16(self, graph: ir.Graph, node: ir.Node, source: str, rows: Callable[[], np.ndarray]) -> bool:
-        """``MatMulBF16`` over the bfloat16 panels of ``source`` (round to nearest even; made once per source)."""
-        name = f"{source}.bf16.panel{WEIGHT_LAYOUT}"
-        if source not in self._bf16:
+    def _matmul_float(self, graph: ir.Graph, node: ir.Node, source: str, rows: Callable[[], np.ndarray]) -> bool:
+        """``MatMulBF16`` over the bfloat16 panels of ``source`` (round to nearest even), or ``MatMulF32`` over its
+        float32 panels (values unchanged); the panels made once per source."""
+        op = _FLOAT_OPS[self.bits]
+        tag = "bf16" if self.bits == 16 else "f32"
+        name = f"{source}.{tag}.panel{WEIGHT_LAYOUT}"
+        if source not in self._float:
             w_nk = rows()
-            codes = gemm_pack.pack_bf16(w_nk)
-            self._const(graph, name, codes)
-            self._bf16[source] = w_nk.shape
-            self.report[source] = {"bits": 16, "block": None, "source": "bfloat16 (round to nearest even)",
-                                   "bytes": codes.nbytes}
-        n, k = self._bf16[source]
-        gemm = ir.node("MatMulBF16", [node.inputs[0], graph.initializers[name]], domain=KERNEL_DOMAIN,
-                       attributes={"K": k, "N": n, "layout": WEIGHT_LAYOUT}, name=f"{node.name}_bf16",
+            panels = gemm_pack.pack_bf16(w_nk) if self.bits == 16 else gemm_pack.pack_f32(w_nk)
+            self._const(graph, name, panels)
+            self._float[source] = w_nk.shape
+            self.report[source] = {"bits": self.bits, "block": None, "bytes": panels.nbytes,
+                                   "source": "bfloat16 (round to nearest even)" if self.bits == 16 else
+                                   "float32 (column panels)"}
+        n, k = self._float[source]
+        gemm = ir.node(op, [node.inputs[0], graph.initializers[name]], domain=KERNEL_DOMAIN,
+                       attributes={"K": k, "N": n, "layout": WEIGHT_LAYOUT}, name=f"{node.name}_{tag}",
                        metadata_props=dict(node.metadata_props))
         ir.convenience.replace_nodes_and_values(graph, node, [node], [gemm], node.outputs, gemm.outputs)
         return True

@@ -197,9 +197,17 @@ def matmul_q_bf16_reference(x: np.ndarray, packed) -> np.ndarray:  # noqa: ANN00
 
 def matmul_bf16_model(codes: np.ndarray, n: int, k: int, **attrs: int) -> onnx.ModelProto:
     """One ``MatMulBF16`` node ``y [M, N] = x [M, K] · Wᵀ`` over the bfloat16 panels ``codes``."""
-    node = helper.make_node("MatMulBF16", ["x", "codes"], ["y"], domain=DOMAIN,
-                            **{"K": k, "N": n, "layout": 1, **attrs})
-    graph = helper.make_graph([node], "matmul_bf16", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
+    return _panel_matmul("MatMulBF16", codes, n, k, attrs)
+
+
+def matmul_f32_model(panels: np.ndarray, n: int, k: int, **attrs: int) -> onnx.ModelProto:
+    """One ``MatMulF32`` node ``y [M, N] = x [M, K] · Wᵀ`` over the float32 panels ``panels``."""
+    return _panel_matmul("MatMulF32", panels, n, k, attrs)
+
+
+def _panel_matmul(op: str, weight: np.ndarray, n: int, k: int, attrs: dict[str, int]) -> onnx.ModelProto:
+    node = helper.make_node(op, ["x", "w"], ["y"], domain=DOMAIN, **{"K": k, "N": n, "layout": 1, **attrs})
+    graph = helper.make_graph([node], op, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
-                              [onnx.numpy_helper.from_array(codes, "codes")])
+                              [onnx.numpy_helper.from_array(weight, "w")])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])

@@ -63,7 +63,9 @@ def test_tiny_kernel_bundle_equals_plain(tmp_path: Path) -> None:
     bundle = compile_bundle(TINY_RECIPE, tmp_path / "kernel", cache)
     m = load_manifest(bundle)
     assert m.paged_attention == "kernel"
-    assert m.kernels == KernelLibrary("_omforge_kernels", kernels.DOMAIN, kernels.ABI_VERSION, kernels.status().isa)
+    f32 = kernels.status().f32 == "avx512f"  # float32 weight MatMuls are MatMulF32, its packed layout recorded
+    assert m.kernels == KernelLibrary("_omforge_kernels", kernels.DOMAIN, kernels.ABI_VERSION, kernels.status().isa,
+                                      kernels.status().weight_layout if f32 else None)
     hist = m.passes.op_histogram
     assert hist[f"{kernels.DOMAIN}::PagedAttention"] == m.model.config["num_hidden_layers"]
     assert "ScatterND" not in hist

@@ -129,7 +129,8 @@ def test_bundles_hand_the_projection_to_the_kernel_with_or_without_qkv_merge(tmp
             assert len(n.input) == 14 and n.input[12] and n.input[13]
             operands = n.input[:1] if packed else n.input[:3]
             assert (n.input[1] == n.input[2] == "") is packed
-            assert [producers[x] for x in operands] == ["MatMul"] * len(operands)  # the projections as they are
+            # the projections as they are (ORT's MatMul, or the kernel library's on float32 panels)
+            assert {producers[x] for x in operands} <= {"MatMul", "MatMulF32"}
     prompts = [[int(t) for t in range(3 + i, 30 + 5 * i)] for i in range(4)]
     greedy = SamplingParams(temperature=0.0, max_tokens=16)
     tokens = [[o.token_ids for o in LLM(b).generate(prompts, greedy, use_tqdm=False)] for b in (merged, apart)]

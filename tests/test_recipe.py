@@ -29,7 +29,7 @@ MODEL = "model:\n  name: t\n  source: random\n  config: {vocab_size: 8}\n"
 TOP_KEYS = "model, compile, serve"
 MODEL_KEYS = "name, source, path, package, file, seed, family, config, tokenizer"
 COMPILE_KEYS = ("target, dtype, opset, kv_block_size, kv_cache_dtype, max_batch_size, max_seq_len, max_num_tokens, "
-                "buckets, fusions, weights, quantization, soc_version, precision_mode")
+                "buckets, fusions, weights, quantization, float_gemm, soc_version, precision_mode")
 BUCKET_KEYS = "prefill_seq_lens, decode_batch_sizes, context_lens"
 SERVE_KEYS = ("max_num_seqs, max_num_batched_tokens, max_prefill_tokens_with_decodes, max_model_len, "
               "enable_prefix_caching, max_queue_delay_us, preemption_mode, swap_space_gb, num_kv_blocks, "
@@ -177,6 +177,12 @@ BAD = [
     ("float16-dtype-points-to-weights", MODEL + "compile:\n  dtype: float16\n",
      "compile.dtype: use compile.weights (float16 builds an fp16 graph for the ascend target); compile.dtype only "
      "accepts float32 (got 'float16')"),
+    # compile.float_gemm (issue 21): float32 weights on ort only, one of three
+    ("float-gemm-int4", MODEL + "compile:\n  weights: int4\n  float_gemm: MatMulF32\n",
+     "compile.float_gemm: chooses the op of float32 weight MatMuls on the ort target; this recipe builds int4 "
+     "weights for ort"),
+    ("float-gemm-unknown", MODEL + "compile:\n  float_gemm: MLAS\n",
+     "compile.float_gemm: 'MLAS' is not allowed; expected 'auto', 'MatMulF32' or 'MatMul'"),
     # compile.quantization.activations (issue 21): one of three, an alias of accuracy_level 4 / 0, ort only.
     ("activations-unknown", MODEL + "compile:\n  weights: int4\n  quantization:\n    activations: fp16\n",
      "compile.quantization.activations: 'fp16' is not allowed; expected 'int8', 'bfloat16' or 'float32'"),

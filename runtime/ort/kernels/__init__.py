@@ -2,12 +2,13 @@
 
 The library (``_omforge_kernels*.so`` beside this file, built from the C++ sources here by ``setup.py``, or
 ``$OMFORGE_KERNELS_LIBRARY``) registers ``PagedAttention``, ``PagedAttentionBF16`` and ``PagedAttentionInt8``
-(fp32, bf16 and int8 KV pools), ``SwiGLU``, ``MatMulQ`` (block-quantized weights × int8 activations, its
-weights in the packed layout of ``qgemm.h``), ``MatMulQBF16`` (the same weights × bfloat16 activations) and
-``MatMulBF16`` (bfloat16 weights); their contracts are at the top of ``custom_op.cpp`` and
-``qgemm_op.h``, and what the lowering shares of them (domain, ABI version, head dims) lives in
-:mod:`omforge.contract.kernel_abi`. It receives ORT's API table at registration and declares the few ABI facts it
-uses itself (``ort_abi.h``), so it needs no ORT headers and loads on any ORT >= :data:`MIN_ORT`.
+(fp32, bf16 and int8 KV pools), ``SwiGLU``, ``AddRMSNorm``, ``MatMulQ`` (block-quantized weights × int8
+activations, its weights in the packed layout of ``qgemm.h``), ``MatMulQBF16`` (the same weights × bfloat16
+activations), ``MatMulBF16`` (bfloat16 weights) and ``MatMulF32`` (float32 weights in column panels); their
+contracts are at the top of ``custom_op.cpp`` and ``qgemm_op.h``, and what the lowering shares of them (domain, ABI
+version, head dims) lives in :mod:`omforge.contract.kernel_abi`. It receives ORT's API table at registration and
+declares the few ABI facts it uses itself (``ort_abi.h``), so it needs no ORT headers and loads on any ORT >=
+:data:`MIN_ORT`.
 
 Nothing here is required: :func:`status` says whether the library is usable in this process (built, ORT recent
 enough, loadable, the same kernel ABI version) and why not; compile then falls back to the plain-op lowering, and
@@ -44,6 +45,7 @@ class KernelStatus:
     gemm: str | None = None  # MatMulQ's ISA path (avx512vnni, avxvnni, avx2, generic)
     bf16: str | None = None  # MatMulBF16's ISA path (avx512bf16, generic)
     qbf16: str | None = None  # MatMulQBF16's ISA path (MatMulBF16's); None: a library from before the op
+    f32: str | None = None  # MatMulF32's ISA path (avx512f, generic)
     weight_layout: int | None = None  # the packed weight layout version MatMulQ reads
 
     def manifest_entry(self, weight_layout: bool = False) -> KernelLibrary:
@@ -93,7 +95,8 @@ def status() -> KernelStatus:
                             reason=f"{path.name} speaks kernel ABI {abi}, this omforge {ABI_VERSION}; "
                                    "reinstall omforge")
     return KernelStatus(True, str(path), abi, fields["isa"], gemm=fields.get("gemm"), bf16=fields.get("bf16"),
-                        qbf16=fields.get("qbf16"), weight_layout=int(fields["layout"]) if "layout" in fields else None)
+                        qbf16=fields.get("qbf16"), f32=fields.get("f32"),
+                        weight_layout=int(fields["layout"]) if "layout" in fields else None)
 
 
 def register(options) -> None:  # noqa: ANN001 - onnxruntime.SessionOptions

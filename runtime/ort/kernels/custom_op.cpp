@@ -3,7 +3,7 @@
 // dtypes, below), SwiGLU (gate_up [..., 2F] -> silu(gate) * up [..., F]), AddRMSNorm (a + b and its RMSNorm, as
 // ORT's SkipSimplifiedLayerNormalization without the broadcasting), MatMulQ (a block-quantized weight
 // MatMul with int8 activations: qgemm.h, qgemm_op.h), MatMulQBF16 (the same weights, bfloat16 activations) and
-// MatMulBF16 (bfloat16 weights: bgemm_generic.cpp).
+// MatMulBF16 (bfloat16 weights: bgemm_generic.cpp) and MatMulF32 (float32 weights in panels: fgemm_generic.cpp).
 //
 // PagedAttention (fp32 pools) / PagedAttentionBF16 (bf16 pools) / PagedAttentionInt8 (int8 pools, each
 // head's row followed by its float32 scale: [S, Hkv, D + 4] int8), the ORT CPU lowering of the step ABI's
@@ -40,7 +40,7 @@
 namespace omf {
 namespace {
 
-constexpr int kAbiVersion = 4;  // bump when the op's inputs, outputs or attributes change
+constexpr int kAbiVersion = 5;  // bump when the op's inputs, outputs or attributes change
 constexpr const char* kDomain = "omforge.kernels";
 constexpr int64_t kHeadDims[] = {16, 32, 64, 96, 128, 256};  // the instantiations in paged_attention_impl.h
 
@@ -76,7 +76,7 @@ const Isa& isa() {
 
 OrtStatus* fail(const std::string& msg) { return g_api.CreateStatus(kOrtInvalidArgument, ("PagedAttention: " + msg).c_str()); }
 
-enum class OpKind { kPagedAttention, kSwiGlu, kMatMulQ, kMatMulQBF16, kMatMulBF16, kAddRmsNorm };
+enum class OpKind { kPagedAttention, kSwiGlu, kMatMulQ, kMatMulQBF16, kMatMulBF16, kMatMulF32, kAddRmsNorm };
 
 struct Kernel {
   OpKind kind = OpKind::kPagedAttention;
@@ -407,9 +407,11 @@ OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernelIn
     *out = k;
     return nullptr;
   }
-  if (k->kind == OpKind::kMatMulQ || k->kind == OpKind::kMatMulQBF16 || k->kind == OpKind::kMatMulBF16) {
-    OrtStatus* s = k->kind == OpKind::kMatMulBF16 ? read_matmul_bf16_attrs(g_api, info, k->gemm)
-                   : read_matmul_q_attrs(g_api, info, as_op(op)->name, k->gemm);
+  if (k->kind == OpKind::kMatMulQ || k->kind == OpKind::kMatMulQBF16 || k->kind == OpKind::kMatMulBF16 ||
+      k->kind == OpKind::kMatMulF32) {
+    OrtStatus* s = k->kind == OpKind::kMatMulBF16  ? read_matmul_bf16_attrs(g_api, info, k->gemm)
+                   : k->kind == OpKind::kMatMulF32 ? read_matmul_f32_attrs(g_api, info, k->gemm)
+                                                   : read_matmul_q_attrs(g_api, info, as_op(op)->name, k->gemm);
     if (s) {
       delete k;
       return s;
@@ -443,6 +445,7 @@ OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
     if (k.kind == OpKind::kMatMulQ) return compute_matmul_q(g_api, k.gemm, ctx);
     if (k.kind == OpKind::kMatMulQBF16) return compute_matmul_qbf16(g_api, k.gemm, ctx);
     if (k.kind == OpKind::kMatMulBF16) return compute_matmul_bf16(g_api, k.gemm, ctx);
+    if (k.kind == OpKind::kMatMulF32) return compute_matmul_f32(g_api, k.gemm, ctx);
     if (k.kind == OpKind::kAddRmsNorm) return compute_add_rms_norm(k, ctx);
     return k.kind == OpKind::kSwiGlu ? compute_swiglu(ctx) : compute(k, ctx);
   } catch (const std::bad_alloc&) {
@@ -457,7 +460,7 @@ size_t input_count(const OrtCustomOp* op) {
   const OpKind kind = as_op(op)->kind;
   if (kind == OpKind::kMatMulQ || kind == OpKind::kMatMulQBF16) return 4;
   if (kind == OpKind::kAddRmsNorm) return 3;
-  return kind == OpKind::kSwiGlu ? 1 : kind == OpKind::kMatMulBF16 ? 2 : 14;
+  return kind == OpKind::kSwiGlu ? 1 : kind == OpKind::kMatMulBF16 || kind == OpKind::kMatMulF32 ? 2 : 14;
 }
 size_t output_count(const OrtCustomOp* op) {
   const OpKind kind = as_op(op)->kind;
@@ -466,7 +469,9 @@ size_t output_count(const OrtCustomOp* op) {
 int input_type(const OrtCustomOp* op, size_t i) {
   if (as_op(op)->kind == OpKind::kMatMulQ || as_op(op)->kind == OpKind::kMatMulQBF16) return i == 1 ? kUint8 : kFloat;
   if (as_op(op)->kind == OpKind::kMatMulBF16) return i == 1 ? kUint16 : kFloat;
-  if (i <= 2 || i >= 12 || as_op(op)->kind == OpKind::kSwiGlu || as_op(op)->kind == OpKind::kAddRmsNorm) return kFloat;
+  if (i <= 2 || i >= 12 || as_op(op)->kind == OpKind::kSwiGlu || as_op(op)->kind == OpKind::kAddRmsNorm ||
+      as_op(op)->kind == OpKind::kMatMulF32)
+    return kFloat;
   if (i <= 4) {
     switch (as_op(op)->kv_type) {
       case KvType::kBfloat16: return kBfloat16;
@@ -524,7 +529,8 @@ Op g_ops[] = {make_op("PagedAttention", OpKind::kPagedAttention, KvType::kFloat3
               make_op("AddRMSNorm", OpKind::kAddRmsNorm, KvType::kFloat32),
               make_op("MatMulQ", OpKind::kMatMulQ, KvType::kFloat32),
               make_op("MatMulQBF16", OpKind::kMatMulQBF16, KvType::kFloat32),
-              make_op("MatMulBF16", OpKind::kMatMulBF16, KvType::kFloat32)};
+              make_op("MatMulBF16", OpKind::kMatMulBF16, KvType::kFloat32),
+              make_op("MatMulF32", OpKind::kMatMulF32, KvType::kFloat32)};
 
 }  // namespace
 }  // namespace omf
@@ -540,12 +546,14 @@ OMF_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApi
   return omf::g_api.AddCustomOpDomain(options, domain);
 }
 
-// "abi=<n> isa=<path> gemm=<path> bf16=<path> qbf16=<path> layout=<n> domain=<domain>": what `omforge doctor` and the
-// manifest report (qbf16: MatMulQBF16's path, the bf16 one; its presence says the library has the op).
+// "abi=<n> isa=<path> gemm=<path> bf16=<path> qbf16=<path> f32=<path> layout=<n> domain=<domain>": what `omforge
+// doctor` and the manifest report (qbf16: MatMulQBF16's path, the bf16 one; its presence says the library has the
+// op; f32: MatMulF32's).
 OMF_EXPORT const char* omforge_kernels_info() {
   static std::string info = "abi=" + std::to_string(omf::kAbiVersion) + " isa=" + omf::isa().name +
                             " gemm=" + omf::gemm_isa().name + " bf16=" + omf::bf16_isa().name +
-                            " qbf16=" + omf::bf16_isa().name + " layout=" + std::to_string(omf::kPanelLayout) +
+                            " qbf16=" + omf::bf16_isa().name +
+                            " f32=" + omf::f32_isa().name + " layout=" + std::to_string(omf::kPanelLayout) +
                             " domain=" + omf::kDomain;
   return info.c_str();
 }

@@ -150,6 +150,16 @@ inline void qbgemm_pairs(const QBGemmProblem& P, int64_t panel_begin, int64_t pa
   }
 }
 
+// MatMulF32 (fgemm_generic.cpp, fgemm_avx512.cpp): float32 weights in the panel16-f32 layout, float32 activations
+// read as they are. y[m, n] = Σ_k x[m, k] · W[n, k], float32 sums in k order (one fma per k on every path).
+struct FGemmProblem {
+  const float* a;  // [M, K] activations (row stride K)
+  const float* w;  // [P, K, 16]: element [p, k, c] = W[16p + c, k], zero past N
+  float* y;        // [M, N]
+  int64_t M, N, K;
+};
+using FGemmFn = void (*)(const FGemmProblem&, int64_t panel_begin, int64_t panel_end);
+
 namespace avx512bf16 {
 void bgemm(const BGemmProblem&, int64_t, int64_t);
 void bf16_panels(const Bf16Panels&, int panels);
@@ -170,6 +180,9 @@ bool available_int8();  // amx-int8 + avx512vnni and the permission
 void qgemm(const QGemmProblem&, int64_t, int64_t);
 }  // namespace amx
 
+namespace avx512f {
+void fgemm(const FGemmProblem&, int64_t, int64_t);
+}  // namespace avx512f
 namespace avx512vnni {
 void qgemm(const QGemmProblem&, int64_t, int64_t);
 void quantize_rows(const float*, int64_t, int64_t, int64_t, bool, const QuantizedRows&, int64_t, int64_t);
@@ -181,6 +194,7 @@ namespace avx2 {
 void qgemm(const QGemmProblem&, int64_t, int64_t);
 }  // namespace avx2
 namespace generic {
+void fgemm(const FGemmProblem&, int64_t, int64_t);
 void bgemm(const BGemmProblem&, int64_t, int64_t);
 void bf16_panels(const Bf16Panels&, int panels);
 void qbgemm(const QBGemmProblem&, int64_t, int64_t);

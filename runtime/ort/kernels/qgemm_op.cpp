@@ -1,6 +1,6 @@
 // MatMulQ's ORT side: shapes checked, activations quantized once per call (rows spread over ORT's threads when
 // there are many), then the weight's column panels spread over ORT's threads. MatMulQBF16 and MatMulBF16 the same
-// way, activations rounded to bfloat16 instead. See qgemm.h and qgemm_op.h.
+// way, activations rounded to bfloat16 instead; MatMulF32 reads its activations as they are. See qgemm.h and qgemm_op.h.
 #include "qgemm_op.h"
 
 #include <algorithm>
@@ -49,6 +49,19 @@ Bf16Isa choose_bf16() {
     return {"avx512bf16", &avx512bf16::bgemm, &avx512bf16::to_bf16_rows, &avx512bf16::qbgemm};
 #endif
   return {"generic", &generic::bgemm, &generic::to_bf16_rows, &generic::qbgemm};
+}
+
+// AVX-512F where the CPU has it, else portable (OMFORGE_KERNELS_ISA=generic forces it). The compile stage lowers
+// float32 weights to MatMulF32 only where this is "avx512f" (on the portable path ORT's own MatMul is faster).
+F32Isa choose_f32() {
+  const char* want = std::getenv("OMFORGE_KERNELS_ISA");
+  const std::string w = want ? want : "";
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && w != "generic" && w != "avx2" && w != "avxvnni")
+    return {"avx512f", &avx512f::fgemm};
+#endif
+  return {"generic", &generic::fgemm};
 }
 
 OrtStatus* fail(const ort::Api& api, const char* op, const std::string& msg) {
@@ -123,6 +136,12 @@ void bgemm_item(void* data, size_t i) {
   bf16_isa().bgemm(*P, first, std::min(panels, first + kPanelsPerItem));
 }
 
+void fgemm_item(void* data, size_t i) {
+  const FGemmProblem* P = static_cast<const FGemmProblem*>(data);
+  const int64_t first = static_cast<int64_t>(i) * kPanelsPerItem, panels = (P->N + kPanel - 1) / kPanel;
+  f32_isa().fgemm(*P, first, std::min(panels, first + kPanelsPerItem));
+}
+
 }  // namespace
 
 const Bf16Isa& bf16_isa() {
@@ -157,6 +176,35 @@ OrtStatus* compute_matmul_bf16(const ort::Api& api, const MatMulQAttrs& A, OrtKe
               rows_per_item(A.K)};
   if (OrtStatus* s = run_items(api, ctx, &to_bf16_item, items_of(M, run.rows_per_item), &run)) return s;
   return run_items(api, ctx, &bgemm_item, items_of(P, kPanelsPerItem), &run.prob);
+}
+
+const F32Isa& f32_isa() {
+  static const F32Isa chosen = choose_f32();
+  return chosen;
+}
+
+OrtStatus* read_matmul_f32_attrs(const ort::Api& api, const OrtKernelInfo* info, MatMulQAttrs& a) {
+  return read_shape_attrs(api, info, "MatMulF32", a);
+}
+
+OrtStatus* compute_matmul_f32(const ort::Api& api, const MatMulQAttrs& A, OrtKernelContext* ctx) {
+  Tensor in[2];
+  bool have[2] = {false, false};
+  if (OrtStatus* s = read_inputs(api, ctx, 2, in, have)) return s;
+  if (!have[0] || !have[1]) return fail(api, "MatMulF32", "x and w are required");
+  const Tensor &x = in[0], &w = in[1];
+  const int64_t P = (A.N + kPanel - 1) / kPanel;
+  if (x.type != kFloat || x.dims.empty() || x.dims.back() != A.K)
+    return fail(api, "MatMulF32", "x must be float32 [..., " + std::to_string(A.K) + "]");
+  if (w.type != kFloat || w.dims != std::vector<int64_t>{P, A.K, kPanel})
+    return fail(api, "MatMulF32", "w must be float32 [" + std::to_string(P) + ", " + std::to_string(A.K) +
+                ", 16] (the panel16-f32 layout)");
+  void* y = nullptr;
+  if (OrtStatus* s = last_dim_output(api, ctx, 0, x, A.N, &y)) return s;
+  FGemmProblem prob{static_cast<const float*>(x.data), static_cast<const float*>(w.data), static_cast<float*>(y),
+                    x.numel() / A.K, A.N, A.K};
+  if (prob.M == 0) return nullptr;
+  return run_items(api, ctx, &fgemm_item, items_of(P, kPanelsPerItem), &prob);
 }
 
 const GemmIsa& gemm_isa() {

@@ -5,6 +5,8 @@
 //   attrs    K, N, bits (4 or 8), block_size (32, 64 or 128), layout (must be kPanelLayout)
 // MatMulBF16: inputs 0 x [..., K] float32, 1 codes uint16 [P, Kp/2, 32] (bgemm_generic.cpp); output y [..., N] float32;
 //   attrs K, N, layout (must be kPanelLayout)
+// MatMulF32: inputs 0 x [..., K] float32, 1 w float32 [P, K, 16] (fgemm_generic.cpp); output y [..., N] float32;
+//   attrs K, N, layout (must be kPanelLayout)
 // MatMulQBF16: MatMulQ's inputs, outputs and attributes (the same panel16 weights), activations in bfloat16 instead of
 //   int8 (qgemm.h, QBGemmProblem)
 #pragma once
@@ -33,7 +35,15 @@ struct Bf16Isa {
   int64_t m_align = 1, k_align = 2;  // the activations' rows and row stride are padded (with zeros) to multiples
 };
 
+struct F32Isa {
+  const char* name;
+  FGemmFn fgemm;
+};
+
 const GemmIsa& gemm_isa();
+const F32Isa& f32_isa();
+OrtStatus* read_matmul_f32_attrs(const ort::Api& api, const OrtKernelInfo* info, MatMulQAttrs& attrs);
+OrtStatus* compute_matmul_f32(const ort::Api& api, const MatMulQAttrs& attrs, OrtKernelContext* ctx);
 const Bf16Isa& bf16_isa();
 OrtStatus* read_matmul_bf16_attrs(const ort::Api& api, const OrtKernelInfo* info, MatMulQAttrs& attrs);
 OrtStatus* compute_matmul_bf16(const ort::Api& api, const MatMulQAttrs& attrs, OrtKernelContext* ctx);
