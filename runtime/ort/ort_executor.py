@@ -67,6 +67,16 @@ class OrtExecutor:
                     self.binding.bind_ortvalue_output(f"{kind}_cache_out.{layer}", value)
                 self._pool_values.append(value)
                 self._slot_views.append(view)
+        if prefault:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One step of one token in slot 0, then slot 0 zeroed again (a server, before its first request): ORT maps
+        the bundle's weights from the file and pages them in at first use, so without it the first request pays
+        reading every weight page (and ORT's first-run set-up), and the process's RSS is not yet its working set."""
+        self.execute([SeqWork([0], 0, [0])])
+        for view in self._slot_views:
+            view[0] = 0
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks ``src → dst`` in every layer's K and V pool (copy-on-write of a shared block)."""
