@@ -1,5 +1,6 @@
 """The weight GEMM alone: omforge's MatMulQ (int8 activations) and MatMulQBF16 (the same weights, bfloat16
-activations) against ONNX Runtime's MatMulNBits (accuracy levels 4 and 0) and the float32 MatMul, per shape and row
+activations), MatMulBF16 and MatMulF32 (the weights as bfloat16 / float32 panels) against ONNX Runtime's MatMulNBits
+(accuracy levels 4 and 0) and the float32 MatMul, per shape and row
 count, in one process (ratios measured side by side), with this CPU's measured int8 VNNI peak.
 
   .venv/bin/python benchmarks/bench_gemm.py [--shapes smollm2|llama8b|all] [--rows 1,8,16,32,64,128,256]
@@ -199,6 +200,11 @@ def sessions(w: np.ndarray, bits: int, affine: bool, threads: int,
         out[f"NBits L{level}"] = _session(nbits, inits, k, n, threads, {"": 17, "com.microsoft": 1}, repeat)
     out["fp32 MatMul"] = _session(lambda i: [helper.make_node("MatMul", ["x", "w"], [f"y{i}"])],
                                   [arr(np.ascontiguousarray(w.T), "w")], k, n, threads, {"": 17}, repeat)
+    if kernels.status().f32:  # the same float32 weights in column panels (compile.weights: float32, float_gemm)
+        out["MatMulF32"] = _session(lambda i: [helper.make_node("MatMulF32", ["x", "w"], [f"y{i}"],
+                                                                domain="omforge.kernels", K=k, N=n,
+                                                                layout=gemm_pack.LAYOUT)],
+                                    [arr(gemm_pack.pack_f32(w), "w")], k, n, threads, kernel_domains, repeat)
     return out
 
 
