@@ -81,6 +81,31 @@ OrtStatus* read_shape_attrs(const ort::Api& api, const OrtKernelInfo* info, cons
   return nullptr;
 }
 
+// The panels input of a float weight GEMM (MatMulBF16, MatMulF32): its name, element type and layout, for the errors
+struct PanelInput {
+  const char* name;
+  int type;
+  const char* type_name;
+  const char* layout;
+};
+
+// x float32 [..., K] and the panels (`w`, of shape `dims`) read into in[0], in[1] and checked; y made
+OrtStatus* float_weight_inputs(const ort::Api& api, OrtKernelContext* ctx, const char* op, const MatMulQAttrs& A,
+                               const PanelInput& w, const std::vector<int64_t>& dims, Tensor* in, void** y) {
+  bool have[2] = {false, false};
+  if (OrtStatus* s = read_inputs(api, ctx, 2, in, have)) return s;
+  if (!have[0] || !have[1]) return fail(api, op, std::string("x and ") + w.name + " are required");
+  if (in[0].type != kFloat || in[0].dims.empty() || in[0].dims.back() != A.K)
+    return fail(api, op, "x must be float32 [..., " + std::to_string(A.K) + "]");
+  if (in[1].type != w.type || in[1].dims != dims) {
+    std::string shape;
+    for (size_t i = 0; i < dims.size(); ++i) shape += (i ? ", " : "") + std::to_string(dims[i]);
+    return fail(api, op, std::string(w.name) + " must be " + w.type_name + " [" + shape + "] (the " + w.layout +
+                " layout)");
+  }
+  return last_dim_output(api, ctx, 0, in[0], A.N, y);
+}
+
 int64_t rows_per_item(int64_t K) { return std::max<int64_t>(1, 16384 / K); }  // ~64 KB of activations per item
 
 struct QuantizeRun {
@@ -155,18 +180,12 @@ OrtStatus* read_matmul_bf16_attrs(const ort::Api& api, const OrtKernelInfo* info
 
 OrtStatus* compute_matmul_bf16(const ort::Api& api, const MatMulQAttrs& A, OrtKernelContext* ctx) {
   Tensor in[2];
-  bool have[2] = {false, false};
-  if (OrtStatus* s = read_inputs(api, ctx, 2, in, have)) return s;
-  if (!have[0] || !have[1]) return fail(api, "MatMulBF16", "x and codes are required");
-  const Tensor &x = in[0], &codes = in[1];
-  const int64_t P = (A.N + kPanel - 1) / kPanel, Kp = (A.K + 1) / 2 * 2;
-  if (x.type != kFloat || x.dims.empty() || x.dims.back() != A.K)
-    return fail(api, "MatMulBF16", "x must be float32 [..., " + std::to_string(A.K) + "]");
-  if (codes.type != kUint16 || codes.dims != std::vector<int64_t>{P, Kp / 2, 32})
-    return fail(api, "MatMulBF16", "codes must be uint16 [" + std::to_string(P) + ", " + std::to_string(Kp / 2) +
-                ", 32] (the panel16-bf16 layout)");
   void* y = nullptr;
-  if (OrtStatus* s = last_dim_output(api, ctx, 0, x, A.N, &y)) return s;
+  const int64_t P = (A.N + kPanel - 1) / kPanel, Kp = (A.K + 1) / 2 * 2;
+  if (OrtStatus* s = float_weight_inputs(api, ctx, "MatMulBF16", A, {"codes", kUint16, "uint16", "panel16-bf16"},
+                                         {P, Kp / 2, 32}, in, &y))
+    return s;
+  const Tensor &x = in[0], &codes = in[1];
   const int64_t M = x.numel() / A.K;
   if (M == 0) return nullptr;
   const int64_t lda = round_up(Kp, bf16_isa().k_align);
@@ -189,22 +208,15 @@ OrtStatus* read_matmul_f32_attrs(const ort::Api& api, const OrtKernelInfo* info,
 
 OrtStatus* compute_matmul_f32(const ort::Api& api, const MatMulQAttrs& A, OrtKernelContext* ctx) {
   Tensor in[2];
-  bool have[2] = {false, false};
-  if (OrtStatus* s = read_inputs(api, ctx, 2, in, have)) return s;
-  if (!have[0] || !have[1]) return fail(api, "MatMulF32", "x and w are required");
-  const Tensor &x = in[0], &w = in[1];
-  const int64_t P = (A.N + kPanel - 1) / kPanel;
-  if (x.type != kFloat || x.dims.empty() || x.dims.back() != A.K)
-    return fail(api, "MatMulF32", "x must be float32 [..., " + std::to_string(A.K) + "]");
-  if (w.type != kFloat || w.dims != std::vector<int64_t>{P, A.K, kPanel})
-    return fail(api, "MatMulF32", "w must be float32 [" + std::to_string(P) + ", " + std::to_string(A.K) +
-                ", 16] (the panel16-f32 layout)");
   void* y = nullptr;
-  if (OrtStatus* s = last_dim_output(api, ctx, 0, x, A.N, &y)) return s;
+  if (OrtStatus* s = float_weight_inputs(api, ctx, "MatMulF32", A, {"w", kFloat, "float32", "panel16-f32"},
+                                         {(A.N + kPanel - 1) / kPanel, A.K, kPanel}, in, &y))
+    return s;
+  const Tensor &x = in[0], &w = in[1];
   FGemmProblem prob{static_cast<const float*>(x.data), static_cast<const float*>(w.data), static_cast<float*>(y),
                     x.numel() / A.K, A.N, A.K};
   if (prob.M == 0) return nullptr;
-  return run_items(api, ctx, &fgemm_item, items_of(P, kPanelsPerItem), &prob);
+  return run_items(api, ctx, &fgemm_item, items_of((A.N + kPanel - 1) / kPanel, kPanelsPerItem), &prob);
 }
 
 const GemmIsa& gemm_isa() {
