@@ -4,7 +4,8 @@
 // pair. As there, the weights stream from memory once per step (SmolLM2: 538 MB), so the next pair of panels is
 // prefetched while a pair is multiplied. Against ORT's MLAS float32 MatMul over a decode step's 121 matrices on the
 // Zen 4 VM (2 threads, alternated; benchmarks/RESULTS.md 2026-12-05): M 8 86 → 93–96 GOP/s, 16 123 → 143, 32
-// 159–169 → 185–195, 64 189 → 213–217, 128 203 → 212, 512 210 → 213; one row 14 both.
+// 159–169 → 185–195, 64 189 → 213–217, 128 203 → 212, 512 210 → 213; one row 14 both. Inside a step 512 rows run
+// 4–8% slower than MLAS (cause not found; what was tried is in RESULTS), so recipes can keep MLAS (float_gemm).
 // Layout and contract: fgemm_generic.cpp (the same fma per k in k order: bit for bit the portable path).
 #include <algorithm>
 #include <cstdint>
