@@ -22,6 +22,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")
 
 namespace omf::avx512bf16 {
+#include "avx512_tile.h"
 namespace {
 
 // the next panels are prefetched up to kPrefetchRows rows (qgemm.h); below this many rows the hardware prefetcher
@@ -58,18 +59,7 @@ void tile(const Bf16Panels& T, int64_t m0, const char* pf, int64_t lines) {
       for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_dpbf16_ps(acc[r][q], x, w[q]);
     }
   }
-  // a wide output (the lm_head's logits, M × 49,152 floats, far beyond L2) with streaming stores, as MatMulQ's:
-  // a plain store of a line not in cache reads it first
-  const bool stream = T.N >= kStreamColumns;
-  for (int q = 0; q < NP; ++q) {
-    const int64_t n0 = T.n0 + q * kPanel, valid = std::min<int64_t>(kPanel, T.N - n0);
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-    for (int r = 0; r < MR; ++r) {
-      float* y = T.y + (m0 + r) * T.N + n0;
-      if (stream && valid == kPanel && (reinterpret_cast<uintptr_t>(y) & 63) == 0) _mm512_stream_ps(y, acc[r][q]);
-      else _mm512_mask_storeu_ps(y, mask, acc[r][q]);
-    }
-  }
+  store_tile(acc, T.y, T.N, m0, T.n0);  // a wide output (the lm_head's logits) with streaming stores, as MatMulQ's
 }
 
 // `next`, `next_bytes`: what to prefetch meanwhile (the thread's likely next panels; nullptr, 0 for nothing)
@@ -101,7 +91,7 @@ void bf16_panels(const Bf16Panels& T, int panels) {
 }
 
 void bgemm(const BGemmProblem& P, int64_t panel_begin, int64_t panel_end) {
-  const int64_t panel_elems = P.Kp / 2 * 32, total = (P.N + kPanel - 1) / kPanel;
+  const int64_t panel_elems = P.Kp / 2 * 32, total = panels_of(P.N);
   const bool prefetch = P.M >= kPrefetchMinRows && P.M <= kPrefetchRows && P.Kp <= kPrefetchMaxK;
   for (int64_t p = panel_begin; p < panel_end; p += 2) {
     // the next pair: this thread's next work item as ORT's pool hands them out (contiguous runs per thread)

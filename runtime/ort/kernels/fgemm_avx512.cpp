@@ -19,6 +19,7 @@
 #pragma GCC target("avx512f,avx2,fma")
 
 namespace omf::avx512f {
+#include "avx512_tile.h"
 namespace {
 
 constexpr int64_t kPrefetchMinRows = 4;  // as MatMulBF16's: fewer rows stream well from the hardware prefetcher
@@ -46,16 +47,7 @@ void tile(const FGemmProblem& P, const float* w, int64_t n0, int64_t m0, const c
       for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_fmadd_ps(x, wv[q], acc[r][q]);
     }
   }
-  const bool stream = P.N >= kStreamColumns;  // the lm_head's logits, far beyond L2: not read before written
-  for (int q = 0; q < NP; ++q) {
-    const int64_t n = n0 + q * kPanel, valid = std::min<int64_t>(kPanel, P.N - n);
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-    for (int r = 0; r < MR; ++r) {
-      float* y = P.y + (m0 + r) * P.N + n;
-      if (stream && valid == kPanel && (reinterpret_cast<uintptr_t>(y) & 63) == 0) _mm512_stream_ps(y, acc[r][q]);
-      else _mm512_mask_storeu_ps(y, mask, acc[r][q]);
-    }
-  }
+  store_tile(acc, P.y, P.N, m0, n0);  // a wide output (the lm_head's logits) with streaming stores
 }
 
 // the row tiles over a pair (NP = 2) or a last single panel at panel p; `next`, `next_bytes`: what to prefetch meanwhile
@@ -83,7 +75,7 @@ void rows(const FGemmProblem& P, int64_t p, const char* next, int64_t next_bytes
 }  // namespace
 
 void fgemm(const FGemmProblem& P, int64_t panel_begin, int64_t panel_end) {
-  const int64_t panel_elems = P.K * kPanel, total = (P.N + kPanel - 1) / kPanel;
+  const int64_t panel_elems = P.K * kPanel, total = panels_of(P.N);
   const bool prefetch = P.M >= kPrefetchMinRows && P.M <= kPrefetchRows && P.K <= kPrefetchMaxK;
   for (int64_t p = panel_begin; p < panel_end; p += 2) {
     // the next pair: this thread's next work item as ORT's pool hands them out (contiguous runs per thread)

@@ -28,6 +28,7 @@ namespace omf {
 
 constexpr int kPanelLayout = 1;  // bump with any change of the byte layout above
 constexpr int kPanel = 16;       // columns per panel
+constexpr int64_t panels_of(int64_t n) { return (n + kPanel - 1) / kPanel; }  // panels holding n columns
 constexpr int kChunk = 32;       // k per activation scale
 
 // Outputs at least this wide (an lm_head's logits, far beyond L2) are written with streaming stores by the vector

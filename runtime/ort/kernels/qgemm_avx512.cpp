@@ -34,6 +34,7 @@
 
 namespace omf::avx512vnni {
 #include "avx512_reduce.h"
+#include "avx512_tile.h"
 namespace {
 
 constexpr int kRows2 = OMF_ROWS2;   // rows per tile of two panels
@@ -131,18 +132,7 @@ void tile(const QGemmProblem& P, int64_t m0, int64_t p, PanelPrefetch& ahead, in
       }
     }
   }
-  // A wide output (the lm_head's logits: M × 49,152 floats, far beyond L2) is written with streaming stores: a
-  // normal store of a line not in cache first reads it (one miss per 64 bytes, ~2× slower measured at M 64).
-  const bool stream = P.N >= kStreamColumns;
-  for (int q = 0; q < NP; ++q) {
-    const int64_t n0 = (p + q) * kPanel, valid = std::min<int64_t>(kPanel, P.N - n0);
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-    for (int r = 0; r < MR; ++r) {
-      float* y = P.y + (m0 + r) * P.N + n0;
-      if (stream && valid == kPanel && (reinterpret_cast<uintptr_t>(y) & 63) == 0) _mm512_stream_ps(y, acc[r][q]);
-      else _mm512_mask_storeu_ps(y, mask, acc[r][q]);
-    }
-  }
+  store_tile(acc, P.y, P.N, m0, p * kPanel);  // a wide output (the lm_head's logits) with streaming stores
 }
 
 // `ahead`: what to prefetch over the row tiles (PF), its lines split evenly between them
@@ -168,7 +158,7 @@ void rows(const QGemmProblem& P, int64_t p, PanelPrefetch& ahead) {
 // panels [next, next + 2) of the weight (clipped to it): their codes, scales and offsets
 template <int BITS>
 PanelPrefetch pair_at(const QGemmProblem& P, int64_t next) {
-  const int64_t chunks = P.Kp / kChunk, kb = P.Kp / P.block, panels = (P.N + kPanel - 1) / kPanel;
+  const int64_t chunks = P.Kp / kChunk, kb = P.Kp / P.block, panels = panels_of(P.N);
   const int64_t n = std::clamp<int64_t>(panels - next, 0, 2), panel_bytes = chunks * kPanel * kChunk * BITS / 8;
   PanelPrefetch a;
   if (n == 0) return a;

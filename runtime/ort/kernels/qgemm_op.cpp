@@ -124,10 +124,15 @@ void quantize_item(void* data, size_t i) {
 
 constexpr int64_t kPanelsPerItem = 2;  // a pair: the vector path's two-panel tiles
 
+// work item i of a GEMM over column panels: the i-th pair of panels (the last may be a single one), through `gemm`
+template <typename Problem>
+void run_pair(const Problem& P, size_t i, void (*gemm)(const Problem&, int64_t, int64_t)) {
+  const int64_t first = static_cast<int64_t>(i) * kPanelsPerItem;
+  gemm(P, first, std::min(panels_of(P.N), first + kPanelsPerItem));
+}
+
 void gemm_item(void* data, size_t i) {
-  const QGemmProblem* P = static_cast<const QGemmProblem*>(data);
-  const int64_t first = static_cast<int64_t>(i) * kPanelsPerItem, panels = (P->N + kPanel - 1) / kPanel;
-  gemm_isa().qgemm(*P, first, std::min(panels, first + kPanelsPerItem));
+  run_pair(*static_cast<const QGemmProblem*>(data), i, gemm_isa().qgemm);
 }
 
 int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
@@ -156,15 +161,11 @@ void to_bf16_item(void* data, size_t i) {
 }
 
 void bgemm_item(void* data, size_t i) {
-  const BGemmProblem* P = static_cast<const BGemmProblem*>(data);
-  const int64_t first = static_cast<int64_t>(i) * kPanelsPerItem, panels = (P->N + kPanel - 1) / kPanel;
-  bf16_isa().bgemm(*P, first, std::min(panels, first + kPanelsPerItem));
+  run_pair(*static_cast<const BGemmProblem*>(data), i, bf16_isa().bgemm);
 }
 
 void fgemm_item(void* data, size_t i) {
-  const FGemmProblem* P = static_cast<const FGemmProblem*>(data);
-  const int64_t first = static_cast<int64_t>(i) * kPanelsPerItem, panels = (P->N + kPanel - 1) / kPanel;
-  f32_isa().fgemm(*P, first, std::min(panels, first + kPanelsPerItem));
+  run_pair(*static_cast<const FGemmProblem*>(data), i, f32_isa().fgemm);
 }
 
 }  // namespace
@@ -181,7 +182,7 @@ OrtStatus* read_matmul_bf16_attrs(const ort::Api& api, const OrtKernelInfo* info
 OrtStatus* compute_matmul_bf16(const ort::Api& api, const MatMulQAttrs& A, OrtKernelContext* ctx) {
   Tensor in[2];
   void* y = nullptr;
-  const int64_t P = (A.N + kPanel - 1) / kPanel, Kp = (A.K + 1) / 2 * 2;
+  const int64_t P = panels_of(A.N), Kp = (A.K + 1) / 2 * 2;
   if (OrtStatus* s = float_weight_inputs(api, ctx, "MatMulBF16", A, {"codes", kUint16, "uint16", "panel16-bf16"},
                                          {P, Kp / 2, 32}, in, &y))
     return s;
@@ -210,13 +211,13 @@ OrtStatus* compute_matmul_f32(const ort::Api& api, const MatMulQAttrs& A, OrtKer
   Tensor in[2];
   void* y = nullptr;
   if (OrtStatus* s = float_weight_inputs(api, ctx, "MatMulF32", A, {"w", kFloat, "float32", "panel16-f32"},
-                                         {(A.N + kPanel - 1) / kPanel, A.K, kPanel}, in, &y))
+                                         {panels_of(A.N), A.K, kPanel}, in, &y))
     return s;
   const Tensor &x = in[0], &w = in[1];
   FGemmProblem prob{static_cast<const float*>(x.data), static_cast<const float*>(w.data), static_cast<float*>(y),
                     x.numel() / A.K, A.N, A.K};
   if (prob.M == 0) return nullptr;
-  return run_items(api, ctx, &fgemm_item, items_of((A.N + kPanel - 1) / kPanel, kPanelsPerItem), &prob);
+  return run_items(api, ctx, &fgemm_item, items_of(panels_of(A.N), kPanelsPerItem), &prob);
 }
 
 const GemmIsa& gemm_isa() {
@@ -242,7 +243,7 @@ OrtStatus* panel16_inputs(const ort::Api& api, const char* op, const MatMulQAttr
   if (OrtStatus* s = read_inputs(api, ctx, 4, in, have)) return s;
   if (!have[0] || !have[1] || !have[2]) return fail(api, op, "x, codes and scales are required");
   const Tensor &x = in[0], &codes = in[1], &scales = in[2], &offsets = in[3];
-  const int64_t P = (A.N + kPanel - 1) / kPanel, kb = (A.K + A.block - 1) / A.block, Kp = kb * A.block;
+  const int64_t P = panels_of(A.N), kb = (A.K + A.block - 1) / A.block, Kp = kb * A.block;
   const int64_t chunk_bytes = kPanel * kChunk * A.bits / 8;
   if (x.type != kFloat || x.dims.empty() || x.dims.back() != A.K)
     return fail(api, op, "x must be float32 [..., " + std::to_string(A.K) + "]");
@@ -259,9 +260,7 @@ OrtStatus* panel16_inputs(const ort::Api& api, const char* op, const MatMulQAttr
 }
 
 void qbgemm_item(void* data, size_t i) {
-  const QBGemmProblem* P = static_cast<const QBGemmProblem*>(data);
-  const int64_t first = static_cast<int64_t>(i) * kPanelsPerItem, panels = (P->N + kPanel - 1) / kPanel;
-  bf16_isa().qbgemm(*P, first, std::min(panels, first + kPanelsPerItem));
+  run_pair(*static_cast<const QBGemmProblem*>(data), i, bf16_isa().qbgemm);
 }
 
 }  // namespace
@@ -273,7 +272,7 @@ OrtStatus* compute_matmul_qbf16(const ort::Api& api, const MatMulQAttrs& A, OrtK
   int64_t M = 0;
   if (OrtStatus* s = panel16_inputs(api, "MatMulQBF16", A, ctx, in, have, &y, &M)) return s;
   if (M == 0) return nullptr;
-  const int64_t P = (A.N + kPanel - 1) / kPanel, Kp = (A.K + A.block - 1) / A.block * A.block;
+  const int64_t P = panels_of(A.N), Kp = (A.K + A.block - 1) / A.block * A.block;
   const int64_t lda = round_up(Kp, bf16_isa().k_align);
   uint16_t* xa = bf16_rows(M, lda);
   Bf16Run run{static_cast<const float*>(in[0].data), {xa, nullptr, nullptr, M, A.N, A.K, Kp, lda},
@@ -293,7 +292,7 @@ OrtStatus* compute_matmul_q(const ort::Api& api, const MatMulQAttrs& A, OrtKerne
   if (OrtStatus* s = panel16_inputs(api, "MatMulQ", A, ctx, in, have, &y, &M)) return s;
   if (M == 0) return nullptr;
   const Tensor& x = in[0];
-  const int64_t P = (A.N + kPanel - 1) / kPanel, kb = (A.K + A.block - 1) / A.block, Kp = kb * A.block;
+  const int64_t P = panels_of(A.N), kb = (A.K + A.block - 1) / A.block, Kp = kb * A.block;
 
   // the activations, quantized once (scratch kept per calling thread between calls)
   thread_local std::vector<int8_t> qa;
