@@ -25,6 +25,7 @@ Postcondition: no quantized group's MatMul is left, and ``report`` names the sou
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
@@ -35,7 +36,20 @@ from omforge.passes import gemm_pack, quant
 from omforge.passes.util import drop_unused_initializers, read_weight, weight_matmuls
 
 MS_DOMAIN = "com.microsoft"
-_FLOAT_OPS = {16: "MatMulBF16", 32: "MatMulF32"}  # float weights: the kernel op each width becomes
+
+
+@dataclass(frozen=True)
+class _FloatOp:
+    """Float weights of one width: the kernel op they become, how their panels are packed and named."""
+
+    op: str
+    tag: str  # in the panels' initializer name and the node's
+    pack: Callable[[np.ndarray], np.ndarray]
+    source: str  # the report's description
+
+
+_FLOAT_OPS = {16: _FloatOp("MatMulBF16", "bf16", gemm_pack.pack_bf16, "bfloat16 (round to nearest even)"),
+              32: _FloatOp("MatMulF32", "f32", gemm_pack.pack_f32, "float32 (column panels)")}
 _MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
@@ -66,7 +80,7 @@ class QuantizeWeights(ir.passes.InPlacePass):
         if gemm not in ("nbits", "kernel", "kernel_bf16"):
             raise ValueError(f"gemm must be 'nbits', 'kernel' or 'kernel_bf16', got {gemm!r}")
         if bits in _FLOAT_OPS and (gemm != "kernel" or embedding != "float"):
-            raise ValueError(f"bits {bits} is the kernel's {_FLOAT_OPS[bits]}, with a float32 embedding")
+            raise ValueError(f"bits {bits} is the kernel's {_FLOAT_OPS[bits].op}, with a float32 embedding")
         self.gemm = gemm
         self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
         self.matrices, self.embedding, self.accuracy_level = set(matrices), embedding, accuracy_level
@@ -201,20 +215,17 @@ class QuantizeWeights(ir.passes.InPlacePass):
     def _matmul_float(self, graph: ir.Graph, node: ir.Node, source: str, rows: Callable[[], np.ndarray]) -> bool:
         """``MatMulBF16`` over the bfloat16 panels of ``source`` (round to nearest even), or ``MatMulF32`` over its
         float32 panels (values unchanged); the panels made once per source."""
-        op = _FLOAT_OPS[self.bits]
-        tag = "bf16" if self.bits == 16 else "f32"
-        name = f"{source}.{tag}.panel{WEIGHT_LAYOUT}"
+        f = _FLOAT_OPS[self.bits]
+        name = f"{source}.{f.tag}.panel{WEIGHT_LAYOUT}"
         if source not in self._float:
             w_nk = rows()
-            panels = gemm_pack.pack_bf16(w_nk) if self.bits == 16 else gemm_pack.pack_f32(w_nk)
+            panels = f.pack(w_nk)
             self._const(graph, name, panels)
             self._float[source] = w_nk.shape
-            self.report[source] = {"bits": self.bits, "block": None, "bytes": panels.nbytes,
-                                   "source": "bfloat16 (round to nearest even)" if self.bits == 16 else
-                                   "float32 (column panels)"}
+            self.report[source] = {"bits": self.bits, "block": None, "source": f.source, "bytes": panels.nbytes}
         n, k = self._float[source]
-        gemm = ir.node(op, [node.inputs[0], graph.initializers[name]], domain=KERNEL_DOMAIN,
-                       attributes={"K": k, "N": n, "layout": WEIGHT_LAYOUT}, name=f"{node.name}_{tag}",
+        gemm = ir.node(f.op, [node.inputs[0], graph.initializers[name]], domain=KERNEL_DOMAIN,
+                       attributes={"K": k, "N": n, "layout": WEIGHT_LAYOUT}, name=f"{node.name}_{f.tag}",
                        metadata_props=dict(node.metadata_props))
         ir.convenience.replace_nodes_and_values(graph, node, [node], [gemm], node.outputs, gemm.outputs)
         return True
