@@ -9,6 +9,7 @@ masks (:class:`~omforge.runtime.structured.GrammarMasks`) and every logprob (the
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -35,6 +36,8 @@ from omforge.runtime.scheduler import Scheduler
 from omforge.runtime.spec_decode import SpeculativeConfig, SpeculativeDecoder
 from omforge.runtime.structured import GrammarMasks, StructuredOutputError, compiled_grammar
 from omforge.runtime.tokenizer import TextTokenizer
+
+log = logging.getLogger("omforge.engine")
 
 PD_IDLE_POLL_S = 0.002  # an idle engine with PD blocks held or reads in flight polls NIXL this often
 
@@ -113,6 +116,11 @@ class LLMEngine:
         if m.kernels and m.kernels.weight_layout not in (None, kernels.status().weight_layout):
             raise BundleError(f"{bundle}: its weights are packed in MatMulQ layout version {m.kernels.weight_layout}, "
                               f"this kernel library reads version {kernels.status().weight_layout}; recompile it")
+        slow = kernels.portable_gemms(m.passes.op_histogram) if m.kernels else []
+        if slow:
+            log.warning("%s: its weight GEMMs (%s) run on the kernel library's portable path on this CPU (compiled "
+                        "where its ISA path was %s): correct but several times slower; recompile the bundle on "
+                        "this machine", bundle, ", ".join(slow), m.kernels.isa)
         return OrtExecutor(bundle / m.graphs.step, self.layout, num_blocks=cfg.num_kv_blocks, threads=cfg.threads,
                            num_host_blocks=cfg.num_host_blocks, prefault=cfg.prefault_kv)
 

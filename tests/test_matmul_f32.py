@@ -2,7 +2,8 @@
 the contract's sums (one fma per k, in k order) computed here in numpy, and within float32 rounding of float64
 products; odd K, partial panels, M = 1 … 130, a wide output, the portable path in a child process, the layout read
 back, errors; and float32 weights end to end on the tiny model (every weight MatMul of the paged step lowered to it
-where the AVX-512 path runs, the unpaged graph of ``omforge diff`` left on ORT's MatMul)."""
+where the AVX-512 path runs, the unpaged graph of ``omforge diff`` left on ORT's MatMul; on a CPU without that
+path the bundle runs on the portable one and the engine says so)."""
 
 from __future__ import annotations
 
@@ -107,3 +108,18 @@ def test_a_float32_bundle(tmp_path: Path) -> None:
     for p, q in zip(x, y):
         assert p.token_ids == q.token_ids and len(p.token_ids) == 8
         assert all(abs(u.logprob - v.logprob) < 1e-4 for u, v in zip(p.logprobs, q.logprobs))
+
+    # on a CPU without the AVX-512 path (forced here) the bundle still runs, on the portable path, and says so once
+    code = ("import json; from omforge import LLM, SamplingParams; "
+            "p = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1); "
+            f"llm = LLM({str(bundle)!r}); "
+            "print(json.dumps([[o.token_ids, [e.logprob for e in o.logprobs]] "
+            "for o in llm.generate([[5, 6, 7, 8], [9, 10]], p)])); llm.close()")
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OMFORGE_KERNELS_ISA": "generic"},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr.count("run on the kernel library's portable path") == 1, r.stderr[-2000:]
+    assert "MatMulF32" in r.stderr
+    for p, (ids, logprobs) in zip(x, json.loads(r.stdout.strip().splitlines()[-1])):
+        assert p.token_ids == ids
+        assert all(abs(u.logprob - v) < 1e-4 for u, v in zip(p.logprobs, logprobs))

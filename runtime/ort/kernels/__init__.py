@@ -99,6 +99,19 @@ def status() -> KernelStatus:
                         weight_layout=int(fields["layout"]) if "layout" in fields else None)
 
 
+# the weight GEMM ops and the KernelStatus field naming the ISA path each runs on here
+GEMM_PATHS = {"MatMulQ": "gemm", "MatMulQBF16": "qbf16", "MatMulBF16": "bf16", "MatMulF32": "f32"}
+
+
+def portable_gemms(op_histogram: dict[str, int]) -> list[str]:
+    """The weight GEMM ops in a step graph's op histogram (``domain::op``) that this library runs on its portable
+    path: the bundle was compiled where a vector path ran (compile lowers to these ops only then), and this CPU
+    lacks it. Correct (the same sums), and several times slower than ORT's own MatMul / MatMulNBits here."""
+    s = status()
+    return [op for op, attr in GEMM_PATHS.items()
+            if op_histogram.get(f"{DOMAIN}::{op}") and getattr(s, attr) == "generic"]
+
+
 def register(options) -> None:  # noqa: ANN001 - onnxruntime.SessionOptions
     """Register the library's ops with ``options``; raises RuntimeError naming the reason if unavailable."""
     s = status()
