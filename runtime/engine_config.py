@@ -24,6 +24,11 @@ DEFAULT_MAX_QUEUE_TIME_S = 60.0  # a request still waiting after this long ends 
 # 2026-12-02). Offline the step budget applies (no inter-token gap is seen there; the bound cost short-chat 64
 # int4 ~3% of its throughput)
 DECODE_STEP_TOKEN_BUDGET = 128
+# ... except for float32 weights, whose steps are ~2.4× longer: when serving, "auto" is then a fixed 64 prefill tokens
+# beside decodes (serving c32, five pairs against the token budget: ITL p99 −25 to −35%, TTFT p50 −16 to −33%,
+# throughput a median +6%; the same cap cost int4 16–21% of its throughput; benchmarks/RESULTS.md 2026-12-05, "The
+# decode-step budget, again")
+FLOAT32_PREFILL_WITH_DECODES = 64
 DEFAULT_HICACHE_STORAGE_GB = 16.0  # the storage tier's budget when none is given
 HICACHE_STORAGE_BACKENDS = ("file",)
 QUEUE_BATCHES = 2
@@ -58,6 +63,7 @@ class EngineConfig:
     speculative_config: dict | None = None  # runtime/spec_decode.SpeculativeConfig's fields (vLLM's spelling)
     prefault_kv: bool = False  # write the KV pool at start-up (omforge serve: RSS known up front)
     serving: bool = False  # outputs are streamed as they come (omforge serve): "auto" bounds decode-step prefill
+    float32_weights: bool = False  # the bundle's weights are float32: "auto" takes FLOAT32_PREFILL_WITH_DECODES
     # tiers below the pool (runtime/hicache; SGLang's option names): L2 host memory, L3 storage
     enable_hierarchical_cache: bool = False
     hicache_size_gb: float | None = None  # the host tier (for pools in device memory)
@@ -69,7 +75,7 @@ class EngineConfig:
     @classmethod
     def resolve(cls, manifest: Manifest, **overrides: Any) -> EngineConfig:
         """The configuration for a bundle's ``manifest`` with the caller's ``overrides`` (None: the bundle's)."""
-        known = {f.name for f in fields(cls)} - {"num_host_blocks", "explicit_kv_blocks"}
+        known = {f.name for f in fields(cls)} - {"num_host_blocks", "explicit_kv_blocks", "float32_weights"}
         unknown = sorted(set(overrides) - known)
         if unknown:
             raise EngineConfigError(f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -115,6 +121,7 @@ class EngineConfig:
                    kv_cache_space_gb=None if pick("num_kv_blocks") else budget / (1 << 30),
                    speculative_config=pick("speculative_config"), prefault_kv=bool(overrides.get("prefault_kv")),
                    serving=bool(overrides.get("serving")), kv_transfer_config=overrides.get("kv_transfer_config"),
+                   float32_weights=manifest.weights.precision == "float32",
                    **tiers)
 
     def with_num_kv_blocks(self, num_blocks: int) -> EngineConfig:
@@ -125,12 +132,16 @@ class EngineConfig:
         return replace(self, num_kv_blocks=num_blocks)
 
     def scheduler_config(self, model_config: Mapping[str, Any], mixed_batches: bool) -> SchedulerConfig:
-        auto = self.max_prefill_tokens_with_decodes == "auto"  # the token budget when serving; offline (whole
-        # outputs returned at once, nobody sees an inter-token gap) the step budget, for throughput
+        # "auto": when serving the token budget (float32 weights: a fixed prefill cap); offline (whole outputs
+        # returned at once, nobody sees an inter-token gap) the step budget, for throughput
+        auto = self.max_prefill_tokens_with_decodes == "auto"
+        cap = None if auto else self.max_prefill_tokens_with_decodes
+        budget = DECODE_STEP_TOKEN_BUDGET if auto and self.serving else None
+        if budget is not None and self.float32_weights:
+            cap, budget = FLOAT32_PREFILL_WITH_DECODES, None
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                preemption_mode=self.preemption_mode, mixed_batches=mixed_batches,
-                               max_prefill_tokens_with_decodes=None if auto else self.max_prefill_tokens_with_decodes,
-                               decode_step_token_budget=DECODE_STEP_TOKEN_BUDGET if auto and self.serving else None,
+                               max_prefill_tokens_with_decodes=cap, decode_step_token_budget=budget,
                                max_model_len=self.max_model_len,
                                eos_token_ids=tuple(model_config["eos_token_ids"]),
                                sliding_window=model_config.get("sliding_window"))

@@ -23,7 +23,7 @@ their own work only. A step that carries running decodes is bounded (Sarathi-Ser
 that arrivals cannot stall the running streams behind a full-budget chunk: by ``decode_step_token_budget`` — the
 step's tokens in all, decodes first, the prefill chunks the rest but never fewer than
 ``MIN_PREFILL_WITH_DECODES`` (the server's default rule, 128 tokens: benchmarks/RESULTS.md "decode-step token
-budget") —
+budget"; for float32 weights the default is a fixed cap instead, runtime/engine_config.py) —
 or by ``max_prefill_tokens_with_decodes``, a fixed number of prefill tokens; steps without decodes take the whole
 budget. Without mixed batches (graphs that
 pad every sequence's queries to the step's longest: the runtime-write ORT graph) a step carries either decodes or
