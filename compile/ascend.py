@@ -1,6 +1,7 @@
 """The ascend target's compile stages: the lowered, simplified step graph, then everything the ATC step needs.
 
-``lower_step_graph`` (cached with the passes): fusions → paged KV → Ascend lowering → onnxsim → ``step.onnx``.
+``lower_step_graph`` (cached with the passes): fusions → paged KV → Ascend lowering → onnxsim → every Constant in
+the ``value`` form ATC reads (:mod:`omforge.compile.onnx_constants`) → ``step.onnx``.
 ``prepare_and_run`` (in the bundle): ONE ATC model whose gears cover both bucket profiles (prefill, decode), with
 its exact command line, plugin sources for our own op types, ``build.sh``; then ``atc`` is run when it is on PATH.
 Without it, :class:`AtcMissing` names the step left and the command: never a fake .om. ``memory_plan``: what the
@@ -31,6 +32,7 @@ from omforge.compile.atc import (
     run_atc,
 )
 from omforge.compile.atc_plugins import render_plugins
+from omforge.compile.onnx_constants import rewrite_file
 from omforge.contract.ascend import OM_MODEL
 from omforge.contract.buckets import STEP_DIMS, BucketPlan, om_gears
 from omforge.contract.manifest import DeviceMemoryPlan
@@ -53,10 +55,11 @@ def lower_step_graph(export_dir: Path, out: Path, recipe: Recipe, block_size: in
     counts, layout, lowering = run.fusion_counts, run.layout, run.lowering.result
     ir.save(model, out / "step.onnx", external_data="step.onnx.data")
     simplified = _onnxsim(out / "step.onnx")
+    constants = rewrite_file(out / "step.onnx")  # after onnxsim or without it (> ONNXSIM_LIMIT): the file ATC reads
     final = ir.load(out / "step.onnx")
     return {"fusion_counts": counts, "num_nodes": len(list(final.graph)), "op_histogram": histogram(final),
             "abi": interface(final), "layout": asdict(layout), "graph": "step.onnx",
-            "lowering": lowering.to_dict(), "onnxsim": simplified,
+            "lowering": lowering.to_dict(), "onnxsim": simplified, "constants_as_value": constants,
             "weights": {"precision": c.weights, "quantized": run.quantized, "accuracy_level": None,
                         "graph": "float16 (float32 islands: RMSNorm statistics, softmax, rotary angles)"
                         if c.weights != "float32" else "float32",

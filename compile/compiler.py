@@ -73,7 +73,8 @@ def stage_sources(target: str) -> list[Path]:
     if target == "ort":
         files.append(_ROOT / "compile" / "ort.py")
     if target == "ascend":
-        files += [_ROOT / "compile" / name for name in ("ascend.py", "atc.py", "atc_plugins.py", "bucket_plan.py")]
+        files += [_ROOT / "compile" / name for name in ("ascend.py", "atc.py", "atc_plugins.py", "bucket_plan.py",
+                                                             "onnx_constants.py")]
         files += sorted((_ROOT / "compile" / "templates").glob("*"))
     return files
 

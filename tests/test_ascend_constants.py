@@ -1,0 +1,71 @@
+"""Issue 44 item 1: no ascend step graph carries a ``Constant`` in a form ATC's parser does not read.
+
+CANN's ONNX constant parser reads only ``value`` (hicann/ge onnx_constant_parser.cc; reference/ascend.md §5.2): a
+``value_int(s)`` / ``value_float(s)`` Constant becomes an empty tensor that nothing rejects. The large-model path
+(onnxsim skipped above ``ONNXSIM_LIMIT`` bytes of weights, i.e. any Llama >= 1B) held 22 such nodes on the tiny
+recipe before the fix, the onnxsim path 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from helpers import TINY_RECIPE
+from omforge.cli import main
+from omforge.compile import ascend
+from omforge.compile.onnx_constants import constants_as_value, short_form_constants
+
+
+@pytest.mark.parametrize("weights", ["float32", "float16"])
+@pytest.mark.parametrize("onnxsim", [True, False], ids=["onnxsim", "large-model-path"])
+def test_ascend_step_graph_holds_only_value_constants(weights: str, onnxsim: bool, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMFORGE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no atc: the bundle stops before the ATC step (exit 3)
+    if not onnxsim:
+        monkeypatch.setattr(ascend, "ONNXSIM_LIMIT", 0)  # as for a model whose weights pass ~1.94 GiB
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(TINY_RECIPE.read_text() + f"  target: ascend\n  weights: {weights}\n")
+    assert main(["compile", str(recipe), "-o", str(tmp_path / "b")]) == 3
+    step = onnx.load(str(tmp_path / "b" / "ascend" / "step.onnx"), load_external_data=False)
+    assert short_form_constants(step.graph) == []
+    if not onnxsim:  # the path that carried them: the Constants are still there, in the value form
+        assert sum(n.op_type == "Constant" for n in step.graph.node) > 10
+
+
+def test_rewrite_keeps_each_constant_exactly() -> None:
+    """Every short form becomes the tensor ONNX defines for it: the graph computes the same thing on ORT."""
+    consts = [helper.make_node("Constant", [], ["shape"], value_ints=[2, -1]),
+              helper.make_node("Constant", [], ["scale"], value_float=0.125),
+              helper.make_node("Constant", [], ["offs"], value_floats=[1.0, 2.0, 3.0]),
+              helper.make_node("Constant", [], ["axis"], value_int=0)]
+    body = [helper.make_node("Reshape", ["x", "shape"], ["r"]),
+            helper.make_node("Mul", ["r", "scale"], ["m"]),
+            helper.make_node("Add", ["m", "offs"], ["a"]),
+            helper.make_node("Unsqueeze", ["a", "axis"], ["y"])]
+    graph = helper.make_graph(consts + body, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    x = np.arange(6, dtype=np.float32)
+    before = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    assert len(short_form_constants(model.graph)) == 4
+    assert constants_as_value(model.graph) == 4 and short_form_constants(model.graph) == []
+    onnx.checker.check_model(model, full_check=True)
+    after = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(before, after)
+    assert after.shape == (1, 2, 3)
+
+
+def test_sparse_constant_is_refused() -> None:
+    sparse = helper.make_sparse_tensor(helper.make_tensor("v", TensorProto.FLOAT, [1], [1.0]),
+                                       helper.make_tensor("i", TensorProto.INT64, [1], [0]), [4])
+    node = helper.make_node("Constant", [], ["c"], sparse_value=sparse)
+    graph = helper.make_graph([node], "g", [], [helper.make_tensor_value_info("c", TensorProto.FLOAT, [4])])
+    with pytest.raises(ValueError, match="sparse_value.*only 'value'"):
+        constants_as_value(graph)
