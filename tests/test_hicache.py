@@ -132,7 +132,7 @@ def test_the_storage_budget_holds(smollm2_bundle: Path, reference: tuple[list[li
     engine = tiered(smollm2_bundle, tmp_path, hicache_storage_size_gb=4.5 * layout.block_bytes / (1 << 30))
     assert converse(engine, "small") == answers
     tier = engine.hicache.stats().tiers["storage"]
-    on_disk = sum(p.stat().st_size for p in engine.hicache.storage.dir.iterdir())
+    on_disk = sum(p.stat().st_size for p in engine.hicache.storage.dir.glob("*.kv"))
     assert tier.written_blocks > 4 and on_disk <= tier.capacity_bytes and tier.blocks <= 4
     assert_idle(engine)
     engine.close()

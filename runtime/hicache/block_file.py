@@ -19,6 +19,7 @@ import threading
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 from omforge.runtime.hicache.identity import FORMAT_VERSION, BundleIdentity
 
@@ -28,11 +29,14 @@ MAX_HEADER_BYTES = 1 << 16
 
 
 class BadBlock(Exception):
-    """A block file that must not be used; ``reason`` is one word (truncated, corrupt, foreign, unreadable)."""
+    """A block file that must not be used; ``reason`` is one word (truncated, corrupt, foreign, unreadable);
+    ``inode``: ``(st_dev, st_ino)`` of the file that was read, so that only that file is deleted, never one another
+    replica renamed over its name since."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
+        self.inode: tuple[int, int] | None = None
 
 
 def _header(identity: BundleIdentity, block_hash: bytes, crc: int) -> bytes:
@@ -69,30 +73,40 @@ def read_block(path: Path, identity: BundleIdentity, block_hash: bytes, views: S
     :class:`BadBlock` for a file that is not this bundle's block ``block_hash`` whole and intact, FileNotFoundError
     when there is none."""
     with open(path, "rb", buffering=0) as f:
-        head = f.read(len(MAGIC) + _LEN.size)
-        if len(head) < len(MAGIC) + _LEN.size:
-            raise BadBlock("truncated", f"{path.name}: {len(head)} bytes, shorter than the header")
-        if head[:len(MAGIC)] != MAGIC:
-            raise BadBlock("foreign", f"{path.name}: not an omforge KV block (magic {head[:8]!r})")
-        (size,) = _LEN.unpack(head[len(MAGIC):])
-        if size > MAX_HEADER_BYTES:
-            raise BadBlock("corrupt", f"{path.name}: a {size}-byte header")
-        raw = f.read(size)
         try:
-            header = json.loads(raw)
-        except ValueError:
-            raise BadBlock("truncated" if len(raw) < size else "corrupt", f"{path.name}: unreadable header") from None
-        _check_header(path, header, identity, block_hash)
-        crc, got = 0, 0
-        for view in views:
-            n = f.readinto(view)
-            got += n or 0
-            if n != view.nbytes:
-                raise BadBlock("truncated", f"{path.name}: payload ends after {got} of {identity.layout.block_bytes}"
-                                            " bytes")
-            crc = zlib.crc32(view, crc)
-        if f.read(1):
-            raise BadBlock("corrupt", f"{path.name}: bytes after the payload")
+            return _read_open(f, path, identity, block_hash, views)
+        except BadBlock as bad:
+            st = os.fstat(f.fileno())
+            bad.inode = (st.st_dev, st.st_ino)
+            raise
+
+
+def _read_open(f: BinaryIO, path: Path, identity: BundleIdentity, block_hash: bytes,
+               views: Sequence[memoryview]) -> int:
+    head = f.read(len(MAGIC) + _LEN.size)
+    if len(head) < len(MAGIC) + _LEN.size:
+        raise BadBlock("truncated", f"{path.name}: {len(head)} bytes, shorter than the header")
+    if head[:len(MAGIC)] != MAGIC:
+        raise BadBlock("foreign", f"{path.name}: not an omforge KV block (magic {head[:8]!r})")
+    (size,) = _LEN.unpack(head[len(MAGIC):])
+    if size > MAX_HEADER_BYTES:
+        raise BadBlock("corrupt", f"{path.name}: a {size}-byte header")
+    raw = f.read(size)
+    try:
+        header = json.loads(raw)
+    except ValueError:
+        raise BadBlock("truncated" if len(raw) < size else "corrupt", f"{path.name}: unreadable header") from None
+    _check_header(path, header, identity, block_hash)
+    crc, got = 0, 0
+    for view in views:
+        n = f.readinto(view)
+        got += n or 0
+        if n != view.nbytes:
+            raise BadBlock("truncated", f"{path.name}: payload ends after {got} of {identity.layout.block_bytes}"
+                                        " bytes")
+        crc = zlib.crc32(view, crc)
+    if f.read(1):
+        raise BadBlock("corrupt", f"{path.name}: bytes after the payload")
     if crc != header["crc32"]:
         raise BadBlock("corrupt", f"{path.name}: checksum {crc:#010x} != {header['crc32']:#010x}")
     return got
