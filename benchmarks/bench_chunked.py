@@ -24,7 +24,7 @@ from omforge.runtime.sampling_params import SamplingParams
 def run(bundle: Path, budget: int) -> dict[str, float]:
     engine = LLMEngine(bundle, max_num_batched_tokens=budget, max_num_seqs=32)
     rng = np.random.default_rng(0)
-    vocab = engine.config["vocab_size"]
+    vocab = engine.config.vocab_size
     decoders = [engine.add_request(rng.integers(100, vocab, 128).tolist(),
                                    SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))[0]
                 for _ in range(16)]

@@ -93,9 +93,9 @@ def build_contiguous(export_dir: Path, out: Path, block_size: int):  # noqa: ANN
 
 def cmd_nodes(_: argparse.Namespace) -> None:
     """Marginal nodes per decoder layer: (nodes of a 2-layer model) − (nodes of a 1-layer model)."""
+    from omforge.contract.manifest import ModelConfig
     from omforge.export.onnx_export import Timings, export_checkpoint
     from omforge.export.weights import random_checkpoint
-    from omforge.models.config import ModelConfig
 
     counts = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -33,10 +33,10 @@ def describe(m: Manifest) -> str:
     """A readable summary for ``omforge inspect``."""
     cfg, kv, limits = m.model.config, m.kv, m.limits
     lines = [
-        f"bundle of {m.model.name} ({cfg['family']}), target {m.target}, schema {m.schema_version}",
-        f"  model      {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, heads "
-        f"{cfg['num_attention_heads']}/{cfg['num_key_value_heads']} kv, head_dim {cfg['head_dim']}, "
-        f"vocab {cfg['vocab_size']}, tied embeddings {cfg['tie_word_embeddings']}",
+        f"bundle of {m.model.name} ({cfg.family}), target {m.target}, schema {m.schema_version}",
+        f"  model      {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, heads "
+        f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} kv, head_dim {cfg.head_dim}, "
+        f"vocab {cfg.vocab_size}, tied embeddings {cfg.tie_word_embeddings}",
         f"  kv cache   block size {kv.block_size}, layout {kv.layout}, {kv.num_layers} layers × K,V, "
         f"{kv.bytes_per_token} bytes per token",
         f"  limits     max_seq_len {limits.max_seq_len}, max_batch_size {limits.max_batch_size}, max_num_tokens "
@@ -47,7 +47,7 @@ def describe(m: Manifest) -> str:
         "  fusions    " + ", ".join(f"{k} {v}" for k, v in m.passes.fusion_counts.items()),
         "  graphs     " + ", ".join(f"{k}: {v}" for k, v in m.graphs.to_dict().items()),
         f"  tokenizer  {m.tokenizer.file}, chat template {'yes' if m.tokenizer.chat_template else 'no'}, "
-        f"eos {cfg['eos_token_ids']}",
+        f"eos {list(cfg.eos_token_ids)}",
         "  step ABI",
     ]
     for io, entries in (("input", m.abi.inputs), ("output", m.abi.outputs)):

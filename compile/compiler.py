@@ -33,6 +33,7 @@ from omforge.contract.manifest import (
     KvSection,
     Limits,
     Manifest,
+    ModelConfig,
     ModelSection,
     PassCounts,
     StepAbi,
@@ -249,7 +250,7 @@ def _manifest(job: _Job, digest: str, export_dir: Path, export_meta: dict[str, A
     weights = report.get("weights")
     return Manifest(
         omforge_version=_version("omforge"),
-        model=ModelSection(recipe.model.name, cfg),
+        model=ModelSection(recipe.model.name, ModelConfig.from_dict(cfg, "config")),
         tokenizer=replace(tokenizer, file="tokenizer.json" if tokenizer.file else None),
         target=target,
         abi=StepAbi.from_dict(report["abi"], "abi"),

@@ -6,8 +6,8 @@ Dependency-free: stdlib, omforge.errors and the contract's own types only.
 A section is a frozen dataclass whose field names are the JSON keys, in the file's order. Reading is strict: a
 missing required field, an unknown one or a value of the wrong kind is a :class:`BundleError` naming the field
 (``kv.block_size``). Fields added after the first bundles (``paged_attention``, ``kernels``, ``weights``,
-``export``) have defaults, so those bundles load; sections free-form by nature (the model config, the serve
-defaults, the quantized matrices) stay dicts.
+``export``) have defaults, so those bundles load; sections free-form by nature (the serve defaults, the quantized
+matrices) stay dicts. The model config is typed (:class:`ModelConfig`): the runtime reads its facts as attributes.
 """
 
 from __future__ import annotations
@@ -51,13 +51,76 @@ class Section:
         return _write(self)
 
 
+FAMILIES = ("llama", "qwen2", "mistral")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ConfigError(OmforgeError):
+    """A model configuration that omforge cannot build; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ModelConfig(Section):
+    """Shape and numerics of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral): what export builds from a
+    config.json, GGUF metadata or a recipe (models/config.py reads those), export.json and the manifest record and
+    the runtime reads (vocabulary, EOS ids, sliding window, …).
+
+    Invariants (:class:`ConfigError` naming the field): the sizes are positive integers; ``num_attention_heads %
+    num_key_value_heads == 0`` (GQA groups are whole); ``head_dim`` is even (rotary pairs); ``rope_scaling`` is None
+    or a dict whose ``rope_type`` is one of :data:`ROPE_TYPES`. Read from JSON (:meth:`from_dict`), a missing
+    required field or a broken invariant is a :class:`BundleError` naming ``model.config.<field>``."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ConfigError(f"family: '{self.family}' is not supported; supported: {', '.join(FAMILIES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name}: must be a positive integer (got {value!r})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"num_key_value_heads: {self.num_key_value_heads} does not divide "
+                              f"num_attention_heads ({self.num_attention_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim: must be even for rotary embeddings (got {self.head_dim})")
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") not in ROPE_TYPES:
+            raise ConfigError(f"rope_scaling: type {self.rope_scaling.get('rope_type')!r} is not supported; "
+                              f"supported: {', '.join(ROPE_TYPES)}")
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "") -> ModelConfig:
+        """The config from its JSON form (:meth:`to_dict`'s); a broken invariant is a :class:`BundleError` too."""
+        try:
+            return _read_section(cls, data, where)
+        except ConfigError as e:
+            raise BundleError(_at(where, str(e))) from None
+
+
 @dataclass(frozen=True)
 class ModelSection(Section):
-    """The model: the recipe's name and its config (models/config.py's ModelConfig as a dict: vocab_size,
-    eos_token_ids, num_hidden_layers, …; the model's own, free-form here)."""
+    """The model: the recipe's name and its config."""
 
     name: str
-    config: dict[str, Any]
+    config: ModelConfig
 
 
 @dataclass(frozen=True)
@@ -192,10 +255,18 @@ class ExportRef(Section):
     note: str
 
 
+ACL_LOAD_PATH = ("acl.mdl.load_with_config from file with ACL_MDL_WORKSPACE_MEM_OPTIMIZE = 1: GE's work memory "
+                 "holds no copy of the model's inputs and outputs, so the KV pool and the step buffers count once")
+"""The load the device memory plans assume (runtime/ascend/acl_api.py loads so; reference/ascend.md §5.2). Loaded
+with ``acl.mdl.load_from_file`` instead, GE reserves every input and output again: the pool would count twice."""
+
+
 @dataclass(frozen=True)
 class DeviceMemoryPlan(Section):
     """What an ascend bundle needs of the device, in bytes (compile/ascend.py ``memory_plan``): the weights once,
-    the KV pool, the step's buffers at the largest gear, an estimate of the OM's workspace, their total."""
+    the KV pool once, the step's buffers at the largest gear, an estimate of the OM's own workspace (without its
+    inputs and outputs), their total — on the load path ``load`` (:data:`ACL_LOAD_PATH`; bundles from before it
+    was recorded were planned by the same sum)."""
 
     soc_version: str
     om_models: int
@@ -206,6 +277,7 @@ class DeviceMemoryPlan(Section):
     workspace_bytes_estimate: int
     total_bytes: int
     note: str
+    load: str = ACL_LOAD_PATH
 
 
 @dataclass(frozen=True)

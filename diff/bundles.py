@@ -49,7 +49,7 @@ def diff_bundles(a: Path, b: Path, prompts: list[str] | None = None, max_tokens:
     prompts = prompts or CHAT_PROMPTS
     if tok is None:  # a bundle without a tokenizer (random-weight test models): seeded random prompts instead
         rng = np.random.default_rng(0)
-        vocab = int(ma.model.config["vocab_size"])
+        vocab = ma.model.config.vocab_size
         ids = [rng.integers(3, vocab, int(rng.integers(16, 48))).tolist() for _ in prompts]
         prompts = [f"random tokens #{i}" for i in range(len(ids))]
     else:

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
+from omforge.contract.manifest import ConfigError, ModelConfig
 from omforge.errors import OmforgeError
-from omforge.models.config import ConfigError, ModelConfig
+from omforge.models.config import from_hf, from_recipe
 from omforge.recipe import Recipe
 
 
@@ -110,7 +111,7 @@ def _config_from_recipe(recipe: Recipe) -> ModelConfig:
     d = dict(recipe.model.config or {})
     d.setdefault("family", recipe.model.family or "llama")
     try:
-        return ModelConfig.from_dict(d)
+        return from_recipe(d)
     except (ConfigError, KeyError) as e:
         raise ConfigError(f"{recipe.path}: model.config.{e}") from None
 
@@ -143,7 +144,7 @@ def load_hf_dir(path: Path) -> Checkpoint:
     from safetensors import safe_open
 
     try:
-        cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+        cfg = from_hf(json.loads((path / "config.json").read_text()))
     except (ConfigError, KeyError) as e:
         raise ConfigError(f"{path / 'config.json'}: {e}") from None
     index = path / "model.safetensors.index.json"

@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from omforge.models.config import ModelConfig
+from omforge.contract.manifest import ModelConfig
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

@@ -87,7 +87,7 @@ class LLMEngine:
                                    tiers=self.hicache and self.hicache.controller,
                                    host=self.hicache and self.hicache.host, remote=self.pd)
         self.tokenizer = TextTokenizer(bundle / m.tokenizer.file, m.tokenizer) if m.tokenizer.file else None
-        self.sampler = Sampler(eos_token_ids=tuple(self.config["eos_token_ids"]))
+        self.sampler = Sampler(eos_token_ids=self.config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.closed = False
         self.stats = EngineStats()
@@ -99,7 +99,7 @@ class LLMEngine:
         self._spec = SpeculativeDecoder(self.speculative, self.sampler, self.max_model_len) \
             if self.speculative is not None else None
         self._grammars = GrammarMasks(lambda: self.tokenizer.tokenizer.to_str() if self.tokenizer is not None else "",
-                                      self.config["vocab_size"], tuple(self.config["eos_token_ids"]))
+                                      self.config.vocab_size, self.config.eos_token_ids)
 
     def _executor(self, bundle: Path, m: Manifest, cfg: EngineConfig, acl_module: object) -> Executor:
         if m.target == "ascend":
@@ -134,7 +134,7 @@ class LLMEngine:
         ids = prompt_token_ids
         if not ids:
             raise RequestRejected("the prompt is empty")
-        vocab = self.config["vocab_size"]
+        vocab = self.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})", param="prompt")
         if any(t >= vocab for t in params.logit_bias):
@@ -339,7 +339,7 @@ class LLMEngine:
     def _advance_grammars(self, sampled: list[Request]) -> None:
         """Each structured sequence's matcher takes its new token. A complete grammar allows only EOS, which ends
         the request as usual; with ``ignore_eos`` the consumed EOS ends it here."""
-        eos = self.config["eos_token_ids"]
+        eos = self.config.eos_token_ids
         for req in sampled:
             if req.matcher is None or req.finished:
                 continue

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from omforge.contract.manifest import Manifest
+from omforge.contract.manifest import Manifest, ModelConfig
 from omforge.errors import OmforgeError
 from omforge.runtime.scheduler import PREEMPTION_MODES, SchedulerConfig
 
@@ -131,7 +131,8 @@ class EngineConfig:
                                     f"with serve.num_kv_blocks: {self.num_kv_blocks} to change it")
         return replace(self, num_kv_blocks=num_blocks)
 
-    def scheduler_config(self, model_config: Mapping[str, Any], mixed_batches: bool) -> SchedulerConfig:
+    def scheduler_config(self, model: ModelConfig, mixed_batches: bool) -> SchedulerConfig:
+        """The scheduler's limits: these options with the model's EOS ids and sliding window."""
         # "auto": when serving the token budget (float32 weights: a fixed prefill cap); offline (whole outputs
         # returned at once, nobody sees an inter-token gap) the step budget, for throughput
         auto = self.max_prefill_tokens_with_decodes == "auto"
@@ -143,8 +144,7 @@ class EngineConfig:
                                preemption_mode=self.preemption_mode, mixed_batches=mixed_batches,
                                max_prefill_tokens_with_decodes=cap, decode_step_token_budget=budget,
                                max_model_len=self.max_model_len,
-                               eos_token_ids=tuple(model_config["eos_token_ids"]),
-                               sliding_window=model_config.get("sliding_window"))
+                               eos_token_ids=model.eos_token_ids, sliding_window=model.sliding_window)
 
 
 def _hicache(pick: Any) -> dict[str, Any]:

@@ -15,9 +15,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from omforge.contract.manifest import TokenizerMeta
+from omforge.contract.manifest import ModelConfig, TokenizerMeta
 from omforge.errors import OmforgeError
-from omforge.models.config import ModelConfig
 from omforge.runtime.tokenizer import TextTokenizer
 
 
@@ -38,7 +37,7 @@ class ExportedModel:
             raise OmforgeError(f"{export_dir}: not an omforge export (no export.json)")
         self.export_dir = export_dir
         self.meta = json.loads(meta_path.read_text())
-        self.config = ModelConfig.from_dict(self.meta["config"])
+        self.config = ModelConfig.from_dict(self.meta["config"], "config")
         opts = ort.SessionOptions()
         if threads:
             opts.intra_op_num_threads = threads

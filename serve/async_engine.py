@@ -155,7 +155,7 @@ class AsyncEngine:
 
     @property
     def vocab_size(self) -> int:
-        return self._engine.config["vocab_size"]
+        return self._engine.config.vocab_size
 
     @property
     def max_model_len(self) -> int:

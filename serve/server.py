@@ -105,7 +105,7 @@ def serve(bundle: str | Path, options: ServeOptions, **engine_options: Any) -> i
     host, port = sock.getsockname()[:2]
     kv = engine.kv.stats()
     kv_gib = kv.num_blocks * engine.block_size * engine.layout.bytes_per_token / (1 << 30)
-    print(f"omforge serve: {name} ({engine.manifest.target}, {engine.config['num_hidden_layers']} layers) from "
+    print(f"omforge serve: {name} ({engine.manifest.target}, {engine.config.num_hidden_layers} layers) from "
           f"{bundle}, {kv.num_blocks} KV blocks of {engine.block_size} tokens ({kv_gib:.2f} GiB, allocated), "
           "max_num_seqs "
           f"{engine.scheduler.max_num_seqs}, context {engine.max_model_len}, loaded in "

@@ -30,7 +30,7 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_manifest_contents(bundle: Path) -> None:
     m = load_manifest(bundle)
     assert m.schema_version == SCHEMA_VERSION and m.target == "ort" and m.ascend is None
-    assert m.model.config["num_hidden_layers"] == 2
+    assert m.model.config.num_hidden_layers == 2
     assert m.kv.block_size == 64 and m.kv.num_layers == 2  # the ort default, measured
     names = [i.name for i in m.abi.inputs]
     assert names[:7] == ["input_ids", "position_ids", "slot_mapping", "block_tables", "query_index", "token_index",

@@ -274,7 +274,7 @@ def test_min_tokens_yields_to_a_complete_grammar(text_bundle: Path) -> None:
                             structured=StructuredOutput("choice", ["yes", "no"]))
     (out,) = llm.generate(["hello world"], params, use_tqdm=False)
     assert (out.text, out.finish_reason, out.stop_reason) in (("yes", "stop", None), ("no", "stop", None))
-    assert out.token_ids[-1] in llm.engine.config["eos_token_ids"]
+    assert out.token_ids[-1] in llm.engine.config.eos_token_ids
 
 
 def test_a_stop_string_on_the_last_allowed_token_is_a_stop(text_bundle: Path) -> None:

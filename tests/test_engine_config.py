@@ -13,6 +13,7 @@ from omforge.contract.manifest import (
     KvSection,
     Limits,
     Manifest,
+    ModelConfig,
     ModelSection,
     PassCounts,
     StepAbi,
@@ -32,10 +33,14 @@ SERVE = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "max_prefill_tokens_w
          "preemption_mode": "recompute", "swap_space_gb": 1.0, "num_kv_blocks": None, "max_waiting_requests": 256}
 
 
+MODEL = ModelConfig("llama", vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                    num_attention_heads=1, num_key_value_heads=1, head_dim=128, eos_token_ids=(2,))
+
+
 def manifest(**serve: object) -> Manifest:
     """A bundle's manifest with the ``serve`` section given: a 512-token context, blocks of 16 tokens, 1 KiB of KV
     per token (one layer, one KV head of 128, float32)."""
-    return Manifest(omforge_version="test", model=ModelSection("m", {}), tokenizer=TokenizerMeta(), target="ort",
+    return Manifest(omforge_version="test", model=ModelSection("m", MODEL), tokenizer=TokenizerMeta(), target="ort",
                     abi=StepAbi((), ()), kv=KvSection.of(PagedLayout(1, 1, 128, 16), write="in place"),
                     limits=Limits(512, 8, 256), serve={**SERVE, **serve},
                     buckets=BucketPlan("ort", 16, 8, 512, 256, ()), passes=PassCounts({}, 0, {}),
@@ -79,7 +84,7 @@ def test_a_pool_fixed_by_the_executor() -> None:
 
 def test_scheduler_config_carries_the_model_facts() -> None:
     cfg = EngineConfig.resolve(manifest(max_prefill_tokens_with_decodes=64))
-    sc = cfg.scheduler_config({"eos_token_ids": [2, 7], "sliding_window": 24}, mixed_batches=True)
+    sc = cfg.scheduler_config(replace(MODEL, eos_token_ids=(2, 7), sliding_window=24), mixed_batches=True)
     assert (sc.eos_token_ids, sc.sliding_window, sc.max_model_len, sc.mixed_batches) == ((2, 7), 24, 512, True)
     assert sc.max_prefill_tokens_with_decodes == 64
 
@@ -91,7 +96,7 @@ def test_the_decode_step_cap_is_a_number_the_token_budget_or_none() -> None:
     prefill cap; null — or a caller's ``none`` over a bundle's value — bounds nothing; anything else is refused."""
     def caps(cfg: EngineConfig, serving: bool = True) -> tuple[int | None, int | None]:
         cfg = replace(cfg, serving=serving)
-        sc = cfg.scheduler_config({"eos_token_ids": [2]}, mixed_batches=True)
+        sc = cfg.scheduler_config(MODEL, mixed_batches=True)
         return sc.max_prefill_tokens_with_decodes, sc.decode_step_token_budget
 
     int4 = replace(manifest(max_prefill_tokens_with_decodes="auto"), weights=Weights("int4", {}))

@@ -67,7 +67,7 @@ def test_tiny_kernel_bundle_equals_plain(tmp_path: Path) -> None:
     assert m.kernels == KernelLibrary("_omforge_kernels", kernels.DOMAIN, kernels.ABI_VERSION, kernels.status().isa,
                                       kernels.status().weight_layout if f32 else None)
     hist = m.passes.op_histogram
-    assert hist[f"{kernels.DOMAIN}::PagedAttention"] == m.model.config["num_hidden_layers"]
+    assert hist[f"{kernels.DOMAIN}::PagedAttention"] == m.model.config.num_hidden_layers
     assert "ScatterND" not in hist
     prompts = [[int(t) for t in range(3 + i, 40 + 7 * i)] for i in range(6)]
     ours = [o.token_ids for o in LLM(bundle, max_num_batched_tokens=48).generate(prompts, GREEDY, use_tqdm=False)]

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from helpers import TINY_RECIPE, compile_bundle
-from omforge.contract.manifest import MANIFEST, BundleError, Manifest, Weights, load_manifest
+from omforge.contract.manifest import MANIFEST, BundleError, Manifest, ModelConfig, Weights, load_manifest
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_what_compile_builds_is_what_the_runtime_reads(bundles: dict) -> None:
 @pytest.mark.parametrize("target, path", [
     ("ort", "model"), ("ort", "kv.block_size"), ("ort", "abi.inputs[0].name"), ("ort", "files['ort/step.onnx'].size"),
     ("ort", "tokenizer"), ("ort", "limits.max_seq_len"), ("ascend", "ascend.memory.io_bytes"),
-    ("ascend", "ascend.num_slots"),
+    ("ascend", "ascend.num_slots"), ("ort", "model.config.vocab_size"), ("ort", "model.config.head_dim"),
 ])
 def test_a_missing_required_field_is_named(bundles: dict, target: str, path: str) -> None:
     data = raw(bundles, target)
@@ -71,7 +71,8 @@ def test_a_missing_required_field_is_named(bundles: dict, target: str, path: str
         Manifest.from_dict(data)
 
 
-@pytest.mark.parametrize("path", ["extra", "kv.blocksize", "abi.outputs[1].stride", "buckets.extra"])
+@pytest.mark.parametrize("path", ["extra", "kv.blocksize", "abi.outputs[1].stride", "buckets.extra",
+                                  "model.config.heads"])
 def test_an_unknown_field_is_named(bundles: dict, path: str) -> None:
     data = raw(bundles, "ort")
     parent, key = _locate(data, path)
@@ -88,6 +89,10 @@ def test_an_unknown_field_is_named(bundles: dict, path: str) -> None:
     ("kv.bytes_per_token", 7, "kv.bytes_per_token: 7 disagrees with the layout's 512"),
     ("buckets.block_size", 0, "buckets.block_size: expected a positive integer"),
     ("schema_version", 2, "schema_version 2 is not supported by this omforge"),
+    ("model.config.vocab_size", "64", "model.config.vocab_size: expected int, got '64'"),
+    ("model.config.eos_token_ids", 2, "model.config.eos_token_ids: expected a list, got 2"),
+    ("model.config.head_dim", 7, "model.config.head_dim: must be even for rotary embeddings (got 7)"),
+    ("model.config.family", "gpt2", "model.config.family: 'gpt2' is not supported; supported: llama, qwen2, mistral"),
 ])
 def test_a_wrong_value_is_named(bundles: dict, path: str, value: object, message: str) -> None:
     data = raw(bundles, "ort")
@@ -134,11 +139,25 @@ def test_a_bundle_from_before_the_later_fields_loads_with_their_defaults(bundles
     assert Manifest.from_dict(m.to_dict()) == m
 
 
+def test_the_model_config_is_typed(bundles: dict) -> None:
+    """The runtime reads the model's facts as attributes (issue 45 item 4): the manifest's config is a
+    :class:`ModelConfig`, written by compile from export.json's and read back equal; one from before a later
+    optional field (``sliding_window``, ``o_bias``) loads with its default."""
+    data = raw(bundles, "ort")
+    config = Manifest.from_dict(data).model.config
+    assert isinstance(config, ModelConfig) and config == bundles["ort"][1].model.config
+    assert isinstance(config.eos_token_ids, tuple) and config.to_dict() == data["model"]["config"]
+    assert ModelConfig.from_dict(config.to_dict()) == config
+    for key in ("sliding_window", "o_bias"):
+        del data["model"]["config"][key]
+    assert Manifest.from_dict(data).model.config == config
+
+
 def test_from_dict_does_not_alias_its_input(bundles: dict) -> None:
     data = raw(bundles, "ort")
     before = copy.deepcopy(data)
     m = Manifest.from_dict(data)
-    m.model.config["vocab_size"] = 1
+    m.passes.op_histogram["MatMul"] = -1
     m.to_dict()["serve"]["max_num_seqs"] = 1
     assert data == before and m.serve["max_num_seqs"] == before["serve"]["max_num_seqs"]
 

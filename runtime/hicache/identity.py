@@ -65,7 +65,7 @@ class BundleIdentity:
         layout = kv.paged_layout
         itemsize = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}[kv.dtype]
         block = BlockLayout(kv.block_size, kv.num_layers, kv.kv_heads, layout.row_elems, kv.dtype, itemsize)
-        facts = {"format": FORMAT_VERSION, "model": manifest.model.name, "config": manifest.model.config,
+        facts = {"format": FORMAT_VERSION, "model": manifest.model.name, "config": manifest.model.config.to_dict(),
                  "target": manifest.target, "files": {p: f.sha256 for p, f in sorted(manifest.files.items())},
                  "layout": block.describe()}
         digest = hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).digest()
