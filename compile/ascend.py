@@ -49,7 +49,8 @@ def lower_step_graph(export_dir: Path, out: Path, recipe: Recipe, block_size: in
     c = recipe.compile
     quantize = {"group_size": c.quantization.group_size, "matrices": c.quantization.matrices} \
         if c.weights == "int8" else None
-    run = Pipeline("ascend", c.fusions, block_size, {"plain": plain, "num_slots": num_slots(recipe, block_size)},
+    run = Pipeline("ascend", c.fusions, block_size, {"plain": plain, "num_slots": num_slots(recipe, block_size),
+                                                     "soc_version": c.soc_version},
                    quantize=quantize,
                    float16=c.weights != "float32").run(model)
     counts, layout, lowering = run.fusion_counts, run.layout, run.lowering.result

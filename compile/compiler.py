@@ -198,6 +198,7 @@ def _passes_stage(job: _Job, export_dir: Path, digest: str) -> Stage:
         "passes_source": _source_digest(stage_sources(target)),
         "tools": tool_versions(),
         "num_slots": _static_slots(recipe, target, block_size),
+        "soc_version": recipe.compile.soc_version if target == "ascend" else None,  # which fused kernels ship
     })
     passes = Stage(f"passes-{target}", passes_key, job.root)
     job.cached["passes"] = passes.done

@@ -18,8 +18,12 @@ GE op, so most need no kernel of ours, §1.7):
   AddRMSNorm  → NPUAddRmsNorm / OmAddRmsNorm(x1, x2, gamma) -> (y, rstd, x1 + x2): our (y, sum) are outputs 0, 2
   Rotary      → NPURotaryPositionEmbedding(x, cos, sin; mode=0), cos/sin [B, 1, S, D] as inputs: mode 0 is
                 rotate_half (1 = interleaved) and the plugin rejects a node without ``mode`` (plugin source;
-                npu_rotary_position_embedding docs). Not on 310B/310P [unverified, reported by a public port]:
-                use ``plain=True`` there.
+                npu_rotary_position_embedding docs).
+
+Per SoC (``soc_version``): each fused op above is emitted only where its CANN kernel ships for the chip
+(:mod:`omforge.passes.ascend_kernels`, read from the ops repositories' ``*_def.cpp``); elsewhere it is lowered to its
+plain decomposition and :attr:`AscendLowering.kernel_fallbacks` says why — e.g. RotaryPositionEmbedding ships for
+Atlas A2/A3 only, so Atlas 300I/310P gets plain rotary, and Atlas 200I/500 A2 (310B) gets plain ops throughout.
   SwiGLU      → SwiGlu(x; dim=-1): no built-in plugin; ours maps it to the GE op SwiGlu (Atlas A2), whose
                 ``silu(x[..., :F]) · x[..., F:]`` matches our [gate | up] merge.
   Attention   → plain ops by default (``attention="plain"``): at opset 18 no built-in plugin has the PFA key,
@@ -76,7 +80,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from omforge.contract.ascend import KV_NEW, KV_POOL
-from omforge.passes import decompose, ops
+from omforge.passes import ascend_kernels, decompose, ops
 
 CANN_RMSNORM_EPS = 1e-6
 """The epsilon CANN's NPURmsNorm/NPUAddRmsNorm plugins hard-code (reference/ascend.md §2.2)."""
@@ -89,6 +93,10 @@ PAGED_ATTENTION_MODES = ("plain", "plugin")
 DEFAULT_RMSNORM_PLUGIN = "omforge"  # CANN's fixed epsilon moves SmolLM2's logits by up to 0.012 (module docstring)
 
 _NORM_OPS = {"cann": ("NPURmsNorm", "NPUAddRmsNorm"), "omforge": ("OmRmsNorm", "OmAddRmsNorm")}
+_FUSED_KERNEL = {"RMSNorm": "RmsNorm", "AddRMSNorm": "AddRmsNorm", "Rotary": "RotaryPositionEmbedding",
+                 "SwiGLU": "SwiGlu", "Attention": "PromptFlashAttention"}
+"""Neutral op → the CANN kernel its fused lowering needs (:data:`ascend_kernels.KERNELS`); without it: plain ops."""
+DEFAULT_SOC_VERSION = "Ascend910B3"
 _INT32_MAX = 2**31 - 1
 
 
@@ -144,6 +152,7 @@ class AscendLowering:
     lowered: dict[str, int]  # neutral op type → nodes lowered
     custom_ops: dict[str, CustomOp] = field(default_factory=dict)
     epsilon_note: str | None = None
+    kernel_fallbacks: dict[str, str] = field(default_factory=dict)  # neutral op → why its fused kernel was not used
     new_kv_outputs: list[str] = field(default_factory=list)  # kv_new: the rows the host copies to slot_mapping
     removed_inputs: list[str] = field(default_factory=list)  # the per-layer pools and slot_mapping
 
@@ -307,9 +316,12 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
 
 def lower(model: ir.Model, *, rmsnorm_plugin: Literal["cann", "omforge"] = DEFAULT_RMSNORM_PLUGIN,
           attention: Literal["plain", "pfa"] = "plain", paged_attention: Literal["plain", "plugin"] = "plain",
-          plain: bool = False, num_slots: int | None = None) -> AscendLowering:
+          plain: bool = False, num_slots: int | None = None,
+          soc_version: str = DEFAULT_SOC_VERSION) -> AscendLowering:
     """Lower every neutral op in ``model`` in place for ATC (see the module docstring for each choice).
-    ``num_slots``: the pool's slot count, static in the graph (ATC needs it so: §3.4); None keeps it symbolic."""
+    ``num_slots``: the pool's slot count, static in the graph (ATC needs it so: §3.4); None keeps it symbolic.
+    ``soc_version``: a fused op whose CANN kernel does not ship for that chip (:mod:`ascend_kernels`) is lowered
+    to its plain decomposition instead, and the result's ``kernel_fallbacks`` says why."""
     _choice("rmsnorm_plugin", rmsnorm_plugin, RMSNORM_PLUGINS)
     _choice("attention", attention, ATTENTION_MODES)
     _choice("paged_attention", paged_attention, PAGED_ATTENTION_MODES)
@@ -327,17 +339,23 @@ def lower(model: ir.Model, *, rmsnorm_plugin: Literal["cann", "omforge"] = DEFAU
     epsilons = sorted({float(n.attributes["epsilon"].value) for n in model.graph
                        if n.domain == ops.DOMAIN and n.op_type in ("RMSNorm", "AddRMSNorm")})
 
-    norm, add_norm = (None, None) if plain else _NORM_OPS[rmsnorm_plugin]
+    fallbacks = {neutral_op: ascend_kernels.missing_reason(ge_op, soc_version)
+                 for neutral_op, ge_op in _FUSED_KERNEL.items()
+                 if (neutral_op != "Attention" or attention == "pfa") and neutral.get(neutral_op)
+                 and not ascend_kernels.ships(ge_op, soc_version)}
+    fused = {op: not plain and op not in fallbacks for op in _FUSED_KERNEL}
+    norm = _NORM_OPS[rmsnorm_plugin][0] if fused["RMSNorm"] else None
+    add_norm = _NORM_OPS[rmsnorm_plugin][1] if fused["AddRMSNorm"] else None
     plain_eps = CANN_RMSNORM_EPS if plain and rmsnorm_plugin == "cann" else None  # emulate CANN's numerics
-    pfa = attention == "pfa" and not plain
+    pfa = attention == "pfa" and fused["Attention"]
     pool = _pool_input(model.graph, num_slots) if neutral.get("PagedAttention") else None
     rules = pattern.RewriteRuleSet([
         *([PagedAttentionNewRows.rule(plugin=paged_attention == "plugin" and not plain, pool=pool[0],
                                       num_layers=pool[1])] if pool is not None else []),
         AddRMSNormRule.rule(add_norm, plain_eps),
         RMSNormRule.rule(norm, plain_eps),
-        decompose.RULES["Rotary"] if plain else NPURotary.rule("ascend_rotary"),
-        decompose.RULES["SwiGLU"] if plain else OwnSwiGlu.rule("ascend_swiglu"),
+        NPURotary.rule("ascend_rotary") if fused["Rotary"] else decompose.RULES["Rotary"],
+        OwnSwiGlu.rule("ascend_swiglu") if fused["SwiGLU"] else decompose.RULES["SwiGLU"],
         NPUPromptFlashAttention.rule("ascend_pfa") if pfa else decompose.RULES["Attention"],
     ])
     rules.apply_to_model(model)
@@ -348,7 +366,8 @@ def lower(model: ir.Model, *, rmsnorm_plugin: Literal["cann", "omforge"] = DEFAU
     model.opset_imports[""] = opset
 
     result = AscendLowering(opset=opset, lowered=dict(neutral), options=dict(
-        rmsnorm_plugin=rmsnorm_plugin, attention=attention, paged_attention=paged_attention, plain=plain))
+        rmsnorm_plugin=rmsnorm_plugin, attention=attention, paged_attention=paged_attention, plain=plain,
+        soc_version=soc_version), kernel_fallbacks=fallbacks)
     if pool is not None:
         result.removed_inputs += _stack_new_rows(model.graph, *pool)
         result.new_kv_outputs.append(KV_NEW)
