@@ -9,7 +9,6 @@ masks (:class:`~omforge.runtime.structured.GrammarMasks`) and every logprob (the
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -18,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from omforge.contract.manifest import BundleError, Manifest, load_manifest
+from omforge.contract.manifest import Manifest, load_manifest
 from omforge.errors import OmforgeError
 from omforge.runtime.detokenizer import IncrementalDetokenizer
 from omforge.runtime.engine_config import EngineConfig, EngineConfigError
@@ -26,7 +25,6 @@ from omforge.runtime.executor import Executor, run_plan
 from omforge.runtime.hicache.attach import build_tiers, host_tier_slots
 from omforge.runtime.kv_cache_manager import KVCacheManager
 from omforge.runtime.kv_transfer.connector import build_connector, request_params
-from omforge.runtime.ort import kernels
 from omforge.runtime.ort.ort_executor import OrtExecutor
 from omforge.runtime.outputs import EngineStats, RequestOutput
 from omforge.runtime.request import Request, Status, seq_ids
@@ -36,8 +34,6 @@ from omforge.runtime.scheduler import Scheduler
 from omforge.runtime.spec_decode import SpeculativeConfig, SpeculativeDecoder
 from omforge.runtime.structured import GrammarMasks, StructuredOutputError, compiled_grammar
 from omforge.runtime.tokenizer import TextTokenizer
-
-log = logging.getLogger("omforge.engine")
 
 PD_IDLE_POLL_S = 0.002  # an idle engine with PD blocks held or reads in flight polls NIXL this often
 
@@ -107,22 +103,8 @@ class LLMEngine:
 
             return AclExecutor(bundle, m, acl=acl_module,  # the swap tier, then the host tier's slots
                                num_host_blocks=cfg.num_host_blocks + host_tier_slots(cfg, m))
-        if m.kernels and not kernels.status().available:
-            raise BundleError(f"{bundle}: compiled for omforge's CPU kernel library (paged attention), which is "
-                              f"unavailable here: {kernels.status().reason}; or recompile the bundle on this machine")
-        if m.kernels and (m.kernels.abi or 0) > kernels.ABI_VERSION:  # older bundles run: the ops keep their forms
-            raise BundleError(f"{bundle}: compiled for kernel ABI {m.kernels.abi}, this omforge's kernel library "
-                              f"speaks ABI {kernels.ABI_VERSION}; upgrade omforge or recompile the bundle with it")
-        if m.kernels and m.kernels.weight_layout not in (None, kernels.status().weight_layout):
-            raise BundleError(f"{bundle}: its weights are packed in MatMulQ layout version {m.kernels.weight_layout}, "
-                              f"this kernel library reads version {kernels.status().weight_layout}; recompile it")
-        slow = kernels.portable_gemms(m.passes.op_histogram) if m.kernels else []
-        if slow:
-            log.warning("%s: its weight GEMMs (%s) run on the kernel library's portable path on this CPU (compiled "
-                        "where its ISA path was %s): correct but several times slower; recompile the bundle on "
-                        "this machine", bundle, ", ".join(slow), m.kernels.isa)
-        return OrtExecutor(bundle / m.graphs.step, self.layout, num_blocks=cfg.num_kv_blocks, threads=cfg.threads,
-                           num_host_blocks=cfg.num_host_blocks, prefault=cfg.prefault_kv)
+        return OrtExecutor.for_bundle(bundle, m, num_blocks=cfg.num_kv_blocks, threads=cfg.threads,
+                                      num_host_blocks=cfg.num_host_blocks, prefault=cfg.prefault_kv)
 
     # --- requests -----------------------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ Each layer's pool is a numpy array ``[num_blocks, block_size, kv_heads, head_dim
 that output and the in-graph ScatterND writes in place; with ``key_new.N`` outputs the executor stores them at
 ``slot_mapping`` after the run. Either way no step copies a pool: cost follows the work. A graph lowered to
 omforge's CPU kernel (``omforge.kernels.PagedAttention``) needs the kernel library, registered here whenever it
-is usable.
+is usable; :meth:`OrtExecutor.for_bundle` checks first that the library can run the bundle.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import numpy as np
 import onnxruntime as ort
 
 from omforge.contract import PagedLayout
+from omforge.contract.manifest import Manifest
 from omforge.runtime.executor import ExecutorCapabilities
 from omforge.runtime.ort import kernels
 from omforge.runtime.step import SeqWork, build_step
@@ -69,6 +70,15 @@ class OrtExecutor:
                 self._slot_views.append(view)
         if prefault:
             self._warm_up()
+
+    @classmethod
+    def for_bundle(cls, bundle: Path, manifest: Manifest, num_blocks: int, threads: int | None = None,
+                   num_host_blocks: int = 0, prefault: bool = False) -> OrtExecutor:
+        """The executor of an ort bundle's step graph, once the kernel library here can run it
+        (:func:`kernels.check_bundle`: a one-line BundleError otherwise, a warning on its portable path)."""
+        kernels.check_bundle(bundle, manifest.kernels, manifest.passes.op_histogram)
+        return cls(bundle / manifest.graphs.step, manifest.kv.paged_layout, num_blocks=num_blocks, threads=threads,
+                   num_host_blocks=num_host_blocks, prefault=prefault)
 
     def _warm_up(self) -> None:
         """One step of one token in slot 0, then slot 0 zeroed again (a server, before its first request): ORT maps

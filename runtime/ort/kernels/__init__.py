@@ -12,9 +12,9 @@ declares the few ABI facts it uses itself (``ort_abi.h``), so it needs no ORT he
 
 Nothing here is required: :func:`status` says whether the library is usable in this process (built, ORT recent
 enough, loadable, the same kernel ABI version) and why not; compile then falls back to the plain-op lowering, and
-a bundle that needs the library fails to load with one clear line. :func:`register` adds it to a session's
-options. ``OMFORGE_KERNELS=0`` disables the library (tests of the fallback); ``OMFORGE_KERNELS_ISA`` (``avx512``,
-``avx2``, ``generic``) forces a slower code path than the CPU allows (``avx512``: the bfloat16 ops on
+a bundle that needs the library fails to load with one clear line (:func:`check_bundle`). :func:`register` adds it
+to a session's options. ``OMFORGE_KERNELS=0`` disables the library (tests of the fallback); ``OMFORGE_KERNELS_ISA``
+(``avx512``, ``avx2``, ``generic``) forces a slower code path than the CPU allows (``avx512``: the bfloat16 ops on
 ``vdpbf16ps`` rather than the AMX tile unit).
 """
 
@@ -22,15 +22,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from omforge.contract.kernel_abi import ABI_VERSION, DOMAIN
 from omforge.contract.kernel_abi import HEAD_DIMS as HEAD_DIMS
-from omforge.contract.manifest import KernelLibrary
+from omforge.contract.manifest import BundleError, KernelLibrary
 
 MIN_ORT = (1, 17)
+log = logging.getLogger("omforge.ort")
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,30 @@ def portable_gemms(op_histogram: dict[str, int]) -> list[str]:
     s = status()
     return [op for op, attr in GEMM_PATHS.items()
             if op_histogram.get(f"{DOMAIN}::{op}") and getattr(s, attr) == "generic"]
+
+
+def check_bundle(bundle: Path, needs: KernelLibrary | None, op_histogram: dict[str, int]) -> None:
+    """Refuse, in one line, a bundle compiled for this library (``needs``: its manifest's ``kernels``) that the
+    library here cannot run — unavailable, a newer kernel ABI (older bundles run: the ops keep their forms), another
+    packed weight layout — before ONNX Runtime sees its graph; warn once when its weight GEMMs will run on the
+    portable path here (:func:`portable_gemms`). A bundle that needs nothing of the library passes."""
+    if needs is None:
+        return
+    s = status()
+    if not s.available:
+        raise BundleError(f"{bundle}: compiled for omforge's CPU kernel library (paged attention), which is "
+                          f"unavailable here: {s.reason}; or recompile the bundle on this machine")
+    if (needs.abi or 0) > ABI_VERSION:
+        raise BundleError(f"{bundle}: compiled for kernel ABI {needs.abi}, this omforge's kernel library "
+                          f"speaks ABI {ABI_VERSION}; upgrade omforge or recompile the bundle with it")
+    if needs.weight_layout not in (None, s.weight_layout):
+        raise BundleError(f"{bundle}: its weights are packed in MatMulQ layout version {needs.weight_layout}, "
+                          f"this kernel library reads version {s.weight_layout}; recompile it")
+    slow = portable_gemms(op_histogram)
+    if slow:
+        log.warning("%s: its weight GEMMs (%s) run on the kernel library's portable path on this CPU (compiled "
+                    "where its ISA path was %s): correct but several times slower; recompile the bundle on "
+                    "this machine", bundle, ", ".join(slow), needs.isa)
 
 
 def register(options) -> None:  # noqa: ANN001 - onnxruntime.SessionOptions
