@@ -237,6 +237,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args.bundle, options, **engine_options)
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from omforge.verify import verify
+
+    require_export_extra()  # the plain twin is lowered here
+    return 0 if verify(Path(args.bundle), Path(args.recipe), device=args.device) else 1
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from omforge.doctor import gather, render
 
@@ -256,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     _inspect_parser(sub)
     _serve_parser(sub)
     _doctor_parser(sub)
+    _verify_parser(sub)
     _export_parser(sub)
     _generate_parser(sub)
     _diff_parser(sub)
@@ -341,6 +349,15 @@ def _doctor_parser(sub: _Subparsers) -> None:
                        "targets it can compile and run")
     p.add_argument("--json", action="store_true", help="the report as one JSON object")
     p.set_defaults(func=cmd_doctor)
+
+
+def _verify_parser(sub: _Subparsers) -> None:
+    p = sub.add_parser("verify", help="first run of an ascend bundle on an NPU: every gear once against the ORT plain "
+                       "twin, pass/fail per gear and the device memory used against the plan (exit 0/1)")
+    p.add_argument("bundle", help="an ascend bundle whose OM was built")
+    p.add_argument("--recipe", required=True, help="the recipe it was compiled from (the twin is lowered from it)")
+    p.add_argument("--device", type=int, default=0, help="NPU id (default 0)")
+    p.set_defaults(func=cmd_verify)
 
 
 def _export_parser(sub: _Subparsers) -> None:

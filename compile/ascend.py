@@ -35,7 +35,7 @@ from omforge.compile.atc_plugins import render_plugins
 from omforge.compile.onnx_constants import rewrite_file
 from omforge.contract.ascend import OM_MODEL
 from omforge.contract.buckets import STEP_DIMS, BucketPlan, om_gears
-from omforge.contract.manifest import DeviceMemoryPlan
+from omforge.contract.manifest import ACL_LOAD_PATH, DeviceMemoryPlan
 from omforge.passes.ascend_w8a16 import lowering_note
 from omforge.passes.pipeline import Pipeline, histogram, interface
 from omforge.recipe import Recipe
@@ -138,10 +138,12 @@ def step_spec(step_onnx: Path, plan: BucketPlan) -> AtcModelSpec:
 
 def memory_plan(recipe: Recipe, plan: BucketPlan, step_dir: Path, layout: dict[str, Any],
                 config: dict[str, Any]) -> DeviceMemoryPlan:
-    """What the bundle needs of the device, in bytes: the weights (once: one OM), the KV pool, the step's input
-    and output buffers at the largest gear, and an estimate of the OM's workspace (the largest gear's
-    activations of one layer, twice; ATC's real figure is ``aclmdlQuerySize``'s, which ``omforge serve`` reads
-    when it can). ``omforge serve`` refuses a plan above the device's free memory (``acl.rt.get_mem_info``)."""
+    """What the bundle needs of the device, in bytes: the weights (once: one OM), the KV pool and the step's input
+    and output buffers at the largest gear (each once: the OM is loaded with ACL_MDL_WORKSPACE_MEM_OPTIMIZE,
+    :data:`ACL_LOAD_PATH`, so GE keeps no copy of them), and an estimate of the OM's own workspace (the largest
+    gear's activations of one layer, twice; ATC's real figure is ``aclmdlQuerySize``'s, less the I/O it includes,
+    which ``omforge serve`` reads when it can). ``omforge serve`` refuses a need above the device's free memory
+    (``acl.rt.get_mem_info``). Never measured on hardware."""
     itemsize = 2 if recipe.compile.weights != "float32" else 4
     slot = layout["num_layers"] * 2 * layout["kv_heads"] * layout["head_dim"] * itemsize
     weights = sum(f.stat().st_size for f in step_dir.iterdir() if f.name.startswith("step.onnx"))
@@ -156,5 +158,6 @@ def memory_plan(recipe: Recipe, plan: BucketPlan, step_dir: Path, layout: dict[s
     return DeviceMemoryPlan(
         soc_version=recipe.compile.soc_version, om_models=1, gears=len(gears), weights_bytes=weights,
         kv_pool_bytes=pool, io_bytes=io, workspace_bytes_estimate=work, total_bytes=weights + pool + io + work,
-        note="weights once (one OM for prefill and decode); the workspace is an estimate until the OM is built "
-             "(aclmdlQuerySize gives ATC's figure); not measured on hardware")
+        note="weights once (one OM for prefill and decode), the KV pool and step buffers once (see load); the "
+             "workspace is an estimate until the OM is built (aclmdlQuerySize gives ATC's figure); not measured on "
+             "hardware", load=ACL_LOAD_PATH)

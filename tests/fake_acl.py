@@ -17,27 +17,69 @@ documented behaviour, each with its source:
 - ``memcpy`` does not wait for earlier async work (aclpythondevg_01_0124): a sync copy or an execute that touches
   memory an unsynchronized ``memcpy_async`` writes fails, and a stream destroyed with work pending fails;
 - one model must not run on several threads at once (aclpythondevg_01_0145): a re-entrant execute fails;
-- ``get_mem_info`` reports the device's free and total HBM (set by the test); ``query_size`` the OM's sizes.
+- ``memcpy_async`` takes only 64-byte-aligned source and destination addresses (aclpythondevg_01_0125);
+- device memory is finite: ``get_mem_info`` reports the HBM left (the test sets the start) after every ``malloc``
+  and every loaded model; a ``malloc`` or a load above it fails with a resource error (207001);
+- ``query_size``'s work size includes every input and output of the model, the KV pool too (hicann/ge
+  ``graph_builder.cc``: memory_size ≥ zero_copy_size), and a load reserves weights + that work (``davinci_model.cc``
+  InitFeatureMapAndP2PMem) unless ``ACL_MDL_WORKSPACE_MEM_OPTIMIZE`` (13) is 1, when the inputs and outputs are left
+  out ("the work memory no longer contains the model's input/output memory", ``aclmdlConfigAttr.md``; reference
+  §5.2); ``load_with_config`` needs the load type (1, from file) and the path set (aclmdlConfigAttr);
+- it offers nothing but the calls of ``runtime/ascend/acl_calls.py`` (each from its doc page): any other call, or an
+  argument of another type, raises :class:`NotInCallTable` — a defect in omforge, not an ACL error.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from omforge.runtime.ascend.acl_calls import BY_NAME, argument_errors
+
 ERR_PARAM = 100000
+ERR_MEMORY = 207001  # ACL_ERROR_RT_MEMORY_ALLOCATION
 ERR_FAILURE = 500001  # ACL_ERROR_FAILURE
 MAX_DIM_CNT = 128
+ALIGN = 64  # memcpy_async addresses (aclpythondevg_01_0125)
+WORKSPACE = 64 << 20  # the FAKE OM's own work memory beside its inputs and outputs
+LOAD_TYPE, PATH, WORKSPACE_MEM_OPTIMIZE = 1, 2, 13  # aclmdlConfigAttr
+LOAD_FROM_FILE = 1
 SPACE = 1 << 40  # each allocation owns [base, base + SPACE)
 _ACL_OF_NP = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.int32): 3, np.dtype(np.int64): 9}
 _NP_OF_ONNX = {1: np.float32, 10: np.float16, 6: np.int32, 7: np.int64}
 
 
+class NotInCallTable(Exception):
+    """omforge called a pyACL function, or passed an argument type, that runtime/ascend/acl_calls.py does not list."""
+
+
+class _Checked:
+    """One namespace of the fake module (``acl``, ``acl.rt``, …): only the table's calls, with the table's types."""
+
+    def __init__(self, prefix: str, impl: Any):
+        self._prefix, self._impl = prefix, impl
+
+    def __getattr__(self, name: str) -> Any:
+        full = f"{self._prefix}.{name}"
+        if full not in BY_NAME:
+            raise NotInCallTable(argument_errors(full, ()))
+        fn = getattr(self._impl, name)
+
+        def call(*args: Any) -> Any:
+            problem = argument_errors(full, args)
+            if problem is not None:
+                raise NotInCallTable(problem)
+            return fn(*args)
+        return call
+
+
 class FakeAcl:
-    """``hbm_free`` / ``hbm_total``: what ``acl.rt.get_mem_info(ACL_HBM_MEM)`` reports (default 64 GiB free)."""
+    """``hbm_free`` / ``hbm_total``: what ``acl.rt.get_mem_info(ACL_HBM_MEM)`` reports before anything is allocated
+    (default 64 GiB free); allocations and loaded models come off it."""
 
     def __init__(self, hbm_free: int = 64 << 30, hbm_total: int = 64 << 30) -> None:
         self.hbm = (hbm_free, hbm_total)
@@ -47,7 +89,28 @@ class FakeAcl:
         self._next = 1
         self.initialized = False
         self.device: int | None = None
-        self.rt, self.mdl, self.util = _Rt(self), _Mdl(self), _Util(self)
+        self.rt, self.mdl, self.util = _Checked("acl.rt", _Rt(self)), _Checked("acl.mdl", _Mdl(self)), \
+            _Checked("acl.util", _Util(self))
+        self._top = _Checked("acl", _Top(self))
+
+    def __getattr__(self, name: str) -> Any:  # acl.init, acl.create_data_buffer, …: through the table
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._top, name)
+
+    @property
+    def models(self) -> dict[int, _Model]:
+        return self.mdl._impl.models
+
+    @property
+    def device_used(self) -> int:
+        """Device bytes taken: live device allocations and what loaded models reserved."""
+        return sum(len(buf) for buf, kind in self.mem.values() if kind == "device") + \
+            sum(m.reserved for m in self.models.values())
+
+    @property
+    def device_free(self) -> int:
+        return self.hbm[0] - self.device_used
 
     # -- memory model --
     def alloc(self, size: int, kind: str, data: bytes | None = None) -> int:
@@ -78,28 +141,39 @@ class FakeAcl:
         """Allocations not freed (bytes_to_ptr staging excluded: the real one is the caller's bytes object)."""
         return [f"{kind} {len(buf)} bytes" for buf, kind in self.mem.values() if kind != "host-bytes"]
 
-    # -- top-level acl.* --
-    def init(self, *_: Any) -> int:
-        self.calls.append("init")
-        self.initialized = True
+
+
+class _Top:
+    """The top-level ``acl.*`` functions."""
+
+    def __init__(self, acl: FakeAcl):
+        self.acl = acl
+
+    def init(self) -> int:
+        self.acl.calls.append("init")
+        self.acl.initialized = True
         return 0
 
     def finalize(self) -> int:
-        self.calls.append("finalize")
-        self.initialized = False
+        self.acl.calls.append("finalize")
+        self.acl.initialized = False
         return 0
 
     def create_data_buffer(self, ptr: int, size: int) -> tuple[str, int, int]:
-        self.resolve(ptr, size)
+        self.acl.resolve(ptr, size)
         return ("databuf", ptr, size)
 
     def destroy_data_buffer(self, buf: Any) -> int:
-        self.calls.append("destroy_data_buffer")
+        self.acl.calls.append("destroy_data_buffer")
         return 0
 
 
 class _Fail(Exception):
-    pass
+    code = ERR_PARAM
+
+
+class _OutOfMemory(_Fail):
+    code = ERR_MEMORY
 
 
 def _guard(fn):  # noqa: ANN001, ANN202 - a failed check becomes the ACL parameter error code, as the real API returns
@@ -108,13 +182,14 @@ def _guard(fn):  # noqa: ANN001, ANN202 - a failed check becomes the ACL paramet
             return fn(*args, **kwargs)
         except _Fail as e:
             args[0].acl.calls.append(f"FAILED {fn.__name__}: {e}")
-            return ERR_PARAM if fn.__name__ in _BARE_RET else (None, ERR_PARAM)
+            return e.code if fn.__name__ in _BARE_RET else (None, e.code)
     return wrapped
 
 
 _BARE_RET = {"set_device", "reset_device", "destroy_context", "set_context", "destroy_stream", "free", "free_host",
              "memcpy", "memset", "unload", "get_desc", "destroy_desc", "destroy_dataset", "set_input_dynamic_dims",
-             "execute", "memcpy_async", "synchronize_stream"}
+             "execute", "memcpy_async", "synchronize_stream", "set_config_opt",
+             "destroy_config_handle"}
 
 
 class _Rt:
@@ -167,6 +242,8 @@ class _Rt:
             raise _Fail("unknown stream")
         if count > dst_max:
             raise _Fail(f"count {count} > dst_max {dst_max}")
+        if dst % ALIGN or src % ALIGN:
+            raise _Fail(f"memcpy_async addresses must be {ALIGN}-byte aligned (dst {dst:#x}, src {src:#x})")
         self.acl.resolve(dst, count)
         self.acl.resolve(src, count)
 
@@ -187,12 +264,14 @@ class _Rt:
     def get_mem_info(self, attr: int) -> tuple[int, int, int]:
         if attr != 1:  # ACL_HBM_MEM
             return 0, 0, ERR_PARAM
-        return *self.acl.hbm, 0
+        return self.acl.device_free, self.acl.hbm[1], 0
 
     @_guard
     def malloc(self, size: int, policy: int) -> tuple[int, int]:
         if self.acl.device is None:
             raise _Fail("no device set")
+        if size > self.acl.device_free:
+            raise _OutOfMemory(f"malloc of {size} bytes with {self.acl.device_free} free")
         return self.acl.alloc(size, "device"), 0
 
     @_guard
@@ -262,11 +341,10 @@ class _Model:
 
     def __init__(self, spec: dict[str, Any]):
         import onnx
-        import onnxruntime as ort
 
         graph = onnx.load(spec["onnx"], load_external_data=False).graph
         weights = {t.name for t in graph.initializer}
-        self.session = ort.InferenceSession(spec["onnx"], providers=["CPUExecutionProvider"])
+        self.path, self.reserved = spec["onnx"], 0
         listed = [(name, list(dims)) for name, dims in spec["input_shape"]]
         self.inputs = [(v.name, _NP_OF_ONNX[v.type.tensor_type.elem_type], v) for v in graph.input
                        if v.name not in weights]
@@ -299,6 +377,26 @@ class _Model:
     def size(self, name: str, dims_per_gear: dict[str, list[list[int]]]) -> int:
         return max(int(np.prod(d)) for d in dims_per_gear[name]) * self.dtypes[name].itemsize
 
+    @property
+    def dims_input_size(self) -> int:
+        return 8 * len(self.gear_dims[0])  # ascend_mbatch_shape_data: the dims list, int64
+
+    @property
+    def io_bytes(self) -> int:
+        """The zero-copy region: every input (the dynamic-dims one too) and output at its largest gear."""
+        return sum(self.size(n, self.in_dims) for n, _, _ in self.inputs) + self.dims_input_size + \
+            sum(self.size(n, self.out_dims) for n, _, _ in self.outputs)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(f.stat().st_size for f in Path(self.path).parent.glob(Path(self.path).name + "*"))
+
+    @functools.cached_property
+    def session(self) -> Any:
+        import onnxruntime as ort
+
+        return ort.InferenceSession(self.path, providers=["CPUExecutionProvider"])
+
 
 class _Desc:
     model: _Model | None = None
@@ -309,16 +407,35 @@ class _Mdl:
         self.acl = acl
         self.models: dict[int, _Model] = {}
 
-    def load_from_file(self, path: str) -> tuple[int, int]:
-        try:
-            spec = json.loads(Path(path).read_text())
-        except (OSError, ValueError):
-            return None, ERR_PARAM  # not a (fake) OM: the real call fails with a parameter error too
-        if not isinstance(spec, dict) or spec.get("fake_om") is not True:
-            return None, ERR_PARAM
+    def create_config_handle(self) -> dict:
+        return {"config": {}}
+
+    @_guard
+    def set_config_opt(self, handle: dict, attr: int, value: int | str) -> int:
+        handle["config"][attr] = value
+        return 0
+
+    @_guard
+    def destroy_config_handle(self, handle: dict) -> int:
+        return 0
+
+    @_guard
+    def load_with_config(self, handle: dict) -> tuple[int, int]:
+        """Load from file as GE does: reserve the weights and the work memory, the model's inputs and outputs in
+        it unless ACL_MDL_WORKSPACE_MEM_OPTIMIZE is 1 (reference §5.2)."""
+        config = handle["config"]
+        if config.get(LOAD_TYPE) != LOAD_FROM_FILE or not isinstance(config.get(PATH), str):
+            raise _Fail(f"load_with_config needs ACL_MDL_LOAD_TYPE_SIZET = {LOAD_FROM_FILE} and ACL_MDL_PATH_PTR")
+        model = _read_om(config[PATH])
+        if model is None:
+            raise _Fail(f"{config[PATH]} is not a (FAKE) OM")  # the real call fails with a parameter error too
+        work = WORKSPACE + (0 if config.get(WORKSPACE_MEM_OPTIMIZE) == 1 else model.io_bytes)
+        if model.weight_bytes + work > self.acl.device_free:
+            raise _OutOfMemory(f"load needs {model.weight_bytes + work} bytes, {self.acl.device_free} free")
+        model.reserved = model.weight_bytes + work
         model_id = len(self.models) + 1
-        self.models[model_id] = _Model(spec)
-        self.acl.calls.append(f"load {Path(path).name}")
+        self.models[model_id] = model
+        self.acl.calls.append(f"load {Path(config[PATH]).name}")
         return model_id, 0
 
     @_guard
@@ -370,7 +487,7 @@ class _Mdl:
     def get_input_size_by_index(self, desc: _Desc, i: int) -> int:
         name = self._in(desc)[i]
         if name == "ascend_mbatch_shape_data":
-            return 8 * len(desc.model.gear_dims[0])
+            return desc.model.dims_input_size
         return desc.model.size(name, desc.model.in_dims)
 
     def get_output_size_by_index(self, desc: _Desc, i: int) -> int:
@@ -397,13 +514,12 @@ class _Mdl:
         return [{"dimCount": len(g), "dims": list(g)} for g in desc.model.gear_dims[:count]], 0
 
     def query_size(self, path: str) -> tuple[int, int, int]:
-        """(work, weight, ret): the FAKE OM's weights are its twin's files; a fixed 64 MiB workspace."""
-        try:
-            spec = json.loads(Path(path).read_text())
-        except (OSError, ValueError):
+        """(work, weight, ret): the FAKE OM's weights are its twin's files; its work memory a fixed workspace plus
+        every input and output (graph_builder.cc: memory_size ≥ zero_copy_size)."""
+        model = _read_om(path)
+        if model is None:
             return 0, 0, ERR_PARAM
-        files = Path(spec["onnx"]).parent.glob(Path(spec["onnx"]).name + "*")
-        return 64 << 20, sum(f.stat().st_size for f in files), 0
+        return WORKSPACE + model.io_bytes, model.weight_bytes, 0
 
     def create_dataset(self) -> dict:
         return {"buffers": [], "dims": None}
@@ -464,3 +580,14 @@ class _Mdl:
             buf[off:off + len(data)] = data
         self.acl.calls.append("execute")
         return 0
+
+
+def _read_om(path: str) -> _Model | None:
+    """The FAKE OM at ``path`` (tests/fake_atc.py), or None when it is not one."""
+    try:
+        spec = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(spec, dict) or spec.get("fake_om") is not True:
+        return None
+    return _Model(spec)

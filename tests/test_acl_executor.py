@@ -31,12 +31,13 @@ def plain_twin(bundle: Path, out: Path) -> Path:
     """The ascend step graph with every op lowered to standard ONNX (``lower_step_graph(plain=True)``, our RMSNorm
     epsilon): what the fake's "OM" runs."""
     from omforge.compile.ascend import lower_step_graph
-    from omforge.recipe import load_recipe
+    from omforge.recipe import load_recipe, retarget
 
     manifest = load_manifest(bundle, verify=False)
     out.mkdir(parents=True, exist_ok=True)
     export = Path(manifest.export.dir)  # the stage cache's export: bundles keep no copy of it
-    lower_step_graph(export, out, load_recipe(TINY_RECIPE), manifest.kv.block_size, plain=True)
+    recipe = retarget(load_recipe(TINY_RECIPE), manifest.target)  # as compile --target read it
+    lower_step_graph(export, out, recipe, manifest.kv.block_size, plain=True)
     return out / "step.onnx"
 
 
@@ -92,7 +93,7 @@ def test_failed_setup_releases_what_it_took(bundles: tuple[Path, Path], tmp_path
     manifest = load_manifest(bundle, verify=False)
     (bundle / "ascend" / "om" / "step_linux_x86_64.om").write_text("not an OM")
     fake = FakeAcl()
-    with pytest.raises(AclParameterError, match="acl.mdl.load_from_file"):
+    with pytest.raises(AclParameterError, match="acl.mdl.load_with_config"):
         AclExecutor(bundle, manifest, acl=fake)
     assert fake.live == [] and fake.calls[-1] == "finalize"
 
@@ -312,3 +313,90 @@ def test_engine_close_releases_the_executor_once(bundles: tuple[Path, Path]) -> 
     assert fake.calls.count("finalize") == 1
     with pytest.raises(RuntimeError, match="closed"):
         engine.step()
+
+
+def test_the_kv_pool_is_on_the_device_once(bundles: tuple[Path, Path]) -> None:
+    """Issue 44 item 2: a device that holds the OM's weights, its work memory and the pool ONCE serves the bundle.
+    The FAKE pyACL reserves the model's inputs and outputs (the pool included) in its work memory unless the load
+    sets ACL_MDL_WORKSPACE_MEM_OPTIMIZE, as GE does (reference §5.2); before, the executor loaded with load_from_file
+    and its check counted query_size's work (which includes the pool) plus the pool again."""
+    from omforge.runtime.ascend.acl_executor import AclExecutor
+    from omforge.runtime.step import SeqWork
+
+    manifest = load_manifest(bundles[0])
+    work, weights, ret = FakeAcl().mdl.query_size(str(_om(bundles[0])))
+    assert ret == 0
+    fake = FakeAcl(hbm_free=weights + work + (1 << 16))  # 64 KiB to spare: far less than the pool
+    pool = manifest.ascend.memory.kv_pool_bytes
+    assert pool > 1 << 16
+    with AclExecutor(bundles[0], manifest, acl=fake) as ex:
+        assert ex.need.measured and ex.need.pool == pool and ex.need.total <= weights + work
+        ex.execute([SeqWork(list(range(3, 40)), 0, [0], needs_logits=True)])
+        assert fake.device_used <= weights + work + (1 << 16)
+    assert not [c for c in fake.calls if c.startswith("FAILED")]
+    assert fake.live == []
+
+
+def test_the_fake_reserves_the_models_inputs_and_outputs_unless_told_not_to(bundles: tuple[Path, Path]) -> None:
+    """The FAKE pyACL as GE: query_size's work includes the I/O; a config-handle load reserves weights + work, less
+    the I/O only with ACL_MDL_WORKSPACE_MEM_OPTIMIZE = 1 (aclmdlConfigAttr; hicann/ge davinci_model.cc)."""
+    om = str(_om(bundles[0]))
+    work, weights, _ = FakeAcl().mdl.query_size(om)
+    reserved = {}
+    for optimize in (0, 1):
+        fake = FakeAcl()
+        handle = fake.mdl.create_config_handle()
+        for attr, value in ((1, 1), (2, om), (13, optimize)):
+            assert fake.mdl.set_config_opt(handle, attr, value) == 0
+        model_id, ret = fake.mdl.load_with_config(handle)
+        assert ret == 0
+        reserved[optimize] = fake.device_used
+        assert fake.mdl.unload(model_id) == 0 and fake.device_used == 0
+    assert reserved[0] == weights + work
+    assert reserved[0] - reserved[1] > load_manifest(bundles[0]).ascend.memory.kv_pool_bytes  # the I/O, pool too
+
+
+def test_the_fake_refuses_calls_and_argument_types_outside_the_call_table() -> None:
+    """Issue 44 item 4: the FAKE pyACL offers only runtime/ascend/acl_calls.py's rows, with their argument types."""
+    from fake_acl import NotInCallTable
+
+    fake = FakeAcl()
+    with pytest.raises(NotInCallTable, match="acl.mdl.load_from_file is not in"):
+        fake.mdl.load_from_file("x.om")  # the old load: reserves the pool a second time (reference §5.2)
+    with pytest.raises(NotInCallTable, match="acl.rt.get_version"):
+        fake.rt.get_version()
+    fake.init()
+    fake.rt.set_device(0)
+    with pytest.raises(NotInCallTable, match="acl.rt.malloc: size must be int, got int64"):
+        fake.rt.malloc(np.int64(64), 0)
+    with pytest.raises(NotInCallTable, match="takes 2 arguments"):
+        fake.rt.malloc(64)
+    ptr, ret = fake.rt.malloc(64, 0)
+    assert ret == 0 and fake.rt.free(ptr) == 0
+
+
+def test_memcpy_async_refuses_unaligned_addresses() -> None:
+    """aclrtMemcpyAsync: source and destination 64-byte aligned (aclpythondevg_01_0125), on the FAKE pyACL."""
+    fake = FakeAcl()
+    fake.init()
+    fake.rt.set_device(0)
+    a, _ = fake.rt.malloc(256, 0)
+    b, _ = fake.rt.malloc(256, 0)
+    assert fake.rt.memcpy_async(a + 32, 128, b, 64, 3, "stream") == 100000
+    assert fake.rt.memcpy_async(a + 64, 128, b + 64, 64, 3, "stream") == 0
+    assert fake.rt.synchronize_stream("stream") == 0
+
+
+def test_every_pyacl_call_of_acl_api_is_a_row_of_the_table() -> None:
+    """acl_api.py calls exactly the table's functions (read from its source): a call added without a row, or a row
+    left after its call went, fails here."""
+    import re
+
+    from omforge.runtime.ascend import acl_api
+    from omforge.runtime.ascend.acl_calls import BY_NAME
+
+    src = Path(acl_api.__file__).read_text()
+    used = {f"acl.{ns}.{fn}" for ns, fn in re.findall(r"acl\.(rt|mdl|util)\.(\w+)(?![\w{])", src)}
+    used |= {f"acl.mdl.{fn}" for fn in re.findall(r"(?<![\w.])mdl\.(\w+)", src)}
+    used |= {f"acl.{fn}" for fn in re.findall(r"self\.acl\.(\w+)\(", src)}
+    assert used == set(BY_NAME)

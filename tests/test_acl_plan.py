@@ -205,3 +205,41 @@ def test_gear_dims_agree_with_the_atc_command() -> None:
         assert [dims[i] for i in minus] == atc
     for runs in (plan_runs([SeqWork([1] * 300, 0, list(range(3)))], PLAN), ):
         assert all(om_gear(r.choice) in om_gears(PLAN) for r in runs)
+
+
+def _pool_desc(size: int) -> ModelDesc:
+    return _desc(inputs=tuple(TensorDesc(t.name, size, t.dims, t.dtype) if t.name == "kv_cache" else t
+                              for t in _desc().inputs))
+
+
+def test_a_pool_described_up_to_64_bytes_larger_is_accepted() -> None:
+    """Issue 44 item 6: the graph engine pads tensor descriptors by 32 bytes (graph_metadef tensor_utils.cc;
+    reference §5.2), so the pool's described size may exceed its bytes a little (equality was required before)."""
+    for extra in (0, 32, 64):
+        check_desc(_pool_desc(POOL_BYTES + extra), INPUTS, OUTPUTS, INPUT_SHAPE, om_gears(PLAN),
+                   ("kv_cache", POOL_BYTES))
+    for size in (POOL_BYTES - 1, POOL_BYTES + 65):
+        with pytest.raises(AclModelMismatch, match="pool needs"):
+            check_desc(_pool_desc(size), INPUTS, OUTPUTS, INPUT_SHAPE, om_gears(PLAN), ("kv_cache", POOL_BYTES))
+
+
+def test_pool_slots_must_be_64_byte_aligned_for_memcpy_async() -> None:
+    """Issue 44 item 6: memcpy_async needs 64-byte-aligned addresses (aclpythondevg_01_0125); a slot is the unit of
+    every row copy, so its size must be a multiple of 64."""
+    from omforge.runtime.ascend.acl_plan import check_slot_alignment
+
+    check_slot_alignment(30 * 2 * 3 * 64 * 2)  # SmolLM2 in float16: 23,040 bytes
+    with pytest.raises(AclModelMismatch, match="not a multiple of 64"):
+        check_slot_alignment(1 * 2 * 1 * 12 * 2)  # 48 bytes
+
+
+def test_device_need_counts_the_pool_once() -> None:
+    """Issue 44 item 2: aclmdlQuerySize's work includes the model's inputs and outputs, the pool too (hicann/ge
+    graph_builder.cc); loaded with ACL_MDL_WORKSPACE_MEM_OPTIMIZE they are ours, counted once."""
+    from omforge.runtime.ascend.acl_plan import device_need
+
+    pool, io, weights, own = 16 << 30, 1 << 28, 15 << 30, 1 << 30
+    need = device_need(weights, 123, io, pool, queried=(own + pool + io, weights))
+    assert need.measured and need.total == weights + own + pool + io
+    estimate = device_need(weights, own, io, pool, queried=None)
+    assert not estimate.measured and estimate.total == weights + own + pool + io

@@ -1,6 +1,7 @@
 """Every ``acl.*`` (pyACL) call omforge makes, in one thin module: each call checked, each failure a named exception
 with the ACL code and the call. Nothing here decides anything (that is :mod:`omforge.runtime.ascend.acl_plan` and the
-executor); the calls and constants are those of reference/ascend.md §3.
+executor); the calls and constants are those of reference/ascend.md §3, and each call is a row of
+:mod:`omforge.runtime.ascend.acl_calls` (its argument types, its return shape, its documentation page).
 
 NOT RUN ON HARDWARE: no Ascend device or CANN install was available where this was written; the calls follow the
 cited pyACL documentation and are exercised here only against ``tests/fake_acl.py`` (a fake, named so).
@@ -20,6 +21,10 @@ ACL_SUCCESS = 0
 MEMCPY_HOST_TO_DEVICE, MEMCPY_DEVICE_TO_HOST, MEMCPY_DEVICE_TO_DEVICE = 1, 2, 3
 MALLOC_HUGE_FIRST = 0
 HBM_MEM = 1  # aclrtMemAttr ACL_HBM_MEM: the device's high-bandwidth memory (acl.rt.get_mem_info)
+# aclmdlConfigAttr (inc/external/acl/acl_mdl.h; aclcppdevg_03_1375) and their values, for acl.mdl.set_config_opt
+MDL_LOAD_TYPE_SIZET, MDL_PATH_PTR, MDL_WORKSPACE_MEM_OPTIMIZE = 1, 2, 13
+MDL_LOAD_FROM_FILE = 1
+WORKSPACE_MEM_OPTIMIZE_INPUTOUTPUT = 1
 
 
 class AclUnavailable(OmforgeError):
@@ -166,13 +171,31 @@ class AclRuntime:
 
     def query_size(self, path: str) -> tuple[int, int] | None:
         """``(work, weight)`` bytes an OM needs (``acl.mdl.query_size``, aclmdlQuerySize), or None when ACL cannot
-        tell (its docs: not for models whose input shapes are unknown)."""
+        tell (its docs: not for models whose input shapes are unknown). ``work`` includes the model's input and
+        output memory, the KV pool too (hicann/ge ``graph_builder.cc``: memory_size ≥ zero_copy_size; reference
+        §5.2): :func:`~omforge.runtime.ascend.acl_plan.device_need` takes them out once."""
         work, weight, ret = self.acl.mdl.query_size(path)
         return (int(work), int(weight)) if ret == ACL_SUCCESS else None
 
     # --- models (§3.3, §3.4) ---
     def load_model(self, path: str) -> int:
-        return self._value(self.acl.mdl.load_from_file(path), f"acl.mdl.load_from_file({path})")
+        """Load the OM at ``path`` as the manifest's ``ACL_LOAD_PATH`` says: without
+        ``ACL_MDL_WORKSPACE_MEM_OPTIMIZE`` GE reserves work memory for every input and output, the KV pool included
+        (hicann/ge ``davinci_model.cc`` InitFeatureMapAndP2PMem; reference §5.2), and a pool of N bytes costs 2N.
+        [unverified on hardware: pyACL takes the attribute's value as int per the CANN 8.0 set_config_opt page]"""
+        mdl = self.acl.mdl
+        handle = mdl.create_config_handle()
+        if not handle:  # the documented failure: a zero handle, no code
+            raise AclResourceError("acl.mdl.create_config_handle", 0)
+        try:
+            for attr, value in ((MDL_LOAD_TYPE_SIZET, MDL_LOAD_FROM_FILE), (MDL_PATH_PTR, path),
+                                (MDL_WORKSPACE_MEM_OPTIMIZE, WORKSPACE_MEM_OPTIMIZE_INPUTOUTPUT)):
+                self._ok(mdl.set_config_opt(handle, attr, value), f"acl.mdl.set_config_opt({attr}, {value!r})")
+            model_id = self._value(mdl.load_with_config(handle), f"acl.mdl.load_with_config({path})")
+        finally:
+            ret = mdl.destroy_config_handle(handle)  # also after a failed load; that failure is the one raised
+        self._ok(ret, "acl.mdl.destroy_config_handle")
+        return model_id
 
     def unload_model(self, model_id: int) -> None:
         self._ok(self.acl.mdl.unload(model_id), "acl.mdl.unload")

@@ -1,9 +1,11 @@
 """The AscendCL executor: runs an ascend bundle's OM as an :class:`~omforge.runtime.executor.Executor`
 (``execute(work) -> logits``, ``copy_blocks``, ``swap_out``, ``swap_in``, ``close``, ``capabilities``).
 
-Set-up (reference/ascend.md §3.2–3.4): ``acl.init``, device, context, stream; the device memory plan checked
-against the device's free HBM (``acl.rt.get_mem_info``; a plan that does not fit is refused in one line); the
-bundle's ONE OM loaded (its gears cover prefill and decode, so the weights are on the device once), its
+Set-up (reference/ascend.md §3.2–3.4): ``acl.init``, device, context, stream; the device memory need
+(:func:`acl_plan.device_need`) checked against the device's free HBM (``acl.rt.get_mem_info``; a need that does not
+fit is refused in one line); the bundle's ONE OM loaded (its gears cover prefill and decode, so the weights are on
+the device once) through the config-handle load with ``ACL_MDL_WORKSPACE_MEM_OPTIMIZE`` (manifest ``ACL_LOAD_PATH``:
+GE keeps no copy of the inputs and outputs, so the KV pool is on the device once, reference §5.2), its
 description read and checked against the manifest (:func:`acl_plan.check_desc`: outputs by index, ACL's
 ``op:edge:name`` form); the KV pool ``[num_slots, num_layers, 2, kv_heads, head_dim]`` allocated once in device
 memory (zeroed) and put, as the same buffer, into the input dataset — it stays resident and is never copied whole;
@@ -38,11 +40,14 @@ from omforge.errors import OmforgeError
 from omforge.runtime.ascend.acl_api import AclRuntime, AclUnavailable, import_acl
 from omforge.runtime.ascend.acl_plan import (
     ACL_DTYPES,
+    DESC_SIZE_SLACK,
     STEP_GRAPH_INPUTS,
     AclModelMismatch,
     ModelDesc,
     as_dtype,
     check_desc,
+    check_slot_alignment,
+    device_need,
     gear_dims,
     max_prompt_len,
     pack_run,
@@ -155,9 +160,10 @@ class AclExecutor:
         lay = self.layout
         self.pool_dtype = np.dtype(lay.kv_dtype)  # float32, or float16 for an fp16 graph; checked against the OM
         self.slot_bytes = lay.num_layers * 2 * lay.kv_heads * lay.head_dim * self.pool_dtype.itemsize
+        check_slot_alignment(self.slot_bytes)  # slots and kv_new rows are memcpy_async addresses
         self.pool_bytes = self.num_slots * self.slot_bytes
         self._check_memory()
-        self.pool = self._malloc(self.pool_bytes)
+        self.pool = self._malloc(self.pool_bytes + DESC_SIZE_SLACK)  # the OM may describe it a little larger
         rt.memset(self.pool, self.pool_bytes)  # masked slots must not be NaN
         self.model = self._load(self.om)
         self.host_logits_size = self.model.out_size["logits"]
@@ -168,19 +174,23 @@ class AclExecutor:
         self._push("acl.rt.free_host", lambda: rt.free_host(self.host_block))
 
     def _check_memory(self) -> None:
-        """Refuse, in one line, a device memory plan above the NPU's free HBM. ATC's own figures for the OM
-        (``aclmdlQuerySize``: weights, workspace) replace the compile-time estimate when ACL gives them."""
+        """Refuse, in one line, a device memory need above the NPU's free HBM (:func:`acl_plan.device_need`, on
+        the load path of manifest ``ACL_LOAD_PATH``: the pool and step buffers counted once). ATC's own figures for
+        the OM (``aclmdlQuerySize``) replace the compile-time estimate when ACL gives them. Keeps the need and the
+        free memory it saw (``need``, ``free_at_open``) for ``omforge verify``."""
         plan = self.memory
-        sizes = self.rt.query_size(str(self.om))
-        weights, work = (sizes[1], sizes[0]) if sizes else (plan.weights_bytes, plan.workspace_bytes_estimate)
-        need = weights + work + self.pool_bytes + plan.io_bytes
+        need = device_need(plan.weights_bytes, plan.workspace_bytes_estimate, plan.io_bytes, self.pool_bytes,
+                           self.rt.query_size(str(self.om)))
         free, total = self.rt.free_device_memory()
-        if need > free:
+        self.need, self.free_at_open = need, free
+        if need.total > free:
             raise DeviceMemoryTooSmall(
-                f"{self.om}: the bundle needs {_gib(need)} of device memory (weights {_gib(weights)}, KV pool "
-                f"{_gib(self.pool_bytes)}, step buffers {_gib(plan.io_bytes)}, workspace {_gib(work)}"
-                f"{'' if sizes else ' estimated'}) and NPU {self.device} has {_gib(free)} free of {_gib(total)}: "
-                "compile with a smaller serve.num_kv_blocks (or max_batch_size / max_seq_len)")
+                f"{self.om}: the bundle needs {_gib(need.total)} of device memory (weights {_gib(need.weights)}, KV "
+                f"pool {_gib(need.pool)} once, step buffers {_gib(need.io)}, workspace {_gib(need.work)}"
+                f"{'' if need.measured else ' estimated'}; loaded with ACL_MDL_WORKSPACE_MEM_OPTIMIZE) and NPU "
+                f"{self.device} has {_gib(free)} free of {_gib(total)}: compile with a smaller serve.num_kv_blocks "
+                "(or max_batch_size / max_seq_len)")
+
     def _malloc(self, size: int) -> int:
         ptr = self.rt.malloc(size)
         self._push("acl.rt.free", lambda: self.rt.free(ptr))
@@ -200,7 +210,7 @@ class AclExecutor:
                 if ACL_DTYPES.get(t.dtype) != self.pool_dtype:
                     raise AclModelMismatch(f"OM: pool input {t.name} is aclDataType {t.dtype}, the pool is "
                                            f"{self.pool_dtype}")
-                m.in_ptr[t.name], m.in_size[t.name] = self.pool, self.pool_bytes
+                m.in_ptr[t.name], m.in_size[t.name] = self.pool, t.size  # check_desc: within DESC_SIZE_SLACK
             else:  # a step input, or the dynamic-dims input (allocated, never written: §3.4)
                 m.in_ptr[t.name], m.in_size[t.name] = self._malloc(t.size), t.size
         for name, t in zip(self.outputs, desc.outputs):  # outputs by index: ACL names them op:edge:name
@@ -264,6 +274,25 @@ class AclExecutor:
             rt.host_to_device(m.in_ptr[name], m.in_size[name], data)
         rt.set_dynamic_dims(m.model_id, m.in_dataset, m.desc.dynamic_index, gear_dims(gear, self.input_shape))
         rt.execute(m.model_id, m.in_dataset, m.out_dataset)
+
+    def run_gear(self, gear: tuple[int, ...], inputs: dict[str, np.ndarray],
+                 shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+        """Execute one compiled gear (its step dims, :func:`~omforge.contract.buckets.om_gear`) on the step graph's
+        ``inputs`` at that gear's shapes and return every output at ``shapes``, copied to the host; the pool is read,
+        nothing is written into it (``omforge verify``)."""
+        out: dict[str, np.ndarray] = {}
+        with self._on_device():
+            self._run(gear, inputs)
+            for name, t in zip(self.outputs, self.model.desc.outputs):
+                dtype = ACL_DTYPES[t.dtype]
+                count = int(np.prod(shapes[name])) * dtype.itemsize
+                host = self.rt.malloc_host(count)
+                try:
+                    raw = self.rt.device_to_host(host, count, self.model.out_ptr[name], count)
+                finally:
+                    self.rt.free_host(host)
+                out[name] = np.frombuffer(raw, dtype).reshape(shapes[name]).copy()
+        return out
 
     def _logits(self, rows: int) -> np.ndarray:
         t = self.model.desc.outputs[self.outputs.index("logits")]

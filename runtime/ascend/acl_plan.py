@@ -44,6 +44,14 @@ STEP_GRAPH_INPUTS = ("input_ids", "position_ids", "block_tables", "query_index",
 MAX_DIM_CNT = 128
 """ACL_MAX_DIM_CNT: a gear's dims list holds at most 128 values (hicann/ge ``model_om2.cpp``; reference §3.4)."""
 
+DESC_SIZE_SLACK = 64
+"""A described size may exceed the tensor's bytes by this much: the graph engine pads tensor descriptors by 32 bytes
+(graph_metadef ``tensor_utils.cc``) while a Data input reports its raw size (``davinci_model.cc``; reference §5.2)."""
+
+COPY_ALIGN = 64
+"""``acl.rt.memcpy_async`` needs 64-byte-aligned source and destination addresses (aclpythondevg_01_0125; reference
+§3.2): every pool slot, and every row of ``kv_new``, starts at a multiple of it."""
+
 
 class AclModelMismatch(OmforgeError):
     """A loaded OM's description disagrees with the bundle's manifest (wrong file, stale build)."""
@@ -110,9 +118,45 @@ def check_desc(desc: ModelDesc, inputs: Sequence[str], outputs: Sequence[str],
     if missing:
         raise AclModelMismatch(f"OM: the manifest's gear dims {list(missing[0])} are not among the compiled gears")
     name, nbytes = pool
-    if desc.input(name).size != nbytes:
+    if not nbytes <= desc.input(name).size <= nbytes + DESC_SIZE_SLACK:
         raise AclModelMismatch(f"OM: input '{name}' holds {desc.input(name).size} bytes, the manifest's pool needs "
-                               f"{nbytes}")
+                               f"{nbytes} (up to {DESC_SIZE_SLACK} more is descriptor padding)")
+
+
+def check_slot_alignment(slot_bytes: int) -> None:
+    """Refuse a pool whose slots do not start at multiples of :data:`COPY_ALIGN` bytes (the runtime copies new rows
+    slot by slot with ``memcpy_async``, whose addresses must be 64-byte aligned; the pool's base is, as a malloc)."""
+    if slot_bytes % COPY_ALIGN:
+        raise AclModelMismatch(f"KV pool slot of {slot_bytes} bytes is not a multiple of {COPY_ALIGN}: "
+                               f"acl.rt.memcpy_async needs {COPY_ALIGN}-byte-aligned addresses (reference §3.2)")
+
+
+@dataclass(frozen=True)
+class DeviceNeed:
+    """What loading a bundle takes of the device, in bytes, on the load path of
+    manifest ``ACL_LOAD_PATH`` (I/O in the model's work memory: none; ours: once)."""
+
+    weights: int
+    work: int  # the model's own work memory, without its inputs and outputs
+    pool: int
+    io: int  # the step's input and output buffers at the largest gear
+    measured: bool  # weights and work from aclmdlQuerySize, else the manifest's estimate
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.work + self.pool + self.io
+
+
+def device_need(weights: int, work_estimate: int, io: int, pool: int, queried: tuple[int, int] | None) -> DeviceNeed:
+    """The device memory a load needs: the compile-time plan's figures, or ATC's own (``queried`` = aclmdlQuerySize's
+    ``(work, weight)``). Query_size's work includes every input and output of the model, the pool too (hicann/ge
+    ``graph_builder.cc``; reference §5.2); with ``ACL_MDL_WORKSPACE_MEM_OPTIMIZE`` GE does not allocate them, the
+    runtime does: they are taken out of the work once and counted once as ours. (Loaded without the option, the
+    same OM needs ``weights + queried work + pool + io``: the pool twice.)"""
+    if queried is None:
+        return DeviceNeed(weights, work_estimate, pool, io, measured=False)
+    work, weights = queried
+    return DeviceNeed(weights, max(work - pool - io, 0), pool, io, measured=True)
 
 
 # --- splitting a step into executions -----------------------------------------------------------------------

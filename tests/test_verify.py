@@ -1,0 +1,72 @@
+"""``omforge verify`` (verify.py) on the FAKE pyACL (tests/fake_acl.py): every gear of the tiny ascend bundle against
+the ORT plain twin. The fake's "OM" runs that same twin, so a pass here proves the plumbing (gear inputs, the run,
+the output read-back, the comparison, the memory report), not the NPU, which has never run this."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import fake_atc
+import pytest
+
+from fake_acl import FakeAcl
+from helpers import TINY_RECIPE, compile_bundle
+from omforge.contract.manifest import load_manifest
+from omforge.errors import OmforgeError
+from omforge.verify import verify
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from test_acl_executor import plain_twin
+
+    root = tmp_path_factory.mktemp("verify")
+    asc = compile_bundle(TINY_RECIPE, root / "ascend", root / "cache", target="ascend")
+    fake_atc.build_bundle(asc, plain_twin(asc, root / "plain"))
+    return asc
+
+
+def test_every_gear_passes_against_the_plain_twin(bundle: Path) -> None:
+    lines: list[str] = []
+    assert verify(bundle, TINY_RECIPE, acl=FakeAcl(), say=lines.append)
+    gears = load_manifest(bundle).ascend.gears
+    per_gear = [line for line in lines if line.startswith(("pass", "FAIL"))]
+    assert len(per_gear) == len(gears) and all(line.startswith("pass") for line in per_gear)
+    assert {"prefill", "decode"} <= {line.split()[1] for line in per_gear}
+    assert "device memory:" in lines[-2] and "in the manifest's plan" in lines[-2]
+    assert lines[-1].startswith(f"{len(gears)}/{len(gears)} gears within tolerance")
+
+
+def test_an_om_that_computes_something_else_fails(bundle: Path, tmp_path: Path) -> None:
+    """The OM (here: the fake's twin with the final norm's weight changed) differs from the twin: verify says FAIL
+    per gear and returns False."""
+    import onnx
+    from onnx import numpy_helper
+
+    b = tmp_path / "b"
+    shutil.copytree(bundle, b)
+    (om,) = (b / "ascend" / "om").glob("step*.om")
+    spec = json.loads(om.read_text())
+    model = onnx.load(spec["onnx"])
+    norm = next(t for t in model.graph.initializer if "norm" in t.name and len(t.dims) == 1)
+    weight = numpy_helper.to_array(norm)
+    norm.CopyFrom(numpy_helper.from_array(weight * weight.dtype.type(3), norm.name))
+    onnx.save(model, str(tmp_path / "other.onnx"), save_as_external_data=True, location="other.onnx.data")
+    om.write_text(json.dumps({**spec, "onnx": str(tmp_path / "other.onnx")}))
+    lines: list[str] = []
+    assert not verify(b, TINY_RECIPE, acl=FakeAcl(), say=lines.append)
+    assert any(line.startswith("FAIL") for line in lines)
+
+
+def test_another_recipe_is_refused_in_one_line(bundle: Path, tmp_path: Path) -> None:
+    import yaml
+
+    data = yaml.safe_load(TINY_RECIPE.read_text())
+    data["compile"]["max_seq_len"] = data["compile"].get("max_seq_len", 256) * 2
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump(data))
+    with pytest.raises(OmforgeError, match="not the recipe .* was compiled from") as e:
+        verify(bundle, other, acl=FakeAcl(), say=lambda _: None)
+    assert "\n" not in str(e.value)
