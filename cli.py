@@ -12,25 +12,15 @@ import json
 import resource
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from omforge.contract.serve_options import SERVE_OPTIONS, ServeOption
 from omforge.errors import OmforgeError
 
 EXIT_USAGE = 2
 EXIT_ATC_LEFT = 3  # compile --target ascend finished everything but the ATC step (no atc on PATH)
-
-
-def _prefill_cap(text: str) -> int | str:
-    """``--max-prefill-tokens-with-decodes``: a positive number, ``auto`` or ``none`` (no bound)."""
-    if text in ("auto", "none"):
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive number, 'auto' or 'none', got {text!r}")
-    return value
 
 
 def _peak_rss_mb() -> float:
@@ -217,23 +207,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            served_model_name=args.served_model_name, drain_timeout=args.drain_timeout,
                            log_level=args.log_level, tool_call_parser=args.tool_call_parser,
                            body_timeout=args.body_timeout, max_request_body_bytes=args.max_request_body_bytes)
-    engine_options = {k: getattr(args, k) for k in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
-                                                     "max_prefill_tokens_with_decodes", "max_waiting_requests",
-                                                     "max_queue_delay_us", "max_model_len", "threads",
-                                                     "preemption_mode", "kv_cache_space_gb", "max_queue_time_s",
-                                                     "enable_hierarchical_cache", "hicache_size_gb",
-                                                     "hicache_storage_backend", "hicache_storage_dir",
-                                                     "hicache_storage_size_gb")
-                      if getattr(args, k) is not None}
-    if args.speculative_config is not None:
-        try:
-            engine_options["speculative_config"] = json.loads(args.speculative_config)
-        except json.JSONDecodeError as e:
-            raise OmforgeError(f"--speculative-config: not JSON ({e})") from None
-    if args.enable_prefix_caching is not None:
-        engine_options["enable_prefix_caching"] = args.enable_prefix_caching
-    if args.kv_transfer_config is not None:  # parsed (one-line errors naming the field) when the engine starts
-        engine_options["kv_transfer_config"] = args.kv_transfer_config
+    engine_options = {}
+    for o in SERVE_OPTIONS:  # None: not given, the bundle's value
+        value = getattr(args, o.name) if o.cli_flag else None
+        if value is not None and o.kind is dict:
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise OmforgeError(f"{o.cli_flag}: not JSON ({e})") from None
+        if value is not None:
+            engine_options[o.name] = value
     return serve(args.bundle, options, **engine_options)
 
 
@@ -295,30 +278,7 @@ def _serve_parser(sub: _Subparsers) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 (default $OMFORGE_API_KEY, or none)")
     p.add_argument("--served-model-name", help="the model id clients send (default the recipe's model name)")
-    p.add_argument("--max-num-seqs", type=int, help="override serve.max_num_seqs")
-    p.add_argument("--max-num-batched-tokens", type=int, help="override serve.max_num_batched_tokens")
-    p.add_argument("--max-prefill-tokens-with-decodes", type=_prefill_cap, metavar="N|auto|none",
-                   help="override serve.max_prefill_tokens_with_decodes (prefill tokens in a step with decodes: a "
-                        "number, auto = a 128-token budget for the whole step, none = no bound)")
-    p.add_argument("--max-model-len", type=int, help="override serve.max_model_len")
-    p.add_argument("--num-kv-blocks", type=int, help="override serve.num_kv_blocks")
-    p.add_argument("--speculative-config", help='speculative decoding, vLLM\'s spelling, e.g. '
-                   '\'{"method": "ngram", "num_speculative_tokens": 4}\' (overrides serve.speculative_config)')
-    p.add_argument("--kv-cache-space-gb", type=float,
-                   help="KV pool budget in GiB when no block count is given (serve.kv_cache_space_gb; default 2)")
-    p.add_argument("--max-waiting-requests", type=int, help="override serve.max_waiting_requests (beyond: 429)")
-    p.add_argument("--max-queue-delay-us", type=int, help="override serve.max_queue_delay_us")
-    p.add_argument("--max-queue-time", type=float, dest="max_queue_time_s", metavar="SECONDS",
-                   help="override serve.max_queue_time_s: a request still waiting after this long ends with a "
-                        "retryable 503 (default 60)")
-    p.add_argument("--preemption-mode", choices=["recompute", "swap"], help="override serve.preemption_mode")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="override serve.enable_prefix_caching")
-    p.add_argument("--threads", type=int, help="onnxruntime intra-op threads (default: all cores)")
-    _hicache_arguments(p)
-    p.add_argument("--kv-transfer-config", metavar="JSON",
-                   help='prefill/decode disaggregation over NIXL, vLLM\'s flag: \'{"kv_connector": "NixlConnector", '
-                        '"kv_role": "kv_producer"|"kv_consumer"|"kv_both"}\' (docs/pd.md; needs .[cluster])')
+    _serve_option_flags(p)
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get to finish "
                    "after SIGTERM (default 30)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
@@ -331,17 +291,40 @@ def _serve_parser(sub: _Subparsers) -> None:
     p.set_defaults(func=cmd_serve)
 
 
-def _hicache_arguments(p: argparse.ArgumentParser) -> None:
-    """The tiers below the KV pool (SGLang's HiCache option names; serve.* recipe keys of the same names)."""
-    p.add_argument("--enable-hierarchical-cache", action="store_true", default=None,
-                   help="keep prefix-cache blocks below the KV pool (the tiers below; docs/hicache.md)")
-    p.add_argument("--hicache-size", type=float, dest="hicache_size_gb", metavar="GB",
-                   help="the host-memory tier (L2) for pools in device memory; off on ort (its pool is host memory)")
-    p.add_argument("--hicache-storage-backend", choices=["file"], help="the storage tier (L3): files in a directory")
-    p.add_argument("--hicache-storage-dir", metavar="DIR", help="the storage tier's directory (may be shared by "
-                   "replicas; survives restarts)")
-    p.add_argument("--hicache-storage-size", type=float, dest="hicache_storage_size_gb", metavar="GB",
-                   help="the storage tier's budget per bundle (default 16 GiB), least recently used out first")
+def _serve_option_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per serve option of contract/serve_options.py (default None: the bundle's value)."""
+    for o in SERVE_OPTIONS:
+        if o.cli_flag is None:
+            continue
+        default = "" if o.default is None else f"; recipe default {o.default}"
+        where = f" (overrides the bundle's serve.{o.name}{default})" if o.recipe else ""
+        common = {"dest": o.name, "default": None, "help": o.help + where}
+        if o.kind is bool:
+            p.add_argument(o.cli_flag, action=argparse.BooleanOptionalAction, **common)
+        else:
+            p.add_argument(o.cli_flag, type=_flag_type(o), choices=o.choices or None, metavar=o.metavar, **common)
+
+
+def _flag_type(o: ServeOption) -> Callable[[str], Any]:
+    """How a serve option's flag reads its text: as the option's kind (a dict option's JSON is read by cmd_serve),
+    or, for an option with words (``auto``), a positive number, one of the words or ``none`` (no bound)."""
+    if not o.words:
+        return str if o.kind is dict else o.kind
+    words = (*o.words, "none") if o.nullable else o.words
+
+    def number_or_word(text: str) -> Any:
+        if text in words:
+            return text
+        try:
+            value = o.kind(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"expected a positive number, {' or '.join(map(repr, words))}, got "
+                                             f"{text!r}")
+        return value
+
+    return number_or_word
 
 
 def _doctor_parser(sub: _Subparsers) -> None:

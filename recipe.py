@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from omforge.contract import FUSIONS
+from omforge.contract.serve_options import RECIPE_OPTIONS, ServeOption
 from omforge.contract.speculative import SpeculativeConfig, SpeculativeConfigError
 from omforge.errors import OmforgeError
 
@@ -249,30 +250,18 @@ class CompileSection(_Section):
         return {f: v.get(f, True) for f in FUSIONS}
 
 
-class ServeSection(_Section):
-    """Runtime limits (vLLM names; MindIE's in parentheses in the README)."""
+class _ServeChecks(_Section):
+    """The serve options' checks beyond their type and range (the options: contract/serve_options.py)."""
 
-    max_num_seqs: int = Field(default=64, ge=1, le=4096)
-    max_num_batched_tokens: int = Field(default=512, ge=16, le=1_048_576)
-    # prefill tokens in a step with decodes: a number, "auto" (a 128-token budget for the whole step) or null (none)
-    max_prefill_tokens_with_decodes: int | str | None = "auto"
-    max_model_len: int | None = Field(default=None, ge=16)
-    enable_prefix_caching: bool = True
-    max_queue_delay_us: int = Field(default=2000, ge=0, le=10_000_000)
-    preemption_mode: Literal["swap", "recompute"] = "recompute"
-    swap_space_gb: float = Field(default=1.0, ge=0, le=1024)
-    num_kv_blocks: int | None = Field(default=None, ge=2)
-    kv_cache_space_gb: float | None = Field(default=None, gt=0, le=4096)  # pool budget (default 2) if no blocks
-    speculative_config: dict[str, Any] | None = None  # vLLM's: {method: ngram, num_speculative_tokens, …}
-
-    @field_validator("max_prefill_tokens_with_decodes", mode="before")
+    @field_validator("max_prefill_tokens_with_decodes", mode="before", check_fields=False)
     @classmethod
     def _prefill_cap(cls, v: Any) -> Any:
-        if v is None or v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1_048_576):
+        o = _PREFILL_CAP
+        if v is None or v in o.words or (isinstance(v, int) and not isinstance(v, bool) and o.ge <= v <= o.le):
             return v
-        raise ValueError("must be a number of tokens (1 to 1048576), 'auto' or null")
+        raise ValueError(f"must be a number of tokens ({o.ge} to {o.le}), 'auto' or null")
 
-    @field_validator("speculative_config")
+    @field_validator("speculative_config", check_fields=False)
     @classmethod
     def _speculative(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         try:
@@ -280,16 +269,25 @@ class ServeSection(_Section):
         except (SpeculativeConfigError, TypeError) as exc:
             raise ValueError(str(exc)) from None
         return v
-    max_waiting_requests: int | None = Field(default=None, ge=1, le=1_000_000)  # None: runtime.engine_config's default
-    max_queue_time_s: float | None = Field(default=60.0, gt=0, le=86_400)  # None: no bound
-    # tiers below the KV pool (runtime/hicache; SGLang's names): L2 host memory (device pools), L3 storage
-    enable_hierarchical_cache: bool = False
-    hicache_size_gb: float | None = Field(default=None, ge=0, le=65_536)
-    hicache_storage_backend: Literal["file"] | None = None
-    hicache_storage_dir: str | None = None
-    hicache_storage_size_gb: float | None = Field(default=None, gt=0, le=1_048_576)  # None: 16
 
 
+_PREFILL_CAP = next(o for o in RECIPE_OPTIONS if o.name == "max_prefill_tokens_with_decodes")
+
+
+def _serve_field(o: ServeOption) -> tuple[Any, Any]:
+    """A serve option as a pydantic field: its type (choices as a Literal, words beside the number, None when
+    nullable), default, range (a number with words is checked by its validator) and help."""
+    kind: Any = Literal[o.choices] if o.choices else dict[str, Any] if o.kind is dict else o.kind
+    if o.words:
+        kind = kind | Literal[o.words]
+    bounds = {} if o.words else {"ge": o.ge, "gt": o.gt, "le": o.le}
+    return kind | None if o.nullable else kind, Field(default=o.default, description=o.help, **bounds)
+
+
+ServeSection = create_model("ServeSection", __base__=_ServeChecks, __module__=__name__,
+                            __doc__="Runtime limits, one field per recipe option of contract/serve_options.py (vLLM "
+                                    "names; MindIE's in the README).",
+                            **{o.name: _serve_field(o) for o in RECIPE_OPTIONS})
 class Recipe(_Section):
     """A validated recipe. ``path`` is the file it came from (paths inside are resolved against it)."""
 

@@ -1,7 +1,9 @@
 """The engine's configuration, resolved once: the bundle's ``serve`` section overridden by the caller's options.
 
 Every consumer (engine, scheduler, KV cache manager, server loop) reads this one object; nothing downstream
-re-reads the manifest's ``serve`` section. An override of None means "the bundle's value"; an unknown override
+re-reads the manifest's ``serve`` section. The options are contract/serve_options.py's (the recipe's ``serve`` keys
+and ``omforge serve``'s flags are the same declaration), plus what the caller is (:data:`CALLER_OPTIONS`). An
+override of None means "the bundle's value", and a key the bundle lacks the declared default; an unknown override
 name is an error naming it. ``num_kv_blocks`` resolves to a number here (default: enough blocks for
 ``max_num_seqs`` full contexts, at most :data:`DEFAULT_KV_CACHE_BYTES`), except that an executor which fixes its
 pool (an ascend bundle: the block count is compiled into the OM models) replaces it at load.
@@ -9,16 +11,19 @@ pool (an ascend bundle: the block count is compiled into the OM models) replaces
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from omforge.contract.manifest import Manifest, ModelConfig
+from omforge.contract.serve_options import SERVE_OPTIONS
 from omforge.errors import OmforgeError
 from omforge.runtime.scheduler import PREEMPTION_MODES, SchedulerConfig
 
+SERVE_DEFAULTS = {o.name: o.default for o in SERVE_OPTIONS}
+CALLER_OPTIONS = ("prefault_kv", "serving")
+"""Options that say what the caller is rather than tune the engine (``omforge serve`` sets both)."""
 DEFAULT_KV_CACHE_BYTES = 2 << 30  # the pool size when neither the recipe nor the caller gives num_kv_blocks
-DEFAULT_MAX_QUEUE_TIME_S = 60.0  # a request still waiting after this long ends with a retryable 503
+DEFAULT_MAX_QUEUE_TIME_S = SERVE_DEFAULTS["max_queue_time_s"]  # a request waiting this long ends with a 503
 # serve.max_prefill_tokens_with_decodes: "auto" (the recipe's default): when serving, a step with decodes carries
 # this many tokens in all (runtime/scheduler.py); chosen from serving at concurrency 32 (benchmarks/RESULTS.md,
 # 2026-12-02). Offline the step budget applies (no inter-token gap is seen there; the bound cost short-chat 64
@@ -75,7 +80,7 @@ class EngineConfig:
     @classmethod
     def resolve(cls, manifest: Manifest, **overrides: Any) -> EngineConfig:
         """The configuration for a bundle's ``manifest`` with the caller's ``overrides`` (None: the bundle's)."""
-        known = {f.name for f in fields(cls)} - {"num_host_blocks", "explicit_kv_blocks", "float32_weights"}
+        known = {*SERVE_DEFAULTS, *CALLER_OPTIONS}
         unknown = sorted(set(overrides) - known)
         if unknown:
             raise EngineConfigError(f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -83,7 +88,7 @@ class EngineConfig:
 
         def pick(name: str) -> Any:
             value = overrides.get(name)
-            return serve.get(name) if value is None else value
+            return serve.get(name, SERVE_DEFAULTS[name]) if value is None else value
 
         context = manifest.limits.max_seq_len
         max_model_len = min(pick("max_model_len") or context, context)
@@ -116,11 +121,12 @@ class EngineConfig:
                    enable_prefix_caching=bool(pick("enable_prefix_caching")), preemption_mode=mode,
                    swap_space_gb=swap_gb, max_prefill_tokens_with_decodes=cap,
                    max_waiting_requests=pick("max_waiting_requests") or QUEUE_BATCHES * max_num_seqs,
-                   max_queue_time_s=_queue_time(serve, overrides), max_queue_delay_us=pick("max_queue_delay_us"),
-                   threads=overrides.get("threads"), explicit_kv_blocks=overrides.get("num_kv_blocks") is not None,
+                   max_queue_time_s=_queue_time(pick("max_queue_time_s")),
+                   max_queue_delay_us=pick("max_queue_delay_us"),
+                   threads=pick("threads"), explicit_kv_blocks=overrides.get("num_kv_blocks") is not None,
                    kv_cache_space_gb=None if pick("num_kv_blocks") else budget / (1 << 30),
                    speculative_config=pick("speculative_config"), prefault_kv=bool(overrides.get("prefault_kv")),
-                   serving=bool(overrides.get("serving")), kv_transfer_config=overrides.get("kv_transfer_config"),
+                   serving=bool(overrides.get("serving")), kv_transfer_config=pick("kv_transfer_config"),
                    float32_weights=manifest.weights.precision == "float32",
                    **tiers)
 
@@ -168,12 +174,8 @@ def _hicache(pick: Any) -> dict[str, Any]:
             "hicache_storage_dir": None if where is None else str(where), "hicache_storage_size_gb": size}
 
 
-def _queue_time(serve: Mapping[str, Any], overrides: Mapping[str, Any]) -> float | None:
-    """``max_queue_time_s``: the caller's, else the bundle's (null there: no bound), else the default (a bundle
-    compiled before the key existed)."""
-    given = overrides.get("max_queue_time_s")
-    if given is not None:
-        if given <= 0:
-            raise EngineConfigError(f"max_queue_time_s must be positive, got {given}")
-        return float(given)
-    return serve.get("max_queue_time_s", DEFAULT_MAX_QUEUE_TIME_S)
+def _queue_time(value: float | None) -> float | None:
+    """``max_queue_time_s`` as picked: the caller's, else the bundle's (null there: no bound), else the default."""
+    if value is not None and value <= 0:
+        raise EngineConfigError(f"max_queue_time_s must be positive, got {value}")
+    return None if value is None else float(value)

@@ -1,0 +1,96 @@
+"""The serve options, each declared once — its name, type, default, range and help — for the three places that take
+them: the recipe's ``serve`` section (recipe.py builds its schema from :data:`SERVE_OPTIONS`; compile writes the
+section into the manifest), ``omforge serve``'s flags (cli.py adds one per option, ``--max-num-seqs`` for
+``max_num_seqs``) and the engine's overrides (runtime/engine_config.py takes these names, and a key a bundle's serve
+section lacks — a bundle compiled before the option existed — means this default).
+
+Names are vLLM's where it has the knob (SGLang's for the tiers below the pool); the README maps them to MindIE's.
+A default of None means "resolved by the engine" (``num_kv_blocks`` from ``kv_cache_space_gb``, …) as the help
+says. Dependency-free: the recipe, the command line and the runtime import it without the compiler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ServeOption:
+    """One serve option. ``kind``: the value's type (int, float, bool, str, or dict: JSON on the command line);
+    ``nullable``: None is a value of the recipe (null); ``choices``: the only values allowed; ``words``: besides a
+    positive number, the words allowed (``auto``); ``ge`` / ``gt`` / ``le``: the recipe's range; ``flag``: the
+    command-line flag when it is not the name's (``--max-queue-time``), None for an option the command line does not
+    take; ``recipe``: False for an option of the command line (and the engine) only, not of the recipe."""
+
+    name: str
+    kind: type
+    default: Any
+    help: str
+    nullable: bool = False
+    choices: tuple[str, ...] = ()
+    words: tuple[str, ...] = ()
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    flag: str | None = ""
+    metavar: str | None = None
+    recipe: bool = True
+
+    @property
+    def cli_flag(self) -> str | None:
+        """The command-line flag: ``flag``, or the name with dashes (``--max-num-seqs``); None: no flag."""
+        return None if self.flag is None else self.flag or "--" + self.name.replace("_", "-")
+
+
+SERVE_OPTIONS: tuple[ServeOption, ...] = (
+    ServeOption("max_num_seqs", int, 64, "sequences running at once (vLLM max_num_seqs, MindIE maxBatchSize)",
+                ge=1, le=4096),
+    ServeOption("max_num_batched_tokens", int, 512, "token budget of one step (vLLM max_num_batched_tokens, MindIE "
+                "maxPrefillTokens)", ge=16, le=1_048_576),
+    ServeOption("max_prefill_tokens_with_decodes", int, "auto", "prefill tokens in a step with decodes: a number, "
+                "auto = when serving a 128-token budget for the whole step (float32 weights: 64 prefill tokens), "
+                "none = no bound", nullable=True, words=("auto",), ge=1, le=1_048_576, metavar="N|auto|none"),
+    ServeOption("max_model_len", int, None, "longest prompt + output admitted, at most compile.max_seq_len (default: "
+                "it; vLLM max_model_len, MindIE maxSeqLen)", nullable=True, ge=16),
+    ServeOption("enable_prefix_caching", bool, True, "reuse the KV blocks of shared prefixes (vLLM "
+                "enable_prefix_caching)"),
+    ServeOption("max_queue_delay_us", int, 2000, "how long a first step waits for companions while the batch is not "
+                "full, in microseconds (MindIE maxQueueDelayMicroseconds)", ge=0, le=10_000_000),
+    ServeOption("preemption_mode", str, "recompute", "what frees KV blocks when they run out (vLLM preemption_mode)",
+                choices=("swap", "recompute")),
+    ServeOption("swap_space_gb", float, 1.0, "the host swap tier of preemption_mode swap, in GiB (vLLM swap_space)",
+                ge=0, le=1024, flag="--swap-space", metavar="GB"),
+    ServeOption("num_kv_blocks", int, None, "the KV pool's size in blocks (default: from kv_cache_space_gb; vLLM "
+                "num_gpu_blocks_override)", nullable=True, ge=2),
+    ServeOption("kv_cache_space_gb", float, None, "the KV pool's budget in GiB when no block count is given (default "
+                "2; vLLM's VLLM_CPU_KVCACHE_SPACE)", nullable=True, gt=0, le=4096),
+    ServeOption("speculative_config", dict, None, 'speculative decoding, vLLM\'s spelling, e.g. {"method": "ngram", '
+                '"num_speculative_tokens": 4}', nullable=True, metavar="JSON"),
+    ServeOption("max_waiting_requests", int, None, "sequences waiting beyond max_num_seqs before the server answers "
+                "429 (default: two full batches)", nullable=True, ge=1, le=1_000_000),
+    ServeOption("max_queue_time_s", float, 60.0, "a request still waiting after this many seconds ends with a "
+                "retryable 503 (a recipe's null: no bound)", nullable=True, gt=0, le=86_400, flag="--max-queue-time",
+                metavar="SECONDS"),
+    ServeOption("enable_hierarchical_cache", bool, False, "keep prefix-cache blocks below the KV pool (the tiers "
+                "below; SGLang's HiCache; docs/hicache.md)"),
+    ServeOption("hicache_size_gb", float, None, "the host-memory tier (L2) for pools in device memory, in GiB; off on "
+                "ort (its pool is host memory)", nullable=True, ge=0, le=65_536, flag="--hicache-size",
+                metavar="GB"),
+    ServeOption("hicache_storage_backend", str, None, "the storage tier (L3): file, files in a directory",
+                nullable=True, choices=("file",)),
+    ServeOption("hicache_storage_dir", str, None, "the storage tier's directory (may be shared by replicas; "
+                "survives restarts)", nullable=True, metavar="DIR"),
+    ServeOption("hicache_storage_size_gb", float, None, "the storage tier's budget per bundle in GiB (default 16), "
+                "least recently used out first", nullable=True, gt=0, le=1_048_576, flag="--hicache-storage-size",
+                metavar="GB"),
+    ServeOption("threads", int, None, "onnxruntime intra-op threads (default: all cores)", nullable=True,
+                recipe=False),
+    ServeOption("kv_transfer_config", str, None, 'prefill/decode disaggregation over NIXL, vLLM\'s flag: '
+                '\'{"kv_connector": "NixlConnector", "kv_role": "kv_producer"|"kv_consumer"|"kv_both"}\' '
+                "(docs/pd.md; needs .[cluster])", nullable=True, metavar="JSON", recipe=False),
+)
+"""Every serve option, the recipe's in the order of its ``serve`` section."""
+
+RECIPE_OPTIONS = tuple(o for o in SERVE_OPTIONS if o.recipe)
+"""The recipe's ``serve`` keys."""
