@@ -62,8 +62,8 @@ class ConfigError(OmforgeError):
 @dataclass(frozen=True)
 class ModelConfig(Section):
     """Shape and numerics of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral): what export builds from a
-    config.json, GGUF metadata or a recipe (models/config.py reads those), export.json and the manifest record and
-    the runtime reads (vocabulary, EOS ids, sliding window, …).
+    config.json or a recipe (models/config.py) or GGUF metadata (export/weights.py), export.json and the manifest
+    record and the runtime reads (vocabulary, EOS ids, sliding window, …).
 
     Invariants (:class:`ConfigError` naming the field): the sizes are positive integers; ``num_attention_heads %
     num_key_value_heads == 0`` (GQA groups are whole); ``head_dim`` is even (rotary pairs); ``rope_scaling`` is None
