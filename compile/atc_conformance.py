@@ -2,7 +2,8 @@
 
 Each rule is what CANN's own sources or docs state (cited per rule; the facts are collected in
 reference/ascend.md §1.3–1.6, §3.4, §5.1), checked over the exact argv of an ``atc`` command, the ONNX graph it
-names (read without weights) and the files it passes. ``omforge inspect`` runs them over an ascend bundle, and the
+names (read without weights: its ops, attribute forms and dtypes against :mod:`omforge.compile.cann_matrix`) and
+the files it passes. ``omforge inspect`` runs them over an ascend bundle, and the
 tests' FAKE ``atc`` (tests/fake_atc.py) refuses any command that breaks one — so an argv ATC would reject fails a
 test here. Passing them is necessary, not sufficient: none of this has run against a real ATC or NPU.
 """
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from omforge.compile import cann_matrix
+from omforge.compile.step_usage import uses
 from omforge.contract.buckets import MAX_GEARS, MIN_GEARS
 
 MAX_DIM_CNT = 128  # ACL_MAX_DIM_CNT: aclmdlIODims.dims is int64[128]
@@ -116,6 +119,17 @@ def _opset(cmd: Command) -> str | None:
     if version is None:
         return "no default-domain opset_import"
     return None if version <= MAX_ONNX_OPSET else f"opset {version} > {MAX_ONNX_OPSET}"
+
+
+def _matrix(cmd: Command) -> str | None:
+    model = cmd.model
+    if model is None:
+        return "no readable --model"
+    try:
+        bad = cann_matrix.violations(uses(model))
+    except ValueError as e:
+        return str(e)
+    return f"{len(bad)} without a row: {'; '.join(bad[:4])}{' …' if len(bad) > 4 else ''}" if bad else None
 
 
 def _listed(cmd: Command) -> list[tuple[str, list[int]]]:
@@ -249,6 +263,9 @@ RULES: tuple[tuple[str, str, Rule], ...] = (
     ("--soc_version names a chip", "ATC docs atlasag_25_0080 (§1.2)", _soc),
     ("one opset_import", "Ascend/parser parser/onnx/onnx_parser.cc, E16005 (§1.6)", _one_opset_import),
     (f"default-domain opset <= {MAX_ONNX_OPSET}", "CANN ONNX operator list, operatorlist_00177 (§1.6)", _opset),
+    ("every op, attribute form and input dtype has a row of the CANN matrix",
+     "compile/cann_matrix.py: hicann/ge onnx_parser.cc + onnx_constant_parser.cc, the ONNX plugins and op prototypes "
+     "of hicann/ops-math, ops-nn, ops-transformer (docs/ascend-conformance.md)", _matrix),
     ("--input_shape syntax", "ATC docs atlasatcparam_16_0016 (§1.3)", _input_shape_syntax),
     ("every input with a dynamic dim is listed, static sizes agree",
      "hicann/ge CheckAndParseDynamicData: 'All dynamic nodes must be set in --input_shape' (§3.4)",
