@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from omforge.compile import cann_matrix
-from omforge.compile.conformance_doc import FAST, collect
+from omforge.compile.conformance_doc import DOC, FAST, VARIANTS, acl_rows, collect, load_record, render
 from omforge.compile.step_usage import Use, uses
 
 
@@ -76,6 +76,27 @@ def test_deleting_a_row_or_an_entry_the_bundles_use_fails(fast_uses: dict[str, l
             checked += 1
     monkeypatch.setattr(cann_matrix, "ROWS", full)
     assert checked >= len(full) - 2  # every row but those only the slow bundles use (Constant INT64 is an entry)
+
+
+def test_the_document_is_what_its_script_writes_from_the_matrix_and_the_record() -> None:
+    """docs/ascend-conformance.md = render(compile/cann_matrix.py, docs/ascend-conformance.json, pyACL's table):
+    editing the matrix or the record without regenerating the document fails here."""
+    record = load_record()
+    assert list(record) == [v.name for v in VARIANTS]
+    assert DOC.read_text() == render(record, acl_rows())
+
+
+def test_every_row_attribute_form_and_dtype_is_used_by_a_recorded_bundle() -> None:
+    """No entry of the matrix is dead: each row, attribute form and dtype signature is used by some bundle of the
+    record, so removing any of them leaves a recorded use without its place."""
+    assert _entries(cann_matrix.ROWS) - _used(load_record()) == set()
+
+
+def test_the_record_of_the_tiny_bundles_is_current(fast_uses: dict[str, list[Use]]) -> None:
+    """The committed record holds what the tiny bundles use today (regenerate with ``python -m
+    omforge.compile.conformance_doc`` after a change to the passes)."""
+    record = load_record()
+    assert {name: record[name] for name in fast_uses} == fast_uses
 
 
 def _graph(path: Path, nodes: list[onnx.NodeProto], dtype: int = TensorProto.FLOAT) -> Path:
