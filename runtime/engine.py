@@ -24,6 +24,7 @@ from omforge.runtime.engine_config import EngineConfig, EngineConfigError
 from omforge.runtime.executor import Executor, run_plan
 from omforge.runtime.hicache.attach import build_tiers, host_tier_slots
 from omforge.runtime.kv_cache_manager import KVCacheManager
+from omforge.runtime.kv_connector import KVConnector
 from omforge.runtime.kv_transfer.connector import build_connector, request_params
 from omforge.runtime.ort.ort_executor import OrtExecutor
 from omforge.runtime.outputs import EngineStats, RequestOutput
@@ -72,16 +73,20 @@ class LLMEngine:
         self.max_model_len = cfg.max_model_len
         self.max_prompt_len = caps.max_prompt_len
         self.kv = KVCacheManager(cfg.num_kv_blocks, self.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
-                                 num_host_blocks=cfg.num_host_blocks)
+                                 num_host_blocks=cfg.num_host_blocks, record_events=cfg.enable_hierarchical_cache)
+        self.hicache = self.pd = None
         try:
-            self.hicache = build_tiers(cfg, m, self.executor, self.kv)  # tiers below the pool, or None
-            self.pd = build_connector(cfg.kv_transfer_config, m, self.executor)  # PD over NIXL, or None
+            self.hicache = build_tiers(cfg, m, caps, self.kv)  # the tier below the pool, or None
+            self.pd = build_connector(cfg.kv_transfer_config, m, caps)  # PD over NIXL, or None
         except OmforgeError:
+            if self.hicache is not None:
+                self.hicache.close()
             self.executor.close()
             raise
+        # the KV connectors under the scheduler, asked in this order: a PD decode leg's read comes first
+        self.connectors: list[KVConnector] = [c for c in (self.pd, self.hicache) if c is not None]
         self.scheduler = Scheduler(self.kv, cfg.scheduler_config(self.config, caps.supports_mixed_batches),
-                                   tiers=self.hicache and self.hicache.controller,
-                                   host=self.hicache and self.hicache.host, remote=self.pd)
+                                   connectors=self.connectors)
         self.tokenizer = TextTokenizer(bundle / m.tokenizer.file, m.tokenizer) if m.tokenizer.file else None
         self.sampler = Sampler(eos_token_ids=self.config.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -168,7 +173,7 @@ class LLMEngine:
         params = self.check_request(ids, params)
         kv_transfer = request_params(self.pd, params.kv_transfer_params, self.block_size)  # checked just now
         rid = request_id or f"req-{next(self._ids)}"
-        if rid in self.requests:
+        if rid in self.requests or any(self.scheduler.holds(sid) for sid in seq_ids(rid, params.n)):
             raise RequestRejected(f"request id '{rid}' is already in use")
         reqs = []
         for i, sid in enumerate(seq_ids(rid, params.n)):
@@ -229,27 +234,20 @@ class LLMEngine:
         Idempotent; the engine cannot step afterwards."""
         if not self.closed:
             self.closed = True
-            if self.hicache is not None:  # its workers stop before the pool they read and write goes
-                self.hicache.close()
-            if self.pd is not None:  # NIXL lets go of the pools before they go
-                self.pd.close()
+            for connector in self.connectors:  # workers stop and NIXL lets go before the pools go
+                connector.close()
             self.executor.close()
             self._grammars.close()
 
     def has_unfinished(self) -> bool:
-        """Requests in flight, or tier I/O (runtime/hicache) whose blocks are still pinned or reserved."""
-        return (self.scheduler.has_unfinished() or (self.hicache is not None and self.hicache.busy())
-                or (self.pd is not None and self.pd.busy()))
+        """Requests in flight (or their blocks held), or connector I/O that holds blocks or must be polled."""
+        return self.scheduler.has_unfinished() or any(c.busy() for c in self.connectors)
 
     def reset_prefix_cache(self) -> bool:
         """Drop all cached prefixes; returns False (nothing done) while requests are in flight."""
         if self.has_unfinished():
             return False
-        self.kv = KVCacheManager(self.kv.pool.num_blocks, self.block_size, self.kv.enable_prefix_caching,
-                                 self.kv.num_host_blocks)
-        if self.hicache is not None:
-            self.hicache.prepare(self.kv)
-        self.scheduler.kv = self.kv
+        self.kv.reset_prefix_cache()  # blocks a transfer may still write stay retired
         return True
 
     # --- the step -----------------------------------------------------------------------------------------
@@ -268,8 +266,8 @@ class LLMEngine:
         failed = [self._failed(req) for req in self.scheduler.failed]  # ended without an answer (a KV read)
         self.scheduler.failed.clear()
         if logits is None:
-            if self.hicache is not None:
-                self.hicache.after_step(self.kv, 0, 0.0, idle=True)
+            for connector in self.connectors:
+                connector.after_step(0, 0.0, idle=True)
             if self.pd is not None and not failed and self.pd.busy():
                 time.sleep(PD_IDLE_POLL_S)  # held blocks or reads in flight: poll again soon, not at once
             return failed
@@ -312,8 +310,8 @@ class LLMEngine:
         st.decode_tokens += decode
         st.prefill_tokens += plan.num_tokens - decode
         st.step_times.append(time.perf_counter() - t0)
-        if self.hicache is not None:
-            self.hicache.after_step(self.kv, st.last_prefill_tokens, st.step_times[-1], idle=False)
+        for connector in self.connectors:
+            connector.after_step(st.last_prefill_tokens, st.step_times[-1], idle=False)
         return outputs
 
     # --- after the model step ------------------------------------------------------------------------------

@@ -21,6 +21,18 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class HostKVPools:
+    """An executor's KV pools when they are host memory (numpy arrays the tiers and NIXL may read and write in
+    place): ``pools`` in vLLM's order K0, V0, K1, V1, …, each ``[num_blocks, block_size, kv_heads, row_elems]``."""
+
+    pools: tuple[np.ndarray, ...]
+
+    def block_views(self, block: int) -> list[memoryview]:
+        """Block ``block``'s bytes in every pool, in pool order (the storage tier's file layout)."""
+        return [memoryview(pool[block]).cast("B") for pool in self.pools]
+
+
+@dataclass(frozen=True)
 class ExecutorCapabilities:
     """What an executor can run, read once by the engine and handed to the scheduler.
 
@@ -30,12 +42,15 @@ class ExecutorCapabilities:
     context (the fixed gears of an OM model), None when only the context bounds it. ``num_blocks``: the device
     pool size when the executor fixes it (compiled into OM models), None when the engine chooses it.
     ``supports_prompt_logits``: a work item with ``all_logits`` gets a logits row per token (prompt logprobs).
+    ``host_kv``: the KV pools, when they are host memory (the storage tier reads and writes blocks in place, NIXL
+    registers them for PD); None when they are device memory (the host tier copies through the plan instead).
     """
 
     supports_mixed_batches: bool
     max_prompt_len: int | None = None
     num_blocks: int | None = None
     supports_prompt_logits: bool = False
+    host_kv: HostKVPools | None = None
 
 
 @runtime_checkable

@@ -1,6 +1,7 @@
 """The KV cache manager: per-request block tables over a :class:`BlockPool`, prefix caching, copy-on-write, a
-host swap tier, and the pool side of the tiers below it (runtime/hicache: pins for write-through, blocks reserved
-for a load). Allocation only: which request runs, waits or is preempted is the scheduler's policy.
+host swap tier, and what the KV connectors below the scheduler need of the pool (runtime/kv_connector.py: the
+pool's typed events, pins for write-through, retired blocks). Allocation only: which request runs, waits or is
+preempted is the scheduler's policy.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omforge.runtime.block_pool import BlockPool
+from omforge.runtime.block_pool import BlockPool, PoolEvent
 
 BlockHash = bytes
 NO_BLOCK = -1
@@ -47,6 +48,7 @@ class KVCacheStats:
     hit_rate: float
     num_swapped_blocks: int
     num_host_free: int
+    num_retired: int = 0
 
 
 class KVCacheManager:
@@ -66,11 +68,12 @@ class KVCacheManager:
     Copies returned by :meth:`allocate_slots`, :meth:`swap_out` and :meth:`swap_in` are correct when performed in
     the order the calls returned them, before the step that follows.
 
-    Tiers below the pool (runtime/hicache): with ``collect_committed`` every block newly registered by
-    :meth:`commit` is recorded for :meth:`take_committed` (write-through); :meth:`pin` holds a reference that is no
-    table's while a block is written out, so a block's refcount is the tables holding it plus its pins. A load
-    (:meth:`reserve_loaded`) appends blocks and their chain hashes to a new request's table without registering
-    them: no other request can find a block before :meth:`install_loaded` says its KV is in place.
+    KV connectors (runtime/kv_connector.py): blocks a load fills are ordinary blocks of the request's table past
+    its computed tokens, so no other request can find them before :meth:`commit` registers them once their KV is
+    in place; with ``record_events`` registrations and evictions are typed pool events (:meth:`take_events`);
+    :meth:`pin` holds a reference that is no table's while a block is written out, so a block's refcount is the
+    tables holding it plus its pins; ``free(retire=...)`` takes blocks a transfer may still write out of
+    circulation.
 
     Sliding windows (:meth:`release_out_of_window`): a leading block no future query of its request can see is
     released (a hashed one stays cached for other requests) and its table entry becomes :data:`NO_BLOCK`; dead
@@ -78,21 +81,18 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, record_events: bool = False) -> None:
         if block_size < 1 or num_host_blocks < 0:
             raise ValueError(f"block_size must be >= 1 and num_host_blocks >= 0, got {block_size}, {num_host_blocks}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.num_host_blocks = num_host_blocks
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, record_events)
         self._tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}  # chain hashes of the first blocks, those already committed
         self._host_tables: dict[str, list[int]] = {}
         self._host_free: deque[int] = deque(range(num_host_blocks))
-        self.collect_committed = False
-        self._committed: list[tuple[int, BlockHash]] = []
         self._pins: Counter[int] = Counter()
-        self._loading: dict[str, tuple[int, int]] = {}  # request -> (first reserved block's index, how many)
 
     def _table(self, req_id: str) -> list[int]:
         if req_id in self._host_tables:
@@ -155,6 +155,10 @@ class KVCacheManager:
         """A copy of the request's device block table."""
         return list(self._table(req_id))
 
+    def device_table(self, req_id: str) -> list[int]:
+        """A copy of the request's device block table; empty when it holds none on device."""
+        return list(self._tables.get(req_id, ()))
+
     def commit(self, req_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """After a step: hash every block now full (within ``num_computed_tokens`` of ``token_ids``) and register
         it, unless caching is off or another block already holds that hash (then ours stays uncached)."""
@@ -169,26 +173,17 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs]))
             # a forked sibling may have registered it already; a released block is not registered again
             if table[i] != NO_BLOCK and self.pool.block_hash(table[i]) is None:
-                if self.pool.register(table[i], hashes[-1]) and self.collect_committed:
-                    self._committed.append((table[i], hashes[-1]))
+                self.pool.register(table[i], hashes[-1])
 
-    # --- the tiers below the pool (runtime/hicache) -----------------------------------------------------------
+    # --- the connectors below the scheduler (runtime/kv_connector.py) ---------------------------------------
 
-    def take_evicted(self) -> list[tuple[int, BlockHash]]:
-        """The ``(block, hash)`` pairs the pool evicted since the last call (``pool.evicted`` a list: a write-back
-        tier); their KV is intact until the plan that allocated them runs."""
-        evicted = self.pool.evicted or []
-        if self.pool.evicted is not None:
-            self.pool.evicted = []
-        return evicted
-
-    def take_committed(self) -> list[tuple[int, BlockHash]]:
-        """The ``(block, hash)`` pairs registered by :meth:`commit` since the last call (``collect_committed``)."""
-        committed, self._committed = self._committed, []
-        return committed
+    def take_events(self) -> list[PoolEvent]:
+        """The pool's typed events since the last call (:class:`~omforge.runtime.block_pool.BlockStored`,
+        :class:`~omforge.runtime.block_pool.BlockEvicted`), in order; none unless ``record_events``."""
+        return self.pool.take_events()
 
     def pin(self, blocks: Sequence[int]) -> None:
-        """Hold a reference on each block that no table holds (it is being written to a tier)."""
+        """Hold a reference on each block that no table holds (a connector is writing it out)."""
         self.pool.incref(blocks)
         self._pins.update(blocks)
 
@@ -210,75 +205,15 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs]))
         return hashes[start:]
 
-    def reserve_loaded(self, req_id: str, hashes: Sequence[BlockHash]) -> list[int] | None:
-        """For a request that holds only prefix-cache hits (just after :meth:`get_computed_blocks`): append
-        ``len(hashes)`` fresh blocks for a load, with ``hashes`` as their chain, unregistered. Returns the blocks;
-        None, with nothing changed, when the pool lacks them."""
-        table, chain = self._table(req_id), self._hashes[req_id]
-        if len(table) != len(chain) or req_id in self._loading:
-            raise ValueError(f"request {req_id!r} must hold exactly its prefix-cache hits to reserve a load")
-        if len(hashes) > self.pool.num_free():
-            return None
-        blocks = self.pool.allocate(len(hashes))
-        self._loading[req_id] = (len(table), len(hashes))
-        table.extend(blocks)
-        chain.extend(hashes)
-        return blocks
+    def holds(self, req_id: str) -> bool:
+        """Whether ``req_id`` holds blocks (on device or swapped out)."""
+        return req_id in self._tables or req_id in self._host_tables
 
-    def install_loaded(self, req_id: str, num_loaded: int) -> int:
-        """The load of :meth:`reserve_loaded` ended with its first ``num_loaded`` blocks in place: register them
-        (prefix-cache hits from now on), release the rest. Returns the tokens the reserved span ends at (the
-        request's computed tokens, when the load is installed before its table grows; a partial load must be)."""
-        first, count = self._loading.pop(req_id)
-        table, chain = self._table(req_id), self._hashes[req_id]
-        keep, end = first + num_loaded, first + count
-        if not 0 <= num_loaded <= count or (num_loaded < count and len(table) > end):
-            raise ValueError(f"request {req_id!r}: cannot install {num_loaded} of {count} loaded blocks "
-                             f"(its table holds {len(table)} blocks)")
-        self.pool.decref(reversed(table[keep:end]))
-        del table[keep:end], chain[keep:end]
-        for block, block_hash in zip(table[first:keep], chain[first:keep]):
-            self.pool.register(block, block_hash)  # False: another block got the hash meanwhile; ours stays private
-        return keep * self.block_size
-
-    def reserve_remote(self, req_id: str, num_blocks: int) -> list[int] | None:
-        """The rest of a PD decode leg's table for a remote read: ``num_blocks`` fresh blocks appended to what it
-        holds — nothing (a NEW request) or exactly its prefix-cache hits (just after :meth:`get_computed_blocks`:
-        those blocks are not read again) — with no chain yet (:meth:`commit` hashes them once their KV is in
-        place). Returns the fresh blocks; None, with nothing changed, when the pool lacks them."""
-        if req_id in self._host_tables or req_id in self._loading or (
-                req_id in self._tables and len(self._tables[req_id]) != len(self._hashes[req_id])):
-            raise ValueError(f"request {req_id!r} must hold nothing or exactly its prefix-cache hits")
-        if num_blocks > self.pool.num_free():
-            return None
-        table = self._tables.setdefault(req_id, [])
-        self._hashes.setdefault(req_id, [])
-        first = len(table)
-        table.extend(self.pool.allocate(num_blocks))
-        self._loading[req_id] = (first, num_blocks)
-        return table[first:]
-
-    def install_remote(self, req_id: str, ok: bool) -> None:
-        """The read of :meth:`reserve_remote` ended: on success the blocks are the request's (commit them); else
-        they go back to the pool."""
-        self._loading.pop(req_id)
-        if not ok:
-            self.pool.decref(reversed(self._tables[req_id]))
-            self._tables[req_id] = []
-
-    def quarantine(self, req_id: str) -> None:
-        """A reserved table that a transfer may still write (it could not be cancelled): kept, under another id,
-        for the process's life — never freed, never read."""
-        self.rename(req_id, f"{req_id}\0quarantined")
-        self._loading.pop(f"{req_id}\0quarantined", None)
-
-    def rename(self, old_id: str, new_id: str) -> None:
-        """Keep a request's blocks under another id (a cancelled load: freed once the loader lets go)."""
-        if new_id in self._tables or new_id in self._host_tables:
-            raise ValueError(f"request {new_id!r} already holds blocks")
-        self._tables[new_id], self._hashes[new_id] = self._tables.pop(old_id), self._hashes.pop(old_id)
-        if old_id in self._loading:
-            self._loading[new_id] = self._loading.pop(old_id)
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (only while no request holds blocks); retired blocks stay retired."""
+        if self._tables or self._host_tables or self._pins:
+            raise ValueError("the prefix cache can only be reset while no request holds blocks")
+        self.pool.reset_prefix_cache()
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent (refcount + 1 each); writes diverge by copy-on-write."""
@@ -288,13 +223,20 @@ class KVCacheManager:
         self.pool.incref(b for b in table if b != NO_BLOCK)
         self._tables[child_id], self._hashes[child_id] = list(table), list(self._hashes[parent_id])
 
-    def free(self, req_id: str) -> None:
-        """Release the request's blocks, tail first (hashed ones stay cached until evicted); unknown ids are a no-op."""
+    def free(self, req_id: str, retire: Sequence[int] = ()) -> None:
+        """Release the request's blocks, tail first (hashed ones stay cached until evicted); unknown ids are a no-op.
+        ``retire``: blocks of its table (its own, unhashed) that a transfer may still write — they leave
+        circulation (:meth:`BlockPool.retire`) instead of going back to the pool."""
         if req_id in self._tables:
-            self.pool.decref(b for b in reversed(self._tables.pop(req_id)) if b != NO_BLOCK)
+            table = self._tables.pop(req_id)
+            gone = set(retire)
+            if not gone <= set(table):
+                raise ValueError(f"request {req_id!r}: blocks to retire {sorted(gone - set(table))} are not its own")
+            for block in gone:
+                self.pool.retire(block)
+            self.pool.decref(b for b in reversed(table) if b != NO_BLOCK and b not in gone)
         self._host_free.extend(h for h in self._host_tables.pop(req_id, ()) if h != NO_BLOCK)
         self._hashes.pop(req_id, None)
-        self._loading.pop(req_id, None)
 
     def swap_out(self, req_id: str) -> list[tuple[int, int]] | None:
         """Move the request to the host tier: returns the ``(device block, host block)`` copies and frees its device
@@ -356,17 +298,14 @@ class KVCacheManager:
                             usage=used / pool.num_blocks, prefix_queries=queries, prefix_hits=hits,
                             hit_rate=hits / queries if queries else 0.0,
                             num_swapped_blocks=self.num_host_blocks - len(self._host_free),
-                            num_host_free=len(self._host_free))
+                            num_host_free=len(self._host_free),
+                            num_retired=pool.num_blocks - pool.num_usable())
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
         held = Counter(b for table in self._tables.values() for b in table if b != NO_BLOCK) + self._pins
         assert all(self.pool.ref_count(b) == held[b] for b in range(self.pool.num_blocks)), \
             "a refcount differs from the number of tables and pins holding the block (leak or double free)"
-        for req_id, (first, count) in self._loading.items():
-            loading = self._tables[req_id][first:first + count]
-            assert all(self.pool.block_hash(b) is None for b in loading), \
-                f"request {req_id!r}: a block still loading is findable in the prefix cache"
         live = [[b for b in t if b != NO_BLOCK] for t in self._tables.values()]
         assert all(len(set(t)) == len(t) for t in live), "a block is twice in one table"
         assert all(t[:len(t) - len(kept)] == [NO_BLOCK] * (len(t) - len(kept))

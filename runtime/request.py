@@ -1,8 +1,10 @@
 """A request's state as the engine sees it: tokens, progress through the KV cache, status, timings.
 
 Invariants: ``num_computed_tokens <= len(all_token_ids)``; a RUNNING or SWAPPED request holds blocks in the
-KV cache manager, a WAITING or finished one holds none; a LOADING one holds the blocks its KV is being loaded
-into from a tier below the pool (runtime/hicache) and is in the scheduler's ``loading``.
+KV cache manager, a WAITING one holds none; a WAITING_FOR_REMOTE_KV one holds the blocks a KV connector is
+loading into (runtime/kv_connector.py: a tier below the pool or a prefill replica) and is in the scheduler's
+``loading``; a finished one holds none, unless its blocks wait for a load that cannot be stopped to end (still in
+``loading``) or for a remote reader (a PD prefill leg, in the scheduler's ``held``) — always under its own id.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"
-    LOADING = "loading"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     FINISHED = "finished"
 
 

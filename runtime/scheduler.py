@@ -9,13 +9,16 @@ Policy only; allocation is the KV cache manager's. Every step:
   3. WAITING requests are admitted first-come-first-served, when no one was preempted this step, while the
      budget, ``max_num_seqs`` and the blocks allow; a long prompt takes the budget that is left and continues in
      later steps (chunked prefill, interleaved with the running decodes). Prefix-cache hits skip the cached part
-     of the prompt. With tiers below the pool (``tiers``: runtime/hicache), the blocks past the pool's hit that a
-     tier holds are loaded instead of computed when the tiers' cost rule says so: the request takes its seat and
-     its blocks, waits in ``loading`` while other requests keep stepping, and joins RUNNING (its load's checked
-     blocks computed, the rest to prefill) in the first step after its load ends. With a host tier (``host``: a
-     pool in device memory, runtime/hicache/host_tier.py) the pool's evictions are written back to host slots by
-     the plan (``swap_out``, before anything rewrites the blocks) and a hit is copied back by the same plan that
-     admits the request (``swap_in``).
+     of the prompt. Past the local hit, the KV connectors (runtime/kv_connector.py: a PD decode leg's read, the
+     storage tier, the host tier — the first that offers) may supply more tokens, through one admission path:
+     an asynchronous hit takes its seat and its blocks and waits in ``loading`` (WAITING_FOR_REMOTE_KV) while
+     other requests keep stepping, then joins RUNNING with its loaded blocks computed (the rest to prefill) in the
+     first plan after its load ends — or fails (a PD read; its unforked n > 1 followers with it) or goes back to
+     WAITING to be prefilled here; a synchronous hit (the host tier) is copied in by the admitting plan
+     (``swap_in``), and evictions are written back by the plan (``swap_out``, before anything rewrites them).
+  4. A request that finishes frees its blocks — unless a connector holds them for a remote reader (a PD prefill
+     leg, in ``held`` under its own id until the reader is done), or its load is in flight (in ``loading``
+     until the load ends).
 With ``mixed_batches`` (executors that support them, ``ExecutorCapabilities.supports_mixed_batches``: the ORT step
 graph's decode group, ``contract.DECODE_GROUP_INPUTS``) every step carries the running decodes and fills the rest of
 the budget with prefill chunks, vLLM's chunked prefill: the decodes are attended apart from the chunks and cost
@@ -31,8 +34,9 @@ prefill work, and the two kinds alternate while both are pending. Measured: benc
 "the decode-step prefill cap").
 Invariants: the scheduled tokens of a step never exceed the budget, nor its prefill tokens the decode-step cap
 (with the token budget: the larger of ``MIN_PREFILL_WITH_DECODES`` and the budget less the step's decodes);
-at most ``max_num_seqs`` requests are RUNNING, counting the ``n > 1`` followers a running leader will fork; a
-request is in exactly one of waiting / running / swapped until it finishes.
+at most ``max_num_seqs`` requests are RUNNING or loading, counting the ``n > 1`` followers a leader will fork; a
+request is in exactly one of waiting / running / swapped / loading until it finishes; blocks are held only under
+the id of the request that owns them.
 The step's lifecycle is the scheduler's (vLLM v1's shape): :meth:`Scheduler.schedule` returns the plan — the work
 and the ordered block moves the executor carries out (``executor.run_plan``) — and
 :meth:`Scheduler.update_from_output` finishes the step with the sampled tokens: tokens computed, full blocks
@@ -48,9 +52,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from omforge.runtime.kv_cache_manager import KVCacheManager
+from omforge.runtime.kv_connector import ExternalHit, FinishedLoad, KVConnector
 from omforge.runtime.request import Request, Status
 from omforge.runtime.step import SeqWork
-from omforge.runtime.tier_admission import LOADING, WAIT, HostSlots, RemoteKV, TieredAdmission, TierLoader
 
 PREEMPTION_MODES = ("recompute", "swap")
 MIN_PREFILL_WITH_DECODES = 32  # prefill tokens a step with decodes may always carry (the token budget's floor)
@@ -142,17 +146,19 @@ class _StepBudget:
     decodes: bool
 
 
-class Scheduler(TieredAdmission):
-    def __init__(self, kv: KVCacheManager, config: SchedulerConfig, tiers: TierLoader | None = None,
-                 host: HostSlots | None = None, remote: RemoteKV | None = None):
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig, connectors: Sequence[KVConnector] = ()):
         self.kv = kv
-        self._init_tiers(tiers, host, remote)
+        self.connectors = list(connectors)
         self.config = config
         self.max_num_seqs = config.max_num_seqs
         self.budget = config.max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
+        self.loading: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV (or finished meanwhile): blocks, a seat
+        self.held: dict[str, Request] = {}  # finished, its blocks held for a remote reader (a PD prefill leg)
+        self.failed: list[Request] = []  # ended without an answer (a failed KV load): the engine reports them
         self.num_preemptions = 0
         self._last_was_decode = False
 
@@ -175,32 +181,107 @@ class Scheduler(TieredAdmission):
 
     def _occupied(self) -> int:
         """Seats taken: the running and loading requests and the followers they will fork (reserved at admission)."""
-        return sum(1 + len(r.followers) for r in (*self.running, *self.loading.values()))
+        return sum(1 + len(r.followers) for r in (*self.running, *self.loading.values()) if not r.finished)
 
     def has_unfinished(self) -> bool:
-        """Requests in any queue, or a load still in flight (a cancelled one holds blocks until it ends); PD's
-        held prefill blocks are the connector's (``LLMEngine.has_unfinished``)."""
-        return bool(self.waiting or self.running or self.swapped or self._load_owner)
+        """Requests in any queue, a load in flight (an aborted one holds blocks until it ends) or blocks held for a
+        remote reader."""
+        return bool(self.waiting or self.running or self.swapped or self.loading or self.held)
+
+    def holds(self, request_id: str) -> bool:
+        """Whether ``request_id`` still holds blocks here (a finished request's may wait for a load or a reader)."""
+        return self.kv.holds(request_id)
 
     def remove(self, request: Request) -> None:
         """Drop a request from whichever queue holds it and release its blocks (finish or abort). A request whose
-        load is in flight keeps its blocks, under a tombstone id, until the loader lets go of them."""
-        if self._cancel_load(request):
-            return
+        load is in flight keeps its blocks, under its own id, until the load ends (:meth:`_load_ended`)."""
         for queue in (self.running, self.waiting, self.swapped):
             if request in queue:
                 queue.remove(request)
-        self.kv.free(request.request_id)
+        if request.request_id not in self.loading:
+            self.kv.free(request.request_id)
+
+    # --- the KV connectors (runtime/kv_connector.py) ------------------------------------------------------------
+
+    def _collect_finished(self, out: SchedulerOutput) -> None:
+        """What the connectors finished since the last plan: loads (their requests join RUNNING, fail or go back
+        to WAITING), held requests released, retired blocks free again."""
+        for connector in self.connectors:
+            done = connector.get_finished()
+            if done.reinstated:
+                self.kv.pool.reinstate(done.reinstated)
+            for request_id in done.released:
+                if self.held.pop(request_id, None) is not None:
+                    self.kv.free(request_id)
+            for load in done.loads:
+                self._load_ended(load)
+        self._pool_events(out)
+
+    def _load_ended(self, load: FinishedLoad) -> None:
+        req = self.loading.pop(load.request_id)
+        rid = req.request_id
+        if req.finished or load.error is not None:  # aborted meanwhile, or the load failed
+            self.kv.free(rid, retire=load.retired)
+            if req.finished:
+                return
+            req.num_computed_tokens = 0
+            if load.recompute:  # prefilled here instead (its connector will not load it again)
+                req.status = Status.WAITING
+                self.waiting.appendleft(req)
+                return
+            for r in (req, *req.followers):  # n > 1: its unforked followers end with it
+                r.error, r.status, r.finish_reason = load.error, Status.FINISHED, "abort"
+                self.failed.append(r)
+            req.followers = []
+            return
+        # the leading loaded blocks are computed; the last token is always computed (its logits give the next)
+        computed = min(req.num_computed_tokens + load.num_loaded_blocks * self.kv.block_size, req.num_tokens - 1)
+        req.num_computed_tokens = computed
+        req.num_cached_tokens = max(req.num_cached_tokens, min(computed, len(req.prompt_token_ids)))
+        self.kv.commit(rid, req.all_token_ids, computed)
+        req.status = Status.RUNNING
+        self.running.append(req)
+
+    def _external_hit(self, req: Request, use_cache: bool) -> tuple[ExternalHit | None, KVConnector | None]:
+        """The first connector that can supply tokens past ``req``'s local hit, and how many."""
+        if not self.connectors:
+            return None, None
+        hashes = self.kv.next_block_hashes(req.request_id, req.all_token_ids) \
+            if use_cache and self.kv.enable_prefix_caching and any(c.uses_block_hashes for c in self.connectors) \
+            else []
+        for connector in self.connectors:
+            hit = connector.get_num_new_matched_tokens(req, req.num_computed_tokens, hashes)
+            if hit is not None and hit.num_tokens > 0:
+                return hit, connector
+        return None, None
+
+    def _allocated(self, req: Request, source: KVConnector | None, blocks: list[int],
+                   num_external: int) -> list[tuple[int, int]]:
+        """Tell every connector ``req`` was admitted (``source`` fills ``blocks``); the plan's host copies."""
+        copies = []
+        for connector in self.connectors:
+            mine = connector is source
+            copies += connector.update_state_after_alloc(req, blocks if mine else [], num_external if mine else 0)
+        return copies
+
+    def _pool_events(self, out: SchedulerOutput | None) -> None:
+        """The pool's typed events to every connector; write-back copies go first in ``out``."""
+        events = self.kv.take_events()
+        if not events:
+            return
+        for connector in self.connectors:
+            copies = connector.take_events(events)
+            if copies:
+                if out is None:
+                    raise RuntimeError("a write-back outside a plan (evictions happen only while planning)")
+                out.swap_out += copies
 
     def schedule(self) -> SchedulerOutput:
         """Plan the next step (see the module docstring); the KV cache manager records its block moves now."""
         out = SchedulerOutput()
-        if self.host is not None:
-            self.host.release()  # the previous plan ran: its host slots are free to reuse
-        self._free_released()
-        self._finish_loads()
+        self._collect_finished(out)
         self._fill(out)
-        self._write_back(out)
+        self._pool_events(out)  # the write-back of this plan's evictions, before anything rewrites the blocks
         rows = 0
         for s in out.scheduled:
             req = s.request
@@ -269,17 +350,30 @@ class Scheduler(TieredAdmission):
                 req.followers = []
         for (req, _), token in zip(plan.sample_rows, token_ids):
             take(req, [int(token)])
+        self._pool_events(None)
         return sampled
 
     def finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
-        """End ``request`` (``reason``: "stop", "length", "abort"): FINISHED, out of every queue, blocks freed."""
-        request.status, request.finish_reason, request.stop_reason = Status.FINISHED, reason, stop_reason
-        if self._hold_for_remote(request, reason):  # a PD prefill leg: its blocks wait for the decode side
-            for queue in (self.running, self.waiting, self.swapped):
-                if request in queue:
-                    queue.remove(request)
+        """End ``request`` (``reason``: "stop", "length", "abort"): FINISHED, out of every queue, blocks freed — or
+        held for a remote reader when a connector asks (a PD prefill leg), or kept until its load ends. Finishing
+        a finished request only changes its reason (a stop string found in a token that already ended it)."""
+        if request.finished:
+            request.finish_reason, request.stop_reason = reason, stop_reason
             return
-        self.remove(request)
+        request.status, request.finish_reason, request.stop_reason = Status.FINISHED, reason, stop_reason
+        for queue in (self.running, self.waiting, self.swapped):
+            if request in queue:
+                queue.remove(request)
+        rid = request.request_id
+        if rid in self.loading:  # its blocks are freed when the load ends
+            return
+        blocks = self.kv.device_table(rid)
+        answers = [a for c in self.connectors if (a := c.request_finished(request, blocks)) is not None]
+        if answers:
+            request.kv_transfer_out = answers[0]
+            self.held[rid] = request
+            return
+        self.kv.free(rid)
 
     def _stop(self, req: Request, token: int) -> tuple[str | None, int | None]:
         """Token-level stops (stop token ids, EOS, max_tokens, the context); stop strings are the detokenizer's."""
@@ -380,39 +474,47 @@ class Scheduler(TieredAdmission):
             self._admit(out, step, req, n, copies, prefill=left > 1)
 
     def _fill_waiting(self, out: SchedulerOutput, step: _StepBudget) -> None:
-        """WAITING requests, first come first served, from their prefix-cache hit on."""
+        """WAITING requests, first come first served, from their prefix-cache hit on, then what a connector can
+        supply past it (one admission path for every source of KV: runtime/kv_connector.py)."""
         # no admission after a preemption in this step: a request preempted for recompute would come straight back
+        bs = self.kv.block_size
         while (not out.preempted and self.waiting and self._occupied() < self.max_num_seqs and step.tokens > 0
                and step.prefill > 0):
             req = self.waiting[0]
+            rid = req.request_id
             if self._occupied() + self._seats(req) > self.max_num_seqs:
                 break  # an n > 1 request waits until all its sequences can run
-            from_host: str | list[tuple[int, int]] = []
-            remote = self._from_remote(req) if req.num_computed_tokens == 0 else None  # a PD decode leg
-            if remote == LOADING:
-                continue
-            if remote == WAIT:
-                break
+            hit, source = None, None
             if req.num_computed_tokens == 0:  # prompt logprobs are computed, never read from the cache
                 use_cache = req.params.prompt_logprobs is None
-                cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids, use_cache=use_cache)
-                req.num_computed_tokens = cached
-                if use_cache and self.kv.enable_prefix_caching:
-                    from_host = self._from_tiers(req)  # the tiers below the pool (tier_admission.py)
-                    if from_host == LOADING:
-                        continue
-                req.num_cached_tokens = max(req.num_cached_tokens,
-                                            min(req.num_computed_tokens, len(req.prompt_token_ids)))
-            n = min(req.num_tokens - req.num_computed_tokens, step.tokens, step.prefill)
-            copies = None if from_host == WAIT else self.kv.allocate_slots(req.request_id, req.num_computed_tokens, n)
+                req.num_computed_tokens = self.kv.get_computed_blocks(rid, req.all_token_ids, use_cache=use_cache)
+                hit, source = self._external_hit(req, use_cache)
+            cached = req.num_computed_tokens
+            external = hit.num_tokens if hit is not None else 0
+            if hit is not None and hit.load_async:  # it waits for its load, holding its seat and blocks
+                if self.kv.allocate_slots(rid, cached, external) is None:
+                    self.kv.free(rid)  # give back the prefix-cache references; retried next step
+                    req.num_computed_tokens = 0
+                    break
+                self._allocated(req, source, self.kv.block_table(rid)[cached // bs:], external)
+                self.waiting.popleft()
+                req.status = Status.WAITING_FOR_REMOTE_KV
+                self.loading[rid] = req
+                continue
+            n = min(req.num_tokens - cached - external, step.tokens, step.prefill)
+            copies = self.kv.allocate_slots(rid, cached, external + n)
             if copies is None:
-                self.kv.free(req.request_id)  # give back the prefix-cache references (and host hits); retry later
+                self.kv.free(rid)  # give back the prefix-cache references; retry later
                 req.num_computed_tokens = 0
                 break
-            if from_host:  # admitted: its host hits are copied in by this plan, before the step reads them
-                self.kv.install_loaded(req.request_id, len(from_host))
-                out.swap_in += from_host
-            self._record_lookup()
+            # a synchronous hit: its blocks are copied in by this plan, before the step reads them
+            loaded = self.kv.block_table(rid)[cached // bs:(cached + external) // bs]
+            out.swap_in += self._allocated(req, source, loaded, external)
+            if external:
+                req.num_computed_tokens += external
+                self.kv.commit(rid, req.all_token_ids, req.num_computed_tokens)
+            req.num_cached_tokens = max(req.num_cached_tokens,
+                                        min(req.num_computed_tokens, len(req.prompt_token_ids)))
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_scheduler import EOS, FakeStep, make, request, step
 
-from omforge.runtime.hicache.attach import after_step
+from omforge.runtime.hicache.connectors import HostTierConnector, StorageConnector
 from omforge.runtime.hicache.controller import HiCache
 from omforge.runtime.hicache.host_tier import HostTier
 from omforge.runtime.hicache.identity import BlockLayout, BundleIdentity
@@ -85,8 +85,8 @@ class SlowTier:
                 job.loaded += 1
         return done
 
-    def after_step(self, kv: KVCacheManager) -> None:
-        """Finish due writes (copying the pinned block as it is NOW), unpin them, queue and pin new commits."""
+    def finished_writes(self) -> list[int]:
+        """A step passed: finish the due writes (copying the pinned block as it is NOW); their blocks to unpin."""
         self.now += 1
         due = [w for w in self.writes if w[0] <= self.now]
         self.writes = [w for w in self.writes if w[0] > self.now]
@@ -95,9 +95,12 @@ class SlowTier:
             self.store.move_to_end(block_hash)
             while len(self.store) > self.capacity:
                 self.store.popitem(last=False)
-        kv.unpin([block for _, block, _ in due])
+        return [block for _, block, _ in due]
+
+    def offer_writes(self, pairs: list[tuple[int, bytes]]) -> list[int]:
+        """Queue the blocks the tier lacks, within the queue's bound; the caller pins those returned."""
         queued = []
-        for block, block_hash in kv.take_committed():
+        for block, block_hash in pairs:
             if block_hash in self.store:
                 continue
             if len(self.writes) >= self.queue:
@@ -105,15 +108,24 @@ class SlowTier:
                 continue
             self.writes.append((self.now + self.rng.randint(0, 4), block, block_hash))
             queued.append(block)
-        kv.pin(queued)
+        return queued
+
+    def wait(self, timeout: float) -> None:
+        pass
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        pass
+
+    def after_step(self, kv: KVCacheManager) -> None:
+        self.connector.after_step(0, 0.0, idle=False)
 
 
 def tiered(blocks: int, block_size: int, rng: random.Random, capacity: int = 64, loss: float = 0.0,
            **config: object) -> tuple[Scheduler, FakeStep, SlowTier]:
-    s, fake = make(blocks, block_size, caching=True, **config)
+    s, fake = make(blocks, block_size, caching=True, events=True, **config)
     tier = SlowTier(fake, rng, capacity, loss)
-    s.tiers = tier
-    s.kv.collect_committed = True
+    tier.connector = StorageConnector(tier, s.kv)
+    s.connectors = [tier.connector]
     return s, fake, tier
 
 
@@ -143,7 +155,7 @@ def test_a_prefix_evicted_from_the_pool_is_loaded_not_recomputed() -> None:
     again = Request("a2", a.prompt_token_ids, a.params)
     s.add(again)
     plan = s.schedule()
-    assert not plan.scheduled and again.status is Status.LOADING and s.loading  # loading, not computing
+    assert not plan.scheduled and again.status is Status.WAITING_FOR_REMOTE_KV and s.loading  # loading, not computing
     tier.now += 5
     plan = step(s, fake)  # the load ended: it joins RUNNING with 8 tokens computed and prefills the last 4
     assert [(x.request.request_id, x.start, x.num_new_tokens) for x in plan.scheduled] == [("a2", 8, 4)]
@@ -163,7 +175,7 @@ def test_a_block_lost_mid_load_is_computed_and_an_aborted_load_frees_its_blocks_
     lost = Request("a2", a.prompt_token_ids, a.params)
     s.add(lost)
     s.schedule()
-    assert lost.status is Status.LOADING
+    assert lost.status is Status.WAITING_FOR_REMOTE_KV
     tier.now += 5
     plan = step(s, fake)
     assert [(x.start, x.num_new_tokens) for x in plan.scheduled] == [(0, 13)]  # nothing loaded: all computed
@@ -175,7 +187,7 @@ def test_a_block_lost_mid_load_is_computed_and_an_aborted_load_frees_its_blocks_
     gone = Request("a3", a.prompt_token_ids, a.params)
     s.add(gone)
     s.schedule()
-    assert gone.status is Status.LOADING
+    assert gone.status is Status.WAITING_FOR_REMOTE_KV
     held = s.kv.stats().num_used
     s.finish(gone, "abort")  # the loader still writes its blocks: they stay held until the load ends
     assert s.kv.stats().num_used == held and s.has_unfinished() and gone.status is Status.FINISHED
@@ -233,8 +245,9 @@ def lifecycle(s: Scheduler, fake: FakeStep, after: object, busy: object, case: d
         step(s, fake, tokens=lambda r: EOS if rng.random() < 0.1 else rng.randrange(3, 40))
         after(s.kv)
         s.kv.check_invariants()
-        assert sum(1 + len(r.followers) for r in (*s.running, *s.loading.values())) <= s.max_num_seqs
-        queues = [*s.waiting, *s.running, *s.swapped, *s.loading.values()]
+        assert sum(1 + len(r.followers) for r in (*s.running, *s.loading.values()) if not r.finished) \
+            <= s.max_num_seqs
+        queues = [*s.waiting, *s.running, *s.swapped, *(r for r in s.loading.values() if not r.finished)]
         assert len({id(r) for r in queues}) == len(queues) and not any(r.finished for r in queues)
     assert not s.has_unfinished() and not busy()
     assert all(r.finished for r in live)
@@ -252,7 +265,7 @@ def test_fuzz_lifecycles_with_the_real_controller_keep_the_invariants(
     finished would load wrong tokens later) and that nothing is read before its load is installed."""
     rng = random.Random(case["seed"])
     bs = case["block_size"]
-    s, fake = make(case["blocks"], bs, caching=True, max_num_seqs=case["max_num_seqs"],
+    s, fake = make(case["blocks"], bs, caching=True, events=True, max_num_seqs=case["max_num_seqs"],
                    max_num_batched_tokens=case["budget"], preemption_mode=case["mode"], host=8)
     layout = BlockLayout(block_size=bs, num_layers=1, kv_heads=1, row_elems=1, kv_dtype="float32", itemsize=4)
     ident = BundleIdentity(b"\x07" * 32, "fake", layout)  # the fake pool's int64 slot = two 4-byte "pools"
@@ -263,14 +276,15 @@ def test_fuzz_lifecycles_with_the_real_controller_keep_the_invariants(
 
     storage = FileTier(tmp_path_factory.mktemp("tier"), ident, case["capacity"] * (layout.block_bytes + 4096) + 1)
     hicache = HiCache(storage, views, bs, write_queue_blocks=8)
-    s.tiers, s.kv.collect_committed = hicache, True
+    connector = StorageConnector(hicache, s.kv)
+    s.connectors = [connector]
     try:
-        lifecycle(s, fake, lambda kv: after_step(hicache, kv, 0, 0.0, idle=False) or hicache.wait(0.001),
+        lifecycle(s, fake, lambda kv: connector.after_step(0, 0.0, idle=False) or hicache.wait(0.001),
                   lambda: hicache.busy() or bool(s.loading), case, rng)
         for _ in range(200):  # the last writes: the server loop's idle steps do the same
             if not hicache.busy():
                 break
-            after_step(hicache, s.kv, 0, 0.0, idle=True)
+            connector.after_step(0, 0.0, idle=True)
         assert not hicache.busy() and s.kv.stats().num_free == case["blocks"]
         assert storage.num_bytes <= storage.capacity
     finally:
@@ -285,12 +299,11 @@ def test_fuzz_lifecycles_with_a_host_tier_keep_the_invariants(case: dict) -> Non
     Reading every context back checks that no write-back ran after its block was rewritten, no hit read a slot a
     write-back of the same plan overwrote, and no block was read before its copy."""
     rng = random.Random(case["seed"])
-    s, _ = make(case["blocks"], case["block_size"], caching=True, max_num_seqs=case["max_num_seqs"],
+    s, _ = make(case["blocks"], case["block_size"], caching=True, events=True, max_num_seqs=case["max_num_seqs"],
                 max_num_batched_tokens=case["budget"], preemption_mode=case["mode"], host=8)
     fake = FakeStep(case["blocks"], case["block_size"], num_host_blocks=8 + case["capacity"])
     host = HostTier(base=8, num_slots=case["capacity"], block_bytes=1)
-    s.host = host
-    s.kv.pool.evicted = []
+    s.connectors = [HostTierConnector(host, case["block_size"])]
 
     def after(kv: KVCacheManager) -> None:
         host.check_invariants()
@@ -302,9 +315,10 @@ def test_a_host_tier_writes_evictions_back_and_copies_a_hit_in_with_the_admittin
     """a (12 tokens, 3 blocks of 4) finishes; b and c evict a's second and third blocks, which the plans write
     back to host slots. a's prompt again: its first block is a pool hit, its second comes from the host tier in
     the plan that admits it (the third holds the last prompt token, always computed)."""
-    s, _ = make(8, 4, caching=True)
+    s, _ = make(8, 4, caching=True, events=True)
     fake = FakeStep(8, 4, num_host_blocks=4)
-    s.host, s.kv.pool.evicted = HostTier(base=0, num_slots=4, block_bytes=1), []
+    host = HostTier(base=0, num_slots=4, block_bytes=1)
+    s.connectors = [HostTierConnector(host, 4)]
     a = request("a", 12, max_tokens=2, seed=1)
     for req in (a, request("b", 12, max_tokens=2, seed=2), request("c", 12, max_tokens=2, seed=3)):
         s.add(req)
@@ -312,10 +326,10 @@ def test_a_host_tier_writes_evictions_back_and_copies_a_hit_in_with_the_admittin
             if not s.has_unfinished():
                 break
             step(s, fake)
-    assert s.host.stats.stored == 2 and s.kv.get_computed_blocks("probe", a.prompt_token_ids) == 4
+    assert host.stats.stored == 2 and s.kv.get_computed_blocks("probe", a.prompt_token_ids) == 4
     s.kv.free("probe")
     again = Request("a2", a.prompt_token_ids, a.params)
     s.add(again)
     plan = step(s, fake)  # reads a2's context back: the pool hit, the copied block and the prefilled last one
     assert len(plan.swap_in) == 1 and [(x.start, x.num_new_tokens) for x in plan.scheduled] == [(8, 4)]
-    assert again.num_cached_tokens == 8 and s.host.stats.hits == 1
+    assert again.num_cached_tokens == 8 and host.stats.hits == 1

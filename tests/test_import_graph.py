@@ -75,3 +75,42 @@ def test_no_import_circle_among_packages() -> None:
             visit(node, [node])
     assert not circles, circles
     assert "omforge.passes" in graph and "omforge.diff" in graph  # the walk saw the packages it is about
+
+
+def test_no_import_circle_among_runtime_modules() -> None:
+    """Module by module inside runtime/ (issue 45: the scheduler and its admission mixin imported each other):
+    every import counts, type-only and lazy ones included."""
+    mods = {m: p for m, p in modules().items() if m.startswith("omforge.runtime")}
+    graph = {m: {i for i in imports(m, p) if i in mods and i != m} for m, p in mods.items()}
+    state, circles = {}, []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                circles.append(" → ".join([*path[path.index(nxt):], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not circles, circles
+    assert "omforge.runtime.scheduler" in graph and "omforge.runtime.kv_connector" in graph
+
+
+def test_every_runtime_module_imports_first() -> None:
+    """Each runtime module imported first into a fresh set of omforge modules (one interpreter, the modules purged
+    between): an import circle at run time fails here whatever order the static walk saw."""
+    import subprocess
+    import sys
+
+    names = sorted(m for m in modules() if m.startswith("omforge.runtime"))
+    script = ("import importlib, sys\n"
+              f"for name in {names!r}:\n"
+              "    for m in [m for m in sys.modules if m == 'omforge' or m.startswith('omforge.')]:\n"
+              "        del sys.modules[m]\n"
+              "    importlib.import_module(name)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

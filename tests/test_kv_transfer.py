@@ -397,8 +397,10 @@ def test_an_idle_agent_leaves_the_cpu_alone(consumer: tuple) -> None:
 @needs_nixl
 def test_a_decode_leg_older_than_the_lease_is_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
     """Its prefill side may have freed and reused the blocks: the read is refused before any peer is contacted
-    (the port below answers nothing), reported by finished_loads like any failed read."""
+    (the port below answers nothing), reported by get_finished like any failed read."""
     from omforge.runtime.kv_transfer.connector import PDConnector
+    from omforge.runtime.request import Request
+    from omforge.runtime.sampling_params import SamplingParams
 
     for name, value in UCX_ENV.items():
         monkeypatch.setenv(name, value)
@@ -409,9 +411,11 @@ def test_a_decode_leg_older_than_the_lease_is_not_read(monkeypatch: pytest.Monke
         params = parse_kv_transfer_params({"do_remote_prefill": True, "remote_engine_id": "p-gone",
                                            "remote_request_id": "r-1", "remote_host": "127.0.0.1",
                                            "remote_port": 9, "remote_block_ids": [0, 1]})
-        connector.start_read("k", params, [0, 1], arrival=time.monotonic() - 9.0)
-        (job,) = connector.finished_loads()
-        assert job.loaded == 0 and "lease" in job.error and not job.keep_blocks, job.error
+        leg = Request("k", list(range(3, 10)), SamplingParams(max_tokens=1), kv_transfer=params,
+                      arrival_time=time.monotonic() - 9.0)
+        connector.update_state_after_alloc(leg, [0, 1], 7)
+        (job,) = connector.get_finished().loads
+        assert job.num_loaded_blocks == 0 and "lease" in job.error and not job.retired, job.error
         assert connector.stats.read_failures == 1 and not connector.busy()
     finally:
         connector.close()

@@ -65,13 +65,14 @@ class FakeStep:
         return [None if table[p // bs] == NO_BLOCK else int(self.pool[table[p // bs], p % bs]) for p in range(n)]
 
 
-def make(blocks: int = 64, block_size: int = 4, *, caching: bool = False, host: int = 0, **config: object
-         ) -> tuple[Scheduler, FakeStep]:
+def make(blocks: int = 64, block_size: int = 4, *, caching: bool = False, host: int = 0, events: bool = False,
+         **config: object) -> tuple[Scheduler, FakeStep]:
     config.setdefault("max_num_seqs", 16)
     config.setdefault("max_num_batched_tokens", 64)
     config.setdefault("mixed_batches", True)
     config.setdefault("eos_token_ids", (EOS,))
-    kv = KVCacheManager(blocks, block_size, enable_prefix_caching=caching, num_host_blocks=host)
+    kv = KVCacheManager(blocks, block_size, enable_prefix_caching=caching, num_host_blocks=host,
+                        record_events=events)
     fake = FakeStep(blocks, block_size, host, mixed=bool(config["mixed_batches"]))
     return Scheduler(kv, SchedulerConfig(**config)), fake  # type: ignore[arg-type]
 

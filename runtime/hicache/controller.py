@@ -35,6 +35,7 @@ log = logging.getLogger("omforge.hicache")
 
 EMA = 0.2  # weight of the newest measurement in the bandwidth and prefill-rate averages
 CLOSE_TIMEOUT_S = 30.0  # queued writes get this long to finish when the engine closes
+IDLE_WAIT_S = 0.05  # a step with no work but tier I/O in flight waits this long for it
 BlockViews = Callable[[int], Sequence[memoryview]]
 
 
@@ -68,7 +69,7 @@ class HiCacheStats:
 
 @dataclass
 class LoadJob:
-    key: str
+    key: str  # the request id whose blocks it fills
     hashes: list[bytes]
     blocks: list[int]
     loaded: int = 0  # leading blocks read and checked

@@ -1,35 +1,42 @@
-"""The engine's side of prefill/decode disaggregation over NIXL: vLLM's NixlConnector lifecycle (docs/pd.md).
+"""The engine's side of prefill/decode disaggregation over NIXL: vLLM's NixlConnector lifecycle (docs/pd.md), as
+one :class:`~omforge.runtime.kv_connector.KVConnector` under the scheduler.
 
 Engine thread only (NIXL calls go through the agent's lock; the handshake listener answers from its own thread).
 
 - **Prefill replica** (``kv_producer``): a prefill leg (``do_remote_decode``) that finishes normally keeps its
-  blocks — the scheduler moves its table under a held id — and :meth:`PDConnector.hold` answers the decode leg's
-  ``kv_transfer_params``. The blocks are freed when the decode side's release notification arrives (it is sent
-  with the READ and delivered once the data has moved: vLLM's ``"<request id>:1"``) or when the lease
+  blocks, under its own request id in the scheduler's ``held`` (:meth:`PDConnector.request_finished` answers the
+  decode leg's ``kv_transfer_params``). They are freed when the decode side's release notification arrives (it is
+  sent with the READ and delivered once the data has moved: vLLM's ``"<request id>:1"``) or when the lease
   (``kv_lease_duration``, default 30 s) runs out, so a decode replica that died mid-transfer costs the blocks for
   the lease at most; a decode side's heartbeat (vLLM 0.33's ``HB:id,…``) renews the leases of the ids it names.
-  Nothing is freed while a READ may still be reading it: the notification comes after.
-- **Decode replica** (``kv_consumer``): a decode leg with blocks (``do_remote_prefill``) takes its prefix-cache
-  hits and fresh blocks, reserved and unregistered, for the rest of its prompt, and :meth:`PDConnector.start_read`
-  pulls the prefill's blocks into them (handshake once per engine id, bounded). A decode leg that waited here
-  longer than the lease less ``STALE_MARGIN_S`` is not read at all: the prefill side may have freed (and reused)
-  those blocks, and a read would copy whatever is there now (this side sends no heartbeats; both sides are
-  assumed to share the lease). :meth:`PDConnector.finished_loads` reports reads that ended — all blocks, or none
-  with the error — the scheduler's ``LoadedJob`` shape; a read past its deadline (the lease) is cancelled. If
-  NIXL cannot cancel it, the job says so (``keep_blocks``) and the blocks are never reused.
+- **Decode replica** (``kv_consumer``): a decode leg with blocks (``do_remote_prefill``) is offered as an
+  asynchronous hit of the rest of its prompt past its local prefix hit; the scheduler allocates the blocks and
+  :meth:`PDConnector.update_state_after_alloc` pulls the prefill's blocks into them (handshake once per engine id,
+  bounded). The leg is read once: a leg preempted for recompute later is prefilled here (the first read's
+  notification let the prefill side free its blocks). The prefill side frees held blocks when its lease ends,
+  whether a READ of them is in flight or not, and the lease started no later than the leg's arrival here: so a leg
+  is not read when it waited longer than the lease less ``STALE_MARGIN_S``, and a read seen finished after that
+  point is refused too (it may have copied freed blocks). A read past its deadline (the lease) is cancelled; if
+  NIXL cannot cancel it, its blocks are retired (the request's own, not its prefix hits) and come back when a
+  later try releases the handle. A failed read drops nothing but itself: the peer is forgotten (to handshake
+  again: a restarted prefill replica has new addresses) only after a transfer error, and only once no other read
+  from it is in flight.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from omforge.contract import PagedLayout
 from omforge.errors import OmforgeError, one_line
+from omforge.runtime.executor import ExecutorCapabilities
+from omforge.runtime.kv_connector import ExternalHit, Finished, FinishedLoad, KVConnector
 from omforge.runtime.kv_transfer.config import KVTransferConfig, side_channel_address
 from omforge.runtime.kv_transfer.errors import KVTransferConfigError, KVTransferError, KVTransferParamsError
 from omforge.runtime.kv_transfer.handshake import HandshakeListener, fetch_metadata
@@ -42,6 +49,7 @@ from omforge.runtime.kv_transfer.params import (
     prefill_response_params,
     release_notif,
 )
+from omforge.runtime.request import Request
 
 log = logging.getLogger("omforge.kv_transfer")
 HANDSHAKE_TIMEOUT_S = 5.0
@@ -62,39 +70,45 @@ class PDStats:
     released_expired: int = 0
     heartbeats: int = 0  # leases renewed by a decode side's ``HB:`` notification
     held_blocks: int = 0
+    retired_blocks: int = 0  # blocks of reads NIXL could not cancel, now
 
 
 @dataclass
 class RemoteJob:
-    """One decode leg's read: ``loaded`` is all of ``blocks`` once it succeeded, 0 otherwise (``error`` says why)."""
+    """One decode leg's read of ``blocks``. ``stale_at``: when the prefill side may free them (the leg's arrival
+    plus the lease less the margin); ``deadline``: when the read is given up."""
 
-    key: str
+    request_id: str
+    engine_id: str
     blocks: list[int]
     deadline: float
+    stale_at: float
     pending: PendingRead | None = None
-    loaded: int = 0
+    loaded: bool = False
     error: str | None = None
-    keep_blocks: bool = False  # NIXL could not cancel the read: the blocks may still be written, never reuse them
+    keep_blocks: bool = False  # NIXL could not cancel the read: the blocks may still be written, retired
 
 
 @dataclass
 class _Held:
-    kv_id: str
     deadline: float
     num_blocks: int
 
 
 @dataclass
-class PDConnector:
+class PDConnector(KVConnector):
     config: KVTransferConfig
     agent: NixlKVAgent
     block_size: int
     host: str
     port: int
     listener: HandshakeListener | None = None
+    clock: Callable[[], float] = time.monotonic
     stats: PDStats = field(default_factory=PDStats)
     _held: dict[str, _Held] = field(default_factory=dict)
     _jobs: list[RemoteJob] = field(default_factory=list)
+    _stuck: list[RemoteJob] = field(default_factory=list)
+    _suspect: set[str] = field(default_factory=set)
 
     @classmethod
     def start(cls, config: KVTransferConfig, layout: PagedLayout, pools: Sequence[np.ndarray],
@@ -107,7 +121,14 @@ class PDConnector:
         listener = None
         try:
             if config.is_kv_producer:
-                listener = HandshakeListener(agent.metadata(), host, port)
+                try:
+                    listener = HandshakeListener(agent.metadata(), host, port)
+                except OSError as exc:
+                    if exc.errno != errno.EADDRINUSE:
+                        raise
+                    raise KVTransferConfigError(
+                        f"VLLM_NIXL_SIDE_CHANNEL_PORT: the NIXL side channel's port {port} on {host} is in use (by "
+                        "another replica on this host?); give each replica its own port") from None
                 host, port = listener.address
         except BaseException:
             agent.close()
@@ -116,21 +137,37 @@ class PDConnector:
 
     # --- decode side ----------------------------------------------------------------------------------------
 
-    def start_read(self, key: str, params: KVTransferParams, blocks: Sequence[int], first: int = 0,
-                   arrival: float | None = None) -> RemoteJob:
-        """Pull ``params.remote_block_ids[first:first + len(blocks)]`` into ``blocks`` (reserved by the caller,
-        read by nobody until reported done; ``first``: the prompt's blocks this side already holds, its prefix
-        hit; ``arrival``: when the decode leg arrived, ``time.monotonic()``); a failure to start, or a leg too old
-        to read safely, is reported like any other, by :meth:`finished_loads`."""
-        job = RemoteJob(key, list(blocks), time.monotonic() + self.config.lease_s)
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int,
+                                   next_hashes: Sequence[bytes]) -> ExternalHit | None:
+        """A decode leg with blocks to pull: the rest of its prompt past its local hit (vLLM's decode side reads
+        only past its local hit too); None for any other request, or blocks that cannot hold the prompt (it is
+        prefilled here)."""
+        params = request.kv_transfer
+        if params is None or not params.pulls_blocks:
+            return None
+        if len(params.remote_block_ids) < -(-len(request.prompt_token_ids) // self.block_size):
+            return None
+        return ExternalHit(len(request.prompt_token_ids) - num_computed_tokens, load_async=True)
+
+    def update_state_after_alloc(self, request: Request, blocks: Sequence[int],
+                                 num_external_tokens: int) -> list[tuple[int, int]]:
+        """Start the read of the prompt's blocks past the local hit into ``blocks``; its end (or failure: one too
+        old to read safely, one that cannot start) is reported by :meth:`get_finished`."""
+        if not num_external_tokens:
+            return []
+        params: KVTransferParams = request.kv_transfer
+        request.kv_transfer = None  # read once: a leg preempted for recompute later is prefilled here
+        first = -(-len(request.prompt_token_ids) // self.block_size) - len(blocks)
+        now = self.clock()
+        job = RemoteJob(request.request_id, params.remote_engine_id, list(blocks), now + self.config.lease_s,
+                        request.arrival_time + self.config.lease_s - STALE_MARGIN_S)
         self._jobs.append(job)
         self.stats.read_requests += 1
-        waited = None if arrival is None else time.monotonic() - arrival
-        if waited is not None and waited > self.config.lease_s - STALE_MARGIN_S:
+        waited = now - request.arrival_time
+        if now > job.stale_at:
             self._failed(job, KVTransferError(f"the request waited {waited:.1f} s here, past the prefill side's "
                                               f"{self.config.lease_s:g} s lease less {STALE_MARGIN_S:g} s: its "
-                                              "blocks may be freed; not read"),
-                         params.remote_engine_id, drop_peer=False)
+                                              "blocks may be freed; not read"))
         else:
             try:
                 peer = self.agent.peer(params.remote_engine_id) or self.agent.add_peer(fetch_metadata(
@@ -138,62 +175,96 @@ class PDConnector:
                     expected_engine_id=params.remote_engine_id))
                 job.pending = self.agent.start_read(peer, params.remote_block_ids[first:first + len(blocks)],
                                                     blocks, notif_msg=release_notif(params.remote_request_id))
-            except (KVTransferError, OmforgeError, OSError, ValueError) as exc:  # OmforgeError: a layout mismatch
-                self._failed(job, exc, params.remote_engine_id)
+            except (KVTransferError, OmforgeError, OSError) as exc:  # OmforgeError: a layout mismatch
+                self._failed(job, exc, drop_peer=isinstance(exc, KVTransferError))
+            except ValueError as exc:  # this leg's block ids: nothing wrong with the peer
+                self._failed(job, exc)
         self.agent.set_active(self.busy())
-        return job
+        return []
 
-    def finished_loads(self) -> list[RemoteJob]:
-        """Reads that ended since the last call (succeeded, failed or timed out)."""
-        done, now = [], time.monotonic()
+    def get_finished(self) -> Finished:
+        """Reads that ended (succeeded, failed, timed out, or seen finished past their stale point), held
+        requests released (notified or past their lease), and retired blocks NIXL finally let go of."""
+        done, now = Finished(), self.clock()
         for job in self._jobs:
             if job.error is None and job.pending is not None:
                 try:
                     if job.pending.poll():
-                        job.loaded = len(job.blocks)
-                        self.stats.read_blocks += job.loaded
-                        self.stats.read_bytes += job.loaded * self.agent.block_len * 2 * self.agent.layout.num_layers
-                        self.stats.read_seconds += now - job.pending.started
+                        self._read_done(job, now)
                     elif now > job.deadline:
                         job.keep_blocks = not job.pending.cancel()
                         self._failed(job, KVTransferError(f"the KV read did not finish within "
-                                                          f"{self.config.lease_s:g} s"), job.pending.peer.engine_id)
+                                                          f"{self.config.lease_s:g} s"))
                 except KVTransferError as exc:
-                    self._failed(job, exc, job.pending.peer.engine_id)
-            if job.loaded or job.error is not None:
-                done.append(job)
-        self._jobs = [j for j in self._jobs if j not in done]
+                    self._failed(job, exc, drop_peer=True)
+        ended = [j for j in self._jobs if j.loaded or j.error is not None]
+        self._jobs = [j for j in self._jobs if j not in ended]
+        for job in ended:
+            retired = tuple(job.blocks) if job.keep_blocks else ()
+            done.loads.append(FinishedLoad(job.request_id, len(job.blocks) if job.loaded else 0, job.error,
+                                           self.config.kv_load_failure_policy == "recompute", retired))
+            if retired:
+                self._stuck.append(job)
+        for job in list(self._stuck):  # a later try may release what NIXL refused to cancel
+            if job.pending is None or job.pending.retry_release():
+                self._stuck.remove(job)
+                done.reinstated += job.blocks
+        self.stats.retired_blocks = sum(len(j.blocks) for j in self._stuck)
+        for engine_id in list(self._suspect):  # forget a failed peer once no read from it is in flight
+            if not any(j.engine_id == engine_id for j in self._jobs):
+                self._suspect.discard(engine_id)
+                self.agent.remove_peer(engine_id)
+        done.released = self._releases(now)
         self.agent.set_active(self.busy())
         return done
 
-    def _failed(self, job: RemoteJob, exc: Exception, engine_id: str | None, drop_peer: bool = True) -> None:
-        job.error = f"KV transfer from prefill engine {engine_id} failed: {one_line(exc)}"
+    def _read_done(self, job: RemoteJob, now: float) -> None:
+        if now > job.stale_at:
+            self._failed(job, KVTransferError(f"the read ended {now - job.stale_at + STALE_MARGIN_S:.1f} s before "
+                                              f"the prefill side's {self.config.lease_s:g} s lease could end at the "
+                                              "latest (less the margin): its blocks may have been freed meanwhile; "
+                                              "refused"))
+            return
+        job.loaded = True
+        self.stats.read_blocks += len(job.blocks)
+        self.stats.read_bytes += len(job.blocks) * self.agent.block_len * 2 * self.agent.layout.num_layers
+        self.stats.read_seconds += now - job.pending.started
+
+    def _failed(self, job: RemoteJob, exc: Exception, drop_peer: bool = False) -> None:
+        """``drop_peer``: a transfer or handshake error (the peer may have restarted with new addresses); a bad
+        leg (ValueError), a timeout or a stale leg says nothing about the peer."""
+        job.error = f"KV transfer from prefill engine {job.engine_id} failed: {one_line(exc)}"
         job.keep_blocks = job.keep_blocks or getattr(exc, "handle_released", True) is False
         self.stats.read_failures += 1
-        if engine_id is not None and drop_peer:
-            self.agent.remove_peer(engine_id)  # a restarted prefill replica has new addresses: handshake again
+        if drop_peer and job.engine_id is not None:
+            self._suspect.add(job.engine_id)
         log.warning("%s", job.error)
 
     # --- prefill side ---------------------------------------------------------------------------------------
 
-    def hold(self, request_id: str, kv_id: str, blocks: Sequence[int], num_tokens: int) -> dict:
-        """A finished prefill leg's blocks, now held under ``kv_id``: the decode leg's ``kv_transfer_params``."""
-        self._held[request_id] = _Held(kv_id, time.monotonic() + self.config.lease_s, len(blocks))
+    def request_finished(self, request: Request, blocks: Sequence[int]) -> dict | None:
+        """A prefill leg that finished normally: its prompt's blocks are held; the decode leg's
+        ``kv_transfer_params``. None for any other request."""
+        params = request.kv_transfer
+        if params is None or not params.is_prefill_leg or request.finish_reason not in ("stop", "length"):
+            return None
+        prompt = blocks[:-(-len(request.prompt_token_ids) // self.block_size)]
+        self._held[request.request_id] = _Held(self.clock() + self.config.lease_s, len(prompt))
         self.stats.held_requests += 1
-        self.stats.held_blocks += len(blocks)
+        self.stats.held_blocks += len(prompt)
         self.agent.set_active(True)
-        return prefill_response_params(engine_id=self.config.engine_id, request_id=request_id, block_ids=blocks,
-                                       host=self.host, port=self.port, num_tokens=num_tokens,
-                                       block_size=self.block_size)
+        return prefill_response_params(engine_id=self.config.engine_id, request_id=request.request_id,
+                                       block_ids=prompt, host=self.host, port=self.port,
+                                       num_tokens=len(request.prompt_token_ids), block_size=self.block_size)
 
-    def releases(self) -> list[str]:
-        """The held ids to free now: released by their decode side, or past their lease."""
+    def _releases(self, now: float) -> list[str]:
+        """The held requests to free now: released by their decode side, or past their lease."""
         free = []
-        now = time.monotonic()
         for _, message in self.agent.poll_notifs():
             notif = parse_notif(message)
             if isinstance(notif, ReleaseNotif) and notif.request_id in self._held:
-                free.append(self._held.pop(notif.request_id).kv_id)
+                del self._held[notif.request_id]
+                free.append(notif.request_id)
                 self.stats.released_notified += 1
             elif isinstance(notif, HeartbeatNotif):  # a decode side still waiting to read: a new lease
                 for request_id in notif.request_ids:
@@ -201,17 +272,17 @@ class PDConnector:
                         self._held[request_id].deadline = now + self.config.lease_s
                         self.stats.heartbeats += 1
         for request_id in [r for r, h in self._held.items() if now > h.deadline]:
-            free.append(self._held.pop(request_id).kv_id)
+            del self._held[request_id]
+            free.append(request_id)
             self.stats.released_expired += 1
             log.warning("kv transfer: the blocks of %s were not read within the %g s lease; freed", request_id,
                         self.config.lease_s)
         self.stats.held_blocks = sum(h.num_blocks for h in self._held.values())
-        self.agent.set_active(self.busy())
         return free
 
     def busy(self) -> bool:
-        """Blocks held for a decode side or reads in flight: the engine keeps polling."""
-        return bool(self._held or self._jobs)
+        """Blocks held for a decode side, reads in flight or retired: the engine keeps polling."""
+        return bool(self._held or self._jobs or self._stuck)
 
     def close(self) -> None:
         if self.listener is not None:
@@ -219,22 +290,21 @@ class PDConnector:
         self.agent.close()
 
 
-def build_connector(kv_transfer_config: object, manifest: object, executor: object) -> PDConnector | None:
+def build_connector(kv_transfer_config: object, manifest: object, caps: ExecutorCapabilities) -> PDConnector | None:
     """The engine's connector for ``--kv-transfer-config`` (None: the replica takes no part in PD). Its pools
-    are the executor's host pools in vLLM's order (K0, V0, K1, …); its model fingerprint the bundle identity
-    (runtime/hicache/identity.py), so replicas of two models, or two precisions, never exchange KV."""
+    are the executor's host pools in vLLM's order (K0, V0, K1, …: ``ExecutorCapabilities.host_kv``); its model
+    fingerprint the bundle identity (runtime/hicache/identity.py), so replicas of two models, or two precisions,
+    never exchange KV."""
     if kv_transfer_config is None:
         return None
     from omforge.runtime.hicache.identity import BundleIdentity
     from omforge.runtime.kv_transfer.config import parse_kv_transfer_config
 
     config = parse_kv_transfer_config(kv_transfer_config)
-    keys, values = getattr(executor, "key_pools", None), getattr(executor, "value_pools", None)
-    if keys is None or values is None:
+    if caps.host_kv is None:
         raise KVTransferConfigError(f"--kv-transfer-config: the {manifest.target} executor's KV pool is device "
                                     "memory; PD over NIXL is built for host pools (ort) only")
-    pools = [pool for layer in zip(keys, values) for pool in layer]
-    return PDConnector.start(config, manifest.kv.paged_layout, pools, BundleIdentity.of(manifest).hex)
+    return PDConnector.start(config, manifest.kv.paged_layout, caps.host_kv.pools, BundleIdentity.of(manifest).hex)
 
 
 def request_params(connector: PDConnector | None, raw: object, block_size: int) -> KVTransferParams | None:

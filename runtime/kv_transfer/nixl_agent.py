@@ -133,6 +133,10 @@ class PendingRead:
         self.done = True
         return self._agent._release(self._handle)
 
+    def retry_release(self) -> bool:
+        """After NIXL refused to release the handle: try again; True once it let go (the blocks are safe now)."""
+        return self._agent._retry_release(self._handle)
+
 
 class NixlKVAgent:
     """One NIXL agent owning this replica's registered pools.
@@ -322,6 +326,16 @@ class NixlKVAgent:
         except Exception:  # NIXL's binding errors have no common base class
             self._stuck.append(handle)
             return False
+
+    def _retry_release(self, handle: Any) -> bool:
+        if handle not in self._stuck:
+            return True
+        try:
+            self._call(self._nixl.release_xfer_handle, handle)
+        except Exception:  # NIXL's binding errors have no common base class
+            return False
+        self._stuck.remove(handle)
+        return True
 
     def _quietly(self, fn: Any, *args: Any) -> None:
         try:

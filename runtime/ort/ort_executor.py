@@ -18,7 +18,7 @@ import onnxruntime as ort
 
 from omforge.contract import PagedLayout
 from omforge.contract.manifest import Manifest
-from omforge.runtime.executor import ExecutorCapabilities
+from omforge.runtime.executor import ExecutorCapabilities, HostKVPools
 from omforge.runtime.ort import kernels
 from omforge.runtime.step import SeqWork, build_step
 
@@ -51,7 +51,9 @@ class OrtExecutor:
         self.input_names = {i.name for i in self.session.get_inputs()}
         # a decode group in the graph: decodes share a step with prefill chunks, unpadded
         self.capabilities = ExecutorCapabilities(supports_mixed_batches="decode_query_index" in self.input_names,
-                                                 supports_prompt_logits=True)
+                                                 supports_prompt_logits=True, host_kv=HostKVPools(tuple(
+                                                     p for layer in zip(self.key_pools, self.value_pools)
+                                                     for p in layer)))
         outputs = [o.name for o in self.session.get_outputs()]
         self.runtime_write = "key_new.0" in outputs
         self._new_rows = [f"{kind}_new.{layer}" for layer in range(layout.num_layers) for kind in ("key", "value")]
@@ -98,12 +100,6 @@ class OrtExecutor:
         shape = (num_host_blocks, *self.key_pools[0].shape[1:])
         self.host_keys = [np.zeros(shape, self.pool_dtype) for _ in self.key_pools]
         self.host_values = [np.zeros(shape, self.pool_dtype) for _ in self.value_pools]
-
-    def host_block_views(self, block: int) -> list[memoryview]:
-        """The bytes of ``block`` in every pool, layer 0's K, layer 0's V, layer 1's K, … (runtime/hicache's block
-        I/O: the pools are host memory, read and written in place)."""
-        return [memoryview(pool[block]).cast("B") for layer in zip(self.key_pools, self.value_pools)
-                for pool in layer]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks, ``(device, host)`` pairs."""
