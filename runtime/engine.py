@@ -153,9 +153,10 @@ class LLMEngine:
         except ValueError as exc:
             raise SamplingParamsError("kv_transfer_params", str(exc)) from None
         need = -(-(len(ids) + max_tokens) // self.block_size)
-        if need > self.kv.pool.num_blocks:
-            raise RequestRejected(f"prompt + max_tokens needs {need} KV blocks but the pool has "
-                                  f"{self.kv.pool.num_blocks}; it could never run")
+        usable = self.kv.pool.num_usable()  # less the blocks a transfer NIXL could not cancel may still write
+        if need > usable:
+            raise RequestRejected(f"prompt + max_tokens needs {need} KV blocks but the pool has {usable} "
+                                  f"(of {self.kv.pool.num_blocks}) it can use; it could never run")
         return replace(params, max_tokens=max_tokens)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,

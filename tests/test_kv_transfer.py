@@ -109,6 +109,17 @@ def test_config_errors_are_one_line_naming_the_field(text: str, names: str) -> N
     assert one_line(e).startswith("--kv-transfer-config: ") and names in str(e.value), str(e.value)
 
 
+def test_a_side_channel_port_in_use_is_one_line_naming_the_variable() -> None:
+    """Issue 45: a second kv_both replica on one host died with a bare ``OSError: [Errno 98]`` traceback."""
+    from omforge.runtime.kv_transfer.handshake import listen
+
+    meta = AgentMetadata("p", b"meta", (0, 0, 0, 0), NUM_BLOCKS, 64, LAYOUT)
+    with listen(meta, "127.0.0.1", 0) as first:
+        with pytest.raises(KVTransferConfigError) as e:
+            listen(meta, "127.0.0.1", first.address[1])
+    assert one_line(e).startswith("VLLM_NIXL_SIDE_CHANNEL_PORT: port ") and "in use" in str(e.value)
+
+
 def test_side_channel_address_reads_vllms_environment() -> None:
     assert side_channel_address({}) == ("localhost", 5600)
     env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601"}

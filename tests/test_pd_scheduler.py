@@ -257,7 +257,9 @@ def test_a_read_nixl_cannot_cancel_keeps_only_its_own_blocks_until_nixl_lets_go(
     read.stuck = True
     fabric.now += LEASE_S + 1
     step(d, df)
-    assert leg.finished and leg.error
+    assert leg.finished and leg.error and d.kv.pool.num_usable() == 6
+    d.kv.reset_prefix_cache()  # nothing in flight: the cached blocks go, the stuck read's stay retired
+    assert d.kv.stats().num_used == 2 and d.kv.stats().num_cached == 0
     big = Request("big", prompt(31, 3), SamplingParams(max_tokens=1, ignore_eos=True))  # all 8 blocks
     d.add(big)
     for _ in range(5):

@@ -25,7 +25,6 @@ Engine thread only (NIXL calls go through the agent's lock; the handshake listen
 
 from __future__ import annotations
 
-import errno
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -39,7 +38,7 @@ from omforge.runtime.executor import ExecutorCapabilities
 from omforge.runtime.kv_connector import ExternalHit, Finished, FinishedLoad, KVConnector
 from omforge.runtime.kv_transfer.config import KVTransferConfig, side_channel_address
 from omforge.runtime.kv_transfer.errors import KVTransferConfigError, KVTransferError, KVTransferParamsError
-from omforge.runtime.kv_transfer.handshake import HandshakeListener, fetch_metadata
+from omforge.runtime.kv_transfer.handshake import HandshakeListener, fetch_metadata, listen
 from omforge.runtime.kv_transfer.nixl_agent import NixlKVAgent, PendingRead
 from omforge.runtime.kv_transfer.params import (
     HeartbeatNotif,
@@ -121,14 +120,7 @@ class PDConnector(KVConnector):
         listener = None
         try:
             if config.is_kv_producer:
-                try:
-                    listener = HandshakeListener(agent.metadata(), host, port)
-                except OSError as exc:
-                    if exc.errno != errno.EADDRINUSE:
-                        raise
-                    raise KVTransferConfigError(
-                        f"VLLM_NIXL_SIDE_CHANNEL_PORT: the NIXL side channel's port {port} on {host} is in use (by "
-                        "another replica on this host?); give each replica its own port") from None
+                listener = listen(agent.metadata(), host, port)
                 host, port = listener.address
         except BaseException:
             agent.close()

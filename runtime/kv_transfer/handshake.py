@@ -19,6 +19,7 @@ handshake with each other (the gateway only relays ``kv_transfer_params``).
 
 from __future__ import annotations
 
+import errno
 import json
 import socket
 import socketserver
@@ -30,7 +31,7 @@ from typing import Any
 
 from omforge.contract import PagedLayout
 from omforge.errors import one_line
-from omforge.runtime.kv_transfer.errors import KVTransferError, KVTransferTimeout
+from omforge.runtime.kv_transfer.errors import KVTransferConfigError, KVTransferError, KVTransferTimeout
 
 HANDSHAKE_VERSION = 1
 GET_META_MSG = "get_meta_msg"  # vLLM's GET_META_MSG (``nixl/metadata.py`` 0.33.0 line 21)
@@ -121,6 +122,18 @@ class HandshakeListener:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def listen(metadata: AgentMetadata, host: str, port: int) -> HandshakeListener:
+    """The prefill replica's side channel on ``host:port``; a port another process holds (two ``kv_both`` or
+    ``kv_producer`` replicas on one host, both on vLLM's default 5600) is one line naming the variable to change."""
+    try:
+        return HandshakeListener(metadata, host, port)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        raise KVTransferConfigError(f"VLLM_NIXL_SIDE_CHANNEL_PORT: port {port} on {host} is in use (another replica "
+                                    "on this host?); give each replica its own side-channel port") from None
 
 
 def fetch_metadata(host: str, port: int, *, timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
