@@ -27,7 +27,7 @@ from omforge.runtime.kv_cache_manager import KVCacheManager
 from omforge.runtime.kv_connector import KVConnector
 from omforge.runtime.kv_transfer.connector import build_connector, request_params
 from omforge.runtime.ort.ort_executor import OrtExecutor
-from omforge.runtime.outputs import EngineStats, RequestOutput
+from omforge.runtime.outputs import EngineSnapshot, EngineStats, RequestOutput
 from omforge.runtime.request import Request, Status, seq_ids
 from omforge.runtime.sampler import LogprobEntry, Sampler, prompt_logprobs
 from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
@@ -243,6 +243,22 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         """Requests in flight (or their blocks held), or connector I/O that holds blocks or must be polled."""
         return self.scheduler.has_unfinished() or any(c.busy() for c in self.connectors)
+
+    def snapshot(self, pending_adds: int = 0) -> EngineSnapshot:
+        """The engine's gauges and running totals now, typed (``/metrics``, the server's start-up line). Call it on
+        the engine thread; ``pending_adds`` requests submitted but not yet added count as waiting."""
+        sched, st = self.scheduler, self.stats
+        loading = sum(not r.finished for r in sched.loading.values())
+        return EngineSnapshot(
+            num_running=len(sched.running), num_waiting=len(sched.waiting) + loading + pending_adds,
+            num_swapped=len(sched.swapped), kv=self.kv.stats(), steps=st.steps,
+            last_step_time=st.step_times[-1] if st.step_times else None, prompt_tokens=st.prompt_tokens,
+            prefill_tokens=st.prefill_tokens, generation_tokens=st.generation_tokens, preemptions=st.preemptions,
+            spec_drafts=st.spec_drafts, spec_draft_tokens=st.spec_draft_tokens,
+            spec_accepted_tokens=st.spec_accepted_tokens,
+            spec_accepted_per_position=dict(st.spec_accepted_per_position),
+            hicache=self.hicache.stats() if self.hicache is not None else None,
+            pd=replace(self.pd.stats) if self.pd is not None else None)
 
     def reset_prefix_cache(self) -> bool:
         """Drop all cached prefixes; returns False (nothing done) while requests are in flight."""

@@ -1,11 +1,15 @@
-"""What the engine reports: :class:`RequestOutput` (one request's result so far, its own copies) and
-:class:`EngineStats` (the engine's running totals, read by ``/metrics``)."""
+"""What the engine reports: :class:`RequestOutput` (one request's result so far, its own copies),
+:class:`EngineStats` (the engine's running totals) and :class:`EngineSnapshot` (everything ``/metrics`` and the
+server read of the engine at one moment, typed: serve reads no scheduler, KV manager, tier or connector state)."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
+from omforge.runtime.hicache.controller import HiCacheStats
+from omforge.runtime.kv_cache_manager import KVCacheStats
+from omforge.runtime.kv_transfer.connector import PDStats
 from omforge.runtime.sampler import LogprobEntry
 from omforge.runtime.spec_decode import Verified
 
@@ -36,6 +40,32 @@ class EngineStats:
         self.spec_accepted_tokens += v.num_accepted
         for i in range(v.num_accepted):
             self.spec_accepted_per_position[i] = self.spec_accepted_per_position.get(i, 0) + 1
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine after a step (:meth:`LLMEngine.snapshot <omforge.runtime.engine.LLMEngine.snapshot>`): the
+    scheduler's queue lengths (``num_waiting`` counts requests waiting for their KV to load, and the requests
+    submitted but not yet handed to the engine), the KV cache, the running totals of :class:`EngineStats`
+    (``last_step_time``: seconds of the latest step, None before the first), the tier below the pool and PD's
+    counters (None when off)."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv: KVCacheStats
+    steps: int
+    last_step_time: float | None
+    prompt_tokens: int
+    prefill_tokens: int
+    generation_tokens: int
+    preemptions: int
+    spec_drafts: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_accepted_per_position: dict[int, int]
+    hicache: HiCacheStats | None = None  # the tier below the pool (runtime/hicache), None when off
+    pd: PDStats | None = None  # prefill/decode disaggregation (runtime/kv_transfer), None when off
 
 
 @dataclass

@@ -28,7 +28,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from omforge.errors import OmforgeError
 from omforge.runtime.engine import LLMEngine, RequestOutput
@@ -108,7 +108,7 @@ class AsyncEngine:
                  metrics: ServerMetrics | None = None, max_queue_time_s: float | None = None):
         self._engine = engine
         self.max_queue_time_s = max_queue_time_s
-        self.capacity = engine.scheduler.max_num_seqs + max_waiting_requests
+        self.capacity = engine.engine_config.max_num_seqs + max_waiting_requests
         self.max_queue_delay_s = max_queue_delay_s
         self.metrics = metrics  # updated from the engine thread
         self.num_in_flight = 0
@@ -164,7 +164,7 @@ class AsyncEngine:
 
     @property
     def max_num_seqs(self) -> int:
-        return self._engine.scheduler.max_num_seqs
+        return self._engine.engine_config.max_num_seqs
 
     @property
     def block_size(self) -> int:
@@ -172,19 +172,10 @@ class AsyncEngine:
         return self._engine.block_size
 
     def snapshot(self, pending_adds: int = 0) -> EngineSnapshot:
-        """The engine's gauges and running totals now, for ``/metrics``. Call it on the engine thread, or before
-        :meth:`start`; ``pending_adds`` requests submitted but not yet applied count as waiting."""
-        sched, st = self._engine.scheduler, self._engine.stats
-        return EngineSnapshot(
-            num_running=len(sched.running), num_waiting=len(sched.waiting) + len(sched.loading) + pending_adds,
-            num_swapped=len(sched.swapped), kv=self._engine.kv.stats(), steps=st.steps,
-            last_step_time=st.step_times[-1] if st.step_times else None, prompt_tokens=st.prompt_tokens,
-            prefill_tokens=st.prefill_tokens, generation_tokens=st.generation_tokens, preemptions=st.preemptions,
-            spec_drafts=st.spec_drafts, spec_draft_tokens=st.spec_draft_tokens,
-            spec_accepted_tokens=st.spec_accepted_tokens,
-            spec_accepted_per_position=dict(st.spec_accepted_per_position),
-            hicache=self._engine.hicache.stats() if self._engine.hicache is not None else None,
-            pd=replace(self._engine.pd.stats) if self._engine.pd is not None else None)
+        """The engine's gauges and running totals now, for ``/metrics`` (``LLMEngine.snapshot``). Call it on the
+        engine thread, or before :meth:`start`; ``pending_adds`` requests submitted but not yet applied count as
+        waiting."""
+        return self._engine.snapshot(pending_adds)
 
     # --- requests (event loop) ----------------------------------------------------------------------------
 

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import datetime
 import time
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from omforge.runtime.engine import RequestOutput
 from omforge.runtime.hicache.controller import HiCacheStats
-from omforge.runtime.kv_cache_manager import KVCacheStats
 from omforge.runtime.kv_transfer.connector import PDStats
+from omforge.runtime.outputs import EngineSnapshot
 
 PREFIX = "omforge:"
 # vLLM's buckets (seconds), so the quantiles read the same way.
@@ -32,30 +31,6 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 disable_created_metrics()  # no *_created series (process-wide; vLLM does the same)
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """The engine after a step, as ``/metrics`` reports it: the scheduler's queue lengths (``num_waiting``
-    includes requests submitted but not yet handed to the engine), the KV cache, and the engine's running totals
-    (``EngineStats``; ``last_step_time``: seconds of the latest step, None before the first)."""
-
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    kv: KVCacheStats
-    steps: int
-    last_step_time: float | None
-    prompt_tokens: int
-    prefill_tokens: int
-    generation_tokens: int
-    preemptions: int
-    spec_drafts: int
-    spec_draft_tokens: int
-    spec_accepted_tokens: int
-    spec_accepted_per_position: dict[int, int]
-    hicache: HiCacheStats | None = None  # the tiers below the pool (runtime/hicache), None when off
-    pd: PDStats | None = None  # prefill/decode disaggregation (runtime/kv_transfer), None when off
 
 
 # the tiers' counters: (metric name, TierStats field, help)

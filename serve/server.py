@@ -103,16 +103,17 @@ def serve(bundle: str | Path, options: ServeOptions, **engine_options: Any) -> i
     sock.bind((options.host, options.port))
     sock.listen(2048)  # before the URL is printed: a client that connects at once waits in the backlog
     host, port = sock.getsockname()[:2]
-    kv = engine.kv.stats()
+    st = engine.snapshot()
+    kv = st.kv
     kv_gib = kv.num_blocks * engine.block_size * engine.layout.bytes_per_token / (1 << 30)
     print(f"omforge serve: {name} ({engine.manifest.target}, {engine.config.num_hidden_layers} layers) from "
           f"{bundle}, {kv.num_blocks} KV blocks of {engine.block_size} tokens ({kv_gib:.2f} GiB, allocated), "
           "max_num_seqs "
-          f"{engine.scheduler.max_num_seqs}, context {engine.max_model_len}, loaded in "
+          f"{engine.engine_config.max_num_seqs}, context {engine.max_model_len}, loaded in "
           f"{time.perf_counter() - t0:.1f}s", flush=True)
-    if engine.hicache is not None:
-        for name, tier in engine.hicache.stats().tiers.items():
-            where = f" {engine.hicache.storage.dir}" if name == "storage" else ""
+    if st.hicache is not None:
+        for name, tier in st.hicache.tiers.items():
+            where = f" {engine.engine_config.hicache_storage_dir}" if name == "storage" else ""
             print(f"omforge serve: hierarchical cache: {name} tier{where} ({tier.blocks} blocks, "
                   f"{tier.bytes / (1 << 30):.2f} of {tier.capacity_bytes / (1 << 30):.2f} GiB)", flush=True)
     print(f"omforge serve: listening on http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
