@@ -25,14 +25,13 @@ CALLER_OPTIONS = ("prefault_kv", "serving")
 DEFAULT_KV_CACHE_BYTES = 2 << 30  # the pool size when neither the recipe nor the caller gives num_kv_blocks
 DEFAULT_MAX_QUEUE_TIME_S = SERVE_DEFAULTS["max_queue_time_s"]  # a request waiting this long ends with a 503
 # serve.max_prefill_tokens_with_decodes: "auto" (the recipe's default): when serving, a step with decodes carries
-# this many tokens in all (runtime/scheduler.py); chosen from serving at concurrency 32 (benchmarks/RESULTS.md,
-# 2026-12-02). Offline the step budget applies (no inter-token gap is seen there; the bound cost short-chat 64
-# int4 ~3% of its throughput)
+# this many tokens in all (runtime/scheduler.py), chosen from serving at concurrency 32; offline the step budget
+# applies (no inter-token gap is seen there). The measurements: benchmarks/RESULTS.md, 2026-12-02 "the decode-step
+# token budget"
 DECODE_STEP_TOKEN_BUDGET = 128
-# ... except for float32 weights, whose steps are ~2.4× longer: when serving, "auto" is then a fixed 64 prefill tokens
-# beside decodes (serving c32, five pairs against the token budget: ITL p99 −25 to −35%, TTFT p50 −16 to −33%,
-# throughput a median +6%; the same cap cost int4 16–21% of its throughput; benchmarks/RESULTS.md 2026-12-05, "The
-# decode-step budget, again")
+# ... except for float32 weights, whose steps are longer: when serving, "auto" is then a fixed 64 prefill tokens
+# beside decodes; quantized and bfloat16 bundles keep the budget, which the fixed cap would cost throughput.
+# The measurements: benchmarks/RESULTS.md, 2026-12-05 "The decode-step budget, again"
 FLOAT32_PREFILL_WITH_DECODES = 64
 DEFAULT_HICACHE_STORAGE_GB = 16.0  # the storage tier's budget when none is given
 HICACHE_STORAGE_BACKENDS = ("file",)
