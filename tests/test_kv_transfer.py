@@ -430,3 +430,63 @@ def test_a_decode_leg_older_than_the_lease_is_not_read(monkeypatch: pytest.Monke
         assert connector.stats.read_failures == 1 and not connector.busy()
     finally:
         connector.close()
+
+
+def pd_leg(rid: str, producer: Producer, block_ids: list[int], arrival: float) -> object:
+    """A decode leg of a 7-token prompt (two blocks of 4) reading ``block_ids`` from ``producer``."""
+    from omforge.runtime.request import Request
+    from omforge.runtime.sampling_params import SamplingParams
+
+    params = parse_kv_transfer_params({"do_remote_prefill": True, "remote_engine_id": producer.engine_id,
+                                       "remote_request_id": rid, "remote_host": "127.0.0.1",
+                                       "remote_port": producer.port, "remote_block_ids": block_ids})
+    return Request(rid, list(range(3, 10)), SamplingParams(max_tokens=1), kv_transfer=params, arrival_time=arrival)
+
+
+def pd_loads(connector: object, n: int) -> dict:
+    """The next ``n`` finished reads by request id, within 10 s."""
+    loads, deadline = {}, time.monotonic() + 10.0
+    while len(loads) < n and time.monotonic() < deadline:
+        loads.update((job.request_id, job) for job in connector.get_finished().loads)
+        time.sleep(0.005)
+    assert len(loads) == n, loads
+    return loads
+
+
+@needs_nixl
+def test_one_bad_read_leaves_the_other_reads_from_that_peer_alone(consumer: tuple, producer: Producer) -> None:
+    """Issue 45 defect 5 on real NIXL: a decode leg whose block ids the peer's pool lacks fails alone; the read
+    posted just before it from the same prefill engine, not yet polled, still lands (the peer was removed on any
+    failure at f2437b2, and its other in-flight reads failed NIXL_ERR_NOT_FOUND)."""
+    from omforge.runtime.kv_transfer.connector import PDConnector
+
+    agent, local = consumer
+    config = parse_kv_transfer_config({"kv_connector": "NixlConnector", "kv_role": "kv_consumer"})
+    connector = PDConnector(config, agent, LAYOUT.block_size, "127.0.0.1", 0)
+    good, bad = pd_leg("good", producer, [3, 4], time.monotonic()), \
+        pd_leg("bad", producer, [5, NUM_BLOCKS + 5], time.monotonic())
+    connector.update_state_after_alloc(good, [0, 1], 7)
+    connector.update_state_after_alloc(bad, [2, 3], 7)
+    loads = pd_loads(connector, 2)
+    assert loads["bad"].error and "remote block ids" in loads["bad"].error
+    assert loads["good"].error is None and loads["good"].num_loaded_blocks == 2
+    for i, pool in enumerate(local):
+        assert np.array_equal(pool[[0, 1]], expected_pool(i)[[3, 4]])
+
+
+@needs_nixl
+def test_a_read_seen_done_past_the_prefill_sides_lease_is_refused(consumer: tuple, producer: Producer) -> None:
+    """Issue 45 defect 4 on real NIXL: the leg arrived at 0 s, its read starts at 27.5 s of the 30 s lease and is
+    seen done at 31.0 s, after the prefill side may have freed the blocks: refused (accepted at f2437b2)."""
+    from omforge.runtime.kv_transfer.connector import PDConnector
+
+    agent, _ = consumer
+    now = [27.5]
+    config = parse_kv_transfer_config({"kv_connector": "NixlConnector", "kv_role": "kv_consumer"})
+    connector = PDConnector(config, agent, LAYOUT.block_size, "127.0.0.1", 0, clock=lambda: now[0])
+    leg = pd_leg("late", producer, [1, 2], 0.0)
+    connector.update_state_after_alloc(leg, [4, 5], 7)
+    assert connector.busy()
+    now[0] = 31.0
+    (load,) = pd_loads(connector, 1).values()
+    assert load.num_loaded_blocks == 0 and "lease" in load.error, load
