@@ -117,6 +117,23 @@ def test_a_decode_leg_preempted_for_recompute_computes_here_and_never_reads_agai
     assert len(fabric.reads) == 1 and len(leg.output_token_ids) == 12
 
 
+def test_a_follower_of_a_decode_leg_preempted_for_recompute_never_reads() -> None:
+    """Defect 2 for n > 1 (found by the lifecycle fuzz): a follower forks its leader's read blocks; preempted for
+    recompute later, it computes here — it carries the leg's kv_transfer_params too, and must not read them."""
+    fabric = Fabric()
+    p, pf, _ = replica(fabric, "kv_producer", "prefill-0")
+    d, df, _ = replica(fabric, "kv_consumer", "decode-0")
+    tokens = prompt(13)
+    leg = decode_leg("r", tokens, prefill(p, pf, tokens), fabric, max_tokens=8, n=2)
+    follower = leg.followers[0]
+    d.add(leg)
+    while len(follower.output_token_ids) < 3:
+        step(d, df)
+    d._preempt(follower, SchedulerOutput())
+    drain(d, df)
+    assert len(fabric.reads) == 1 and follower.output_token_ids == leg.output_token_ids
+
+
 def test_blocks_read_then_preempted_in_the_same_plan_are_never_written_through_with_another_requests_kv() -> None:
     """Defect 3: a decode leg's read ends in the plan that preempts it for an older request, which evicts one of
     its just-committed blocks and writes its own tokens there. Every block the storage tier is then asked to write

@@ -132,11 +132,11 @@ class PDConnector(KVConnector):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int,
                                    next_hashes: Sequence[bytes]) -> ExternalHit | None:
         """A decode leg with blocks to pull: the rest of its prompt past its local hit (vLLM's decode side reads
-        only past its local hit too); None for any other request, or blocks that cannot hold the prompt (it is
-        prefilled here)."""
+        only past its local hit too); None for any other request — its n > 1 followers and a leg preempted for
+        recompute included — or blocks that cannot hold the prompt (it is prefilled here)."""
         params = request.kv_transfer
-        if params is None or not params.pulls_blocks:
-            return None
+        if params is None or not params.pulls_blocks or request.parent is not None or request.output_token_ids:
+            return None  # an n > 1 follower forks its leader's blocks; a request with outputs is recomputed here
         if len(params.remote_block_ids) < -(-len(request.prompt_token_ids) // self.block_size):
             return None
         return ExternalHit(len(request.prompt_token_ids) - num_computed_tokens, load_async=True)
