@@ -167,11 +167,14 @@ class CompileSection(_Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _fp16_precision_mode(cls, data: Any) -> Any:
-        """An fp16 ascend graph's default ATC precision mode is must_keep_origin_dtype (float32 graphs':
-        allow_fp32_to_fp16)."""
-        if isinstance(data, dict) and data.get("target") == "ascend" and data.get("weights") in ("float16", "int8"):
-            data = {"precision_mode": "must_keep_origin_dtype", **data}
+    def _ascend_defaults(cls, data: Any) -> Any:
+        """The ascend target's defaults: float16 weights (float32 on Atlas A2 keeps every op in fp32 and doubles
+        the weights and the KV pool, as MindIE and vllm-ascend default to fp16/bf16 too), and an fp16 graph's ATC
+        precision mode must_keep_origin_dtype (float32 graphs': allow_fp32_to_fp16)."""
+        if isinstance(data, dict) and data.get("target") == "ascend":
+            data = {"weights": "float16", **data}
+            if data["weights"] in ("float16", "int8"):
+                data = {"precision_mode": "must_keep_origin_dtype", **data}
         return data
 
     @model_validator(mode="before")
@@ -227,7 +230,7 @@ class CompileSection(_Section):
             if (why := soc_refusal(self.soc_version)) is not None:
                 raise _KeyError("weights", why)
         if self.target == "ascend" and self.weights != "float32":
-            if self.precision_mode != "must_keep_origin_dtype":  # the default is set by _fp16_precision_mode
+            if self.precision_mode != "must_keep_origin_dtype":  # the default is set by _ascend_defaults
                 raise _KeyError("precision_mode", f"{self.precision_mode} with {self.weights} weights: an fp16 graph "
                                 "is compiled with must_keep_origin_dtype, which keeps the graph's float32 islands "
                                 "(RMSNorm, softmax, rotary angles) as they are")
@@ -428,6 +431,20 @@ def load_recipe(path: str | Path) -> Recipe:
     except ValidationError as e:
         raise RecipeError(f"{path}: {_format_error(e.errors()[0])}") from None
     return _resolve_files(recipe)
+
+
+def retarget(recipe: Recipe, target: str) -> Recipe:
+    """``recipe`` compiled for ``target`` (``omforge compile --target``): its compile section validated again with
+    the target replaced, so the target's defaults apply to every key the recipe leaves unset (ascend: float16
+    weights) and a key set for the other target is refused in one line naming it."""
+    if target == recipe.compile.target:
+        return recipe
+    data = {**recipe.compile.model_dump(exclude_unset=True), "target": target}
+    try:
+        section = CompileSection.model_validate(data)
+    except ValidationError as e:
+        raise RecipeError(f"{recipe.path}: --target {target}: compile.{_format_error(e.errors()[0])}") from None
+    return recipe.model_copy(update={"compile": section})
 
 
 def _resolve_files(recipe: Recipe) -> Recipe:

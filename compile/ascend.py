@@ -1,7 +1,7 @@
 """The ascend target's compile stages: the lowered, simplified step graph, then everything the ATC step needs.
 
 ``lower_step_graph`` (cached with the passes): fusions → paged KV → Ascend lowering → onnxsim → every Constant in
-the ``value`` form ATC reads (:mod:`omforge.compile.onnx_constants`) → ``step.onnx``.
+the ``value`` form ATC reads (:mod:`omforge.compile.atc_forms`) → ``step.onnx``.
 ``prepare_and_run`` (in the bundle): ONE ATC model whose gears cover both bucket profiles (prefill, decode), with
 its exact command line, plugin sources for our own op types, ``build.sh``; then ``atc`` is run when it is on PATH.
 Without it, :class:`AtcMissing` names the step left and the command: never a fake .om. ``memory_plan``: what the
@@ -31,12 +31,14 @@ from omforge.compile.atc import (
     render_command,
     run_atc,
 )
+from omforge.compile.atc_forms import rewrite_file
 from omforge.compile.atc_plugins import render_plugins
-from omforge.compile.onnx_constants import rewrite_file
 from omforge.contract.ascend import OM_MODEL
 from omforge.contract.buckets import STEP_DIMS, BucketPlan, om_gears
 from omforge.contract.manifest import ACL_LOAD_PATH, DeviceMemoryPlan
+from omforge.errors import OmforgeError
 from omforge.passes.ascend_w8a16 import lowering_note
+from omforge.passes.lower_ascend import PoolTooLarge
 from omforge.passes.pipeline import Pipeline, histogram, interface
 from omforge.recipe import Recipe
 
@@ -49,10 +51,21 @@ def lower_step_graph(export_dir: Path, out: Path, recipe: Recipe, block_size: in
     c = recipe.compile
     quantize = {"group_size": c.quantization.group_size, "matrices": c.quantization.matrices} \
         if c.weights == "int8" else None
-    run = Pipeline("ascend", c.fusions, block_size, {"plain": plain, "num_slots": num_slots(recipe, block_size),
-                                                     "soc_version": c.soc_version},
-                   quantize=quantize,
-                   float16=c.weights != "float32").run(model)
+    try:
+        run = Pipeline("ascend", c.fusions, block_size, {"plain": plain, "num_slots": num_slots(recipe, block_size),
+                                                         "soc_version": c.soc_version},
+                       quantize=quantize,
+                       float16=c.weights != "float32").run(model)
+    except ir.passes.PassError as error:  # onnx-ir's pass manager wraps what a pass raises
+        e = error.__cause__
+        while e is not None and not isinstance(e, PoolTooLarge):
+            e = e.__cause__
+        if e is None:
+            raise
+        # the pool is static in the graph: its size is the recipe's
+        key = "serve.num_kv_blocks" if recipe.serve.num_kv_blocks else "compile.max_batch_size x max_seq_len"
+        raise OmforgeError(f"{recipe.path}: {key}: {e} ({e.max_slots // block_size:,} blocks of {block_size})") \
+            from None
     counts, layout, lowering = run.fusion_counts, run.layout, run.lowering.result
     ir.save(model, out / "step.onnx", external_data="step.onnx.data")
     simplified = _onnxsim(out / "step.onnx")

@@ -41,7 +41,7 @@ from omforge.contract.manifest import (
     Weights,
 )
 from omforge.errors import OmforgeError
-from omforge.recipe import FUSIONS, Recipe
+from omforge.recipe import FUSIONS, Recipe, retarget
 from omforge.runtime.ort import kernels
 
 TOOLS = ("onnx", "onnxruntime", "onnxscript", "onnx-ir", "onnxsim", "torch")
@@ -75,7 +75,7 @@ def stage_sources(target: str) -> list[Path]:
         files.append(_ROOT / "compile" / "ort.py")
     if target == "ascend":
         files += [_ROOT / "compile" / name for name in ("ascend.py", "atc.py", "atc_plugins.py", "bucket_plan.py",
-                                                             "onnx_constants.py")]
+                                                             "atc_forms.py")]
         files += sorted((_ROOT / "compile" / "templates").glob("*"))
     return files
 
@@ -135,7 +135,11 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
     :class:`omforge.compile.atc.AtcMissing` is raised after it is written."""
     from omforge.export.onnx_export import recipe_digest  # the export extras, needed before any check
 
-    job = _job(recipe, out, target or recipe.compile.target, quiet)
+    target = target or recipe.compile.target
+    if target not in DEFAULT_BLOCK_SIZE:
+        raise OmforgeError(f"--target: '{target}' is not a target; choose one of {', '.join(DEFAULT_BLOCK_SIZE)}")
+    recipe = retarget(recipe, target)  # --target: that target's defaults and checks
+    job = _job(recipe, out, target, quiet)
     digest = recipe_digest(recipe)
     export_dir, export_meta = _export_stage(job)
     plan = bucket_planner.plan(recipe.compile, target=job.target, block_size=job.block_size)
@@ -154,8 +158,6 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
 def _job(recipe: Recipe, out: Path, target: str, quiet: bool) -> _Job:
     """Check what no stage can fix (the target, the KV and weight dtypes for it, the output folder) before any
     work; one-line errors naming the recipe key or the flag."""
-    if target not in DEFAULT_BLOCK_SIZE:
-        raise OmforgeError(f"--target: '{target}' is not a target; choose one of {', '.join(DEFAULT_BLOCK_SIZE)}")
     block_size = recipe.compile.kv_block_size or DEFAULT_BLOCK_SIZE[target]
     kernel = kernel_lowering(target, quiet)
     kv_dtype = recipe.compile.kv_cache_dtype
@@ -165,10 +167,6 @@ def _job(recipe: Recipe, out: Path, target: str, quiet: bool) -> _Job:
     if kv_dtype != "float32" and not kernel:
         raise OmforgeError(f"{recipe.path}: compile.kv_cache_dtype: {kv_dtype} needs omforge's CPU kernel library, "
                            f"unavailable here ({kernels.status().reason}); use float32")
-    weights = recipe.compile.weights
-    if target != recipe.compile.target and weights != "float32":  # the recipe validated weights for its own target
-        raise OmforgeError(f"{recipe.path}: compile.weights: {weights} was chosen for target "
-                           f"{recipe.compile.target}; --target {target} needs a recipe of its own")
     if out.exists() and not (out / "manifest.json").is_file() and any(out.iterdir()):
         raise OmforgeError(f"-o {out}: exists and is not a bundle; refusing to overwrite it")
     return _Job(recipe, out, target, block_size, kernel, quiet, cache_root(), Progress(quiet))

@@ -265,6 +265,28 @@ def _pool_input(graph: ir.Graph, num_slots: int | None) -> tuple[ir.Value, int] 
     return ir.Value(name=KV_POOL, shape=shape, type=pools[0].type), len(pools)
 
 
+class PoolTooLarge(ValueError):
+    """The interleaved pool has more elements than the whole-pool Gather can index (:func:`_check_gather_bound`)."""
+
+    def __init__(self, elements: int, max_slots: int):
+        super().__init__(
+            f"the KV pool holds {elements:,} elements, above 2^31 - 1: the plain paged attention gathers from the "
+            "whole pool, and the only open GatherV2 kernel switches to 64-bit offsets explicitly above INT32_MAX "
+            "(hicann/ops-nn index/gather_v2/op_host/arch35/gather_v2_tiling.cpp) while the closed one of 910B/310P "
+            f"documents no bound [unverified]; use at most {max_slots:,} slots")
+        self.elements, self.max_slots = elements, max_slots
+
+
+def _check_gather_bound(pool: ir.Value) -> None:
+    """Refuse a pool whose element count passes 2^31 - 1 (the Gather's data tensor; reference/ascend.md §5.2)."""
+    slots, *row = pool.shape
+    per_slot = 1
+    for d in row:
+        per_slot *= d
+    if slots * per_slot > _INT32_MAX:
+        raise PoolTooLarge(slots * per_slot, _INT32_MAX // per_slot)
+
+
 def _stack_new_rows(graph: ir.Graph, pool: ir.Value, num_layers: int) -> list[str]:
     """Replace the per-layer pool inputs by ``pool`` and the per-layer new-row outputs (left under the names
     ``key_cache_out.N`` / ``value_cache_out.N``) by one ``kv_new [num_tokens, L, 2, kv, D]``; drop the then
@@ -349,6 +371,8 @@ def lower(model: ir.Model, *, rmsnorm_plugin: Literal["cann", "omforge"] = DEFAU
     plain_eps = CANN_RMSNORM_EPS if plain and rmsnorm_plugin == "cann" else None  # emulate CANN's numerics
     pfa = attention == "pfa" and fused["Attention"]
     pool = _pool_input(model.graph, num_slots) if neutral.get("PagedAttention") else None
+    if pool is not None and num_slots is not None and (paged_attention == "plain" or plain):
+        _check_gather_bound(pool[0])
     rules = pattern.RewriteRuleSet([
         *([PagedAttentionNewRows.rule(plugin=paged_attention == "plugin" and not plain, pool=pool[0],
                                       num_layers=pool[1])] if pool is not None else []),

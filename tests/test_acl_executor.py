@@ -27,7 +27,7 @@ from omforge.runtime.ascend.acl_api import AclError, AclParameterError, AclResou
 HAS_ACL = importlib.util.find_spec("acl") is not None
 
 
-def plain_twin(bundle: Path, out: Path) -> Path:
+def plain_twin(bundle: Path, out: Path, recipe_path: Path = TINY_RECIPE) -> Path:
     """The ascend step graph with every op lowered to standard ONNX (``lower_step_graph(plain=True)``, our RMSNorm
     epsilon): what the fake's "OM" runs."""
     from omforge.compile.ascend import lower_step_graph
@@ -36,7 +36,7 @@ def plain_twin(bundle: Path, out: Path) -> Path:
     manifest = load_manifest(bundle, verify=False)
     out.mkdir(parents=True, exist_ok=True)
     export = Path(manifest.export.dir)  # the stage cache's export: bundles keep no copy of it
-    recipe = retarget(load_recipe(TINY_RECIPE), manifest.target)  # as compile --target read it
+    recipe = retarget(load_recipe(recipe_path), manifest.target)  # as compile --target read it
     lower_step_graph(export, out, recipe, manifest.kv.block_size, plain=True)
     return out / "step.onnx"
 
@@ -46,8 +46,10 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(the tiny ascend bundle with FAKE OM files, the tiny ort bundle), one stage cache."""
     root = tmp_path_factory.mktemp("acl")
     cache = root / "cache"
-    asc = compile_bundle(TINY_RECIPE, root / "ascend", cache, target="ascend")
-    fake_atc.build_bundle(asc, plain_twin(asc, root / "plain"))
+    recipe = root / "tiny-f32.yaml"  # float32 weights (the ascend default is float16): logprobs equal ORT's to 1e-4
+    recipe.write_text(TINY_RECIPE.read_text() + "  target: ascend\n  weights: float32\n")
+    asc = compile_bundle(recipe, root / "ascend", cache)
+    fake_atc.build_bundle(asc, plain_twin(asc, root / "plain", recipe))
     return asc, compile_bundle(TINY_RECIPE, root / "ort", cache)
 
 

@@ -19,7 +19,7 @@ from onnx import TensorProto, helper
 from helpers import TINY_RECIPE
 from omforge.cli import main
 from omforge.compile import ascend
-from omforge.compile.onnx_constants import constants_as_value, short_form_constants
+from omforge.compile.atc_forms import constants_as_value, shape_slices_as_slice, short_form_constants
 
 
 @pytest.mark.parametrize("weights", ["float32", "float16"])
@@ -35,6 +35,7 @@ def test_ascend_step_graph_holds_only_value_constants(weights: str, onnxsim: boo
     assert main(["compile", str(recipe), "-o", str(tmp_path / "b")]) == 3
     step = onnx.load(str(tmp_path / "b" / "ascend" / "step.onnx"), load_external_data=False)
     assert short_form_constants(step.graph) == []
+    assert not [n.name for n in step.graph.node if n.op_type == "Shape" and n.attribute]  # CANN reads no start/end
     if not onnxsim:  # the path that carried them: the Constants are still there, in the value form
         assert sum(n.op_type == "Constant" for n in step.graph.node) > 10
 
@@ -69,3 +70,21 @@ def test_sparse_constant_is_refused() -> None:
     graph = helper.make_graph([node], "g", [], [helper.make_tensor_value_info("c", TensorProto.FLOAT, [4])])
     with pytest.raises(ValueError, match="sparse_value.*only 'value'"):
         constants_as_value(graph)
+
+
+def test_shape_with_start_and_end_becomes_shape_then_slice() -> None:
+    """CANN's Shape plugin reads no attribute (ops-math shape_onnx_plugin.cpp): Shape(start, end) → Shape → Slice."""
+    nodes = [helper.make_node("Shape", ["x"], ["s"], name="mid", start=1, end=2),
+             helper.make_node("Shape", ["x"], ["t"], name="tail", start=-1),
+             helper.make_node("Concat", ["s", "t"], ["y"], axis=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 5])],
+                              [helper.make_tensor_value_info("y", TensorProto.INT64, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    x = np.zeros((2, 3, 5), np.float32)
+    before = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    assert shape_slices_as_slice(model.graph) == 2 and constants_as_value(model.graph) == 0
+    assert not [n for n in model.graph.node if n.op_type == "Shape" and n.attribute]
+    onnx.checker.check_model(model, full_check=True)
+    after = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(before, after)
+    assert after.tolist() == [3, 5]

@@ -48,8 +48,10 @@ def om_spec(compile: CompileSection, block_size: int = 128) -> AtcModelSpec:
 # name -> (compile section, [the OM's spec]): SmolLM2-135M, Llama-3-8B, Qwen2-0.5B shapes of compile sections
 VARIANTS: dict[str, tuple[CompileSection, list[AtcModelSpec]]] = {}
 for _name, _compile in {
-    "smollm2-910b3": CompileSection(target="ascend", soc_version="Ascend910B3", precision_mode="allow_fp32_to_fp16"),
-    "llama3-910b4": CompileSection(target="ascend", soc_version="Ascend910B4", precision_mode="force_fp32",
+    "smollm2-910b3": CompileSection(target="ascend", soc_version="Ascend910B3", weights="float32",
+                                    precision_mode="allow_fp32_to_fp16"),
+    "llama3-910b4": CompileSection(target="ascend", soc_version="Ascend910B4", weights="float32",
+                                   precision_mode="force_fp32",
                                    max_seq_len=8192, max_num_tokens=4096, max_batch_size=32),
     "qwen2-310p3": CompileSection(target="ascend", soc_version="Ascend310P3", precision_mode="must_keep_origin_dtype",
                                   max_seq_len=1024, max_batch_size=8, fusions={"attention": False}),

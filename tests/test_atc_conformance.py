@@ -155,14 +155,15 @@ def test_smollm2_ascend_bundle_conforms_and_matches_the_ort_engine_on_the_fakes(
     from omforge import LLM, SamplingParams
     from omforge.compile.ascend import lower_step_graph
     from omforge.compile.atc_conformance import check_bundle
-    from omforge.recipe import load_recipe
+    from omforge.recipe import load_recipe, retarget
 
     asc = compile_bundle(SMOLLM2_RECIPE, tmp_path / "asc", smollm2_cache, target="ascend")
     results = check_bundle(asc)["om/step"]
     assert all(r.ok for r in results), [r.line() for r in results if not r.ok]
     manifest = json.loads((asc / "manifest.json").read_text())
     assert sum(len(d) for _, d in manifest["ascend"]["input_shape"]) == 10
-    lower_step_graph(smollm2_export, tmp_path, load_recipe(SMOLLM2_RECIPE), manifest["kv"]["block_size"], plain=True)
+    recipe = retarget(load_recipe(SMOLLM2_RECIPE), "ascend")
+    lower_step_graph(smollm2_export, tmp_path, recipe, manifest["kv"]["block_size"], plain=True)
     fake_atc.build_bundle(asc, tmp_path / "step.onnx")
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [[1, 9690, 314, 260, 2], list(np.random.default_rng(5).integers(100, 40000, 150))]

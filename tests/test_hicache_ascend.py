@@ -14,7 +14,7 @@ import pytest
 from fake_acl import FakeAcl
 from helpers import TINY_RECIPE, compile_bundle
 from omforge.contract.manifest import load_manifest
-from omforge.recipe import load_recipe
+from omforge.recipe import load_recipe, retarget
 from omforge.runtime.engine import LLMEngine
 from omforge.runtime.hicache.attach import HiCacheConfigError
 from omforge.runtime.sampling_params import SamplingParams
@@ -36,7 +36,8 @@ def small_pool_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     manifest = load_manifest(bundle, verify=False)
     (root / "plain").mkdir()
-    lower_step_graph(Path(manifest.export.dir), root / "plain", load_recipe(recipe), manifest.kv.block_size, plain=True)
+    lower_step_graph(Path(manifest.export.dir), root / "plain", retarget(load_recipe(recipe), "ascend"),
+                     manifest.kv.block_size, plain=True)
     fake_atc.build_bundle(bundle, root / "plain" / "step.onnx")
     return bundle
 

@@ -1,4 +1,5 @@
-"""Every ``Constant`` of an ATC input in the one attribute form CANN's ONNX parser reads: ``value``.
+"""The attribute forms CANN's ONNX parser reads, written into an ATC input: ``Constant`` as ``value``, ``Shape``
+without ``start`` / ``end``.
 
 ATC sends ``Constant`` straight to its constant parser, whose ``ParseConstFromInput`` reads only the attribute
 named ``value`` (hicann/ge ``parser/parser/onnx/onnx_constant_parser.cc``; ``kAttrNameValue = "value"`` in
@@ -7,6 +8,12 @@ named ``value`` (hicann/ge ``parser/parser/onnx/onnx_constant_parser.cc``; ``kAt
 empty tensor" (``compiler/graph/preprocess/graph_prepare.cc``, CheckTensorIsValid): the Reshape shape, Unsqueeze
 axes or Range bound it feeds is silently empty (reference/ascend.md §5.2). ONNX defines each short form as the
 tensor below (onnx/defs/generator/defs.cc, Constant-13+), so rewriting it to ``value`` changes no numerics.
+
+``Shape``'s ``start`` / ``end`` (opset 15+) are read by nothing: CANN's Shape plugin parses no attribute
+(hicann/ops-math ``math/shape/framework/shape_onnx_plugin.cpp:20-22``), so ATC would return the whole shape where
+the graph asked for a slice of it. The export carries such nodes when onnxsim is skipped (> ``ONNXSIM_LIMIT``);
+:func:`shape_slices_as_slice` writes each as ``Shape`` → ``Slice``, which ONNX defines it to equal
+(onnx/defs/tensor/defs.cc, Shape-15: "the output is the slice [start, end) of the shape").
 
 Works on the ``GraphProto`` read without external data, so a graph of any size (onnxsim skipped above 2 GiB of
 weights) is rewritten without touching its weights file.
@@ -63,6 +70,36 @@ def constants_as_value(graph: onnx.GraphProto) -> int:
     return count
 
 
+def shape_slices_as_slice(graph: onnx.GraphProto) -> int:
+    """Rewrite, in place, every default-domain ``Shape(x; start, end)`` of ``graph`` (subgraphs included) as
+    ``Slice(Shape(x), [start], [end], [0])`` with ``value`` Constants; returns how many were rewritten."""
+    count, nodes = 0, []
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.type == AttributeProto.GRAPH else list(attr.graphs)):
+                count += shape_slices_as_slice(sub)
+        bounds = {a.name: a.i for a in node.attribute if a.name in ("start", "end")}
+        if node.op_type != "Shape" or node.domain not in ("", "ai.onnx") or not bounds:
+            nodes.append(node)
+            continue
+        base = node.name or node.output[0]
+        full = f"{base}_full"
+        const = {k: f"{base}_{k}" for k in ("starts", "ends", "axes")}
+        values = {"starts": bounds.get("start", 0), "ends": bounds.get("end", 2**63 - 1), "axes": 0}
+        nodes.append(helper.make_node("Shape", [node.input[0]], [full], name=f"{base}_shape"))
+        nodes += [helper.make_node("Constant", [], [const[k]], name=const[k],
+                                   value=helper.make_tensor("", TensorProto.INT64, [1], [values[k]]))
+                  for k in ("starts", "ends", "axes")]
+        nodes.append(helper.make_node("Slice", [full, const["starts"], const["ends"], const["axes"]],
+                                      list(node.output), name=base))
+        count += 1
+    if count:
+        kept = [onnx.NodeProto.FromString(n.SerializeToString()) for n in nodes]  # own copies before the clear
+        del graph.node[:]
+        graph.node.extend(kept)
+    return count
+
+
 def short_form_constants(graph: onnx.GraphProto) -> list[str]:
     """Names of the default-domain Constants (subgraphs included) with any attribute but ``value``."""
     found = []
@@ -77,9 +114,10 @@ def short_form_constants(graph: onnx.GraphProto) -> list[str]:
 
 
 def rewrite_file(path: Path) -> int:
-    """:func:`constants_as_value` over the model file ``path`` (its external data untouched); returns the count."""
+    """:func:`shape_slices_as_slice` then :func:`constants_as_value` over the model file ``path`` (its external
+    data untouched); returns the nodes rewritten."""
     model = onnx.load(str(path), load_external_data=False)
-    count = constants_as_value(model.graph)
+    count = shape_slices_as_slice(model.graph) + constants_as_value(model.graph)
     if count:
         onnx.save(model, str(path))
     return count
