@@ -171,17 +171,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from omforge.contract.manifest import load_manifest
 
     manifest = load_manifest(Path(args.bundle), verify=not args.no_verify)
-    conformance = None
+    conformance, rows, outside = None, [], []
     if manifest.target == "ascend":  # CANN's rules over the ATC step's inputs, checked without CANN
         from omforge.compile.atc_conformance import check_bundle
+        from omforge.compile.cann_matrix import bundle_rows
 
         conformance = check_bundle(Path(args.bundle))
+        rows, outside = bundle_rows(Path(args.bundle))
     if args.json:
         data = manifest.to_dict()
         if conformance is not None:
             data["atc_conformance"] = {
                 out: [{"rule": r.rule, "source": r.source, "ok": r.ok, "detail": r.detail} for r in results]
                 for out, results in conformance.items()}
+            data["cann_matrix"] = {"rows": [{"key": r.key_text, "ge_type": r.ge_type, "parsed_at": str(r.parsed_at),
+                                             "dtypes_at": str(r.dtypes_at)} for r in rows],
+                                   "outside": outside}
         print(json.dumps(data, indent=2))
     else:
         print(describe(manifest))
@@ -190,8 +195,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                   "necessary, not sufficient: nothing of this has run on an NPU)")
             for r in results:
                 print(f"    {r.line()}")
+        if conformance is not None:
+            print(f"  CANN matrix rows the step graph relies on ({len(rows)}; docs/ascend-conformance.md)")
+            for r in rows:
+                print(f"    {r.key_text:40s} -> {r.ge_type:24s} [{r.parsed_at}]")
+            for line in outside:
+                print(f"    FAIL outside the matrix: {line}")
     failed = [r for results in (conformance or {}).values() for r in results if not r.ok]
-    return 1 if failed else 0
+    return 1 if failed or outside else 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -65,6 +65,7 @@ def describe(m: Manifest) -> str:
         lines.append("  device mem " + ", ".join(f"{name} {n / 2**20:.1f} MiB" for name, n in (
             ("weights", mem.weights_bytes), ("kv_pool", mem.kv_pool_bytes), ("io", mem.io_bytes),
             ("workspace_estimate", mem.workspace_bytes_estimate), ("total", mem.total_bytes))))
+        lines.append(f"  load       {mem.load}")
     lines.append("  toolchain  " + ", ".join(f"{k} {v}" for k, v in m.toolchain.items()))
     size = sum(e.size for e in m.files.values())
     lines.append(f"  files      {len(m.files)} files, {size / 1e6:.1f} MB")

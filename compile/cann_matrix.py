@@ -177,7 +177,7 @@ ROWS: tuple[Row, ...] = (
     _plain("Sin", "Sin", 609, ((F32,),), at(MATH, "math/sin/op_graph/sin_proto.h", 37), f"UnaryDataType() ({_UNARY})"),
     Row("", "Slice", (10, 18), "StridedSliceV2",
         at(MATH, "conversion/strided_slice_v2/framework/slice_onnx_plugin.cpp", 131), (),
-        ((F32, I64, I64, I64, I64), (F16, I64, I64, I64, I64), (I64, I64, I64)),
+        ((F32, I64, I64, I64, I64), (F16, I64, I64, I64, I64), (I64, I64, I64), (I64, I64, I64, I64)),
         at(MATH, "conversion/strided_slice_v2/op_graph/strided_slice_v2_proto.h", 64),
         "begin/end/axes/strides: IndexNumberType (lines 65-68)"),
     Row("", "Softmax", (13, 18), "SoftmaxV2", at(NN, "activation/softmax_v2/framework/softmax_onnx_plugin.cpp", 75),

@@ -86,6 +86,12 @@ def test_the_document_is_what_its_script_writes_from_the_matrix_and_the_record()
     assert DOC.read_text() == render(record, acl_rows())
 
 
+def test_every_recorded_bundle_is_within_the_matrix() -> None:
+    """Every shipped recipe's recorded ascend bundle, the 8B path (onnxsim skipped) included, has a row for all it
+    holds: before compile/atc_forms.py rewrote Shape(start, end), the 8B bundles did not."""
+    assert {name: cann_matrix.violations(u) for name, u in load_record().items() if cann_matrix.violations(u)} == {}
+
+
 def test_every_row_attribute_form_and_dtype_is_used_by_a_recorded_bundle() -> None:
     """No entry of the matrix is dead: each row, attribute form and dtype signature is used by some bundle of the
     record, so removing any of them leaves a recorded use without its place."""

@@ -116,7 +116,9 @@ def test_inspect_runs_the_rules_over_an_ascend_bundle(tiny: Path, tmp_path: Path
     assert r.returncode == 0, r.stderr
     assert "ATC conformance of --output=om/step" in r.stdout and "FAIL" not in r.stdout
     assert r.stdout.count("\n    ok   ") == len(RULES) and "hicann/ge fusion_config_parser.cc" in r.stdout
-    assert "device mem weights" in r.stdout
+    assert "device mem weights" in r.stdout and "load       acl.mdl.load_with_config" in r.stdout
+    rows = r.stdout.split("CANN matrix rows the step graph relies on (")[1]  # item 8: the rows, each with its file
+    assert "ai.onnx::" in rows and "::Gather" in rows and "::OmRmsNorm" in rows and "hicann/" in rows
     (tiny / "ascend" / "extra.cfg").write_text(json.dumps({"Switch": {}, "omforge": {}}))
     line = (tiny / "ascend" / "atc_commands.txt").read_text().strip()
     bundle = tmp_path / "edited"
@@ -130,7 +132,9 @@ def test_inspect_runs_the_rules_over_an_ascend_bundle(tiny: Path, tmp_path: Path
     r = subprocess.run([sys.executable, "-m", "omforge", "inspect", str(bundle), "--json"], capture_output=True,
                        text=True)
     assert r.returncode == 1, r.stderr
-    failed = [x for x in json.loads(r.stdout)["atc_conformance"]["om/step"] if not x["ok"]]
+    data = json.loads(r.stdout)
+    assert data["cann_matrix"]["rows"] and data["cann_matrix"]["outside"] == []
+    failed = [x for x in data["atc_conformance"]["om/step"] if not x["ok"]]
     assert [x["rule"] for x in failed] == ["fusion switch file: only Switch / Priority"]
 
 
