@@ -63,6 +63,7 @@ def build_twin(bundle: Path, manifest: Manifest, recipe_path: Path, out: Path) -
     """The plain-op twin of the bundle's step graph in ``out``; refuses, in one line, a recipe that is not the one
     the bundle was compiled from."""
     from omforge.compile.ascend import lower_step_graph
+    from omforge.compile.atc import graph_interface
     from omforge.compile.cache import cache_root
     from omforge.export.onnx_export import cached_export, recipe_digest
     from omforge.recipe import load_recipe, retarget
@@ -75,23 +76,13 @@ def build_twin(bundle: Path, manifest: Manifest, recipe_path: Path, out: Path) -
     if not (export / "model.onnx").is_file():
         export = cached_export(recipe, cache_root() / "exports", quiet=True, isolated=True)
     lower_step_graph(export, out, recipe, manifest.kv.block_size, plain=True)
-    ours, theirs = _interface(out / "step.onnx"), _interface(bundle / "ascend" / "step.onnx")
+    ours, theirs = graph_interface(out / "step.onnx"), graph_interface(bundle / "ascend" / "step.onnx")
     if ours != theirs:
         diff = next(f"{a} vs the bundle's {b}" for a, b in zip(ours + [None], theirs + [None]) if a != b)
         raise OmforgeError(f"--recipe {recipe_path}: not the recipe {bundle} was compiled from (its step graph "
                            f"differs: {diff})")
     return out / "step.onnx"
 
-
-def _interface(path: Path) -> list[tuple[str, int, list[int | str]]]:
-    """A graph's inputs and outputs (weights excluded): name, element type, dims."""
-    import onnx
-
-    graph = onnx.load(str(path), load_external_data=False).graph
-    weights = {t.name for t in graph.initializer}
-    return [(v.name, v.type.tensor_type.elem_type,
-             [d.dim_value if d.HasField("dim_value") else d.dim_param for d in v.type.tensor_type.shape.dim])
-            for v in [*graph.input, *graph.output] if v.name not in weights]
 
 
 def _profiles(manifest: Manifest) -> dict[tuple[int, ...], tuple[str, tuple[int, ...]]]:

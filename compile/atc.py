@@ -157,6 +157,18 @@ class AtcModelSpec:
         return ";".join(",".join(str(gear[i]) for i in slots) for gear in self.gears)
 
 
+def graph_interface(path: Path) -> list[tuple[str, int, list[int | str]]]:
+    """A graph's inputs and outputs (weights excluded, read without them): name, element type, dims — what an OM
+    built from it and its plain-op twin must agree on."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    weights = {t.name for t in graph.initializer}
+    return [(v.name, v.type.tensor_type.elem_type,
+             [d.dim_value if d.HasField("dim_value") else d.dim_param for d in v.type.tensor_type.shape.dim])
+            for v in [*graph.input, *graph.output] if v.name not in weights]
+
+
 def input_shapes_from_onnx(onnx_path: Path, dims: Mapping[str, int | str]) -> dict[str, list[int | str]]:
     """The graph inputs of ``onnx_path`` (weights not loaded) with each symbolic dim replaced by ``dims[symbol]``:
     an int fixes it (e.g. ``num_slots``, ``num_seqs=1`` for prefill), a str names the gear dim it follows

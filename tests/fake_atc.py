@@ -14,6 +14,7 @@ import json
 import shlex
 from pathlib import Path
 
+from omforge.compile.atc import graph_interface
 from omforge.compile.atc_conformance import Command, check_command, parse_dynamic_dims, parse_input_shape
 
 DEFAULT_SUFFIX = "_linux_x86_64"
@@ -22,15 +23,6 @@ DEFAULT_SUFFIX = "_linux_x86_64"
 class FakeAtcError(Exception):
     """What ATC would refuse: every broken rule, one per line."""
 
-
-def _interface(path: Path) -> list[tuple[str, int, list[int | str]]]:
-    import onnx
-
-    graph = onnx.load(str(path), load_external_data=False).graph
-    weights = {t.name for t in graph.initializer}
-    return [(v.name, v.type.tensor_type.elem_type,
-             [d.dim_value if d.HasField("dim_value") else d.dim_param for d in v.type.tensor_type.shape.dim])
-            for v in [*graph.input, *graph.output] if v.name not in weights]
 
 
 def run(argv: list[str], cwd: Path, twin: Path, suffix: str = DEFAULT_SUFFIX) -> Path:
@@ -41,7 +33,7 @@ def run(argv: list[str], cwd: Path, twin: Path, suffix: str = DEFAULT_SUFFIX) ->
         raise FakeAtcError("\n".join(r.line() for r in broken))
     cmd = Command(tuple(argv), Path(cwd))
     flags = cmd.flags()
-    if _interface(cmd.path("--model")) != _interface(twin):
+    if graph_interface(cmd.path("--model")) != graph_interface(twin):
         raise FakeAtcError(f"the twin {twin} has another interface than {cmd.path('--model')}")
     prefix = cmd.path("--output")
     om = prefix.with_name(prefix.name + suffix + ".om")

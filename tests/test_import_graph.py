@@ -57,9 +57,10 @@ def test_passes_import_nothing_of_runtime_serve_compile_or_diff() -> None:
     assert not found, found
 
 
-def test_no_import_circle_among_packages() -> None:
-    """No package reaches itself through the others (depth-first search for a back edge)."""
-    graph, state, circles = package_graph(), {}, []
+def import_circles(graph: dict[str, set[str]]) -> list[str]:
+    """Every back edge a depth-first walk of ``graph`` finds, as the circle it closes (``a → b → a``)."""
+    state: dict[str, str] = {}
+    circles: list[str] = []
 
     def visit(node: str, path: list[str]) -> None:
         state[node] = "open"
@@ -73,6 +74,13 @@ def test_no_import_circle_among_packages() -> None:
     for node in sorted(graph):
         if node not in state:
             visit(node, [node])
+    return circles
+
+
+def test_no_import_circle_among_packages() -> None:
+    """No package reaches itself through the others (depth-first search for a back edge)."""
+    graph = package_graph()
+    circles = import_circles(graph)
     assert not circles, circles
     assert "omforge.passes" in graph and "omforge.diff" in graph  # the walk saw the packages it is about
 
@@ -82,20 +90,7 @@ def test_no_import_circle_among_runtime_modules() -> None:
     every import counts, type-only and lazy ones included."""
     mods = {m: p for m, p in modules().items() if m.startswith("omforge.runtime")}
     graph = {m: {i for i in imports(m, p) if i in mods and i != m} for m, p in mods.items()}
-    state, circles = {}, []
-
-    def visit(node: str, path: list[str]) -> None:
-        state[node] = "open"
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == "open":
-                circles.append(" → ".join([*path[path.index(nxt):], nxt]))
-            elif nxt not in state:
-                visit(nxt, [*path, nxt])
-        state[node] = "done"
-
-    for node in sorted(graph):
-        if node not in state:
-            visit(node, [node])
+    circles = import_circles(graph)
     assert not circles, circles
     assert "omforge.runtime.scheduler" in graph and "omforge.runtime.kv_connector" in graph
 
