@@ -30,6 +30,11 @@ SHORT_FORMS = ("value_int", "value_ints", "value_float", "value_floats", "value_
 """The Constant attributes ONNX allows besides ``value`` and ``sparse_value``: CANN reads none of them."""
 
 
+def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """The graphs ``node`` holds in its attributes (If / Loop / Scan bodies)."""
+    return [g for a in node.attribute for g in ([a.g] if a.type == AttributeProto.GRAPH else a.graphs)]
+
+
 def _tensor(attr: AttributeProto) -> TensorProto:
     """The tensor ONNX defines for a Constant's short-form attribute (a scalar for the singular forms)."""
     if attr.name == "value_int":
@@ -53,8 +58,7 @@ def constants_as_value(graph: onnx.GraphProto) -> int:
     ``value``; returns how many were rewritten. Raises ``ValueError`` on ``sparse_value`` (nothing we emit)."""
     count = 0
     for node in graph.node:
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.type == AttributeProto.GRAPH else list(attr.graphs)):
+        for sub in _subgraphs(node):
                 count += constants_as_value(sub)
         if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
             continue
@@ -75,8 +79,7 @@ def shape_slices_as_slice(graph: onnx.GraphProto) -> int:
     ``Slice(Shape(x), [start], [end], [0])`` with ``value`` Constants; returns how many were rewritten."""
     count, nodes = 0, []
     for node in graph.node:
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.type == AttributeProto.GRAPH else list(attr.graphs)):
+        for sub in _subgraphs(node):
                 count += shape_slices_as_slice(sub)
         bounds = {a.name: a.i for a in node.attribute if a.name in ("start", "end")}
         if node.op_type != "Shape" or node.domain not in ("", "ai.onnx") or not bounds:
@@ -104,8 +107,7 @@ def short_form_constants(graph: onnx.GraphProto) -> list[str]:
     """Names of the default-domain Constants (subgraphs included) with any attribute but ``value``."""
     found = []
     for node in graph.node:
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.type == AttributeProto.GRAPH else list(attr.graphs)):
+        for sub in _subgraphs(node):
                 found += short_form_constants(sub)
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx") \
                 and [a.name for a in node.attribute] != ["value"]:

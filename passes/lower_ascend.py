@@ -71,6 +71,7 @@ exact numerics); ``"cann"`` needs no plugin build and records the mismatch in
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -280,9 +281,7 @@ class PoolTooLarge(ValueError):
 def _check_gather_bound(pool: ir.Value) -> None:
     """Refuse a pool whose element count passes 2^31 - 1 (the Gather's data tensor; reference/ascend.md §5.2)."""
     slots, *row = pool.shape
-    per_slot = 1
-    for d in row:
-        per_slot *= d
+    per_slot = math.prod(row)
     if slots * per_slot > _INT32_MAX:
         raise PoolTooLarge(slots * per_slot, _INT32_MAX // per_slot)
 
