@@ -51,7 +51,7 @@ class Section:
         return _write(self)
 
 
-FAMILIES = ("llama", "qwen2", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -61,9 +61,10 @@ class ConfigError(OmforgeError):
 
 @dataclass(frozen=True)
 class ModelConfig(Section):
-    """Shape and numerics of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral): what export builds from a
-    config.json or a recipe (models/config.py) or GGUF metadata (export/weights.py), export.json and the manifest
-    record and the runtime reads (vocabulary, EOS ids, sliding window, …).
+    """Shape and numerics of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral): what export builds
+    from a config.json or a recipe (models/config.py) or GGUF metadata (export/weights.py), export.json and the
+    manifest record and the runtime reads (vocabulary, EOS ids, sliding window, …). Qwen3 is the one family with
+    per-head q/k norms (:attr:`qk_norm`, implied by the family, so no field of its own).
 
     Invariants (:class:`ConfigError` naming the field): the sizes are positive integers; ``num_attention_heads %
     num_key_value_heads == 0`` (GQA groups are whole); ``head_dim`` is even (rotary pairs); ``rope_scaling`` is None
@@ -105,6 +106,12 @@ class ModelConfig(Section):
         if self.rope_scaling is not None and self.rope_scaling.get("rope_type") not in ROPE_TYPES:
             raise ConfigError(f"rope_scaling: type {self.rope_scaling.get('rope_type')!r} is not supported; "
                               f"supported: {', '.join(ROPE_TYPES)}")
+
+    @property
+    def qk_norm(self) -> bool:
+        """Per-head RMSNorm on q and k (weights ``[head_dim]``, eps ``rms_norm_eps``) after the projections and
+        before rotary: Qwen3's ``q_norm`` / ``k_norm``."""
+        return self.family == "qwen3"
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "") -> ModelConfig:

@@ -80,6 +80,8 @@ def expected_names(cfg: ModelConfig) -> set[str]:
             names |= {p + f"self_attn.{n}_proj.bias" for n in "qkv"}
         if cfg.o_bias:
             names.add(p + "self_attn.o_proj.bias")
+        if cfg.qk_norm:
+            names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
     return names
 
 
@@ -182,9 +184,14 @@ _GGUF_NAMES = {
 _GGUF_LAYER = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+
+
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+"""llama.cpp architectures read; only ``llama``'s Q/K rows are permuted (convert_hf_to_gguf.py's LlamaModel.permute;
+its Qwen2Model and Qwen3Model write the projections as they are)."""
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -194,13 +201,16 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def gguf_config(reader) -> ModelConfig:  # noqa: ANN001 - gguf.GGUFReader
+    """The model config from a GGUF's metadata. ``head_dim``: ``<arch>.attention.key_length`` where written (llama.cpp's
+    convert_hf_to_gguf.py writes it from config.json's ``head_dim``: Qwen3's is not hidden / heads), else
+    ``<arch>.rope.dimension_count``, else hidden / heads."""
     def field(key: str, default=None):  # noqa: ANN001, ANN202
         f = reader.get_field(key)
         return f.contents() if f is not None else default
 
     arch = field("general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise ConfigError(f"general.architecture: '{arch}' is not supported (llama, qwen2)")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ConfigError(f"general.architecture: '{arch}' is not supported ({', '.join(GGUF_ARCHITECTURES)})")
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ConfigError("rope_freqs.weight: GGUF rope frequency factors are not supported; use the HF directory")
     heads = int(field(f"{arch}.attention.head_count"))
@@ -219,7 +229,7 @@ def gguf_config(reader) -> ModelConfig:  # noqa: ANN001 - gguf.GGUFReader
         num_hidden_layers=int(field(f"{arch}.block_count")),
         num_attention_heads=heads,
         num_key_value_heads=int(field(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(field(f"{arch}.rope.dimension_count", hidden // heads)),
+        head_dim=int(field(f"{arch}.attention.key_length", field(f"{arch}.rope.dimension_count", hidden // heads))),
         rms_norm_eps=float(np.float32(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5))),
         rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling={"rope_type": "linear", "factor": float(field(f"{arch}.rope.scaling.factor"))}

@@ -1,5 +1,6 @@
-"""Reading a Llama-family model's configuration (contract/manifest.py's :class:`ModelConfig`) from a Hugging Face
-``config.json`` or a recipe's ``model.config``; export/weights.py reads GGUF metadata into the same type.
+"""Reading a Llama-family (Llama, Qwen2, Qwen3, Mistral) model's configuration (contract/manifest.py's
+:class:`ModelConfig`) from a Hugging Face ``config.json`` or a recipe's ``model.config``; export/weights.py reads
+GGUF metadata into the same type.
 
 Pure Python (no torch).
 """
@@ -61,7 +62,7 @@ def from_hf(hf: dict[str, Any]) -> ModelConfig:
         rope_scaling=scaling or None,
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+        qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),  # Qwen3: attention_bias (false)
         o_bias=family != "qwen2" and bool(hf.get("attention_bias", False)),
         sliding_window=sliding,
         bos_token_id=hf.get("bos_token_id"),

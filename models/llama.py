@@ -1,8 +1,9 @@
-"""A plain torch definition of the Llama family (Llama 2/3, SmolLM2, Qwen2, Mistral), written to export cleanly.
+"""A plain torch definition of the Llama family (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral), written to export cleanly.
 
 Only primitive tensor operations: no ``scaled_dot_product_attention``, no ``rms_norm``, so the
 exported ONNX graph holds primitive ops and every fusion is left to ``omforge.passes``.
-Parameter names follow Hugging Face's ``LlamaForCausalLM`` so safetensors load without renaming.
+Parameter names follow Hugging Face's ``LlamaForCausalLM`` (and ``Qwen3ForCausalLM``'s ``self_attn.q_norm`` /
+``k_norm``) so safetensors load without renaming.
 
 Forward contract: ``input_ids [batch, seq]`` int64 and ``position_ids [batch, seq]`` int64 in,
 ``logits [batch, seq, vocab]`` float32 out; attention is causal over the ``seq`` axis (full recompute,
@@ -70,12 +71,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:  # Qwen3: RMSNorm of each head's q and k over head_dim, before rotary
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(b, s, self.heads, self.head_dim)
+        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim)
+        if self.qk_norm:  # on [b, s, heads, head_dim], as transformers' Qwen3Attention does
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
@@ -126,7 +134,8 @@ class Backbone(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder-only transformer; ``state_dict`` keys match transformers' ``LlamaForCausalLM``/``Qwen2ForCausalLM``."""
+    """Decoder-only transformer; ``state_dict`` keys match transformers' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
+    ``Qwen3ForCausalLM``."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

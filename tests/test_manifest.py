@@ -92,7 +92,8 @@ def test_an_unknown_field_is_named(bundles: dict, path: str) -> None:
     ("model.config.vocab_size", "64", "model.config.vocab_size: expected int, got '64'"),
     ("model.config.eos_token_ids", 2, "model.config.eos_token_ids: expected a list, got 2"),
     ("model.config.head_dim", 7, "model.config.head_dim: must be even for rotary embeddings (got 7)"),
-    ("model.config.family", "gpt2", "model.config.family: 'gpt2' is not supported; supported: llama, qwen2, mistral"),
+    ("model.config.family", "gpt2",
+     "model.config.family: 'gpt2' is not supported; supported: llama, qwen2, qwen3, mistral"),
 ])
 def test_a_wrong_value_is_named(bundles: dict, path: str, value: object, message: str) -> None:
     data = raw(bundles, "ort")

@@ -136,7 +136,7 @@ BAD = [
     ("source-s3", "model:\n  name: t\n  source: s3\n",
      "model.source: 's3' is not allowed; expected 'hf', 'gguf', 'package' or 'random'"),
     ("family-unknown", "model:\n  name: t\n  source: random\n  config: {}\n  family: gpt2\n",
-     "model.family: 'gpt2' is not allowed; expected 'llama', 'qwen2' or 'mistral'"),
+     "model.family: 'gpt2' is not allowed; expected 'llama', 'qwen2', 'qwen3' or 'mistral'"),
     ("preemption-mode", MODEL + "serve:\n  preemption_mode: evict\n",
      "serve.preemption_mode: 'evict' is not allowed; expected 'swap' or 'recompute'"),
     # Missing required keys.
@@ -266,7 +266,8 @@ def test_recipe_path_is_a_directory(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 @pytest.mark.parametrize(("name", "model_dir"), [("llama.yaml", "/models/Llama-3.2-1B-Instruct"),
-                                                 ("qwen2.yaml", "/models/Qwen2.5-0.5B-Instruct")])
+                                                 ("qwen2.yaml", "/models/Qwen2.5-0.5B-Instruct"),
+                                                 ("qwen3.yaml", "/models/Qwen3-0.6B")])
 def test_shipped_hf_templates_say_to_edit_model_path(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                      name: str, model_dir: str) -> None:
     if Path(model_dir).exists():
