@@ -149,6 +149,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
     require_export_extra()
     recipe = load_recipe(args.recipe)
     out = Path(args.output) if args.output else Path("build") / recipe.model.name
+    blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:  # checked before the export's minutes, not as a NotADirectoryError after them
+        raise OmforgeError(f"-o {out}: {blocker} is a file, not a directory; name a directory for the bundle")
     t0 = time.perf_counter()
     try:
         result = compile_recipe(recipe, out, target=args.target)
@@ -214,10 +217,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise OmforgeError(f"{args.bundle}: not a bundle (no manifest.json); build one with omforge compile RECIPE")
     if args.max_request_body_bytes < 1:
         raise OmforgeError(f"--max-request-body-bytes must be positive, got {args.max_request_body_bytes}")
+    for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
+        if not value > 0:
+            raise OmforgeError(f"{flag} must be a positive number of seconds, got {value:g}")
+    if not args.drain_timeout >= 0:
+        raise OmforgeError(f"--drain-timeout must be 0 or more seconds, got {args.drain_timeout:g}")
     options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key or os.environ.get("OMFORGE_API_KEY"),
                            served_model_name=args.served_model_name, drain_timeout=args.drain_timeout,
                            log_level=args.log_level, tool_call_parser=args.tool_call_parser,
-                           body_timeout=args.body_timeout, max_request_body_bytes=args.max_request_body_bytes)
+                           body_timeout=args.body_timeout, max_request_body_bytes=args.max_request_body_bytes,
+                           header_timeout=args.header_timeout)
     engine_options = {}
     for o in SERVE_OPTIONS:  # None: not given, the bundle's value
         value = getattr(args, o.name) if o.cli_flag else None
@@ -227,8 +236,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
             except json.JSONDecodeError as e:
                 raise OmforgeError(f"{o.cli_flag}: not JSON ({e})") from None
         if value is not None:
+            _check_range(o, value)
             engine_options[o.name] = value
     return serve(args.bundle, options, **engine_options)
+
+
+def _check_range(o: ServeOption, value: Any) -> None:
+    """A number given on the command line within the option's declared range (the recipe's schema checks the
+    same bounds), else one line naming the flag."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return
+    for bound, ok, what in ((o.ge, lambda b: value >= b, "at least"), (o.gt, lambda b: value > b, "more than"),
+                            (o.le, lambda b: value <= b, "at most")):
+        if bound is not None and not ok(bound):
+            raise OmforgeError(f"{o.cli_flag}: must be {what} {bound:g}, got {value:g}")
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -293,6 +314,9 @@ def _serve_parser(sub: _Subparsers) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get to finish "
                    "after SIGTERM (default 30)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds a connection gets to send a request's headers; past it the connection is closed "
+                   "(default 10)")
     p.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a client gets to send a request body before a 408 (default 30)")
     p.add_argument("--max-request-body-bytes", type=int, default=8 << 20,

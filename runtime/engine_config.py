@@ -35,12 +35,12 @@ DECODE_STEP_TOKEN_BUDGET = 128
 FLOAT32_PREFILL_WITH_DECODES = 64
 DEFAULT_HICACHE_STORAGE_GB = 16.0  # the storage tier's budget when none is given
 HICACHE_STORAGE_BACKENDS = ("file",)
-QUEUE_BATCHES = 2
-"""The default ``max_waiting_requests`` is this many full batches (``QUEUE_BATCHES * max_num_seqs``): a waiting
-request starts when a running one finishes, so a queue of ``k`` batches drains in about ``k`` request lifetimes
-at a full batch. Two lifetimes is what fits ``DEFAULT_MAX_QUEUE_TIME_S`` for requests of up to about 30 s under
-load (a few hundred tokens at the decode rates of CPU serving); a deeper queue would only turn an early 429 into a
-late 503 after the client has waited the whole bound."""
+QUEUE_BATCHES = 1
+"""The default ``max_waiting_requests`` is this many full batches (``QUEUE_BATCHES * max_num_seqs``) until the
+server has measured how fast it finishes sequences (serve/admission.py sizes the queue from that rate then): a
+waiting request starts when a running one finishes, so a queue of ``k`` batches drains in about ``k`` request
+lifetimes. Issue 46 measured one batch of 64 SmolLM2 requests at ~38 s on the 2-core VM: two lifetimes passed
+``DEFAULT_MAX_QUEUE_TIME_S`` and 21 of 150 requests heard a 503 after waiting 60 s instead of a 429 at once."""
 
 
 class EngineConfigError(OmforgeError):
@@ -63,6 +63,7 @@ class EngineConfig:
     max_queue_delay_us: int  # the server's wait for companions before a first step
     threads: int | None  # ORT intra-op threads (None: ORT's default)
     explicit_kv_blocks: bool = False  # num_kv_blocks came from the caller, not the recipe or the default
+    explicit_waiting: bool = False  # max_waiting_requests came from the recipe or the caller: a hard cap
     kv_cache_space_gb: float | None = None  # the budget the pool was sized from (None: num_kv_blocks was given)
     speculative_config: dict | None = None  # runtime/spec_decode.SpeculativeConfig's fields (vLLM's spelling)
     prefault_kv: bool = False  # write the KV pool at start-up (omforge serve: RSS known up front)
@@ -90,7 +91,11 @@ class EngineConfig:
             return serve.get(name, SERVE_DEFAULTS[name]) if value is None else value
 
         context = manifest.limits.max_seq_len
-        max_model_len = min(pick("max_model_len") or context, context)
+        asked = pick("max_model_len")
+        if asked is not None and not 1 <= asked <= context:  # 0 was "unset", above the build was capped: both silent
+            raise EngineConfigError(f"max_model_len must be 1 … {context} (the bundle's compile.max_seq_len; a longer "
+                                    f"context needs a recompile), got {asked}")
+        max_model_len = asked or context
         max_num_seqs, max_batched = pick("max_num_seqs"), pick("max_num_batched_tokens")
         block_size = manifest.kv.block_size
         bytes_per_block = manifest.kv.bytes_per_token * block_size
@@ -123,6 +128,7 @@ class EngineConfig:
                    max_queue_time_s=_queue_time(pick("max_queue_time_s")),
                    max_queue_delay_us=pick("max_queue_delay_us"),
                    threads=pick("threads"), explicit_kv_blocks=overrides.get("num_kv_blocks") is not None,
+                   explicit_waiting=pick("max_waiting_requests") is not None,
                    kv_cache_space_gb=None if pick("num_kv_blocks") else budget / (1 << 30),
                    speculative_config=pick("speculative_config"), prefault_kv=bool(overrides.get("prefault_kv")),
                    serving=bool(overrides.get("serving")), kv_transfer_config=pick("kv_transfer_config"),

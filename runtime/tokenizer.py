@@ -65,8 +65,18 @@ class TextTokenizer:
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
         """Render ``messages`` ([{role, content}, …]) into the prompt text the model was trained on."""
+        # the request's template variables may override the special tokens (transformers and vLLM let them)
+        variables = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **kwargs}
         return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+                                     **variables)
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token's vocabulary entry spells (added tokens included): a text of ``c``
+        characters encodes to at least ``c / max_token_chars`` tokens. The entries' own spellings are at least as
+        long as the text they stand for (byte-level BPE spells a byte as one character, SentencePiece a space as
+        ``▁``, byte fallback ``<0x0A>``), so the bound never refuses a text that fits."""
+        return max(1, max(len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True)))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) map to their ids.

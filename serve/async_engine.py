@@ -8,9 +8,10 @@ each request's outputs back on an ``asyncio.Queue``, fed once per step with ``lo
 Invariants:
 - Only the engine thread touches the ``LLMEngine`` after :meth:`AsyncEngine.start` (``check_request`` aside,
   which reads limits fixed at load); only the event loop touches the streams and the in-flight count.
-- ``num_in_flight`` counts sequences submitted and not yet finished or aborted; a submission that would take it
-  past ``max_num_seqs + max_waiting_requests`` is refused with :class:`Overloaded` (429), never queued without
-  bound.
+- ``num_in_flight`` counts sequences submitted and not yet finished or aborted; a submission the
+  :class:`~omforge.serve.admission.QueueBudget` refuses (more waiting than the measured service rate starts
+  within the queue-time bound, or past the configured depth) is refused with :class:`Overloaded` (429), never
+  queued without bound.
 - A stream whose consumer stops early (client gone) aborts its request; the engine thread frees its blocks
   before its next step.
 - No request waits longer than ``max_queue_time_s`` (checked before every step): one that has not started by then
@@ -35,6 +36,7 @@ from omforge.runtime.engine import LLMEngine, RequestOutput
 from omforge.runtime.request import seq_ids
 from omforge.runtime.sampling_params import SamplingParams
 from omforge.runtime.tokenizer import TextTokenizer
+from omforge.serve.admission import QueueBudget, ServiceRate
 from omforge.serve.metrics import EngineSnapshot, ServerMetrics
 
 log = logging.getLogger("omforge.serve")
@@ -105,10 +107,14 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: LLMEngine, *, max_waiting_requests: int, max_queue_delay_s: float = 0.002,
-                 metrics: ServerMetrics | None = None, max_queue_time_s: float | None = None):
+                 metrics: ServerMetrics | None = None, max_queue_time_s: float | None = None,
+                 explicit_waiting: bool = True):
         self._engine = engine
         self.max_queue_time_s = max_queue_time_s
-        self.capacity = engine.engine_config.max_num_seqs + max_waiting_requests
+        self.service_rate = ServiceRate()
+        self.budget = QueueBudget(engine.engine_config.max_num_seqs, max_waiting_requests, explicit_waiting,
+                                  max_queue_time_s, self.service_rate)
+        self.capacity = self.budget.capacity
         self.max_queue_delay_s = max_queue_delay_s
         self.metrics = metrics  # updated from the engine thread
         self.num_in_flight = 0
@@ -196,11 +202,11 @@ class AsyncEngine:
         if self.draining:
             raise EngineUnavailable("the server is shutting down")
         num_seqs = sum(p.n for _, p in prompts)
-        if self.num_in_flight + num_seqs > self.capacity:
+        refused = self.budget.refusal(self.num_in_flight, num_seqs)
+        if refused is not None:
             if self.metrics is not None:
                 self.metrics.rejected("queue_full")
-            raise Overloaded(f"the server is at capacity ({self.num_in_flight} sequences running or waiting, "
-                             f"limit {self.capacity}); retry later")
+            raise Overloaded(f"the server is at capacity ({refused}); retry later")
         group = RequestGroup({}, set())
         arrival = arrival_time or time.monotonic()
         for i, (ids, params) in enumerate(prompts):
@@ -330,7 +336,10 @@ class AsyncEngine:
                     return
                 if self.max_queue_time_s is not None and (expired := engine.expire_waiting(self.max_queue_time_s)):
                     self._call_soon(self._time_out, expired)
+                saturated = self.num_in_flight >= self.max_num_seqs  # a waiting sequence gets the next free slot
+                started = time.perf_counter()
                 outputs = engine.step() if engine.has_unfinished() else []
+                self.service_rate.step(time.perf_counter() - started, sum(o.finished for o in outputs), saturated)
                 if self.metrics is not None:  # before delivery: a client that has its answer sees it counted
                     pending = sum(isinstance(c, AddRequest) for c in list(self._cmds))
                     self.metrics.after_step(self.snapshot(pending), outputs)

@@ -43,7 +43,9 @@ async def read_json(request: Request, timeout: float, limit: int) -> dict[str, A
             raise _too_large(limit, close=int(declared) > DRAIN_BYTES or not await _drain(request.stream(), 0))
         raw = await asyncio.wait_for(_read(request, limit), timeout)
     except TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {timeout:g}s", code="request_timeout") from None
+        # the rest of the body may still arrive: the connection cannot carry another request (RFC 9110 §15.5.9)
+        raise APIError(408, f"the request body did not arrive within {timeout:g}s", code="request_timeout",
+                       headers={"Connection": "close"}) from None
     except ClientDisconnect:
         log.info("client disconnected while sending the body of %s %s", request.method, request.url.path)
         raise APIError(499, "the client closed the connection") from None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -26,12 +27,21 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None):
+        message = _LONG_NUMBER.sub(_abbreviated, message)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+_LONG_NUMBER = re.compile(r"\d{40,}")  # a client's 4,000-digit value is not echoed back whole
+
+
+def _abbreviated(match: re.Match[str]) -> str:
+    digits = match.group()
+    return f"{digits[:6]}…{digits[-3:]} ({len(digits):,} digits)"
 
 
 def validation_message(exc: ValidationError) -> tuple[str, str]:
@@ -57,16 +67,22 @@ def _union_tag(segment: str | int) -> bool:
 
 
 def param_of(loc: Sequence[str | int]) -> str:
-    """A field's path as errors name it: ``prompt``, ``messages.0.content`` (list indices kept for messages)."""
-    return ".".join(str(p) for p in loc if not isinstance(p, int) or (loc and loc[0] == "messages"))
+    """A field's path as errors name it: ``prompt``, ``messages[0].content`` (list indices kept for messages, in
+    the form the routes' own errors write them)."""
+    out = ""
+    for p in loc:
+        if isinstance(p, int):
+            out += f"[{p}]" if loc and loc[0] == "messages" else ""
+        else:
+            out += f".{p}" if out else str(p)
+    return out
 
 
 def check_satisfiable(spec: StructuredOutput) -> None:
-    """A JSON constraint must admit some output. A schema that is only a ``$ref`` loop compiles, and then allows no
-    token but EOS: the request ended at once, an empty 200. Asked of llguidance over a byte vocabulary (the model's
-    tokenizer is the engine thread's); raises :class:`APIError` 400 naming the field."""
-    if spec.kind not in ("json", "json_object"):
-        return
+    """A constraint must admit some output. A schema that is only a ``$ref`` loop, or a regex / grammar that
+    matches nothing (``[^\\s\\S]``), compiles, and then allows no token but EOS: the request ended at once, an
+    empty 200. Asked of llguidance over a byte vocabulary (the model's tokenizer is the engine thread's); raises
+    :class:`APIError` 400 naming the field."""
     import llguidance
     import llguidance.numpy
     import numpy as np
@@ -75,8 +91,9 @@ def check_satisfiable(spec: StructuredOutput) -> None:
     matcher = llguidance.LLMatcher(tokenizer, compiled_grammar(spec))
     llguidance.numpy.fill_next_token_bitmask(matcher, np.zeros((1, -(-tokenizer.vocab_size // 32)), np.int32), 0)
     if matcher.is_error():
-        raise APIError(400, f"{spec.param}: no JSON value matches this schema (e.g. a $ref that only refers to "
-                       "itself)", param=spec.param)
+        what = ("no JSON value matches this schema (e.g. a $ref that only refers to itself)"
+                if spec.kind in ("json", "json_object") else f"no text matches this {spec.kind}")
+        raise APIError(400, f"{spec.param}: {what}", param=spec.param)
 
 
 @functools.cache
@@ -204,6 +221,11 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def check_streaming(self) -> None:
+        """``stream_options`` belongs to a streamed request (OpenAI and vLLM answer 400 otherwise)."""
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
 
 class CompletionRequest(_Common):
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, token ids or a list of token-id lists."""
@@ -239,6 +261,7 @@ class CompletionRequest(_Common):
         return params
 
     def check_supported(self) -> None:
+        self.check_streaming()
         if self.suffix:
             raise APIError(400, "suffix (insertion) is not supported", param="suffix")
         if self.best_of is not None and self.best_of != _or(self.n, 1):
@@ -298,6 +321,11 @@ class ChatCompletionRequest(_Common):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
+        self.check_streaming()
+        for i, m in enumerate(self.messages):  # OpenAI: a tool result names the call it answers
+            if m.role == "tool" and not m.tool_call_id:
+                raise APIError(400, f"messages[{i}].tool_call_id: a tool message must name the tool call it "
+                               "answers", param=f"messages[{i}].tool_call_id")
         reserved = sorted(set(self.chat_template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
         if reserved:
             raise APIError(400, f"chat_template_kwargs: {reserved[0]!r} is set by the server, not the request "

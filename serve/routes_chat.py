@@ -53,7 +53,8 @@ async def _chat_completions(state: ServerState, request: Request, arrival: float
             raise APIError(400, f"tool_choice {mode} constrains the output; it cannot be combined with "
                            f"{params.structured.param}", param="tool_choice")
         params.structured = StructuredOutput("json", schema, "tool_choice")
-    length_param = "max_completion_tokens" if body.max_new_tokens() else "messages"
+    length_param = ("max_completion_tokens" if body.max_completion_tokens else "max_tokens" if body.max_tokens
+                    else "messages")  # the field the client sent
     checked = await state.offload(check, state, ids, params, length_param)
     return await respond(state, request, body, "chat", [(ids, checked)], [], bool(body.logprobs), arrival,
                          tools=plan)

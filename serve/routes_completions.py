@@ -8,7 +8,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from omforge.serve.intake import check, parse
+from omforge.serve.intake import check, encode, parse
 from omforge.serve.openapi import GENERATION_ERRORS, errors
 from omforge.serve.openapi import body as openapi_body
 from omforge.serve.protocol import APIError, CompletionRequest
@@ -32,7 +32,8 @@ async def _completions(state: ServerState, request: Request, arrival: float) -> 
     texts = [p if isinstance(p, str) else None for p in prompts]
     if any(t is not None for t in texts) and tokenizer is None:
         raise APIError(400, "this model has no tokenizer: send prompt token ids", param="prompt")
-    ids = await state.offload(lambda: [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts])
+    ids = await state.offload(lambda: [encode(state, p, True, "prompt") if isinstance(p, str) else list(p)
+                                       for p in prompts])
     params = body.engine_params()
     length_param = "max_tokens" if body.max_tokens else "prompt"
     checked = await state.offload(lambda: [(i, check(state, i, params, length_param)) for i in ids])

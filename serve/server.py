@@ -8,6 +8,7 @@ finish within ``drain_timeout`` seconds (then they are cancelled, which aborts t
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import signal
 import socket
@@ -20,9 +21,11 @@ from typing import Any
 
 import uvicorn
 
+from omforge.errors import OmforgeError
 from omforge.runtime.engine import LLMEngine
 from omforge.serve.api import build_app
 from omforge.serve.async_engine import AsyncEngine
+from omforge.serve.http_protocol import DEFAULT_HEADER_TIMEOUT_S, with_header_timeout
 from omforge.serve.metrics import ServerMetrics
 from omforge.serve.state import ServerState
 from omforge.serve.tools import detect_format
@@ -41,6 +44,7 @@ class ServeOptions:
     tool_call_parser: str = "auto"  # auto: from the chat template (serve/tools.py); or hermes, llama3_json, mistral
     body_timeout: float = 30.0  # seconds to receive a request body (a half-sent body then gets a 408)
     max_request_body_bytes: int = 8 << 20  # a larger request body gets a 413
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S  # seconds to receive a request's headers (then: closed)
 
 
 def _log_to_stderr(level: str) -> None:
@@ -72,9 +76,46 @@ class _Server(uvicorn.Server):
             captured.pop()  # a drained shutdown exits 0; uvicorn would re-raise SIGTERM and die by it
 
 
+class ServeStartError(OmforgeError):
+    """The server cannot start where it was told to (the port, the host): one line naming the flag."""
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket on ``host:port``, bound before anything is loaded (as vLLM does): a port in use, a
+    host that does not resolve or a port outside 0…65535 is a :class:`ServeStartError` at once, not after the
+    bundle's load and the KV pool's allocation."""
+    if not 0 <= port <= 65535:
+        raise ServeStartError(f"--port: {port} is not a TCP port (0 … 65535; 0 picks a free one)")
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, address = min(found, key=lambda a: a[0] != socket.AF_INET)  # IPv4 first
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ServeStartError(f"--host: {host!r} does not resolve to an address on this machine "
+                              f"({exc.args[-1] if exc.args else exc})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ServeStartError(f"--port: {port} on {host} is already in use (another server?); pick another "
+                                  "port, or --port 0 for a free one") from None
+        raise ServeStartError(f"--host/--port: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
 def serve(bundle: str | Path, options: ServeOptions, **engine_options: Any) -> int:
     t0 = time.perf_counter()
     _log_to_stderr(options.log_level)
+    sock = bind(options.host, options.port)
+    try:
+        return _serve(bundle, options, sock, t0, **engine_options)
+    finally:
+        sock.close()
+
+
+def _serve(bundle: str | Path, options: ServeOptions, sock: socket.socket, t0: float, **engine_options: Any) -> int:
     # the pool's memory resident from the start; streamed outputs: the decode-step token budget applies
     engine = LLMEngine(bundle, prefault_kv=True, serving=True, **engine_options)
     cfg = engine.engine_config
@@ -82,7 +123,7 @@ def serve(bundle: str | Path, options: ServeOptions, **engine_options: Any) -> i
     metrics = ServerMetrics(name)
     async_engine = AsyncEngine(engine, max_waiting_requests=cfg.max_waiting_requests,
                                max_queue_delay_s=cfg.max_queue_delay_us / 1e6, metrics=metrics,
-                               max_queue_time_s=cfg.max_queue_time_s)
+                               max_queue_time_s=cfg.max_queue_time_s, explicit_waiting=cfg.explicit_waiting)
     metrics.after_step(async_engine.snapshot(), [])  # the pool's size and an empty engine, before any request
     template = engine.tokenizer.chat_template if engine.tokenizer is not None else None
     tool_format = detect_format(template) if options.tool_call_parser == "auto" else options.tool_call_parser
@@ -98,9 +139,6 @@ def serve(bundle: str | Path, options: ServeOptions, **engine_options: Any) -> i
         async_engine.stop()
 
     app.router.lifespan_context = lifespan
-    sock = socket.socket(socket.AF_INET6 if ":" in options.host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((options.host, options.port))
     sock.listen(2048)  # before the URL is printed: a client that connects at once waits in the backlog
     host, port = sock.getsockname()[:2]
     st = engine.snapshot()
@@ -121,7 +159,8 @@ def serve(bundle: str | Path, options: ServeOptions, **engine_options: Any) -> i
     # uvicorn's own graceful timeout is longer than the drain: at the drain timeout the engine ends what is left
     # with an error event (AsyncEngine.end_all), and those responses are written before connections close
     config = uvicorn.Config(app, log_level=options.log_level, timeout_graceful_shutdown=options.drain_timeout + 5,
-                            access_log=False, lifespan="on", timeout_keep_alive=30)
+                            access_log=False, lifespan="on", timeout_keep_alive=30,
+                            http=with_header_timeout(options.header_timeout))
     server = _Server(config)
     server.engine, server.drain_timeout = async_engine, options.drain_timeout
     try:

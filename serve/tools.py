@@ -105,12 +105,55 @@ def constraint(mode: str, name: str | None, fns: dict[str, dict[str, Any]],
     if mode == "named":
         return {**closed(fns[name]["parameters"]), **COMPACT}  # type: ignore[index]
     if mode == "required":
+        defs: dict[str, Any] = {}
         calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                  "properties": {"name": {"const": n}, "parameters": closed(f["parameters"])}}
-                 for n, f in fns.items()]
+                  "properties": {"name": {"const": n}, "parameters": _hoisted(closed(f["parameters"]), i, defs)}}
+                 for i, (n, f) in enumerate(fns.items())]
         most = {"maxItems": 1} if parallel is False else {}
-        return {"type": "array", "minItems": 1, **most, "items": {"anyOf": calls}, **COMPACT}
+        shared = {"$defs": defs} if defs else {}
+        return {"type": "array", "minItems": 1, **most, "items": {"anyOf": calls}, **shared, **COMPACT}
     return None
+
+
+_DEF_KEYS = ("$defs", "definitions")
+
+
+def _hoisted(params: Any, index: int, defs: dict[str, Any]) -> Any:
+    """Tool ``index``'s parameters for the ``required`` wrapper: its local ``$defs`` / ``definitions`` moved to the
+    wrapper's ``$defs`` as ``t{index}.NAME`` and every local ``$ref`` (``#``, ``#/$defs/NAME/…``, any other
+    ``#/…`` pointer) rewritten to point there, so a pydantic-made schema's references still resolve once the
+    parameters sit inside the array of calls (JSON pointers are relative to the document's root)."""
+    if not isinstance(params, dict):
+        return params
+    prefix = f"t{index}."
+    root = f"{prefix}$root"
+    used_root = False
+
+    def ref(target: str) -> str:
+        nonlocal used_root
+        if not target.startswith("#"):
+            return target  # a remote reference: left to the grammar compiler, which refuses it by name
+        parts = target[1:].lstrip("/").split("/") if target not in ("#", "#/") else []
+        if len(parts) >= 2 and parts[0] in _DEF_KEYS:
+            return "/".join(["#", "$defs", prefix + parts[1], *parts[2:]])
+        used_root = True
+        return "/".join(["#", "$defs", root, *parts])
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: (ref(v) if k == "$ref" and isinstance(v, str) else walk(v)) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    body = {k: v for k, v in params.items() if k not in _DEF_KEYS}
+    for key in _DEF_KEYS:
+        if isinstance(params.get(key), dict):
+            defs.update({prefix + name: walk(sub) for name, sub in params[key].items()})
+    out = walk(body)
+    if used_root:
+        defs[root] = out  # the whole parameters schema, for a pointer into it (``#``, ``#/properties/…``)
+    return out
 
 
 _ONE = ("items", "additionalItems", "contains", "propertyNames", "additionalProperties", "unevaluatedItems",

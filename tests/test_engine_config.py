@@ -56,9 +56,9 @@ def test_the_bundle_values_when_nothing_is_overridden() -> None:
 
 
 def test_overrides_win_and_none_means_the_bundle() -> None:
-    cfg = EngineConfig.resolve(manifest(num_kv_blocks=40), max_num_seqs=2, max_model_len=4096, num_kv_blocks=None,
+    cfg = EngineConfig.resolve(manifest(num_kv_blocks=40), max_num_seqs=2, max_model_len=256, num_kv_blocks=None,
                                enable_prefix_caching=False, preemption_mode="swap", swap_space_gb=0.5, threads=1)
-    assert (cfg.max_num_seqs, cfg.max_model_len, cfg.num_kv_blocks) == (2, 512, 40)  # context capped by the build
+    assert (cfg.max_num_seqs, cfg.max_model_len, cfg.num_kv_blocks) == (2, 256, 40)
     assert not cfg.enable_prefix_caching and cfg.threads == 1 and not cfg.explicit_kv_blocks
     assert cfg.num_host_blocks == (1 << 29) // (16 * 1024)
     huge = EngineConfig.resolve(manifest(max_num_seqs=4096))
@@ -72,6 +72,9 @@ def test_unknown_or_impossible_options_are_named() -> None:
         EngineConfig.resolve(manifest(), preemption_mode="evict")
     with pytest.raises(EngineConfigError, match="max_num_batched_tokens must be at least 1"):
         EngineConfig.resolve(manifest(), max_num_batched_tokens=-1)
+    for outside in (4096, 0, -5):  # above the build was silently capped, 0 silently "unset", -5 refused everything
+        with pytest.raises(EngineConfigError, match=f"max_model_len must be 1 … 512 .*got {outside}"):
+            EngineConfig.resolve(manifest(), max_model_len=outside)
 
 
 def test_a_pool_fixed_by_the_executor() -> None:
@@ -130,13 +133,15 @@ def test_the_pool_is_sized_from_the_kv_cache_space_budget() -> None:
 
 
 def test_the_queue_is_bounded_in_time_and_its_default_depth_follows_max_num_seqs() -> None:
-    """issue 24, defect 10: a default depth of two full batches (it was a fixed 256 whatever the batch), and a
-    queue time bound (default 60 s; a bundle's null: none; an override wins)."""
+    """issue 24, defect 10: a default depth in full batches (it was a fixed 256 whatever the batch; one batch until
+    the server measures its rate, issue 46), and a queue time bound (default 60 s; a bundle's null: none; an
+    override wins)."""
     cfg = EngineConfig.resolve(manifest(max_waiting_requests=None))
-    assert cfg.max_waiting_requests == QUEUE_BATCHES * 8 == 16
+    assert cfg.max_waiting_requests == QUEUE_BATCHES * 8 == 8 and not cfg.explicit_waiting
     assert cfg.max_queue_time_s == DEFAULT_MAX_QUEUE_TIME_S == 60.0  # a bundle compiled before the key existed
     assert EngineConfig.resolve(manifest(max_queue_time_s=None)).max_queue_time_s is None
     assert EngineConfig.resolve(manifest(max_queue_time_s=None), max_queue_time_s=2).max_queue_time_s == 2.0
     assert EngineConfig.resolve(manifest(max_waiting_requests=5)).max_waiting_requests == 5
+    assert EngineConfig.resolve(manifest(max_waiting_requests=5)).explicit_waiting
     with pytest.raises(EngineConfigError, match="max_queue_time_s"):
         EngineConfig.resolve(manifest(), max_queue_time_s=-1)

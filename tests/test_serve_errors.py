@@ -127,7 +127,7 @@ def test_invalid_parameter_is_400_naming_it(client, kwargs: dict, param: str) ->
 
 @pytest.mark.parametrize("kwargs, param", [
     (dict(messages=[]), "messages"),
-    (dict(messages=[{"content": "no role"}]), "messages.0.role"),
+    (dict(messages=[{"content": "no role"}]), "messages[0].role"),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
      "messages[0].content"),
     (dict(messages=[{"role": "user", "content": "hi"}], top_logprobs=3), "top_logprobs"),
@@ -162,7 +162,7 @@ def test_missing_or_wrong_key_is_401(server: ServerProcess) -> None:
 
 
 def test_unknown_route_is_404_in_openai_shape(server: ServerProcess) -> None:
-    status, _, body = raw_post(server.url, "/v1/embeddings", b"{}", {"Authorization": f"Bearer {KEY}"})
+    status, _, body = raw_post(server.url, "/v1/images/generations", b"{}", {"Authorization": f"Bearer {KEY}"})
     assert status == 404
     assert_openai_error(body)
 
@@ -286,7 +286,7 @@ def test_what_the_fuzzer_found_is_a_400(server: ServerProcess, path: str, body: 
     ("/v1/completions", json.dumps({"prompt": ["ok", "\udc00"], "max_tokens": 2}).encode(), "prompt"),
     ("/v1/completions", b'{"prompt": "raw bytes \xed\xa0\x80", "max_tokens": 2}', "prompt"),
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "a\ud800b"}]}).encode(),
-     "messages.0.content"),
+     "messages[0].content"),
     ("/tokenize", json.dumps({"prompt": "\ud800"}).encode(), "prompt"),
 ])
 def test_a_lone_surrogate_is_400_naming_the_field(server: ServerProcess, path: str, body: bytes, param: str) -> None:
@@ -380,14 +380,14 @@ CALL = {"role": "assistant", "content": "", "tool_calls": [
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
-    ("/v1/chat/completions", {"messages": [{"role": "", "content": "hi"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "", "content": "hi"}]}, "messages[0].role"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "10"}, "max_tokens"),
     ("/v1/completions", {"prompt": [True, False]}, "prompt"),
     ("/v1/completions", {"prompt": [[1, True]]}, "prompt"),
     ("/v1/chat/completions", {"messages": [{**CALL, "tool_calls": [{**CALL["tool_calls"][0], "id": 5}]}, *HI]},
-     "messages.0.tool_calls.0.id"),
+     "messages[0].tool_calls[0].id"),
     ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_schema",
                                                                   "json_schema": {"name": "x", "schema": LOOP}}},
      "response_format"),

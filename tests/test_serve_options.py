@@ -20,7 +20,7 @@ from omforge.contract.serve_options import RECIPE_OPTIONS, SERVE_OPTIONS, ServeO
 from omforge.recipe import ServeSection
 from omforge.runtime.engine_config import CALLER_OPTIONS, EngineConfig
 
-DERIVED = {"num_host_blocks", "explicit_kv_blocks", "float32_weights"}  # resolved from the bundle, not options
+DERIVED = {"num_host_blocks", "explicit_kv_blocks", "explicit_waiting", "float32_weights"}  # resolved, not options
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -39,7 +39,10 @@ def sample(o: ServeOption) -> tuple[list[str], Any]:
     if o.kind is dict:
         spec = {"method": "ngram", "num_speculative_tokens": 2}
         return [o.cli_flag, json.dumps(spec)], spec
-    return {int: ([o.cli_flag, "3"], 3), float: ([o.cli_flag, "0.5"], 0.5), str: ([o.cli_flag, "x"], "x")}[o.kind]
+    if o.kind is int:  # within the declared range, which the command line checks as the recipe does
+        value = max(3, int(o.ge or 0))
+        return [o.cli_flag, str(value)], value
+    return {float: ([o.cli_flag, "0.5"], 0.5), str: ([o.cli_flag, "x"], "x")}[o.kind]
 
 
 def test_the_recipe_schema_is_the_declaration() -> None:
@@ -91,4 +94,5 @@ def test_the_engine_takes_every_option_and_a_missing_key_is_its_default() -> Non
     for o in RECIPE_OPTIONS:
         if o.default is not None:
             assert getattr(cfg, o.name) == o.default, o.name
-    assert cfg.max_waiting_requests == 2 * cfg.max_num_seqs and cfg.hicache_storage_size_gb == 16.0
+    assert cfg.max_waiting_requests == cfg.max_num_seqs and not cfg.explicit_waiting
+    assert cfg.hicache_storage_size_gb == 16.0
