@@ -3,7 +3,7 @@
 # 127.0.0.1, answer one chat request through the OpenAI-compatible API, stop the server (SIGTERM drain).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh demo
 OUT=${OUT:-build/smollm2-135m}
 .venv/bin/omforge compile models/smollm2-135m.yaml -o "$OUT"
 .venv/bin/omforge inspect "$OUT" --no-verify
@@ -30,3 +30,8 @@ print(r.choices[0].message.content)
 print(f"[{r.usage.prompt_tokens} prompt + {r.usage.completion_tokens} completion tokens, "
       f"finish={r.choices[0].finish_reason}, served at {sys.argv[1]}]", file=sys.stderr)
 PY
+echo "
+To keep a server running:  .venv/bin/omforge serve $OUT --port 8000
+and ask it from another terminal:
+  curl -s http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"max_tokens\": 32}'" >&2
