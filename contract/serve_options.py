@@ -85,6 +85,12 @@ SERVE_OPTIONS: tuple[ServeOption, ...] = (
     ServeOption("hicache_storage_size_gb", float, None, "the storage tier's budget per bundle in GiB (default 16), "
                 "least recently used out first", nullable=True, gt=0, le=1_048_576, flag="--hicache-storage-size",
                 metavar="GB"),
+    ServeOption("reasoning_parser", str, None, "split a reasoning model's thinking (<think> … </think>) from its "
+                "answer into reasoning_content (vLLM's --reasoning-parser)", nullable=True,
+                choices=("qwen3", "deepseek_r1")),
+    ServeOption("reasoning_budget", int, None, "thinking tokens after which </think> is forced, for a request that "
+                "sends no thinking_token_budget (llama.cpp --reasoning-budget; default: no cap)", nullable=True, ge=0,
+                metavar="N"),
     ServeOption("threads", int, None, "onnxruntime intra-op threads (default: all cores)", nullable=True,
                 recipe=False),
     ServeOption("kv_transfer_config", str, None, 'prefill/decode disaggregation over NIXL, vLLM\'s flag: '

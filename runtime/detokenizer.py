@@ -52,6 +52,12 @@ class IncrementalDetokenizer:
         self._pending += new_text[len(prefix_text):]
         return self._release(final=False)
 
+    def context(self, token_id: int) -> None:
+        """Take ``token_id`` as context of the next token, never as text (a reasoning marker). Call it with
+        nothing held back (after :meth:`flush`, or on a detokenizer that has had no tokens)."""
+        self._ids.append(token_id)
+        self._read = len(self._ids)
+
     def flush(self) -> str:
         """At finish: release everything held back (a stop string can no longer complete)."""
         if self.stopped is not None:

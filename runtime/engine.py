@@ -28,6 +28,7 @@ from omforge.runtime.kv_connector import KVConnector
 from omforge.runtime.kv_transfer.connector import build_connector, request_params
 from omforge.runtime.ort.ort_executor import OrtExecutor
 from omforge.runtime.outputs import EngineSnapshot, EngineStats, RequestOutput
+from omforge.runtime.reasoning import ANSWER, MARKER, REASONING, ReasoningError, ReasoningParser, ReasoningState, steer
 from omforge.runtime.request import Request, Status, seq_ids
 from omforge.runtime.sampler import LogprobEntry, Sampler, prompt_logprobs
 from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
@@ -58,6 +59,12 @@ class LLMEngine:
         bundle = Path(bundle)
         self.manifest = m = load_manifest(bundle)  # its target is ort or ascend (the manifest checks it)
         cfg = config or EngineConfig.resolve(m, **overrides)
+        self.tokenizer = TextTokenizer(bundle / m.tokenizer.file, m.tokenizer) if m.tokenizer.file else None
+        try:  # the thinking apart from the answer (runtime/reasoning.py); a tokenizer without the markers: one line
+            self.reasoning = ReasoningParser(cfg.reasoning_parser, self.tokenizer, cfg.reasoning_budget) \
+                if cfg.reasoning_parser else None
+        except ReasoningError as exc:
+            raise EngineConfigError(str(exc)) from None
         self.config = m.model.config
         self.layout = m.kv.paged_layout
         self.block_size = self.layout.block_size
@@ -87,7 +94,6 @@ class LLMEngine:
         self.connectors: list[KVConnector] = [c for c in (self.pd, self.hicache) if c is not None]
         self.scheduler = Scheduler(self.kv, cfg.scheduler_config(self.config, caps.supports_mixed_batches),
                                    connectors=self.connectors)
-        self.tokenizer = TextTokenizer(bundle / m.tokenizer.file, m.tokenizer) if m.tokenizer.file else None
         self.sampler = Sampler(eos_token_ids=self.config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.closed = False
@@ -142,6 +148,9 @@ class LLMEngine:
                 compiled_grammar(params.structured)
             except StructuredOutputError as exc:
                 raise SamplingParamsError(exc.param, str(exc)) from None
+        if params.reasoning is not None and any(not 0 <= t < vocab for t in (params.reasoning.start_token_id,
+                                                                             params.reasoning.end_token_id)):
+            raise SamplingParamsError("reasoning", f"reasoning marker token ids must be in [0, {vocab})")
         if params.prompt_logprobs is not None and not self.executor.capabilities.supports_prompt_logits:
             raise SamplingParamsError("prompt_logprobs", "prompt_logprobs: this bundle's executor returns one logits "
                                       "row per sequence (the ascend OM models); use an ort bundle")
@@ -184,6 +193,10 @@ class LLMEngine:
                 req.arrival_time = arrival_time
             if self.tokenizer is not None:
                 req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
+            if params.reasoning is not None:  # stop strings apply to the answer alone
+                req.reasoning = ReasoningState(params.reasoning)
+                if self.tokenizer is not None:
+                    req.reasoning_detokenizer = IncrementalDetokenizer(self.tokenizer, ids, replace(params, stop=[]))
             reqs.append(req)
         # n > 1: the prompt is computed once, by the first sequence; the others fork its blocks (copy-on-write)
         # when its prefill completes, and sample their first tokens from the same logits row
@@ -278,7 +291,8 @@ class LLMEngine:
             self._spec.draft(self.scheduler.running)
         plan = self.scheduler.schedule()
         self.stats.preemptions = self.scheduler.num_preemptions
-        masks = self._grammars.start([r.matcher for r, _ in plan.sample_rows])  # beside the model step
+        masks = self._grammars.start([r.matcher if r.reasoning is None or r.reasoning.constrained else None
+                                      for r, _ in plan.sample_rows])  # beside the model step; none in the thinking
         logits = run_plan(self.executor, plan)
         failed = [self._failed(req) for req in self.scheduler.failed]  # ended without an answer (a KV read)
         self.scheduler.failed.clear()
@@ -303,9 +317,12 @@ class LLMEngine:
         if reqs:
             rows = [row for _, row in plan.sample_rows]
             chosen = logits[rows] if rows != list(range(len(logits))) else logits  # n > 1: followers share a row
+            allowed = masks.result() if masks is not None else None
+            if any(r.reasoning is not None for r in reqs):  # a spent thinking budget forces the end marker
+                allowed = steer([r.reasoning for r in reqs], allowed, chosen.shape[1])
             result = self.sampler.sample(chosen, [r.params for r in reqs], [r.generator for r in reqs],
                                          [r.output_token_ids for r in reqs], [r.prompt_token_ids for r in reqs],
-                                         allowed=masks.result() if masks is not None else None)
+                                         allowed=allowed)
             asking = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
             if asking:
                 built = result.entries([reqs[i].params.logprobs for i in asking], asking)
@@ -315,10 +332,12 @@ class LLMEngine:
             tokens = []
         before = {r.request_id: len(r.output_token_ids) for r in [*reqs, *(r for r, _, _ in plan.spec_rows)]}
         sampled = self.scheduler.update_from_output(plan, tokens, verified)
+        channels = {req.request_id: [req.reasoning.observe(t) for t in req.output_token_ids[before[req.request_id]:]]
+                    for req in sampled if req.reasoning is not None}  # each new token: reasoning, answer or marker
         if masks is not None:
-            self._advance_grammars(sampled)
+            self._advance_grammars(sampled, channels)
         outputs = failed + [self._emit(req, req.output_token_ids[before[req.request_id]:], entries.get(req.request_id),
-                                       now) for req in sampled]
+                                       now, channels.get(req.request_id)) for req in sampled]
         decode = plan.num_decode_tokens
         st = self.stats
         st.steps += 1
@@ -333,12 +352,13 @@ class LLMEngine:
 
     # --- after the model step ------------------------------------------------------------------------------
 
-    def _advance_grammars(self, sampled: list[Request]) -> None:
-        """Each structured sequence's matcher takes its new token. A complete grammar allows only EOS, which ends
-        the request as usual; with ``ignore_eos`` the consumed EOS ends it here."""
+    def _advance_grammars(self, sampled: list[Request], channels: dict[str, list[str]]) -> None:
+        """Each structured sequence's matcher takes its new token, if it is one of the answer's (``channels``: a
+        reasoning sequence's). A complete grammar allows only EOS, which ends the request as usual; with
+        ``ignore_eos`` the consumed EOS ends it here."""
         eos = self.config.eos_token_ids
         for req in sampled:
-            if req.matcher is None or req.finished:
+            if req.matcher is None or req.finished or channels.get(req.request_id, [""])[-1] in (REASONING, MARKER):
                 continue
             token = req.output_token_ids[-1]
             if not req.matcher.consume_token(token):
@@ -357,14 +377,17 @@ class LLMEngine:
         if first < last:
             filled.extend(prompt_logprobs(logits[first:last], prompt[start + first + 1:start + last + 1], k))
 
-    def _emit(self, req: Request, new: list[int], entries: list[LogprobEntry] | None, now: float) -> RequestOutput:
+    def _emit(self, req: Request, new: list[int], entries: list[LogprobEntry] | None, now: float,
+              channels: list[str] | None = None) -> RequestOutput:
         """Record this step's tokens of ``req`` (one, or a speculating request's accepted run) — times, logprobs —
-        and detokenise them one by one; a stop string ends the request there and drops the tokens after it."""
+        and detokenise them one by one (``channels``: a reasoning sequence's, each token's: the thinking's text,
+        the answer's, or a marker, text of neither); a stop string ends the request there and drops the tokens
+        after it (a stop string applies to the answer alone)."""
         if req.first_token_time is None:
             req.first_token_time = now
             if req.parent is None:  # a follower's prompt was its leader's
                 self.stats.prompt_tokens += len(req.prompt_token_ids)
-        new_text, kept = "", []
+        new_text, new_reasoning, kept = "", "", []
         for i, token in enumerate(new):
             kept.append(token)
             req.token_times.append(now)
@@ -374,6 +397,10 @@ class LLMEngine:
             if req.detokenizer is not None:
                 last = i == len(new) - 1
                 ends_on_token = last and req.finish_reason == "stop" and not isinstance(req.stop_reason, str)
+                channel = channels[i] if channels is not None else None
+                if channel is not None and channel != ANSWER:
+                    new_reasoning += self._reasoning_text(req, token, channel, ends_on_token)
+                    continue
                 new_text += "" if ends_on_token else req.detokenizer.append(token)
                 if req.detokenizer.stopped:  # it wins over a length limit or stop token at this or a later token
                     self.scheduler.finish(req, "stop", req.detokenizer.stopped)
@@ -381,19 +408,38 @@ class LLMEngine:
                     break
         if req.finished and req.detokenizer is not None:
             new_text += req.detokenizer.flush()  # held-back text that can no longer become a stop string
+            if req.reasoning_detokenizer is not None:
+                new_reasoning += req.reasoning_detokenizer.flush()
         if req.finished:
             self.requests.pop(req.request_id, None)  # a long-running server must not keep finished requests
             self.stats.finished += 1
-        return self._output(req, new_text, kept)
+        return self._output(req, new_text, kept, new_reasoning)
+
+    @staticmethod
+    def _reasoning_text(req: Request, token: int, channel: str, ends_on_token: bool) -> str:
+        """The thinking's new text for one of its tokens; a marker is context, never text: the end marker closes
+        the thinking's text and is the answer's first context."""
+        think = req.reasoning_detokenizer
+        if channel == REASONING:
+            return "" if ends_on_token else think.append(token)  # type: ignore[union-attr]
+        if token == req.reasoning.spec.start_token_id:
+            think.context(token)  # type: ignore[union-attr]
+            return ""
+        out = think.flush()  # type: ignore[union-attr]
+        req.detokenizer.context(token)  # type: ignore[union-attr]
+        return out
 
     def _failed(self, req: Request) -> RequestOutput:  # ended by the scheduler without an answer (req.error)
         self.requests.pop(req.request_id, None)
         return self._output(req, "", [])
 
-    def _output(self, req: Request, new_text: str, new_ids: list[int]) -> RequestOutput:
+    def _output(self, req: Request, new_text: str, new_ids: list[int], new_reasoning: str = "") -> RequestOutput:
         text = req.detokenizer.text if req.detokenizer is not None else ""
+        think = req.reasoning_detokenizer
         return RequestOutput(req.request_id, req.index, req.prompt_token_ids, text, list(req.output_token_ids),
                              new_text, new_ids, req.finished, req.finish_reason, req.stop_reason,
                              req.num_cached_tokens, tuple(req.logprobs), req.arrival_time, req.first_token_time,
                              list(req.token_times), tuple(req.prompt_logprobs) if req.prompt_logprobs else None,
-                             req.kv_transfer_out, req.error)
+                             req.kv_transfer_out, req.error, reasoning_text=think.text if think is not None else None,
+                             new_reasoning_text=new_reasoning,
+                             num_reasoning_tokens=req.reasoning.num_tokens if req.reasoning is not None else 0)

@@ -76,6 +76,8 @@ class EngineConfig:
     hicache_storage_dir: str | None = None
     hicache_storage_size_gb: float = DEFAULT_HICACHE_STORAGE_GB
     kv_transfer_config: str | dict | None = None  # vLLM's --kv-transfer-config (PD over NIXL; runtime/kv_transfer)
+    reasoning_parser: str | None = None  # vLLM's --reasoning-parser (runtime/reasoning.py PARSERS)
+    reasoning_budget: int | None = None  # the thinking budget of a request that sets none (None: no cap)
 
     @classmethod
     def resolve(cls, manifest: Manifest, **overrides: Any) -> EngineConfig:
@@ -132,6 +134,7 @@ class EngineConfig:
                    kv_cache_space_gb=None if pick("num_kv_blocks") else budget / (1 << 30),
                    speculative_config=pick("speculative_config"), prefault_kv=bool(overrides.get("prefault_kv")),
                    serving=bool(overrides.get("serving")), kv_transfer_config=pick("kv_transfer_config"),
+                   reasoning_parser=pick("reasoning_parser"), reasoning_budget=pick("reasoning_budget"),
                    float32_weights=manifest.weights.precision == "float32",
                    **tiers)
 

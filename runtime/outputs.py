@@ -91,6 +91,11 @@ class RequestOutput:
     prompt_logprobs: tuple[LogprobEntry | None, ...] | None = None  # SamplingParams.prompt_logprobs: (None, …)
     kv_transfer_params: dict | None = None  # a finished PD prefill leg: what the decode leg needs (vLLM's field)
     error: str | None = None  # it ended without an answer (a failed KV transfer): the server answers an error
+    # SamplingParams.reasoning: the thinking's text so far (``text`` is then the answer's), what this step added,
+    # and its tokens (the markers not counted); None / "" / 0 without it
+    reasoning_text: str | None = None
+    new_reasoning_text: str = ""
+    num_reasoning_tokens: int = 0
 
     @property
     def ttft(self) -> float | None:

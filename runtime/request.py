@@ -49,6 +49,8 @@ class Request:
     # the leader's list, shared by its followers (one prompt)
     prompt_logprobs: list[LogprobEntry | None] = field(default_factory=list)
     matcher: Any = None  # params.structured: this sequence's llguidance matcher (its place in the grammar)
+    reasoning: Any = None  # params.reasoning: this sequence's ReasoningState (runtime/reasoning.py)
+    reasoning_detokenizer: object | None = None  # params.reasoning: the thinking's text (``detokenizer``: the answer's)
     draft: list[int] = field(default_factory=list)  # speculative decoding: this step's drafted tokens
     spec_acceptance: float = 1.0  # its drafts' accepted fraction, averaged (spec_decode.ACCEPTANCE_WEIGHT)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

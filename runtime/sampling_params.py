@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from omforge.errors import OmforgeError
+from omforge.runtime.reasoning import ReasoningSpec
 from omforge.runtime.structured import StructuredOutput
 
 # Below this a temperature means greedy (vLLM's _SAMPLING_EPS): dividing by it would overflow the logits.
@@ -62,6 +63,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # vLLM's kv_transfer_params (prefill/decode disaggregation, runtime/kv_transfer): read by the engine
     kv_transfer_params: dict[str, Any] | None = None
+    # a reasoning model's thinking apart from its answer, and its budget (runtime/reasoning.py; chat requests)
+    reasoning: ReasoningSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI accepts one string or a list
@@ -110,6 +113,8 @@ class SamplingParams:
                 raise SamplingParamsError(name, f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.reasoning is not None and self.reasoning.budget is not None:
+            _int("thinking_token_budget", self.reasoning.budget, 0)
         if self.prompt_logprobs is not None:
             _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         if not isinstance(self.logit_bias, dict):

@@ -155,7 +155,7 @@ class SpeculativeDecoder:
             left = min(p.max_tokens - len(req.output_token_ids) if p.max_tokens is not None else 1 << 30,
                        self.max_model_len - req.num_tokens) - 1
             if (req.num_tokens - req.num_computed_tokens != 1 or not req.output_token_ids or req.followers
-                    or left < 1 or req.matcher is not None
+                    or left < 1 or req.matcher is not None or (req.reasoning is not None and req.reasoning.steers)
                     or req.spec_acceptance < spec.min_acceptance or not verifiable(p, len(req.output_token_ids))):
                 continue
             req.draft = self.drafter.propose(req.all_token_ids, min(spec.num_speculative_tokens, left))

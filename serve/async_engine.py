@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from omforge.errors import OmforgeError
 from omforge.runtime.engine import LLMEngine, RequestOutput
+from omforge.runtime.reasoning import ReasoningParser
 from omforge.runtime.request import seq_ids
 from omforge.runtime.sampling_params import SamplingParams
 from omforge.runtime.tokenizer import TextTokenizer
@@ -158,6 +159,11 @@ class AsyncEngine:
     def tokenizer(self) -> TextTokenizer | None:
         """The bundle's tokenizer, or None when the bundle ships none (token ids only)."""
         return self._engine.tokenizer
+
+    @property
+    def reasoning(self) -> ReasoningParser | None:
+        """The server's reasoning parser (``--reasoning-parser``), or None."""
+        return self._engine.reasoning
 
     @property
     def vocab_size(self) -> int:

@@ -319,6 +319,8 @@ class ChatCompletionRequest(_Common):
     # vLLM's extras for the template
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the reasoning tokens after which </think> is forced (MindIE thinking_budget; --reasoning-parser)
+    thinking_token_budget: int | None = None
 
     def check_supported(self) -> None:
         self.check_streaming()

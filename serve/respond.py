@@ -60,7 +60,9 @@ class Run:
             p, _ = self.choice(out)
             cached[p] = max(cached[p], out.num_cached_tokens)
         generated = 0 if self.scoring_only else sum(len(o.token_ids) for o in finals.values())
-        return usage(sum(self.prompt_lens), generated, sum(cached))
+        reasoning = sum(o.num_reasoning_tokens for o in finals.values()) \
+            if any(o.reasoning_text is not None for o in finals.values()) else None
+        return usage(sum(self.prompt_lens), generated, sum(cached), reasoning)
 
 
 async def collect(engine: AsyncEngine, run: Run, builder: ResponseBuilder) -> dict:
@@ -111,6 +113,9 @@ async def stream(engine: AsyncEngine, run: Run, builder: ResponseBuilder, includ
                         yield builder.chunk(index, "", None, "length")
                     continue
                 new_lp = out.logprobs[len(out.logprobs) - len(out.new_token_ids):] if builder.want_logprobs else None
+                if out.new_reasoning_text:  # the thinking goes first: the step's answer text comes after it
+                    yield builder.chunk(index, "", new_lp, None, reasoning=out.new_reasoning_text)
+                    new_lp = None
                 if builder.tools is not None:
                     for chunk in builder.tool_stream(index, out, new_lp):
                         yield chunk

@@ -31,10 +31,16 @@ def token_text_fn(tokenizer: Any) -> TokenText:
     return text
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+          reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; ``reasoning_tokens`` (a reasoning parser's count, part of the completion tokens) as OpenAI's
+    ``completion_tokens_details.reasoning_tokens``."""
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return body
 
 
 def _top(e: LogprobEntry, token_text: TokenText) -> dict[str, float]:
@@ -161,8 +167,9 @@ class ResponseBuilder:
             lp = _merge(prompt_lp, lp)
             if scoring_only:
                 o = replace(o, finish_reason="length", stop_reason=None)
-            if self.kind == "chat":
-                message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.kind == "chat":  # with a reasoning parser, text is the answer and the thinking is apart
+                thinking = o.reasoning_text is not None
+                message: dict[str, Any] = {"role": "assistant", "content": (text or None) if thinking else text}
                 finish = o.finish_reason
                 if self.tools is not None:
                     content, calls = self.tools.split(text)
@@ -170,6 +177,8 @@ class ResponseBuilder:
                         message = {"role": "assistant", "content": content or None,
                                    "tool_calls": [c.to_openai() for c in calls]}
                         finish = "tool_calls" if finish == "stop" else finish
+                if thinking:
+                    message["reasoning_content"] = o.reasoning_text or None
                 out.append({"index": index, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
                 out.append({"index": index, "text": text, "logprobs": lp, "finish_reason": o.finish_reason,
@@ -181,10 +190,14 @@ class ResponseBuilder:
     # --- stream chunks ------------------------------------------------------------------------------------
 
     def chunk(self, index: int, text: str, new_logprobs: Sequence[LogprobEntry] | None, finish_reason: str | None,
-              role: bool = False) -> str:
+              role: bool = False, reasoning: str | None = None) -> str:
+        """One choice's chunk: ``text`` (chat: ``delta.content``), or with ``reasoning`` a chat chunk of the
+        thinking alone (``delta.reasoning_content``, vLLM's field)."""
         lp = self.logprobs(index, new_logprobs) if new_logprobs is not None else None
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": text} if role else {"content": text}
+            if reasoning is not None:
+                delta = {"reasoning_content": reasoning}
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
             return sse(self._envelope("chat.completion.chunk", [choice], None))
         choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}

@@ -1,6 +1,6 @@
 """``POST /v1/chat/completions``: the messages rendered through the chat template (with the tools, when the
-request has some) on a worker thread, tool choice turned into an output constraint, then answered by
-:func:`omforge.serve.respond.respond`."""
+request has some) on a worker thread, tool choice turned into an output constraint, the reasoning parser's view
+of the prompt (runtime/reasoning.py), then answered by :func:`omforge.serve.respond.respond`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from omforge.runtime.reasoning import ReasoningSpec
 from omforge.runtime.structured import StructuredOutput
 from omforge.serve.intake import check, parse, render_chat
 from omforge.serve.openapi import GENERATION_ERRORS, errors
@@ -53,8 +54,21 @@ async def _chat_completions(state: ServerState, request: Request, arrival: float
             raise APIError(400, f"tool_choice {mode} constrains the output; it cannot be combined with "
                            f"{params.structured.param}", param="tool_choice")
         params.structured = StructuredOutput("json", schema, "tool_choice")
+    params.reasoning = reasoning(state, body, ids)
     length_param = ("max_completion_tokens" if body.max_completion_tokens else "max_tokens" if body.max_tokens
                     else "messages")  # the field the client sent
     checked = await state.offload(check, state, ids, params, length_param)
     return await respond(state, request, body, "chat", [(ids, checked)], [], bool(body.logprobs), arrival,
                          tools=plan)
+
+
+def reasoning(state: ServerState, body: ChatCompletionRequest, ids: list[int]) -> ReasoningSpec | None:
+    """The request's thinking apart from its answer, when the server has a reasoning parser (the prompt's end says
+    where the output starts; ``thinking_token_budget``, else the server's ``--reasoning-budget``, caps it)."""
+    parser = state.engine.reasoning
+    if parser is None:
+        if body.thinking_token_budget is not None:
+            raise APIError(400, "thinking_token_budget needs a reasoning parser: this server runs without one "
+                           "(omforge serve --reasoning-parser qwen3|deepseek_r1)", param="thinking_token_budget")
+        return None
+    return parser.spec(ids, body.thinking_token_budget)
