@@ -15,6 +15,9 @@ GE op, so most need no kernel of ours, §1.7):
 
   RMSNorm     → NPURmsNorm(x, gamma) -> (y, rstd)                  rmsnorm_plugin="cann"
               → OmRmsNorm(x, gamma; epsilon) -> (y, rstd)          rmsnorm_plugin="omforge": own plugin → GE RmsNorm
+                Qwen3's per-head q/k norms are the same node over x [B, S, H, D] with gamma [D]: RmsNorm normalizes
+                over gamma's dims, ``gamma_shape = x_shape[n:]`` (hicann/ops-nn norm/rms_norm/docs/aclnnRmsNorm_en.md;
+                Atlas 300I/310P: the last axis ≥ 32 bytes, i.e. head_dim ≥ 16 in float16)
   AddRMSNorm  → NPUAddRmsNorm / OmAddRmsNorm(x1, x2, gamma) -> (y, rstd, x1 + x2): our (y, sum) are outputs 0, 2
   Rotary      → NPURotaryPositionEmbedding(x, cos, sin; mode=0), cos/sin [B, 1, S, D] as inputs: mode 0 is
                 rotate_half (1 = interleaved) and the plugin rejects a node without ``mode`` (plugin source;

@@ -7,13 +7,17 @@ cos_cache, sin_cache)`` whose output is ``[1, T, Hq·D]`` (the kernel's packed f
 custom_op.cpp: it rotates q and k itself with RotaryEmbedding's formula and writes rotated keys to the pools).
 
 Where q, k and v do not come from one Split of one tensor (the qkv_merge fusion off), each keeps its own 3-D
-``[1, T, H·D]`` input and only the reshapes, transposes and rotary go. Anything else — a value on the chain
-used elsewhere, another permutation, an interleaved or partial rotary, q rotated and k not — leaves the layer as
-it was. Dead nodes (the Reshapes' shape subgraphs) are left to the cleanup that follows the lowering.
+``[1, T, H·D]`` input and only the reshapes, transposes and rotary go. A per-head RMSNorm between the head split and
+the transpose (Qwen3's q/k norms: ``Transpose(RMSNormalization(Reshape(src) [1, T, H, D]))``) stays where it is and
+a Reshape back to ``[1, T, H·D]`` (a view in ORT) feeds the kernel: q, k and v are then inputs of their own, and the
+kernel still rotates q and k. Anything else — a value on the chain used elsewhere, another permutation, an
+interleaved or partial rotary, q rotated and k not — leaves the layer as it was. Dead nodes (the Reshapes' shape
+subgraphs) are left to the cleanup that follows the lowering.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
 from omforge.contract.kernel_abi import DOMAIN as KERNEL_DOMAIN
@@ -45,13 +49,18 @@ def _perm(node: ir.Node) -> list[int] | None:
     return list(attr.value) if attr is not None else None
 
 
-def _heads_of(value: ir.Value, heads: int) -> tuple[ir.Value, list[ir.Node]] | None:
+def _heads_of(value: ir.Value, heads: int) -> tuple[ir.Value, list[ir.Node], ir.Node | None] | None:
     """``value = Transpose(Reshape(src) [1, T, heads, D], perm=[0, 2, 1, 3])``: (``src`` [1, T, heads·D], the two
-    nodes) or None (ranks and the head count checked where the shapes are known)."""
+    nodes, None) or None (ranks and the head count checked where the shapes are known). With a per-head norm
+    between them, ``Transpose(RMSNormalization(Reshape(src)))`` over the last axis: (``src``, the Transpose alone,
+    the norm), the norm and the Reshape kept."""
     transpose = _producer(value, "Transpose")
     if transpose is None or _perm(transpose) != _HEAD_MAJOR:
         return None
-    reshape = _producer(transpose.inputs[0], "Reshape")
+    norm = _producer(transpose.inputs[0], "RMSNormalization")
+    if norm is not None and norm.attributes.get_int("axis", -1) not in (-1, 3):
+        return None
+    reshape = _producer(norm.inputs[0] if norm is not None else transpose.inputs[0], "Reshape")
     if reshape is None or reshape.inputs[0] is None:
         return None
     src, split = reshape.inputs[0], reshape.outputs[0].shape
@@ -59,7 +68,17 @@ def _heads_of(value: ir.Value, heads: int) -> tuple[ir.Value, list[ir.Node]] | N
         return None
     if split is not None and (split.rank() != 4 or isinstance(split[2], int) and split[2] != heads):
         return None
-    return src, [transpose, reshape]
+    return (src, [transpose], norm) if norm is not None else (src, [transpose, reshape], None)
+
+
+def _merged_heads(graph: ir.Graph, norm: ir.Node) -> ir.Node:
+    """``Reshape(norm's output [1, T, H, D], [0, 0, -1])``: the normalized heads as the kernel's ``[1, T, H·D]``."""
+    y = norm.outputs[0]
+    dims = ir.Value(name=f"{norm.name}.merged_heads", const_value=ir.tensor(np.array([0, 0, -1], np.int64)))
+    graph.register_initializer(dims)
+    node = ir.node("Reshape", [y, dims], name=f"{norm.name}_merged_heads")
+    node.outputs[0].dtype = y.dtype
+    return node
 
 
 def _rotary_of(value: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value, ir.Node] | None:
@@ -118,14 +137,17 @@ def fuse(graph: ir.Graph, kernel_ops: tuple[str, ...]) -> int:
         heads = [_heads_of(x, h) for x, h in ((q, q_heads), (k, kv_heads), (node.inputs[2], kv_heads))]
         if any(h is None for h in heads):
             continue
-        sources = [src for src, _ in heads]
+        sources = [src for src, _, _ in heads]
         out_t = _only_use(node.outputs[0], "Transpose")
         out_r = _only_use(out_t.outputs[0], "Reshape") if out_t is not None and _perm(out_t) == _HEAD_MAJOR else None
         if out_r is None or out_r.outputs[0].shape is not None and out_r.outputs[0].shape.rank() != 3:
             continue  # the heads merged back into [1, T, Hq·D], or another reshape: left alone
-        packed = _packed_source(sources, q_heads, kv_heads)
-        operands = [packed[0], None, None] if packed else sources
-        dead += [n for _, nodes in heads for n in nodes] + ([packed[1]] if packed else [])
+        normed = [_merged_heads(graph, norm) if norm is not None else None for _, _, norm in heads]
+        packed = _packed_source(sources, q_heads, kv_heads) if all(m is None for m in normed) else None
+        operands = ([packed[0], None, None] if packed
+                    else [src if m is None else m.outputs[0] for m, src in zip(normed, sources, strict=True)])
+        dead += [n for _, nodes, _ in heads for n in nodes] + ([packed[1]] if packed else [])
+        graph.insert_before(node, [m for m in normed if m is not None])
         fused = ir.node(node.op_type, [*operands, *node.inputs[3:], *caches],
                         attributes=dict(node.attributes), domain=node.domain, num_outputs=3)
         out, k_out, v_out = fused.outputs

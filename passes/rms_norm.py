@@ -1,6 +1,8 @@
 """RMSNorm fusion: ``w * (x * Reciprocal(Sqrt(ReduceMean(Pow(x, 2), [-1]) + eps)))`` → ``omforge.RMSNorm``.
 
-Matches the export of :class:`omforge.models.llama.RMSNorm` (either operand order of the scaling Muls).
+Matches the export of :class:`omforge.models.llama.RMSNorm` (either operand order of the scaling Muls), the
+decoder's norms over ``[B, S, hidden]`` and Qwen3's per-head q/k norms over the last axis of ``[B, S, H, head_dim]``
+alike (so ``omforge diff --per-fusion``'s rms_norm row covers those too).
 Check: the exponent is 2, the reduction is over the last axis only with keepdims (set, or left at its
 default), epsilon is a scalar constant and the weight is a 1-D constant as long as the normalized axis.
 """
