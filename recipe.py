@@ -23,6 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from omforge.contract import FUSIONS
+from omforge.contract.pooling import PROMPT_FORMATS
 from omforge.contract.serve_options import RECIPE_OPTIONS, ServeOption
 from omforge.contract.speculative import SpeculativeConfig, SpeculativeConfigError
 from omforge.errors import OmforgeError
@@ -291,13 +292,47 @@ ServeSection = create_model("ServeSection", __base__=_ServeChecks, __module__=__
                             __doc__="Runtime limits, one field per recipe option of contract/serve_options.py (vLLM "
                                     "names; MindIE's in the README).",
                             **{o.name: _serve_field(o) for o in RECIPE_OPTIONS})
+class PoolingSection(_Section):
+    """A pooling bundle's settings (``task: embed | score``; contract/pooling.py). ``normalize``: embeddings L2-
+    normalized; ``matryoshka``: the model was trained so that a prefix of the vector is an embedding
+    (Qwen3-Embedding's MRL), so a request's ``dimensions`` is honoured (truncate, then normalize) — otherwise
+    refused; ``append_eos``: text inputs end with the EOS token (added when the tokenizer did not);
+    ``yes_token`` / ``no_token`` (score): the two tokens whose last-position logits give ``P(yes)``, as ids or
+    token strings of the tokenizer; ``prompt_format`` / ``instruction``: how the server writes queries and
+    documents, and the default task instruction."""
+
+    normalize: bool = True
+    matryoshka: bool = False
+    append_eos: bool = False
+    yes_token: int | str | None = None
+    no_token: int | str | None = None
+    prompt_format: Literal[PROMPT_FORMATS] = "none"  # type: ignore[valid-type]
+    instruction: str | None = None
+
+
 class Recipe(_Section):
-    """A validated recipe. ``path`` is the file it came from (paths inside are resolved against it)."""
+    """A validated recipe. ``path`` is the file it came from (paths inside are resolved against it). ``task``:
+    ``generate`` (default), or a pooling bundle — ``embed`` / ``score`` — with its ``pooling`` settings."""
 
     path: Path
     model: ModelSection
     compile: CompileSection = Field(default_factory=CompileSection)
     serve: ServeSection = Field(default_factory=ServeSection)
+    task: Literal["generate", "embed", "score"] = "generate"
+    pooling: PoolingSection | None = None
+
+    @model_validator(mode="after")
+    def _pooling_for_task(self) -> Recipe:
+        p = self.pooling
+        if self.task == "generate" and p is not None:
+            raise _KeyError("pooling", "is for task embed or score; this recipe's task is generate", top=True)
+        if self.task == "score" and (p is None or p.yes_token is None or p.no_token is None):
+            raise _KeyError("pooling", "task score needs pooling.yes_token and pooling.no_token (the two tokens "
+                            "whose last-position logits make the score)", top=True)
+        if self.task == "embed" and p is not None and (p.yes_token is not None or p.no_token is not None):
+            raise _KeyError("pooling", "yes_token / no_token are for task score; this recipe's task is embed",
+                            top=True)
+        return self
 
     @model_validator(mode="after")
     def _runtime_within_build(self) -> Recipe:

@@ -36,6 +36,7 @@ from omforge.contract.manifest import (
     ModelConfig,
     ModelSection,
     PassCounts,
+    PoolingSection,
     StepAbi,
     TokenizerMeta,
     Weights,
@@ -127,6 +128,7 @@ class _Job:
     root: Path
     progress: Progress
     cached: dict[str, bool] = field(default_factory=dict)
+    pooling: dict[str, Any] | None = None  # InsertPooling's options: a pooling bundle (task embed | score)
 
 
 def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: bool = False) -> CompileResult:
@@ -143,6 +145,7 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
     digest = recipe_digest(recipe)
     export_dir, export_meta = _export_stage(job)
     plan = bucket_planner.plan(recipe.compile, target=job.target, block_size=job.block_size)
+    job.pooling = _pooling_options(recipe, export_dir, export_meta["config"])
     passes = _passes_stage(job, export_dir, digest)
     report = passes.info()
     files = _bundle_stage(job, export_dir, export_meta, passes)
@@ -197,12 +200,13 @@ def _passes_stage(job: _Job, export_dir: Path, digest: str) -> Stage:
         "tools": tool_versions(),
         "num_slots": _static_slots(recipe, target, block_size),
         "soc_version": recipe.compile.soc_version if target == "ascend" else None,  # which fused kernels ship
+        **({"pooling": job.pooling} if job.pooling is not None else {}),
     })
     passes = Stage(f"passes-{target}", passes_key, job.root)
     job.cached["passes"] = passes.done
     with job.progress.stage(f"passes + lowering ({target})", passes.done):
         if not passes.done:
-            _run_passes(export_dir, passes, recipe, target, block_size, job.kernel, kv_dtype)
+            _run_passes(export_dir, passes, recipe, target, block_size, job.kernel, kv_dtype, job.pooling)
     return passes
 
 
@@ -256,7 +260,8 @@ def _manifest(job: _Job, digest: str, export_dir: Path, export_meta: dict[str, A
         paged_attention=report.get("paged_attention") or "plain",
         kernels=kernels.status().manifest_entry(weight_layout=(weights or {}).get("gemm") in _OUR_GEMMS)
         if report.get("paged_attention") == "kernel" or (weights or {}).get("gemm") in _OUR_GEMMS else None,
-        kv=KvSection.of(PagedLayout(**layout), write=_KV_WRITE[target]),
+        kv=KvSection.of(PagedLayout(**layout), write=_KV_WRITE[target]) if job.pooling is None else None,
+        pooling=pooling_section(recipe, job.pooling, report["pooled_width"], cfg) if job.pooling is not None else None,
         limits=Limits(recipe.compile.max_seq_len, recipe.compile.max_batch_size, recipe.compile.max_num_tokens),
         serve=recipe.serve.model_dump(),
         buckets=plan,
@@ -327,8 +332,55 @@ def _say_fallback(reason: str) -> None:
           "lowering (slower)", file=sys.stderr, flush=True)
 
 
+def _pooling_options(recipe: Recipe, export_dir: Path, config: dict[str, Any]) -> dict[str, Any] | None:
+    """InsertPooling's options for a pooling recipe (None: task generate): the task and, for score, the
+    ``[no, yes]`` token ids — given as ids or as token strings of the export's tokenizer (one line naming the key
+    when a string is no token of it, or an id is outside the vocabulary)."""
+    if recipe.task == "generate":
+        return None
+    p = recipe.pooling
+    if recipe.task == "embed":
+        if p is not None and p.append_eos and not config.get("eos_token_ids"):
+            raise OmforgeError(f"{recipe.path}: pooling.append_eos: the model config names no EOS token")
+        return {"task": "embed"}
+    ids = []
+    for key in ("no_token", "yes_token"):
+        token = getattr(p, key)
+        if isinstance(token, str):
+            path = export_dir / "tokenizer.json"
+            if not path.is_file():
+                raise OmforgeError(f"{recipe.path}: pooling.{key}: '{token}' is a token string but the model has "
+                                   "no tokenizer; give the token id")
+            from tokenizers import Tokenizer
+
+            found = Tokenizer.from_file(str(path)).token_to_id(token)
+            if found is None:
+                raise OmforgeError(f"{recipe.path}: pooling.{key}: '{token}' is not a token of the tokenizer")
+            token = found
+        if not 0 <= token < config["vocab_size"]:
+            raise OmforgeError(f"{recipe.path}: pooling.{key}: {token} is outside the vocabulary "
+                               f"(0..{config['vocab_size'] - 1})")
+        ids.append(token)
+    return {"task": "score", "score_token_ids": tuple(ids)}
+
+
+def pooling_section(recipe: Recipe, options: dict[str, Any], width: int, config: dict[str, Any]) -> PoolingSection:
+    """The manifest's ``pooling`` section of a pooling bundle: last-token pooling and the recipe's settings."""
+    from omforge.contract.pooling import POOLED_OUTPUT
+    from omforge.recipe import PoolingSection as RecipePooling
+
+    p = recipe.pooling or RecipePooling()
+    task = options["task"]
+    return PoolingSection(
+        task=task, pooling="last", output=POOLED_OUTPUT[task], size=width, normalize=p.normalize and task == "embed",
+        matryoshka=p.matryoshka and task == "embed",
+        append_token_id=config["eos_token_ids"][0] if p.append_eos else None,
+        score_token_ids=tuple(options["score_token_ids"]) if task == "score" else None,
+        prompt_format=p.prompt_format, instruction=p.instruction)
+
+
 def _run_passes(export_dir: Path, stage: Stage, recipe: Recipe, target: str, block_size: int, kernel: bool,
-                kv_dtype: str = "float32") -> None:
+                kv_dtype: str = "float32", pooling: dict[str, Any] | None = None) -> None:
     from dataclasses import asdict
 
     from omforge.compile.ort import build
@@ -341,9 +393,11 @@ def _run_passes(export_dir: Path, stage: Stage, recipe: Recipe, target: str, blo
         blocks = load_source_blocks(export_dir) if recipe.compile.weights != "float32" and q.source_blocks else None
         report = build(export_dir, out / "step.onnx", fusions=recipe.compile.fusions, block_size=block_size,
                        kernel=kernel, kv_cache_dtype=kv_dtype, weights=recipe.compile.weights,
-                       quantization=q.model_dump(), blocks=blocks, float_gemm=recipe.compile.float_gemm)
+                       quantization=q.model_dump(), blocks=blocks, float_gemm=recipe.compile.float_gemm,
+                       pooling=pooling)
         stage.finish({**report.to_dict(), "abi": report.extra["abi"], "graph": "step.onnx",
-                      "paged_attention": report.extra["paged_attention"], "weights": report.extra["weights"]})
+                      "paged_attention": report.extra["paged_attention"], "weights": report.extra["weights"],
+                      "pooled_width": report.extra.get("pooled_width")})
         return
     from omforge.compile import ascend
 

@@ -116,7 +116,8 @@ def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | Non
           block_size: int | None = None, target: str = "ort", kv_write: str = "graph",
           kernel: bool | None = None, kv_cache_dtype: str = "float32", weights: str = "float32",
           quantization: Mapping[str, Any] | None = None,
-          blocks: Mapping[str, tuple[str, Any, int]] | None = None, float_gemm: str = "auto") -> PassReport:
+          blocks: Mapping[str, tuple[str, Any, int]] | None = None, float_gemm: str = "auto",
+          pooling: Mapping[str, Any] | None = None) -> PassReport:
     """Fuse (switches ``fusions``), page the KV cache when ``block_size`` is given, lower to ``target``,
     and save ``out_path`` with its weights in ``out_path.name + '.data'`` beside it. ``kernel``: lower paged
     attention to omforge's CPU kernel (None: when the kernel library is usable here and ``kv_write="graph"``);
@@ -125,16 +126,19 @@ def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | Non
     recipe's choice: :func:`gemm_lowering`); bfloat16: every weight
     MatMul in bfloat16 through the kernel library's MatMulBF16 (the embedding gather stays float32); int8 / int4:
     weight-only quantization with the recipe's ``quantization`` options (``recipe.QuantizationSection``), taking
-    the export's GGUF ``blocks`` as they are where they fit (``passes/quantize_weights.py``)."""
+    the export's GGUF ``blocks`` as they are where they fit (``passes/quantize_weights.py``). ``pooling``
+    (``InsertPooling``'s options): a pooling bundle's step graph instead of a paged one (its weight MatMuls take
+    the kernels a paged graph's would)."""
     if target != "ort":
         raise ValueError(f"target '{target}' is built by compile/ascend.py, not here")
     model = ir.load(export_dir / "model.onnx")
     if kernel is None:
         kernel = kv_write == "graph" and kernels.status().available
-    gemm = gemm_lowering(weights, quantization, kernel, paged=block_size is not None, float_gemm=float_gemm)
+    gemm = gemm_lowering(weights, quantization, kernel, paged=block_size is not None or pooling is not None,
+                         float_gemm=float_gemm)
     run = Pipeline(target, fusions or {}, block_size,
                    {"kv_write": kv_write, "kernel": kernel, "kv_cache_dtype": kv_cache_dtype},
-                   quantize_options(weights, quantization, blocks, gemm or "nbits")).run(model)
+                   quantize_options(weights, quantization, blocks, gemm or "nbits"), pooling=pooling).run(model)
     counts, layout = run.fusion_counts, run.layout
     if layout is not None:
         layout = replace(layout, kv_dtype=kv_cache_dtype)
@@ -142,6 +146,7 @@ def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | Non
     ir.save(model, out_path, external_data=out_path.name + ".data")
     report = PassReport(counts, len(list(model.graph)), histogram(model), layout,
                         {"abi": interface(model), "kv_write": kv_write if layout else None,
+                         "pooled_width": run.pooled_width,
                          "paged_attention": ("kernel" if kernel else "plain") if layout else None,
                          "weights": {"precision": weights, "quantized": run.quantized,
                                      **_activation_report(weights, quantization),

@@ -24,9 +24,11 @@ from typing import Any, Self, Union
 
 from omforge.contract import PagedLayout
 from omforge.contract.buckets import BucketError, BucketPlan
+from omforge.contract.pooling import TASKS
 from omforge.errors import OmforgeError
 
 SCHEMA_VERSION = 1
+POOLING_TASKS = tuple(t for t in TASKS if t != "generate")
 MANIFEST = "manifest.json"
 TARGETS = ("ort", "ascend")
 
@@ -207,6 +209,33 @@ class KvSection(Section):
 
 
 @dataclass(frozen=True)
+class PoolingSection(Section):
+    """A pooling bundle (recipe ``task: embed | score``; contract/pooling.py has its step ABI): the task, the
+    pooling (``last``: the last token's position), the graph output it reads and that output's width
+    (``hidden_size``, or 2: the ``no`` and ``yes`` logits), whether embeddings are L2-normalized, whether a shorter
+    ``dimensions`` may be asked (``matryoshka``: truncate, then normalize), the token appended to text inputs
+    (``append_token_id``, None: none), the score's ``[no, yes]`` token ids, and the prompt format and default
+    instruction the server writes queries and documents with."""
+
+    task: str
+    pooling: str
+    output: str
+    size: int
+    normalize: bool
+    matryoshka: bool
+    append_token_id: int | None
+    score_token_ids: tuple[int, int] | None
+    prompt_format: str
+    instruction: str | None
+
+    def __post_init__(self) -> None:
+        if self.task not in POOLING_TASKS:
+            raise BundleError(f"pooling.task: {self.task!r} is not one of {', '.join(POOLING_TASKS)}")
+        if (self.task == "score") != (self.score_token_ids is not None):
+            raise BundleError("pooling.score_token_ids: present exactly in a score bundle")
+
+
+@dataclass(frozen=True)
 class Limits(Section):
     """The build-time maxima the step graph (and an ascend bundle's gears) was compiled for."""
 
@@ -323,7 +352,8 @@ class Manifest(Section):
     """manifest.json: what the runtime needs to load a bundle, and where each part came from. ``serve``: the
     recipe's serve section (runtime/engine_config.py resolves it; a key absent there means "the default").
     ``ascend`` is present exactly in ascend bundles; ``kernels`` where paged attention is lowered to the kernel
-    library (``paged_attention`` ``kernel``, else ``plain``). ``files``: every file but the manifest, by path."""
+    library (``paged_attention`` ``kernel``, else ``plain``); ``kv`` in a generate bundle, ``pooling`` instead in
+    a pooling bundle (task embed | score: no KV pool). ``files``: every file but the manifest, by path."""
 
     schema_version: int = SCHEMA_VERSION
     omforge_version: str
@@ -333,7 +363,8 @@ class Manifest(Section):
     abi: StepAbi
     paged_attention: str = "plain"
     kernels: KernelLibrary | None = None
-    kv: KvSection
+    kv: KvSection | None
+    pooling: PoolingSection | None = field(default=None, metadata=OMIT_IF_NONE)
     limits: Limits
     serve: dict[str, Any]
     buckets: BucketPlan
@@ -349,9 +380,17 @@ class Manifest(Section):
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
             raise BundleError(f"target: {self.target!r} is not one of {', '.join(TARGETS)}")
+        if (self.kv is None) == (self.pooling is None):
+            raise BundleError("kv: a generate bundle has a KV pool, a pooling bundle (pooling section) none; this "
+                              f"manifest has {'neither' if self.kv is None else 'both'}")
         if (self.target == "ascend") != (self.ascend is not None):
             raise BundleError(f"ascend: {'missing' if self.ascend is None else 'present'} in an {self.target} "
                               "bundle (an ascend bundle has this section, and only it)")
+
+    @property
+    def task(self) -> str:
+        """``generate``, or the pooling bundle's task (``embed`` | ``score``)."""
+        return self.pooling.task if self.pooling is not None else "generate"
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "") -> Manifest:

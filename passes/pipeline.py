@@ -3,6 +3,7 @@
   ort:    fusions (recipe switches) → cleanup → paged-KV insertion (with a block size) → ORT lowering
           → weight quantization (int8 / int4 weights: MatMulNBits) → cleanup
   ascend: fusions (recipe switches) → cleanup → paged-KV insertion → Ascend lowering → cleanup
+  a pooling bundle (task embed | score) takes the pooling insertion in place of the paged-KV one
 
 :class:`Pipeline` is the one description that the ort build (``compile/ort.py``), the ascend stage
 (``compile/ascend.py``) and ``omforge diff``'s replay run; they decide its options (which lowering, which
@@ -21,10 +22,12 @@ from typing import Any
 import onnx_ir as ir
 
 from omforge.contract import STEP_INPUTS, PagedLayout
+from omforge.contract.pooling import POOLING_INPUTS
 from omforge.passes import lower_ascend, lower_ort, manager, ops
 from omforge.passes.ascend_w8a16 import QuantizeW8A16
 from omforge.passes.float16 import CastToFloat16
 from omforge.passes.paged_kv import insert_paged_kv
+from omforge.passes.pooling import insert_pooling
 from omforge.passes.quantize_weights import QuantizeWeights
 
 TARGETS = ("ort", "ascend")
@@ -50,6 +53,24 @@ class InsertPagedKV(ir.passes.InPlacePass):
         missing = set(STEP_INPUTS) - {v.name for v in model.graph.inputs}
         if missing:
             raise ir.passes.PostconditionError(f"the step graph lacks the step ABI inputs {sorted(missing)}")
+
+
+class InsertPooling(ir.passes.InPlacePass):
+    """A pooling bundle's step graph (task embed | score, :mod:`omforge.passes.pooling`): no KV pool, the last
+    position of each sequence pooled; ``width``: the pooled output's."""
+
+    def __init__(self, task: str, score_token_ids: tuple[int, int] | None = None):
+        super().__init__()
+        self.task, self.score_token_ids, self.width = task, score_token_ids, None
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.width = insert_pooling(model, self.task, self.score_token_ids)
+        return ir.passes.PassResult(model, modified=True)
+
+    def ensures(self, model: ir.Model) -> None:
+        missing = set(POOLING_INPUTS) - {v.name for v in model.graph.inputs}
+        if missing or any(n.op_type == "PagedAttention" for n in model.graph):
+            raise ir.passes.PostconditionError(f"not a pooling step graph (missing inputs {sorted(missing)})")
 
 
 class LowerORT(ir.passes.InPlacePass):
@@ -100,6 +121,8 @@ class Pipeline:
     # graph); None: float weights
     quantize: Mapping[str, Any] | None = None
     float16: bool = False  # ascend: the lowered graph in float16 with float32 islands (passes/float16.py)
+    # a pooling bundle (task embed | score): InsertPooling's options in place of the paged-KV insertion
+    pooling: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -112,7 +135,9 @@ class Pipeline:
     def passes(self) -> list[ir.passes.PassBase]:
         """Fresh pass objects, in order (each records what it did: ``Fusion.count``, ``InsertPagedKV.layout``…)."""
         seq: list[ir.passes.PassBase] = [*manager.fusion_passes(self.fusions), manager.Cleanup()]
-        if self.block_size:
+        if self.pooling is not None:
+            seq.append(InsertPooling(**self.pooling))
+        elif self.block_size:
             seq.append(InsertPagedKV(self.block_size))
         seq.append(LOWERINGS[self.target](**self.lowering))
         if self.float16:
@@ -147,6 +172,11 @@ class PipelineRun:
         if layout is not None and any(isinstance(p, CastToFloat16) for p in self.passes):
             layout = replace(layout, kv_dtype="float16")
         return layout
+
+    @property
+    def pooled_width(self) -> int | None:
+        """A pooling step graph's output width (hidden size, or 2 for score); None for a paged step graph."""
+        return next((p.width for p in self.passes if isinstance(p, InsertPooling)), None)
 
     @property
     def lowering(self) -> ir.passes.InPlacePass:

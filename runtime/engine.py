@@ -58,6 +58,9 @@ class LLMEngine:
                  **overrides: Any):
         bundle = Path(bundle)
         self.manifest = m = load_manifest(bundle)  # its target is ort or ascend (the manifest checks it)
+        if m.pooling is not None:  # no KV pool, nothing to sample: runtime/pooling.py runs it
+            raise OmforgeError(f"{bundle}: a pooling bundle (task {m.task}); load it with PoolingEngine, or "
+                               "LLM(bundle).embed / .score")
         cfg = config or EngineConfig.resolve(m, **overrides)
         self.tokenizer = TextTokenizer(bundle / m.tokenizer.file, m.tokenizer) if m.tokenizer.file else None
         try:  # the thinking apart from the answer (runtime/reasoning.py); a tokenizer without the markers: one line

@@ -99,14 +99,16 @@ class EngineConfig:
                                     f"context needs a recompile), got {asked}")
         max_model_len = asked or context
         max_num_seqs, max_batched = pick("max_num_seqs"), pick("max_num_batched_tokens")
-        block_size = manifest.kv.block_size
-        bytes_per_block = manifest.kv.bytes_per_token * block_size
+        kv = manifest.kv  # None: a pooling bundle, no KV pool (its block options resolve to 0)
+        block_size = kv.block_size if kv is not None else 1
+        bytes_per_block = kv.bytes_per_token * block_size if kv is not None else 1
         # the pool: num_kv_blocks as given, else as many blocks as the KV budget holds (vLLM's KV cache space),
         # but no more than max_num_seqs full-context sequences need
         space = pick("kv_cache_space_gb")
         budget = int(space * (1 << 30)) if space is not None else DEFAULT_KV_CACHE_BYTES
         blocks = pick("num_kv_blocks") or max(2, min(budget // bytes_per_block,
                                                      max_num_seqs * -(-max_model_len // block_size)))
+        blocks = blocks if kv is not None else 0
         mode = pick("preemption_mode")
         if mode not in PREEMPTION_MODES:
             raise EngineConfigError(f"preemption_mode {mode!r} is not one of {PREEMPTION_MODES}")
@@ -119,11 +121,11 @@ class EngineConfig:
         tiers = _hicache(pick)
         for name, value in (("max_num_seqs", max_num_seqs), ("num_kv_blocks", blocks),
                             ("max_num_batched_tokens", max_batched)):
-            if value < 1:
+            if value < 1 and (kv is not None or name != "num_kv_blocks"):
                 raise EngineConfigError(f"{name} must be at least 1, got {value}")
         return cls(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                    max_num_batched_tokens=max_batched, num_kv_blocks=blocks,
-                   num_host_blocks=int(swap_gb * (1 << 30) // bytes_per_block) if mode == "swap" else 0,
+                   num_host_blocks=int(swap_gb * (1 << 30) // bytes_per_block) if mode == "swap" and kv else 0,
                    enable_prefix_caching=bool(pick("enable_prefix_caching")), preemption_mode=mode,
                    swap_space_gb=swap_gb, max_prefill_tokens_with_decodes=cap,
                    max_waiting_requests=pick("max_waiting_requests") or QUEUE_BATCHES * max_num_seqs,

@@ -1,4 +1,5 @@
-"""The offline API: ``LLM(bundle).generate(prompts, params)`` runs every prompt through the engine, batched."""
+"""The offline API: ``LLM(bundle).generate(prompts, params)`` runs every prompt through the engine, batched; a
+pooling bundle's ``LLM(bundle).embed(texts)`` / ``.score(query, documents)`` likewise (runtime/pooling.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from omforge.runtime.engine import LLMEngine, RequestOutput
+import numpy as np
+
+from omforge.errors import OmforgeError
+from omforge.runtime.engine import RequestOutput
+from omforge.runtime.pooling import PoolingEngine, PoolingParams, open_engine, score_inputs, scores_of
 from omforge.runtime.sampling_params import SamplingParams
 
 
@@ -16,7 +21,33 @@ class LLM:
     override the bundle's serve limits (``num_kv_blocks``, ``max_num_seqs``, ``enable_prefix_caching``, …)."""
 
     def __init__(self, bundle: str | Path, **engine_options: object):
-        self.engine = LLMEngine(bundle, **engine_options)  # type: ignore[arg-type]
+        self.engine = open_engine(bundle, **engine_options)
+
+    def embed(self, inputs: str | Sequence[str] | Sequence[Sequence[int]],
+              dimensions: int | None = None) -> list[np.ndarray]:
+        """An embedding per input (text, or token ids), in order, batched by the engine: an embed bundle's
+        (``LLM(bundle).embed(["a", "b"])``); ``dimensions`` truncates a matryoshka model's vectors."""
+        engine = self._pooling("embed")
+        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]  # type: ignore[list-item]
+        return engine.run(list(inputs), PoolingParams(dimensions))  # type: ignore[arg-type]
+
+    def score(self, query: str, documents: Sequence[str], instruction: str | None = None) -> list[float]:
+        """``query``'s score against each document, in order: P(yes) of a score bundle (the reranker's prompt
+        format), or the cosine of an embed bundle's embeddings (the query in its instruction format)."""
+        engine = self._pooling(None)
+        if engine.tokenizer is None:
+            raise OmforgeError("score needs the bundle's tokenizer (this bundle has none)")
+        seqs = score_inputs(engine.tokenizer, engine.pooling, query, documents, instruction)
+        return scores_of(engine.pooling, engine.run(seqs))
+
+    def _pooling(self, task: str | None) -> PoolingEngine:
+        engine = self.engine
+        if not isinstance(engine, PoolingEngine) or (task is not None and engine.task != task):
+            have = engine.task if isinstance(engine, PoolingEngine) else "generate"
+            raise OmforgeError(f"this bundle's task is {have}; {task or 'a pooling task'} needs a bundle compiled "
+                               f"with task: {task or 'embed or score'}")
+        return engine
 
     def close(self) -> None:
         """Release the engine's executor (see :meth:`LLMEngine.close`); also on leaving a ``with`` block."""
@@ -41,6 +72,9 @@ class LLM:
                  use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Results in prompt order (for ``n > 1``, the n completions of a prompt follow each other). A progress
         line goes to stderr when stderr is a terminal (or ``use_tqdm=True``)."""
+        if isinstance(self.engine, PoolingEngine):
+            raise OmforgeError(f"this bundle's task is {self.engine.task}: use LLM.embed or LLM.score; generate "
+                               "needs a bundle compiled with task: generate")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)

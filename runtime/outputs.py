@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from omforge.runtime.hicache.controller import HiCacheStats
 from omforge.runtime.kv_cache_manager import KVCacheStats
 from omforge.runtime.kv_transfer.connector import PDStats
@@ -96,6 +98,7 @@ class RequestOutput:
     reasoning_text: str | None = None
     new_reasoning_text: str = ""
     num_reasoning_tokens: int = 0
+    pooled: np.ndarray | None = None  # a pooling bundle's result (runtime/pooling.py): an embedding, or [P(yes)]
 
     @property
     def ttft(self) -> float | None:

@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from omforge.contract.manifest import PoolingSection
 from omforge.errors import OmforgeError
 from omforge.runtime.engine import LLMEngine, RequestOutput
 from omforge.runtime.reasoning import ReasoningParser
@@ -164,6 +165,11 @@ class AsyncEngine:
     def reasoning(self) -> ReasoningParser | None:
         """The server's reasoning parser (``--reasoning-parser``), or None."""
         return self._engine.reasoning
+
+    @property
+    def pooling(self) -> PoolingSection | None:
+        """A pooling bundle's settings (task embed | score: runtime/pooling.py's engine); None for generate."""
+        return self._engine.manifest.pooling
 
     @property
     def vocab_size(self) -> int:

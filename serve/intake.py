@@ -43,8 +43,14 @@ def authorize(state: ServerState, request: Request) -> None:
 
 
 async def parse(state: ServerState, request: Request, schema: type[B]) -> B:
-    """The authorized request's body as ``schema``, for this server's model, with only supported options."""
+    """The authorized request's body as ``schema``, for this server's model, with only supported options. A
+    pooling model (task embed | score) answers no completion or chat request (400 naming its task)."""
     authorize(state, request)
+    if schema in (CompletionRequest, ChatCompletionRequest) and state.engine.pooling is not None:
+        raise APIError(400, f"{request.url.path}: the model '{state.model_name}' is for task "
+                       f"{state.engine.pooling.task} (a pooling bundle: /v1/embeddings, /v1/rerank, /v1/score); "
+                       "completions and chat need a bundle compiled with task: generate", param="model",
+                       code="wrong_model_task")
     data = await read_json(request, state.body_timeout, state.max_body_bytes)
     try:
         body = schema.model_validate(data)

@@ -11,8 +11,10 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 
 from omforge.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from omforge.serve.protocol_pooling import EmbeddingRequest, RerankRequest, ScoreRequest
 
-BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, EmbeddingRequest,
+          RerankRequest, ScoreRequest)
 
 ERROR_SCHEMA: dict[str, Any] = {
     "title": "ErrorResponse", "type": "object", "required": ["error"],

@@ -22,7 +22,7 @@ from typing import Any
 import uvicorn
 
 from omforge.errors import OmforgeError
-from omforge.runtime.engine import LLMEngine
+from omforge.runtime.pooling import open_engine
 from omforge.serve.api import build_app
 from omforge.serve.async_engine import AsyncEngine
 from omforge.serve.http_protocol import DEFAULT_HEADER_TIMEOUT_S, with_header_timeout
@@ -117,7 +117,7 @@ def serve(bundle: str | Path, options: ServeOptions, **engine_options: Any) -> i
 
 def _serve(bundle: str | Path, options: ServeOptions, sock: socket.socket, t0: float, **engine_options: Any) -> int:
     # the pool's memory resident from the start; streamed outputs: the decode-step token budget applies
-    engine = LLMEngine(bundle, prefault_kv=True, serving=True, **engine_options)
+    engine = open_engine(bundle, prefault_kv=True, serving=True, **engine_options)
     cfg = engine.engine_config
     name = options.served_model_name or engine.manifest.model.name
     metrics = ServerMetrics(name)
@@ -143,10 +143,13 @@ def _serve(bundle: str | Path, options: ServeOptions, sock: socket.socket, t0: f
     host, port = sock.getsockname()[:2]
     st = engine.snapshot()
     kv = st.kv
-    kv_gib = kv.num_blocks * engine.block_size * engine.layout.bytes_per_token / (1 << 30)
+    if engine.manifest.pooling is None:
+        kv_gib = kv.num_blocks * engine.block_size * engine.layout.bytes_per_token / (1 << 30)
+        pool = f"{kv.num_blocks} KV blocks of {engine.block_size} tokens ({kv_gib:.2f} GiB, allocated)"
+    else:
+        pool = f"task {engine.manifest.task}, no KV pool"
     print(f"omforge serve: {name} ({engine.manifest.target}, {engine.config.num_hidden_layers} layers) from "
-          f"{bundle}, {kv.num_blocks} KV blocks of {engine.block_size} tokens ({kv_gib:.2f} GiB, allocated), "
-          "max_num_seqs "
+          f"{bundle}, {pool}, max_num_seqs "
           f"{engine.engine_config.max_num_seqs}, context {engine.max_model_len}, loaded in "
           f"{time.perf_counter() - t0:.1f}s", flush=True)
     if st.hicache is not None:

