@@ -86,3 +86,10 @@ def tiny_ascend_step(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Pa
     lowering = paged.to_dict()
     lowering["custom_ops"] |= pfa.to_dict()["custom_ops"]
     return json.loads(json.dumps(lowering)), root / "step.onnx"
+
+
+@pytest.fixture(scope="session")
+def pooling_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The pooling tests' folder (tests/pooling_setup.py): one tiny Qwen3 and one export for test_embeddings.py and
+    test_rerank.py in a session."""
+    return tmp_path_factory.mktemp("pooling")

@@ -21,8 +21,8 @@ MODEL = "tiny-qwen3-pool"
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("pool")
+def root(pooling_root: Path) -> Path:
+    return pooling_root
 
 
 @pytest.fixture(scope="module")
