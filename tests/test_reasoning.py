@@ -286,14 +286,25 @@ def test_structured_output_starts_after_the_thinking(client: openai.OpenAI, expe
     assert r.usage.completion_tokens == N + 1 + 3 + 1  # the thinking, </think>, three digits, EOS
 
 
-def test_a_tool_call_is_read_from_the_answer(client: openai.OpenAI, expected: dict) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_call_is_read_from_the_answer(client: openai.OpenAI, expected: dict, stream: bool) -> None:
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}}]
-    r = chat(client, max_tokens=60, tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    message = r.choices[0].message
-    assert message.reasoning_content == expected["reasoning"]
-    assert [c.function.name for c in message.tool_calls] == ["get_weather"]
-    assert json.loads(message.tool_calls[0].function.arguments)["city"] in ("Paris", "Rome")
+    ask = {"max_tokens": 60, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    if stream:
+        reasoning, calls, finish = "", [], None
+        for chunk in chat(client, stream=True, **ask):
+            for choice in chunk.choices:
+                reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+                calls += choice.delta.tool_calls or []
+                finish = choice.finish_reason or finish
+    else:
+        r = chat(client, **ask)
+        reasoning, calls, finish = (r.choices[0].message.reasoning_content, r.choices[0].message.tool_calls,
+                                    r.choices[0].finish_reason)
+    assert reasoning == expected["reasoning"]
+    assert [c.function.name for c in calls] == ["get_weather"] and finish == "tool_calls"
+    assert json.loads(calls[0].function.arguments)["city"] in ("Paris", "Rome")
 
 
 def test_a_negative_budget_is_a_400_naming_the_field(client: openai.OpenAI) -> None:
