@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -155,7 +155,7 @@ def load_hf_dir(path: Path) -> Checkpoint:
     if not files:
         raise WeightsError(f"{path}: no *.safetensors files (omforge reads safetensors, not .bin)")
     shapes: dict[str, tuple[int, ...]] = {}
-    shard: dict[str, Path] = {}
+    shard: dict[str, tuple[Path, str]] = {}  # our name → (file, its name there)
     for name in files:
         if not (path / name).is_file():
             raise WeightsError(f"{path}: shard '{name}' named in the index is missing")
@@ -164,13 +164,21 @@ def load_hf_dir(path: Path) -> Checkpoint:
                 for key in f.keys():
                     if "rotary_emb" in key or (cfg.tie_word_embeddings and key == "lm_head.weight"):
                         continue
-                    shapes[key] = tuple(f.get_slice(key).get_shape())
-                    shard[key] = path / name
+                    # a base model saved alone (Qwen3-Embedding: embed_tokens.weight, layers.N…) has no "model."
+                    ours = key if key.startswith(("model.", "lm_head.")) else f"model.{key}"
+                    shapes[ours] = tuple(f.get_slice(key).get_shape())
+                    shard[ours] = (path / name, key)
         except Exception as e:  # safetensors raises its own SafetensorError / OSError on a bad file
             raise WeightsError(f"{path / name}: not a readable safetensors file ({e})") from None
+    if not cfg.tie_word_embeddings and "lm_head.weight" not in shapes and \
+            not any(key.startswith("model.") for _, key in shard.values()):
+        # a base model has no LM head (Qwen3-Embedding-4B/8B, untied): pooling reads the hidden states, and the
+        # tied head stands in for the graph's logits output
+        cfg = replace(cfg, tie_word_embeddings=True)
 
-    def read(key: str) -> np.ndarray:
-        with safe_open(shard[key], framework="numpy") as f:
+    def read(name: str) -> np.ndarray:
+        file, key = shard[name]
+        with safe_open(file, framework="numpy") as f:
             return f.get_tensor(key).astype(np.float32, copy=False)
 
     return Checkpoint(cfg, TensorMap(shapes, read), path)

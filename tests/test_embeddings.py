@@ -190,3 +190,30 @@ def test_over_long_input_refused_offline(embed_bundle: Path) -> None:
 
     with pytest.raises(RequestRejected, match="129 tokens.*maximum of 128"):
         PoolingEngine(embed_bundle).add_request(list(range(1, 130)))
+
+
+def test_base_model_checkpoint_loads_as_its_causal_lm(root: Path, tmp_path: Path) -> None:
+    """Qwen3-Embedding ships the base model alone (``embed_tokens.weight``, ``layers.N…``: no ``model.``)."""
+    import shutil
+
+    from transformers import AutoModel
+
+    from omforge.export.weights import check_names, load_hf_dir
+
+    compile_pooling(root, "embed")  # makes the tiny model
+    AutoModel.from_pretrained(root / "hf").save_pretrained(tmp_path)
+    shutil.copy(root / "hf" / "tokenizer.json", tmp_path / "tokenizer.json")
+    causal, base = load_hf_dir(root / "hf"), load_hf_dir(tmp_path)
+    check_names(base)
+    assert set(base.tensors) == set(causal.tensors)
+    assert all(np.array_equal(base.tensors[k], causal.tensors[k]) for k in causal.tensors)
+
+
+@pytest.mark.parametrize(("name", "task"), [("qwen3-embedding-0.6b-random.yaml", "embed"),
+                                            ("qwen3-reranker-0.6b-random.yaml", "score")])
+def test_shipped_pooling_recipes(name: str, task: str) -> None:
+    from omforge.recipe import load_recipe
+
+    recipe = load_recipe(Path(__file__).parent.parent / "models" / name)
+    assert recipe.task == task and recipe.model.config["family"] == "qwen3"
+    assert recipe.pooling.prompt_format == "qwen3" and recipe.pooling.matryoshka == (task == "embed")
