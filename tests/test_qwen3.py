@@ -322,3 +322,17 @@ def test_ascend_lowering_conforms_and_generates_the_ort_tokens_on_the_fakes(qwen
     ops = {n.op_type for n in onnx.load(str(plain / "ascend" / "step.onnx"), load_external_data=False).graph.node}
     assert "OmRmsNorm" not in ops and "ReduceMean" in ops
     assert bundle_rows(plain)[1] == []
+
+
+def test_shipped_qwen3_recipes() -> None:
+    """models/qwen3-0.6b-random.yaml is Qwen3-0.6B's real config (models/qwen3.yaml: test_recipe.py, which
+    checks it asks for its model.path to be edited)."""
+    from omforge.export.weights import _config_from_recipe, expected_names
+
+    recipe = load_recipe(REPO / "models" / "qwen3-0.6b-random.yaml")
+    cfg = _config_from_recipe(recipe)
+    assert (cfg.family, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (
+        "qwen3", 1024, 16, 8, 128)
+    assert (cfg.num_hidden_layers, cfg.intermediate_size, cfg.vocab_size, cfg.tie_word_embeddings) == (
+        28, 3072, 151936, True)
+    assert cfg.qk_norm and not cfg.qkv_bias and "model.layers.27.self_attn.k_norm.weight" in expected_names(cfg)
