@@ -66,9 +66,10 @@ def make_qwen3_hf_dir(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def write_gguf(hf_dir: Path, out: Path) -> Path:
-    """The same weights as an F32 GGUF of llama.cpp's ``qwen3`` architecture, with its tensor names and metadata as
-    convert_hf_to_gguf.py writes them (``attention.key_length`` = head_dim; q/k rows as they are, unpermuted)."""
+def write_gguf(hf_dir: Path, out: Path, quant: str = "F32") -> Path:
+    """The same weights as a GGUF of llama.cpp's ``qwen3`` architecture, with its tensor names and metadata as
+    convert_hf_to_gguf.py writes them (``attention.key_length`` = head_dim; q/k rows as they are, unpermuted);
+    ``quant`` Q8_0 stores the layers' 2-D matrices in its blocks (norms and the embedding stay F32)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -100,7 +101,12 @@ def write_gguf(hf_dir: Path, out: Path) -> Path:
              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
     for name, tensor in sorted(load_file(hf_dir / "model.safetensors").items()):
         m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name)
-        w.add_tensor(f"blk.{m[1]}.{layer[m[2]]}.weight" if m else top[name], tensor.astype(np.float32))
+        gguf_name = f"blk.{m[1]}.{layer[m[2]]}.weight" if m else top[name]
+        if quant != "F32" and m and tensor.ndim == 2:
+            qtype = gguf.GGMLQuantizationType[quant]
+            w.add_tensor(gguf_name, gguf.quants.quantize(tensor.astype(np.float32), qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name, tensor.astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -271,6 +277,26 @@ def test_gguf_of_the_same_weights_is_the_hf_model(qwen3: dict, tmp_path: Path) -
     export_recipe(load_recipe(recipe), tmp_path / "export", quiet=True)
     exported = ExportedModel(tmp_path / "export")
     assert [exported.greedy(p, NEW, ignore_eos=True).token_ids for p in PROMPTS] == qwen3["tokens"]
+
+
+def test_q8_0_gguf_keeps_its_blocks_unpermuted(qwen3: dict, tmp_path: Path) -> None:
+    """A Q8_0 qwen3 GGUF: the projections' blocks are kept for int8 weights with their rows in HF order (qwen3 is
+    not permuted), dequantized within Q8_0's rounding of the HF tensors; the q/k norms are read exactly."""
+    from safetensors.numpy import load_file
+
+    from omforge.export.weights import load_gguf
+
+    ckpt = load_gguf(write_gguf(qwen3["hf_dir"], tmp_path / "q8.gguf", quant="Q8_0"))
+    hf = load_file(qwen3["hf_dir"] / "model.safetensors")
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj"):
+        key = f"model.layers.1.{name}.weight"
+        kind, rows, k = ckpt.blocks[key]
+        assert kind == "Q8_0" and rows.shape[0] == hf[key].shape[0] and k == hf[key].shape[1]
+        scale = np.abs(hf[key]).reshape(hf[key].shape[0], -1, 32).max(-1, keepdims=True) / 127
+        err = np.abs(ckpt.tensors[key] - hf[key]).reshape(scale.shape[0], -1, 32)
+        assert (err <= scale * 0.6).all(), key  # half a step, and the float16 scale's rounding
+    for key in ("model.layers.0.self_attn.q_norm.weight", "model.layers.1.self_attn.k_norm.weight"):
+        assert key not in ckpt.blocks and np.array_equal(ckpt.tensors[key], hf[key])
 
 
 def test_diff_per_fusion_reports_the_q_k_norms(qwen3: dict) -> None:
