@@ -44,9 +44,10 @@ from omforge.recipe import Recipe
 
 
 def lower_step_graph(export_dir: Path, out: Path, recipe: Recipe, block_size: int,
-                     plain: bool = False) -> dict[str, Any]:
+                     plain: bool = False, pooling: dict[str, Any] | None = None) -> dict[str, Any]:
     """``plain``: every op as standard ONNX with the lowering's numerics (``lower_ascend.lower(plain=True)``), a
-    graph any ONNX runtime can run — what the tests' fake pyACL executes in place of the OMs."""
+    graph any ONNX runtime can run — what the tests' fake pyACL executes in place of the OMs. ``pooling``: a
+    pooling bundle's step graph (``InsertPooling``'s options; no KV pool) in place of the paged one."""
     model = ir.load(export_dir / "model.onnx")
     c = recipe.compile
     quantize = {"group_size": c.quantization.group_size, "matrices": c.quantization.matrices} \
@@ -55,7 +56,7 @@ def lower_step_graph(export_dir: Path, out: Path, recipe: Recipe, block_size: in
         run = Pipeline("ascend", c.fusions, block_size, {"plain": plain, "num_slots": num_slots(recipe, block_size),
                                                          "soc_version": c.soc_version},
                        quantize=quantize,
-                       float16=c.weights != "float32").run(model)
+                       float16=c.weights != "float32", pooling=pooling).run(model)
     except ir.passes.PassError as error:  # onnx-ir's pass manager wraps what a pass raises
         e = error.__cause__
         while e is not None and not isinstance(e, PoolTooLarge):
@@ -72,7 +73,8 @@ def lower_step_graph(export_dir: Path, out: Path, recipe: Recipe, block_size: in
     constants = rewrite_file(out / "step.onnx")  # after onnxsim or without it (> ONNXSIM_LIMIT): the file ATC reads
     final = ir.load(out / "step.onnx")
     return {"fusion_counts": counts, "num_nodes": len(list(final.graph)), "op_histogram": histogram(final),
-            "abi": interface(final), "layout": asdict(layout), "graph": "step.onnx",
+            "abi": interface(final), "layout": asdict(layout) if layout is not None else None, "graph": "step.onnx",
+            "pooled_width": run.pooled_width,
             "lowering": lowering.to_dict(), "onnxsim": simplified, "constants_as_value": constants,
             "weights": {"precision": c.weights, "quantized": run.quantized, "accuracy_level": None,
                         "graph": "float16 (float32 islands: RMSNorm statistics, softmax, rotary angles)"
@@ -146,10 +148,13 @@ def step_spec(step_onnx: Path, plan: BucketPlan) -> AtcModelSpec:
     static and not listed, reference/ascend.md §3.4), the gears of every profile over the common step dims."""
     shapes = input_shapes_from_onnx(step_onnx, {d: d for d in STEP_DIMS})
     listed = {name: dims for name, dims in shapes.items() if any(isinstance(d, str) for d in dims)}
-    return AtcModelSpec(OM_MODEL, Path(step_onnx.name), listed, list(om_gears(plan)), list(STEP_DIMS))
+    used = [d for d in STEP_DIMS if any(d in dims for dims in listed.values())]  # a pooling graph: two of them
+    at = [STEP_DIMS.index(d) for d in used]
+    gears = sorted({tuple(g[i] for i in at) for g in om_gears(plan)})
+    return AtcModelSpec(OM_MODEL, Path(step_onnx.name), listed, gears, used)
 
 
-def memory_plan(recipe: Recipe, plan: BucketPlan, step_dir: Path, layout: dict[str, Any],
+def memory_plan(recipe: Recipe, plan: BucketPlan, step_dir: Path, layout: dict[str, Any] | None,
                 config: dict[str, Any]) -> DeviceMemoryPlan:
     """What the bundle needs of the device, in bytes: the weights (once: one OM), the KV pool and the step's input
     and output buffers at the largest gear (each once: the OM is loaded with ACL_MDL_WORKSPACE_MEM_OPTIMIZE,
@@ -158,10 +163,19 @@ def memory_plan(recipe: Recipe, plan: BucketPlan, step_dir: Path, layout: dict[s
     which ``omforge serve`` reads when it can). ``omforge serve`` refuses a need above the device's free memory
     (``acl.rt.get_mem_info``). Never measured on hardware."""
     itemsize = 2 if recipe.compile.weights != "float32" else 4
-    slot = layout["num_layers"] * 2 * layout["kv_heads"] * layout["head_dim"] * itemsize
     weights = sum(f.stat().st_size for f in step_dir.iterdir() if f.name.startswith("step.onnx"))
     gears = om_gears(plan)
     vocab_size, hidden = config["vocab_size"], config["hidden_size"]
+    if layout is None:  # a pooling bundle: no pool; ids, positions and the pooled rows; a layer's activations
+        inter, heads = config["intermediate_size"], config["num_attention_heads"]
+        io = max(8 * (2 * t + b) + 4 * b * hidden for t, b, q, _, _ in gears)
+        work = max(t * (4 * hidden + 2 * inter) * itemsize + 4 * b * heads * q * q for t, b, q, _, _ in gears) * 2
+        return DeviceMemoryPlan(
+            soc_version=recipe.compile.soc_version, om_models=1, gears=len(gears), weights_bytes=weights,
+            kv_pool_bytes=0, io_bytes=io, workspace_bytes_estimate=work, total_bytes=weights + io + work,
+            note="a pooling bundle (no KV pool): weights once, step buffers once (see load); the workspace is an "
+                 "estimate until the OM is built; not measured on hardware", load=ACL_LOAD_PATH)
+    slot = layout["num_layers"] * 2 * layout["kv_heads"] * layout["head_dim"] * itemsize
     io = max(8 * (3 * t + b * m + b * q + n) + 4 * n * vocab_size + t * slot for t, b, q, n, m in gears)
     inter, heads = config["intermediate_size"], config["num_attention_heads"]
     bs = plan.block_size

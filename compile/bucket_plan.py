@@ -18,6 +18,9 @@ gear ``c'`` needs at least ``ceil((c' + 1) / block_size)`` blocks, so the gear i
 
 **ort** runs dynamic shapes, so its one profile ``step`` has no gears: :func:`pick` returns the step's own dims.
 
+A **pooling** bundle (task embed | score; contract/pooling.py) has no KV pool and no decode: on ascend its one
+profile ``pool`` has prefill-only gears over whole padded sequences (:func:`pooling_profile`).
+
 Empty recipe lists are planned from the build-time maxima (``compile.max_*``):
 
   prefill_seq_lens    powers of two from 128 up to min(max_num_tokens, max_seq_len), and that bound itself
@@ -75,8 +78,9 @@ class BucketWarning(UserWarning):
     """Many gears: each one is a separately compiled subgraph."""
 
 
-def plan(compile_section: CompileSection, *, target: str, block_size: int) -> BucketPlan:
-    """Plan the bundle's profiles from the recipe's ``compile`` section (see the module docstring).
+def plan(compile_section: CompileSection, *, target: str, block_size: int, pooling: bool = False) -> BucketPlan:
+    """Plan the bundle's profiles from the recipe's ``compile`` section (see the module docstring); ``pooling``: a
+    pooling bundle's (:func:`pooling_profile` on ascend).
 
     Explicit bucket values are checked against the maxima on every target, though only ascend uses them.
     """
@@ -93,6 +97,8 @@ def plan(compile_section: CompileSection, *, target: str, block_size: int) -> Bu
 
     b = c.buckets
     bs = block_size
+    if pooling:
+        return BucketPlan(**base, profiles=(pooling_profile(c),))
 
     def blocks(lens: Sequence[int]) -> list[int]:  # context lengths → whole blocks, rounded up
         return sorted({-(-n // bs) for n in lens})
@@ -137,6 +143,29 @@ def plan(compile_section: CompileSection, *, target: str, block_size: int) -> Bu
         raise BucketError(f"compile.buckets: the OM's gears (prefill and decode together) number {total}; ATC allows "
                           f"at most {MAX_GEARS} per model; give fewer values in compile.buckets")
     return result
+
+
+def pooling_profile(c: CompileSection) -> Profile:
+    """A pooling bundle's one profile on ascend (contract/pooling.py: no KV pool, whole sequences right-padded to a
+    common length): prefill-only gears ``(num_tokens, num_seqs, max_query_len)`` with ``num_tokens = num_seqs ×
+    max_query_len``, from ``decode_batch_sizes`` (sequences per step; planned: powers of two up to
+    ``max_batch_size``) × ``prefill_seq_lens`` (planned: powers of two from 128 up to ``max_seq_len``), thinned as
+    the generate profiles are and kept where the step fits ``max(max_num_tokens, max_seq_len)`` tokens."""
+    b = c.buckets
+    seqs = _Axis("decode_batch_sizes", list(b.decode_batch_sizes or _powers(1, c.max_batch_size)),
+                 not b.decode_batch_sizes, f"planned from compile.max_batch_size {c.max_batch_size}")
+    lens = _Axis("prefill_seq_lens", list(b.prefill_seq_lens or _powers(128, c.max_seq_len)), not b.prefill_seq_lens,
+                 f"planned from compile.max_seq_len {c.max_seq_len}")
+    a, q = _thin_pair(seqs, lens)
+    most = max(c.max_num_tokens, c.max_seq_len)
+    gears = sorted((x * y, x, y) for x in a for y in q if x * y <= most)
+    if not MIN_GEARS <= len(gears) <= MAX_GEARS:
+        raise BucketError(f"compile.buckets: the pooling model has {len(gears)} gears ({seqs.describe(a)} × "
+                          f"{lens.describe(q)}, steps of at most {most} tokens); ATC takes {MIN_GEARS} to "
+                          f"{MAX_GEARS}: give other compile.buckets.decode_batch_sizes / prefill_seq_lens")
+    return Profile("pool", ("num_tokens", "num_seqs", "max_query_len"),
+                   {"num_tokens": "num_tokens", "num_seqs": "num_seqs", "max_query_len": "max_query_len",
+                    "num_logits": "num_seqs", "max_blocks": 1}, tuple(gears))
 
 
 @dataclass(frozen=True)

@@ -144,8 +144,9 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
     job = _job(recipe, out, target, quiet)
     digest = recipe_digest(recipe)
     export_dir, export_meta = _export_stage(job)
-    plan = bucket_planner.plan(recipe.compile, target=job.target, block_size=job.block_size)
     job.pooling = _pooling_options(recipe, export_dir, export_meta["config"])
+    plan = bucket_planner.plan(recipe.compile, target=job.target, block_size=job.block_size,
+                               pooling=job.pooling is not None)
     passes = _passes_stage(job, export_dir, digest)
     report = passes.info()
     files = _bundle_stage(job, export_dir, export_meta, passes)
@@ -296,7 +297,8 @@ def ascend_section(recipe: Recipe, plan: bucket_planner.BucketPlan, built: bool,
     return AscendSection(
         model=f"ascend/om/{spec.name}", input_shape=tuple((n, tuple(d)) for n, d in spec.input_shapes.items()),
         gears=tuple(tuple(g) for g in spec.gears), gear_dims=tuple(spec.dim_order),
-        num_slots=ascend.num_slots(recipe, plan.block_size), soc_version=recipe.compile.soc_version,
+        num_slots=ascend.num_slots(recipe, plan.block_size) if layout is not None else 0,  # 0: no KV pool
+        soc_version=recipe.compile.soc_version,
         precision_mode=recipe.compile.precision_mode, atc="done" if built else "left",
         fusions={name: recipe.compile.fusions.get(name, True) for name in FUSIONS},
         memory=ascend.memory_plan(recipe, plan, bundle / "ascend", layout, config))
@@ -401,5 +403,6 @@ def _run_passes(export_dir: Path, stage: Stage, recipe: Recipe, target: str, blo
         return
     from omforge.compile import ascend
 
-    info = ascend.lower_step_graph(export_dir, out, recipe, block_size)
-    stage.finish({**info, "layout": asdict(info["layout"]) if not isinstance(info["layout"], dict) else info["layout"]})
+    info = ascend.lower_step_graph(export_dir, out, recipe, block_size, pooling=pooling)
+    layout = info["layout"]
+    stage.finish({**info, "layout": asdict(layout) if layout is not None and not isinstance(layout, dict) else layout})

@@ -217,3 +217,31 @@ def test_shipped_pooling_recipes(name: str, task: str) -> None:
     recipe = load_recipe(Path(__file__).parent.parent / "models" / name)
     assert recipe.task == task and recipe.model.config["family"] == "qwen3"
     assert recipe.pooling.prompt_format == "qwen3" and recipe.pooling.matryoshka == (task == "embed")
+
+
+def test_tiny_pooling_recipes_compile_for_ascend_on_the_fake_atc(tmp_path: Path) -> None:
+    """tests/recipes/tiny-qwen3-{embed,rerank}.yaml for ascend: prefill-only gears over (num_seqs, max_query_len),
+    no KV pool, every ATC rule kept and every op inside the CANN matrix; the FAKE atc builds the OM."""
+    import json
+
+    import fake_atc
+    import onnx
+
+    from helpers import compile_bundle
+    from omforge.compile.atc_conformance import check_bundle
+    from omforge.compile.cann_matrix import bundle_rows
+
+    for name, output in (("tiny-qwen3-embed", "pooled"), ("tiny-qwen3-rerank", "logits")):
+        recipe = Path(__file__).parent / "recipes" / f"{name}.yaml"
+        asc = compile_bundle(recipe, tmp_path / name, tmp_path / "cache", target="ascend")
+        manifest = json.loads((asc / "manifest.json").read_text())
+        assert manifest["kv"] is None and manifest["ascend"]["num_slots"] == 0
+        assert manifest["ascend"]["gear_dims"] == ["num_seqs", "max_query_len"]
+        assert [p["name"] for p in manifest["buckets"]["profiles"]] == ["pool"]
+        assert manifest["ascend"]["memory"]["kv_pool_bytes"] == 0
+        graph = onnx.load(str(asc / "ascend" / "step.onnx"), load_external_data=False).graph
+        assert [i.name for i in graph.input] == ["input_ids", "position_ids", "pool_index"]
+        assert [o.name for o in graph.output] == [output]
+        assert all(r.ok for r in check_bundle(asc)["om/step"])
+        assert bundle_rows(asc)[1] == []
+        assert fake_atc.build_bundle(asc, asc / "ascend" / "step.onnx")[0].is_file()
