@@ -128,6 +128,9 @@ def verify(bundle: Path, recipe_path: Path, *, device: int = 0, acl: Any = None,
     manifest = load_manifest(bundle)
     if manifest.ascend is None:
         raise OmforgeError(f"{bundle}: not an ascend bundle (target {manifest.target}); verify checks an OM")
+    if manifest.pooling is not None:
+        raise OmforgeError(f"{bundle}: a pooling bundle (task {manifest.task}); verify runs a generate bundle's "
+                           "gears (no ACL executor for pooling graphs yet)")
     layout = manifest.kv.paged_layout
     dtype = np.dtype(layout.kv_dtype)
     tol = TOLERANCE[dtype.name]

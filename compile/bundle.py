@@ -29,6 +29,15 @@ def write_manifest(bundle: Path, manifest: Manifest) -> None:
     (bundle / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=2))
 
 
+def _pooling_line(m: Manifest) -> str:
+    p = m.pooling
+    assert p is not None
+    extra = (f", score = P(yes) over token ids {list(p.score_token_ids)} [no, yes]" if p.score_token_ids else
+             f", {p.size} dimensions{', normalized' if p.normalize else ''}{', matryoshka' if p.matryoshka else ''}")
+    return (f"  pooling    task {p.task}, {p.pooling}-token pooling of output {p.output}{extra}, prompt format "
+            f"{p.prompt_format}; no KV pool")
+
+
 def describe(m: Manifest) -> str:
     """A readable summary for ``omforge inspect``."""
     cfg, kv, limits = m.model.config, m.kv, m.limits
@@ -38,10 +47,11 @@ def describe(m: Manifest) -> str:
         f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} kv, head_dim {cfg.head_dim}, "
         f"vocab {cfg.vocab_size}, tied embeddings {cfg.tie_word_embeddings}",
         f"  kv cache   block size {kv.block_size}, layout {kv.layout}, {kv.num_layers} layers × K,V, "
-        f"{kv.bytes_per_token} bytes per token",
+        f"{kv.bytes_per_token} bytes per token" if kv is not None else _pooling_line(m),
         f"  limits     max_seq_len {limits.max_seq_len}, max_batch_size {limits.max_batch_size}, max_num_tokens "
         f"{limits.max_num_tokens}",
-        f"  attention  paged attention lowered to {m.paged_attention}"
+        (f"  attention  paged attention lowered to {m.paged_attention}" if kv is not None else
+         "  attention  causal, within each step's whole sequences")
         + (f" (needs kernel library {m.kernels.domain} ABI {m.kernels.abi}, compiled with ISA path "
            f"{m.kernels.isa})" if m.kernels else ""),
         "  fusions    " + ", ".join(f"{k} {v}" for k, v in m.passes.fusion_counts.items()),

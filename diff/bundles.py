@@ -42,6 +42,10 @@ def diff_bundles(a: Path, b: Path, prompts: list[str] | None = None, max_tokens:
     from omforge.runtime.step import SeqWork
 
     ma, mb = load_manifest(a, verify=False), load_manifest(b, verify=False)
+    for path, m in ((a, ma), (b, mb)):
+        if m.pooling is not None:
+            raise OmforgeError(f"{path}: a pooling bundle (task {m.task}); omforge diff compares generate bundles' "
+                               "tokens")
     if ma.model.config != mb.model.config:
         raise OmforgeError(f"{b}: not a bundle of the same model as {a} (model configs differ)")
     llms = [LLM(a), LLM(b)]

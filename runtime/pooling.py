@@ -135,8 +135,10 @@ class PoolingEngine:
         self.max_model_len = cfg.max_model_len
         # whole sequences only: a step must hold the longest admitted one
         self.token_budget = max(cfg.max_num_batched_tokens, cfg.max_model_len)
+        from omforge.runtime.ort import kernels
         from omforge.runtime.ort.pooling_executor import PoolingExecutor
 
+        kernels.check_bundle(bundle, m.kernels, m.passes.op_histogram)  # its MatMulF32 needs the library here
         self.executor = PoolingExecutor(bundle / m.graphs.step, m.pooling.output, threads=cfg.threads)
         self.tokenizer = TextTokenizer(bundle / m.tokenizer.file, m.tokenizer) if m.tokenizer.file else None
         self.waiting: deque[PoolingRequest] = deque()

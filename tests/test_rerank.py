@@ -63,11 +63,15 @@ def _reference(root: Path, bundle: Path, query: str, docs: list[str]) -> list[fl
 
 
 def test_scores_match_the_reference_formula(root: Path, score_bundle: Path) -> None:
+    from omforge.compile.bundle import describe
     from omforge.contract.manifest import load_manifest
     from omforge.runtime.llm import LLM
 
-    pooling = load_manifest(score_bundle).pooling
+    manifest = load_manifest(score_bundle)
+    pooling = manifest.pooling
     assert pooling.task == "score" and pooling.score_token_ids == (NO, YES) and pooling.size == 2
+    assert f"task score, last-token pooling of output logits, score = P(yes) over token ids {[NO, YES]}" in \
+        describe(manifest)  # omforge inspect
     ref = _reference(root, score_bundle, QUERY, DOCS)
     with LLM(score_bundle) as llm:
         got = llm.score(QUERY, DOCS)
