@@ -44,16 +44,18 @@ SHAPES = {
 Embed = Callable[[list[list[int]]], np.ndarray]
 
 
-def make_hf_dir(path: Path, shape: str) -> Path:
-    """The random-weight Qwen3 of ``shape`` as a Hugging Face directory (once), with a stand-in tokenizer."""
+def make_hf_dir(path: Path, shape: str, layers: int | None = None) -> Path:
+    """The random-weight Qwen3 of ``shape`` (``layers``: fewer layers, for a quick look) as a Hugging Face
+    directory (once), with a stand-in tokenizer."""
     if (path / "config.json").is_file():
         return path
     import torch
     from tokenizers import Tokenizer, models
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    dims = {**SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})}
     cfg = AutoConfig.for_model("qwen3", rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
-                               bos_token_id=None, **SHAPES[shape])
+                               bos_token_id=None, **dims)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     path.mkdir(parents=True, exist_ok=True)
@@ -78,7 +80,7 @@ def omforge_engine(hf: Path, work: Path, weights: str, args: argparse.Namespace)
     recipe = work / f"embed-{weights}.yaml"
     recipe.write_text(yaml.safe_dump({
         "task": "embed", "pooling": {"normalize": True, "matryoshka": True},
-        "model": {"name": f"bench-{args.shape}", "source": "hf", "path": str(hf), "family": "qwen3"},
+        "model": {"name": f"bench-{work.name}", "source": "hf", "path": str(hf), "family": "qwen3"},
         "compile": {"weights": weights, "max_seq_len": longest, "max_batch_size": most,
                     "max_num_tokens": max(args.step_tokens, longest)}}))
     os.environ.setdefault("OMFORGE_CACHE_DIR", str(work / "cache"))
@@ -130,10 +132,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="intra-op threads for every engine (default: theirs)")
     ap.add_argument("--step-tokens", type=int, default=16384, help="omforge's token budget per engine step")
     ap.add_argument("--min-docs", type=int, default=32, help="documents per measurement at least (batch 1: calls)")
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers than the shape's (a quick look only)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/omforge-bench-embeddings"))
     args = ap.parse_args()
-    work = args.work / args.shape
-    hf = make_hf_dir(work / "hf", args.shape)
+    work = args.work / (args.shape + (f"-{args.layers}l" if args.layers else ""))
+    hf = make_hf_dir(work / "hf", args.shape, args.layers)
     engines: dict[str, Embed] = {}
     for weights in args.weights.split(","):
         print(f"[bench] compiling omforge {weights} …", file=sys.stderr, flush=True)

@@ -113,8 +113,10 @@ def _tokenizer(state: ServerState):  # noqa: ANN202 - TextTokenizer
 
 async def _run(state: ServerState, request: Request, kind: str, seqs: list[list[int]], params: PoolingParams,
                param: str, arrival: float) -> list[np.ndarray]:
-    """Check every sequence (a 400 naming ``param`` or ``dimensions``), queue them as one group and return their
-    results in order, or leave the engine at once when the client goes."""
+    """Check every sequence (a 400 naming ``param`` or ``dimensions``), queue them in groups of ``max_num_seqs``
+    (one engine step each: a request of many inputs — OpenAI takes 2,048, LangChain sends 1,000 — never needs more
+    room in the queue than one batch) and return their results in order, or leave the engine at once when the client
+    goes."""
     engine = state.engine
     for ids in seqs:
         try:
@@ -124,11 +126,16 @@ async def _run(state: ServerState, request: Request, kind: str, seqs: list[list[
         except RequestRejected as exc:
             code = None if exc.param is not None else "context_length_exceeded"
             raise APIError(400, f"{param}: {exc}", param=param, code=code) from None
-    if await request.is_disconnected():
-        raise APIError(499, "the client closed the connection", code="client_disconnected")
-    group = submit(state, [(ids, params) for ids in seqs], engine.new_request_id(kind), arrival)  # type: ignore[misc]
-    return await until_done_or_disconnect(request, _collect(engine, group, len(seqs)),
-                                          functools.partial(engine.cancel, group))
+    results: list[np.ndarray] = []
+    step = max(1, engine.max_num_seqs)
+    for at in range(0, len(seqs), step):
+        if await request.is_disconnected():
+            raise APIError(499, "the client closed the connection", code="client_disconnected")
+        part = seqs[at:at + step]
+        group = submit(state, [(ids, params) for ids in part], engine.new_request_id(kind), arrival)  # type: ignore[misc]
+        results += await until_done_or_disconnect(request, _collect(engine, group, len(part)),
+                                                  functools.partial(engine.cancel, group))
+    return results
 
 
 async def _collect(engine: AsyncEngine, group: RequestGroup, count: int) -> Sequence[np.ndarray]:

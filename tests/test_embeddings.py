@@ -112,6 +112,9 @@ def test_openai_client_float_base64_dimensions_and_token_ids(server: ServerProce
     short = client.embeddings.create(model=MODEL, input=TEXTS, dimensions=8, encoding_format="float")
     mrl = vecs[:, :8] / np.linalg.norm(vecs[:, :8], axis=-1, keepdims=True)
     assert np.abs(np.array([d.embedding for d in short.data]) - mrl).max() < 1e-5
+    # more inputs than the server holds at once (max_num_seqs 16 + one batch waiting): served in batches
+    many_texts = client.embeddings.create(model=MODEL, input=TEXTS * 12, encoding_format="float")
+    assert np.abs(np.array([d.embedding for d in many_texts.data]) - np.tile(vecs, (12, 1))).max() < 1e-5
     one = client.embeddings.create(model=MODEL, input=seqs[0], encoding_format="float")  # token ids
     many = client.embeddings.create(model=MODEL, input=seqs, encoding_format="float")  # lists of token ids
     assert np.abs(np.array(one.data[0].embedding) - vecs[0]).max() < 1e-5
