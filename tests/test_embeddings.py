@@ -248,3 +248,19 @@ def test_tiny_pooling_recipes_compile_for_ascend_on_the_fake_atc(tmp_path: Path)
         assert all(r.ok for r in check_bundle(asc)["om/step"])
         assert bundle_rows(asc)[1] == []
         assert fake_atc.build_bundle(asc, asc / "ascend" / "step.onnx")[0].is_file()
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ("task: embedding\n", "task: 'embedding' is not allowed; expected 'generate', 'embed' or 'score'"),
+    ("task: score\npooling: {yes_token: 9}\n", "pooling: task score needs pooling.yes_token and pooling.no_token"),
+    ("pooling: {normalize: true}\n", "pooling: is for task embed or score; this recipe's task is generate"),
+    ("task: embed\npooling: {prompt_format: qwen2}\n", "pooling.prompt_format: 'qwen2' is not allowed"),
+])
+def test_recipe_task_errors_name_the_key(tmp_path: Path, extra: str, message: str) -> None:
+    from omforge.recipe import RecipeError, load_recipe
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {name: t, source: random, config: {vocab_size: 8}}\n" + extra)
+    with pytest.raises(RecipeError) as err:
+        load_recipe(recipe)
+    assert str(err.value).startswith(f"{recipe}: {message}"), str(err.value)
