@@ -49,6 +49,8 @@ class PoolingParams:
 
 @dataclass
 class PoolingRequest:
+    """One input waiting for its step: its whole token ids (never chunked) and options."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: PoolingParams
@@ -156,7 +158,7 @@ class PoolingEngine:
         """The admission check, pure: :class:`RequestRejected` naming the limit (an empty or too long input, ids
         outside the vocabulary), :class:`SamplingParamsError` for ``dimensions``; returns ``params``."""
         if not prompt_token_ids:
-            raise RequestRejected("the input is empty")
+            raise RequestRejected("the input is empty", param="input")
         vocab = self.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise RequestRejected(f"input token ids must be in [0, {vocab})", param="input")

@@ -33,8 +33,8 @@ class EmbeddingRequest(_Body):
     user: str | None = None
 
     def check_supported(self) -> None:
-        if isinstance(self.input, list) and (not self.input or any(isinstance(i, list | str) and not i
-                                                                  for i in self.input)):
+        if not self.input or (isinstance(self.input, list) and any(isinstance(i, list | str) and not i
+                                                                   for i in self.input)):
             raise APIError(400, "input: must not be empty, nor hold an empty string or list", param="input")
 
     def inputs(self) -> list[str | list[int]]:

@@ -18,9 +18,11 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from omforge.contract.manifest import PoolingSection
 from omforge.runtime.engine import RequestRejected
 from omforge.runtime.pooling import PoolingParams, encode_text, score_inputs, scores_of
 from omforge.runtime.sampling_params import SamplingParamsError
+from omforge.runtime.tokenizer import TextTokenizer
 from omforge.serve.async_engine import AsyncEngine, RequestGroup
 from omforge.serve.intake import parse, submit
 from omforge.serve.openapi import GENERATION_ERRORS, errors
@@ -94,7 +96,7 @@ async def score(request: Request, state: AppState) -> Response:
                                        sum(len(s) for s in seqs)))
 
 
-def _pooling(state: ServerState, route: str, tasks: tuple[str, ...]):  # noqa: ANN202 - PoolingSection
+def _pooling(state: ServerState, route: str, tasks: tuple[str, ...]) -> PoolingSection:
     """The bundle's pooling section, or a 400 naming the model's task when ``route`` needs another."""
     pooling = state.engine.pooling
     task = pooling.task if pooling is not None else "generate"
@@ -102,10 +104,11 @@ def _pooling(state: ServerState, route: str, tasks: tuple[str, ...]):  # noqa: A
         need = " or ".join(f"task: {t}" for t in tasks)
         raise APIError(400, f"{route}: the model '{state.model_name}' is for task {task}; this endpoint needs a "
                        f"bundle compiled with {need}", param="model", code="wrong_model_task")
+    assert pooling is not None
     return pooling
 
 
-def _tokenizer(state: ServerState):  # noqa: ANN202 - TextTokenizer
+def _tokenizer(state: ServerState) -> TextTokenizer:
     if state.tokenizer is None:
         raise APIError(400, "this model has no tokenizer; rerank and score take text", param="model")
     return state.tokenizer
