@@ -148,24 +148,24 @@ def plan(compile_section: CompileSection, *, target: str, block_size: int, pooli
 def pooling_profile(c: CompileSection) -> Profile:
     """A pooling bundle's one profile on ascend (contract/pooling.py: no KV pool, whole sequences right-padded to a
     common length): prefill-only gears ``(num_tokens, num_seqs, max_query_len)`` with ``num_tokens = num_seqs ×
-    max_query_len``, from ``decode_batch_sizes`` (sequences per step; planned: powers of two up to
-    ``max_batch_size``) × ``prefill_seq_lens`` (planned: powers of two from 128 up to ``max_seq_len``), thinned as
-    the generate profiles are and kept where the step fits ``max(max_num_tokens, max_seq_len)`` tokens."""
+    max_query_len`` within ``max(max_num_tokens, max_seq_len)`` tokens. Planned: 4 lengths of the powers of two
+    from 128 up to ``max_seq_len`` (thinned as the generate profiles are), each with 1 and the most sequences of
+    that length a step holds (up to ``max_batch_size``); explicit ``prefill_seq_lens`` × ``decode_batch_sizes``
+    (sequences per step) are crossed and kept where the step fits."""
     b = c.buckets
-    seqs = _Axis("decode_batch_sizes", list(b.decode_batch_sizes or _powers(1, c.max_batch_size)),
-                 not b.decode_batch_sizes, f"planned from compile.max_batch_size {c.max_batch_size}")
-    lens = _Axis("prefill_seq_lens", list(b.prefill_seq_lens or _powers(128, c.max_seq_len)), not b.prefill_seq_lens,
-                 f"planned from compile.max_seq_len {c.max_seq_len}")
-    a, q = _thin_pair(seqs, lens)
     most = max(c.max_num_tokens, c.max_seq_len)
-    gears = sorted((x * y, x, y) for x in a for y in q if x * y <= most)
+    lens = list(b.prefill_seq_lens) or _thin(_powers(128, c.max_seq_len), 4)
+    if b.decode_batch_sizes:
+        gears = {(x * y, x, y) for x in b.decode_batch_sizes for y in lens if x * y <= most}
+    else:
+        gears = {(x * y, x, y) for y in lens for x in (1, min(c.max_batch_size, most // y))}
     if not MIN_GEARS <= len(gears) <= MAX_GEARS:
-        raise BucketError(f"compile.buckets: the pooling model has {len(gears)} gears ({seqs.describe(a)} × "
-                          f"{lens.describe(q)}, steps of at most {most} tokens); ATC takes {MIN_GEARS} to "
-                          f"{MAX_GEARS}: give other compile.buckets.decode_batch_sizes / prefill_seq_lens")
+        raise BucketError(f"compile.buckets: the pooling model has {len(gears)} gears (sequence lengths {lens}, "
+                          f"steps of at most {most} tokens); ATC takes {MIN_GEARS} to {MAX_GEARS}: give other "
+                          "compile.buckets.decode_batch_sizes / prefill_seq_lens")
     return Profile("pool", ("num_tokens", "num_seqs", "max_query_len"),
                    {"num_tokens": "num_tokens", "num_seqs": "num_seqs", "max_query_len": "max_query_len",
-                    "num_logits": "num_seqs", "max_blocks": 1}, tuple(gears))
+                    "num_logits": "num_seqs", "max_blocks": 1}, tuple(sorted(gears)))
 
 
 @dataclass(frozen=True)

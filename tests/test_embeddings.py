@@ -243,6 +243,8 @@ def test_tiny_pooling_recipes_compile_for_ascend_on_the_fake_atc(tmp_path: Path)
         manifest = json.loads((asc / "manifest.json").read_text())
         assert manifest["kv"] is None and manifest["ascend"]["num_slots"] == 0
         assert manifest["ascend"]["gear_dims"] == ["num_seqs", "max_query_len"]
+        # 1 and the most sequences a step of max_num_tokens 2048 holds, at lengths 128 and 256 (max_seq_len)
+        assert manifest["ascend"]["gears"] == [[1, 128], [1, 256], [8, 256], [16, 128]]
         assert [p["name"] for p in manifest["buckets"]["profiles"]] == ["pool"]
         assert manifest["ascend"]["memory"]["kv_pool_bytes"] == 0
         graph = onnx.load(str(asc / "ascend" / "step.onnx"), load_external_data=False).graph
