@@ -35,7 +35,7 @@ SERVE_KEYS = ("max_num_seqs, max_num_batched_tokens, max_prefill_tokens_with_dec
               "enable_prefix_caching, max_queue_delay_us, preemption_mode, swap_space_gb, num_kv_blocks, "
               "kv_cache_space_gb, speculative_config, max_waiting_requests, max_queue_time_s, "
               "enable_hierarchical_cache, hicache_size_gb, hicache_storage_backend, hicache_storage_dir, "
-              "hicache_storage_size_gb")
+              "hicache_storage_size_gb, reasoning_parser, reasoning_budget")
 
 
 @pytest.fixture
