@@ -70,6 +70,31 @@ def make_tiny_hf_dir(path: Path, variant: str, seed: int = 0, shard: bool = Fals
     return path
 
 
+TINY_QWEN3_CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                         rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=True)
+"""A tiny Qwen3: GQA 4/2 heads, head_dim 32 != 64 / 4 (the one thing Llama's shapes never test), tied embeddings."""
+
+
+def make_tiny_qwen3_dir(path: Path, seed: int = 0, **config: Any) -> Path:
+    """config.json + model.safetensors (+ the tests' tokenizer.json) of a random ``Qwen3ForCausalLM`` of
+    :data:`TINY_QWEN3_CONFIG` with ``config`` over it; norm weights perturbed from 1.0, so a q/k norm that is
+    dropped or misplaced shows in the logits."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(Qwen3Config(**{**TINY_QWEN3_CONFIG, **config})).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    make_tiny_tokenizer(path / "tokenizer.json")
+    return path
+
+
 def write_recipe(path: Path, model: dict[str, Any], **sections: Any) -> Path:
     path.write_text(yaml.safe_dump({"model": model, **sections}))
     return path

@@ -18,12 +18,13 @@ import pytest
 import torch
 
 from helpers import (
+    TINY_QWEN3_CONFIG,
     assert_same_logits,
     compile_bundle,
     export_feeds,
     load_export,
     lowered,
-    make_tiny_tokenizer,
+    make_tiny_qwen3_dir,
     run_model,
     write_recipe,
 )
@@ -39,31 +40,12 @@ from omforge.runtime.step import SeqWork, build_step
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_QWEN3 = REPO / "tests" / "recipes" / "tiny-qwen3.yaml"
-HF_CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
-                 rope_theta=1_000_000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+HF_CONFIG = {**TINY_QWEN3_CONFIG, "bos_token_id": 1, "eos_token_id": 2}
 L = HF_CONFIG["num_hidden_layers"]
 NEW = 16  # greedy tokens per prompt
 PROMPTS = [[int(t) for t in np.random.default_rng(n).integers(3, 256, n)] for n in (5, 11, 23, 40)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 BLOCK = 4  # small KV blocks: every prompt crosses block boundaries
-
-
-def make_qwen3_hf_dir(path: Path, seed: int = 0) -> Path:
-    """config.json + model.safetensors (+ tokenizer.json) of a tiny random ``Qwen3ForCausalLM``; norm weights
-    perturbed from 1.0 so a q/k norm that is dropped or misplaced shows in the logits."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(Qwen3Config(**HF_CONFIG)).float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    make_tiny_tokenizer(path / "tokenizer.json")
-    return path
 
 
 def write_gguf(hf_dir: Path, out: Path, quant: str = "F32") -> Path:
@@ -120,7 +102,7 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from transformers import Qwen3ForCausalLM
 
     root = tmp_path_factory.mktemp("qwen3")
-    hf_dir = make_qwen3_hf_dir(root / "hf")
+    hf_dir = make_tiny_qwen3_dir(root / "hf", bos_token_id=1, eos_token_id=2)
     recipe = write_recipe(root / "qwen3.yaml", {"name": "tiny-qwen3-hf", "source": "hf", "path": str(hf_dir),
                                                 "family": "qwen3"}, compile={"kv_block_size": BLOCK})
     export = cached_export(load_recipe(recipe), root / "cache" / "exports", quiet=True)  # compile_bundle reuses it
