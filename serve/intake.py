@@ -85,12 +85,20 @@ def encode(state: ServerState, text: str, add_special_tokens: bool, param: str) 
     count alone proves it cannot fit the context: each token spells at most ``max_token_chars`` characters
     (a 7 MB prompt cost 8 s of a tokenizer worker before the length check refused it; now microseconds)."""
     assert state.tokenizer is not None
+    check_characters(state, text, param)
+    return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def check_characters(state: ServerState, text: str, param: str) -> None:
+    """400 ``context_length_exceeded`` for a text that cannot fit the context by its character count alone (each
+    token spells at most ``max_token_chars`` characters); every route checks a client's text with it before
+    tokenizing."""
+    assert state.tokenizer is not None
     most = state.tokenizer.max_token_chars * state.max_model_len
     if len(text) > most:
         raise APIError(400, f"{param}: the prompt is {len(text):,} characters, which cannot fit this model's context "
                        f"of {state.max_model_len} tokens (at most {most:,} characters with this tokenizer)",
                        param=param, code="context_length_exceeded")
-    return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def check(state: ServerState, ids: list[int], params: SamplingParams, length_param: str) -> SamplingParams:

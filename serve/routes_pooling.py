@@ -24,7 +24,7 @@ from omforge.runtime.pooling import PoolingParams, encode_text, score_inputs, sc
 from omforge.runtime.sampling_params import SamplingParamsError
 from omforge.runtime.tokenizer import TextTokenizer
 from omforge.serve.async_engine import AsyncEngine, RequestGroup
-from omforge.serve.intake import parse, submit
+from omforge.serve.intake import check_characters, parse, submit
 from omforge.serve.openapi import GENERATION_ERRORS, errors
 from omforge.serve.openapi import body as openapi_body
 from omforge.serve.protocol import APIError
@@ -52,6 +52,9 @@ async def embeddings(request: Request, state: AppState) -> Response:
         inputs = body.inputs()
         if tokenizer is None and any(isinstance(i, str) for i in inputs):
             raise APIError(400, "this model has no tokenizer: send input token ids", param="input")
+        for text in inputs:
+            if isinstance(text, str):
+                check_characters(state, text, "input")
         seqs = await state.offload(lambda: [encode_text(tokenizer, pooling, i) if isinstance(i, str) else i
                                             for i in inputs])
         vectors = await _run(state, request, "embd", seqs, PoolingParams(body.dimensions), "input", arrival)

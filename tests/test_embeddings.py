@@ -158,6 +158,9 @@ def test_embed_bundle_400s(server: ServerProcess, root: Path) -> None:
     long = httpx.post(url + "/embeddings", json={"input": list(range(1, 130))})  # max_seq_len 128
     assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded"
     assert "129 tokens" in long.json()["error"]["message"]
+    huge = httpx.post(url + "/embeddings", json={"input": ["hi", "hello " * 200_000]})  # refused before tokenizing
+    assert huge.status_code == 400 and huge.json()["error"]["code"] == "context_length_exceeded"
+    assert huge.json()["error"]["param"] == "input" and "characters" in huge.json()["error"]["message"]
     for empty in ("", [], [""], [[]]):
         r = httpx.post(url + "/embeddings", json={"input": empty})
         assert r.status_code == 400 and r.json()["error"]["param"] == "input", (empty, r.text)
