@@ -236,6 +236,43 @@ class PoolingSection(Section):
 
 
 @dataclass(frozen=True)
+class LoraPart(Section):
+    """One target module's share of a LoRA'd projection: output columns ``[start, stop)`` (contract/lora.py)."""
+
+    target: str
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class LoraProjection(Section):
+    """A projection of the step graph that carries a LoRA term: its layer, short name (contract/lora.py
+    ``PROJECTIONS``), input and output widths, and its parts in rank order (pool inputs ``lora_a.{layer}.{name}``,
+    ``lora_b.{layer}.{name}``)."""
+
+    layer: int
+    name: str
+    in_features: int
+    out_features: int
+    parts: tuple[LoraPart, ...]
+
+
+@dataclass(frozen=True)
+class LoraSection(Section):
+    """A bundle compiled with ``compile.lora`` (docs/lora.md): adapter slots (the pools hold ``max_loras + 1``, slot 0
+    the base model), the rank every slot is padded to, the target modules, and every LoRA'd projection."""
+
+    max_loras: int
+    max_rank: int
+    target_modules: tuple[str, ...]
+    projections: tuple[LoraProjection, ...]
+
+    @property
+    def num_slots(self) -> int:
+        return self.max_loras + 1
+
+
+@dataclass(frozen=True)
 class Limits(Section):
     """The build-time maxima the step graph (and an ascend bundle's gears) was compiled for."""
 
@@ -353,7 +390,8 @@ class Manifest(Section):
     recipe's serve section (runtime/engine_config.py resolves it; a key absent there means "the default").
     ``ascend`` is present exactly in ascend bundles; ``kernels`` where paged attention is lowered to the kernel
     library (``paged_attention`` ``kernel``, else ``plain``); ``kv`` in a generate bundle, ``pooling`` instead in
-    a pooling bundle (task embed | score: no KV pool). ``files``: every file but the manifest, by path."""
+    a pooling bundle (task embed | score: no KV pool); ``lora`` in a bundle compiled with ``compile.lora``
+    (docs/lora.md). ``files``: every file but the manifest, by path."""
 
     schema_version: int = SCHEMA_VERSION
     omforge_version: str
@@ -365,6 +403,7 @@ class Manifest(Section):
     kernels: KernelLibrary | None = None
     kv: KvSection | None
     pooling: PoolingSection | None = field(default=None, metadata=OMIT_IF_NONE)
+    lora: LoraSection | None = field(default=None, metadata=OMIT_IF_NONE)
     limits: Limits
     serve: dict[str, Any]
     buckets: BucketPlan
