@@ -23,6 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from omforge.contract import FUSIONS
+from omforge.contract.lora import TARGET_MODULES
 from omforge.contract.pooling import PROMPT_FORMATS
 from omforge.contract.serve_options import RECIPE_OPTIONS, ServeOption
 from omforge.contract.speculative import SpeculativeConfig, SpeculativeConfigError
@@ -136,6 +137,27 @@ class QuantizationSection(_Section):
         return v
 
 
+class LoraSection(_Section):
+    """``compile.lora`` (docs/lora.md): the step graph takes adapter pools as inputs. ``max_loras``: adapter slots
+    (the pools hold ``max_loras + 1``, slot 0 the base model); ``max_rank``: the rank every slot is padded to;
+    ``target_modules``: the projections that carry a LoRA term (contract/lora.py ``TARGET_MODULES``; default all)."""
+
+    max_loras: int = Field(default=4, ge=1, le=64)
+    max_rank: int = Field(default=16, ge=1, le=256)
+    target_modules: list[str] = Field(default_factory=lambda: list(TARGET_MODULES), min_length=1)
+
+    @field_validator("target_modules")
+    @classmethod
+    def _known_modules(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if name not in TARGET_MODULES:
+                raise ValueError(f"'{name}' is not a target module{_did_you_mean(name, TARGET_MODULES)}; allowed: "
+                                 f"{', '.join(TARGET_MODULES)}")
+        if len(set(v)) != len(v):
+            raise ValueError("list each target module once")
+        return v
+
+
 class CompileSection(_Section):
     """Build-time choices and maxima. Names follow TensorRT-LLM / MindIE where one exists."""
 
@@ -152,6 +174,7 @@ class CompileSection(_Section):
     weights: Literal["float32", "bfloat16", "float16", "int8", "int4"] = "float32"
     quantization: QuantizationSection = Field(default_factory=QuantizationSection)
     float_gemm: Literal["auto", "MatMulF32", "MatMul"] = "auto"
+    lora: LoraSection | None = None
     soc_version: str = "Ascend910B3"
     precision_mode: Literal[
         "force_fp16", "force_fp32", "cube_fp16in_fp32out", "allow_fp32_to_fp16",
@@ -329,6 +352,9 @@ class Recipe(_Section):
         if self.task == "score" and (p is None or p.yes_token is None or p.no_token is None):
             raise _KeyError("pooling", "task score needs pooling.yes_token and pooling.no_token (the two tokens "
                             "whose last-position logits make the score)", top=True)
+        if self.task != "generate" and self.compile.lora is not None:
+            raise _KeyError("compile.lora", f"adapters are served by generate bundles; this recipe's task is "
+                            f"{self.task}", top=True)
         if self.task == "embed" and p is not None and (p.yes_token is not None or p.no_token is not None):
             raise _KeyError("pooling", "yes_token / no_token are for task score; this recipe's task is embed",
                             top=True)

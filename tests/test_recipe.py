@@ -29,7 +29,7 @@ MODEL = "model:\n  name: t\n  source: random\n  config: {vocab_size: 8}\n"
 TOP_KEYS = "model, compile, serve, task, pooling"
 MODEL_KEYS = "name, source, path, package, file, seed, family, config, tokenizer"
 COMPILE_KEYS = ("target, dtype, opset, kv_block_size, kv_cache_dtype, max_batch_size, max_seq_len, max_num_tokens, "
-                "buckets, fusions, weights, quantization, float_gemm, soc_version, precision_mode")
+                "buckets, fusions, weights, quantization, float_gemm, lora, soc_version, precision_mode")
 BUCKET_KEYS = "prefill_seq_lens, decode_batch_sizes, context_lens"
 SERVE_KEYS = ("max_num_seqs, max_num_batched_tokens, max_prefill_tokens_with_decodes, max_model_len, "
               "enable_prefix_caching, max_queue_delay_us, preemption_mode, swap_space_gb, num_kv_blocks, "
@@ -204,6 +204,20 @@ BAD = [
     ("activations-on-ascend",
      MODEL + "compile:\n  target: ascend\n  weights: int8\n  quantization:\n    activations: int8\n",
      "compile.quantization: activations is the ort target's choice; ascend computes in float16 (W8A16)"),
+    # compile.lora (issue 49): ranges, known and distinct target modules, generate bundles only.
+    ("lora-max-loras-zero", MODEL + "compile:\n  lora:\n    max_loras: 0\n",
+     "compile.lora.max_loras: Input should be greater than or equal to 1 (got 0)"),
+    ("lora-max-rank-too-big", MODEL + "compile:\n  lora:\n    max_rank: 512\n",
+     "compile.lora.max_rank: Input should be less than or equal to 256 (got 512)"),
+    ("lora-unknown-module", MODEL + "compile:\n  lora:\n    target_modules: [q_proj, gate]\n",
+     "compile.lora.target_modules: 'gate' is not a target module (did you mean 'gate_proj'?); allowed: q_proj, "
+     "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (got ['q_proj', 'gate'])"),
+    ("lora-repeated-module", MODEL + "compile:\n  lora:\n    target_modules: [q_proj, q_proj]\n",
+     "compile.lora.target_modules: list each target module once (got ['q_proj', 'q_proj'])"),
+    ("lora-no-module", MODEL + "compile:\n  lora:\n    target_modules: []\n",
+     "compile.lora.target_modules: List should have at least 1 item after validation, not 0 (got [])"),
+    ("lora-embed", MODEL + "task: embed\ncompile:\n  lora: {}\n",
+     "compile.lora: adapters are served by generate bundles; this recipe's task is embed"),
     # Cross-field: runtime limits within the build-time maxima.
     ("max-model-len-above-max-seq-len", MODEL + "compile:\n  max_seq_len: 256\nserve:\n  max_model_len: 512\n",
      "serve.max_model_len: 512 exceeds compile.max_seq_len (256), the longest sequence the graphs are built for"),
