@@ -1,0 +1,283 @@
+"""The 1B- and 8B-class artefacts every engine runs in the scale benchmarks (issue 48), built once from nothing.
+
+  .venv/bin/python benchmarks/build_large_peers.py --root /work/peers --models 1b,8b [--steps hf,gguf,openvino,omforge]
+
+For each shape (Llama-3.2-1B's and Llama-3-8B's real configs, :data:`SHAPES`) it writes, under ``ROOT/models``:
+
+- ``NAME-hf/``: a Hugging Face directory with random weights (numpy, fixed seed, N(0, 0.02) like HF's init, norms
+  1), stored as bfloat16 so that every engine that reads it in float32 sees the same values. The vocabulary keeps
+  the real size (128,256 rows: the lm_head's cost is part of what is measured) and the tokenizer is the test model's
+  (SmolLM2, 49,152 tokens): prompts are text the workload tokenizes to ids below 49,152; llama.cpp's converter pads
+  the vocabulary with ``[PAD<i>]`` tokens to the config's size.
+- ``NAME-F16.gguf`` / ``NAME-F32.gguf`` (1B), ``NAME-Q4_0.gguf``, ``NAME-Q4_1.gguf``: llama.cpp's own converter
+  (``convert_hf_to_gguf.py`` from llama-cpp-python's source distribution) and quantizer (``llama_model_quantize``
+  through llama-cpp-python's C API); the F16 file of the 8B shape is removed once quantized (disk).
+- ``NAME-ov-fp32/`` (1B only: 8B in float32 does not fit this machine's memory) and ``NAME-ov-int4/``: optimum-cli
+  (``--weight-format int4 --group-size 64 --ratio 1.0``).
+- ``NAME-omforge-{fp32,bf16,int4-q4_0,int4-rtn}/``: omforge bundles of the same weights — the HF directory for
+  fp32 / bf16 / int4 RTN, the Q4_0 GGUF for int4 from its own blocks (both sides run the same quantized weights).
+
+The peers' virtual environments are those of ../shared/reference/peers.md (``ROOT/venv-ov``, ``ROOT/venv-llamacpp``,
+``ROOT/venv-vllm``); ``--install`` creates the two this script needs. Every step skips what already exists, so a run
+that stopped resumes. Times per step are printed; the full build's is in benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+LLAMA_CPP_PYTHON = "0.3.36"
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+SHAPES: dict[str, dict] = {
+    "llama-3.2-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "rope_theta": 500000.0,
+                     "rope_scaling": _LLAMA3_ROPE, "max_position_embeddings": 131072, "tie_word_embeddings": True},
+    "llama-3-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 500000.0,
+                   "rope_scaling": None, "max_position_embeddings": 8192, "tie_word_embeddings": False},
+}
+ALIASES = {"1b": "llama-3.2-1b", "8b": "llama-3-8b"}
+VOCAB = 128256
+SHARD_BYTES = 4 << 30
+
+
+def step(label: str):  # noqa: ANN201 - a timing context
+    class _Timer:
+        def __enter__(self) -> None:
+            self.t0 = time.monotonic()
+            print(f"[build] {label} …", flush=True)
+
+        def __exit__(self, *exc: object) -> None:
+            print(f"[build] {label}: {time.monotonic() - self.t0:.0f}s{' (failed)' if exc[0] else ''}", flush=True)
+    return _Timer()
+
+
+def run(cmd: list[str], **kw) -> None:
+    print("  + " + " ".join(map(str, cmd)), flush=True)
+    subprocess.run([str(c) for c in cmd], check=True, **kw)
+
+
+def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    h, i, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    shapes = {"model.embed_tokens.weight": (VOCAB, h), "model.norm.weight": (h,)}
+    for n in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                       p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                       p + "mlp.down_proj.weight": (h, i)})
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (VOCAB, h)
+    return shapes
+
+
+def write_hf_dir(name: str, out: Path, tokenizer_dir: Path, seed: int = 0) -> None:
+    """The random-weight HF directory of shape ``name`` (bfloat16 safetensors shards, one tensor at a time)."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = SHAPES[name]
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
+              "hidden_act": "silu", "rms_norm_eps": 1e-5, "attention_bias": False, "mlp_bias": False,
+              "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16", "initializer_range": 0.02, **cfg}
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_dir / f).exists():
+            shutil.copy(tokenizer_dir / f, tmp / f)
+    shapes = tensor_shapes(cfg)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for tname, shape in shapes.items():  # plan the shards (≤ SHARD_BYTES of bfloat16 each)
+        nbytes = 2 * int(np.prod(shape))
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(tname)
+        size += nbytes
+    order = {tname: i for i, tname in enumerate(shapes)}
+    weight_map, total = {}, 0
+    for k, names in enumerate(shards, 1):
+        fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for tname in names:
+            if tname.endswith("norm.weight"):
+                tensors[tname] = torch.ones(shapes[tname], dtype=torch.bfloat16)
+            else:  # per-tensor seed: the values do not depend on the sharding
+                x = np.random.default_rng([seed, order[tname]]).standard_normal(shapes[tname], dtype=np.float32)
+                tensors[tname] = torch.from_numpy(x).mul_(0.02).to(torch.bfloat16)
+                del x
+        save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+        total += sum(t.numel() * 2 for t in tensors.values())
+        weight_map.update({tname: fname for tname in names})
+        del tensors
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    tmp.rename(out)
+
+
+def llama_cpp_source(root: Path) -> Path:
+    """llama.cpp's tree as llama-cpp-python's sdist vendors it (its converter and gguf-py)."""
+    src = root / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}"
+    if not (src / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py").exists():
+        (root / "src").mkdir(parents=True, exist_ok=True)
+        run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", root / "src"])
+        run(["tar", "xzf", root / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz", "-C", root / "src"])
+    return src / "vendor" / "llama.cpp"
+
+
+def build_gguf(root: Path, name: str, hf: Path) -> None:
+    models, venv = root / "models", root / "venv-llamacpp" / "bin" / "python"
+    base = models / f"{name}-F16.gguf"
+    quants = {q: models / f"{name}-{q}.gguf" for q in ("Q4_0", "Q4_1")}
+    f32 = models / f"{name}-F32.gguf"
+    env = {**os.environ, "PYTHONPATH": str(llama_cpp_source(root) / "gguf-py")}
+    conv = llama_cpp_source(root) / "convert_hf_to_gguf.py"
+    if name == "llama-3.2-1b" and not f32.exists():
+        with step(f"{name}: GGUF F32"):
+            run([venv, conv, hf, "--outtype", "f32", "--outfile", f32], env=env)
+    if not all(q.exists() for q in quants.values()) or (name == "llama-3.2-1b" and not base.exists()):
+        if not base.exists():
+            with step(f"{name}: GGUF F16"):
+                run([venv, conv, hf, "--outtype", "f16", "--outfile", base], env=env)
+        for q, out in quants.items():
+            if not out.exists():
+                with step(f"{name}: GGUF {q} (llama_model_quantize)"):
+                    run([venv, "-c", _QUANTIZE, base, out, q])
+        if name != "llama-3.2-1b":
+            base.unlink()
+
+
+_QUANTIZE = """
+import sys, llama_cpp
+src, dst, kind = sys.argv[1:]
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = {"Q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, "Q4_1": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1}[kind]
+params.nthread = 2
+rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
+sys.exit(rc)
+"""
+
+
+def build_openvino(root: Path, name: str, hf: Path) -> None:
+    cli = root / "venv-ov" / "bin" / "optimum-cli"
+    forms = [("int4", ["--weight-format", "int4", "--group-size", "64", "--ratio", "1.0"])]
+    if name == "llama-3.2-1b":
+        forms.insert(0, ("fp32", ["--weight-format", "fp32"]))
+    for label, args in forms:
+        out = root / "models" / f"{name}-ov-{label}"
+        if not (out / "openvino_model.xml").exists():
+            with step(f"{name}: OpenVINO {label}"):
+                run([cli, "export", "openvino", "-m", hf, "--task", "text-generation-with-past", *args, out])
+
+
+def omforge_recipes(root: Path, name: str, hf: Path) -> dict[str, dict]:
+    """The omforge recipes of one shape: label → recipe dict."""
+    big = name != "llama-3.2-1b"
+    limits = {"max_seq_len": 2048, "max_batch_size": 4 if big else 64, "max_num_tokens": 512 if big else 2048}
+    serve = {"max_num_seqs": 4 if big else 64, "max_num_batched_tokens": 256 if big else 512,
+             "enable_prefix_caching": True}
+    hf_model = {"name": name, "source": "hf", "path": str(hf), "family": "llama"}
+    gguf = {"name": name, "source": "gguf", "path": str(root / "models" / f"{name}-Q4_0.gguf"), "family": "llama",
+            "tokenizer": str(hf / "tokenizer.json")}
+    recipes = {"int4-q4_0": {"model": gguf, "compile": {**limits, "weights": "int4"}, "serve": serve},
+               "int4-rtn": {"model": hf_model, "compile": {**limits, "weights": "int4",
+                                                           "quantization": {"source_blocks": False}},
+                            "serve": serve}}
+    if not big:
+        recipes["fp32"] = {"model": hf_model, "compile": {**limits, "weights": "float32"}, "serve": serve}
+        recipes["bf16"] = {"model": hf_model, "compile": {**limits, "weights": "bfloat16"}, "serve": serve}
+    return recipes
+
+
+def build_omforge(root: Path, name: str, hf: Path) -> None:
+    import yaml
+
+    for label, recipe in omforge_recipes(root, name, hf).items():
+        out = root / "models" / f"{name}-omforge-{label}"
+        if (out / "manifest.json").exists():
+            continue
+        path = root / "recipes" / f"{name}-{label}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+        cache = root / "omcache"
+        with step(f"{name}: omforge {label}"):
+            run([sys.executable, "-m", "omforge", "compile", path, "-o", out],
+                env={**os.environ, "OMFORGE_CACHE_DIR": str(cache)})
+        if name != "llama-3.2-1b":  # the 8B export's float32 stage (~32 GB) is not kept
+            shutil.rmtree(cache / "exports", ignore_errors=True)
+
+
+def install(root: Path) -> None:
+    """The OpenVINO and llama.cpp venvs of ../shared/reference/peers.md (vLLM's is made as it says there)."""
+    ov, lc = root / "venv-ov", root / "venv-llamacpp"
+    if not (ov / "bin" / "optimum-cli").exists():
+        with step("venv-ov (OpenVINO GenAI, optimum-intel)"):
+            run([sys.executable, "-m", "venv", ov])
+            run([ov / "bin" / "pip", "install", "-q", "torch==2.13.0"])
+            cons = root / "torch-constraint.txt"
+            cons.write_text("torch==2.13.0\n")
+            run([ov / "bin" / "pip", "install", "-q", "openvino-genai", "optimum-intel[openvino]", "psutil",
+                 "tokenizers", "-c", cons])
+            run([ov / "bin" / "pip", "uninstall", "-y", "torchvision"])
+    if not (lc / "bin" / "python").exists() or subprocess.run([lc / "bin" / "python", "-c", "import llama_cpp"],
+                                                              capture_output=True).returncode:
+        with step("venv-llamacpp (compiles llama.cpp, ~13 min on 2 cores)"):
+            run([sys.executable, "-m", "venv", lc])
+            run([lc / "bin" / "pip", "install", "-q", f"llama-cpp-python[server]=={LLAMA_CPP_PYTHON}",
+                 "numpy", "sentencepiece", "safetensors", "torch==2.13.0", "transformers", "psutil"],
+                env={**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON -DLLAMA_CURL=OFF"})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--root", type=Path, required=True)
+    ap.add_argument("--models", default="1b,8b")
+    ap.add_argument("--steps", default="hf,gguf,openvino,omforge")
+    ap.add_argument("--tokenizer", type=Path, help="HF dir whose tokenizer files are copied (default: the test "
+                    "model's, converted once with ../shared/bench/tools/convert_smollm2.py into ROOT/models)")
+    ap.add_argument("--install", action="store_true", help="create venv-ov and venv-llamacpp first")
+    a = ap.parse_args()
+    (a.root / "models").mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    if a.install:
+        install(a.root)
+    tok = a.tokenizer or a.root / "models" / "smollm2-135m-hf"
+    steps = a.steps.split(",")
+    for alias in a.models.split(","):
+        name = ALIASES.get(alias, alias)
+        hf = a.root / "models" / f"{name}-hf"
+        if "hf" in steps and not (hf / "config.json").exists():
+            if not (tok / "tokenizer.json").exists():
+                sys.exit(f"{tok}: no tokenizer.json (convert the test model first, see --tokenizer)")
+            with step(f"{name}: random HF directory"):
+                write_hf_dir(name, hf, tok)
+        if "gguf" in steps:
+            build_gguf(a.root, name, hf)
+        if "openvino" in steps:
+            build_openvino(a.root, name, hf)
+        if "omforge" in steps:
+            build_omforge(a.root, name, hf)
+    print(f"[build] all: {time.monotonic() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
