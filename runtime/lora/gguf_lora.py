@@ -28,7 +28,7 @@ import numpy as np
 from omforge.contract.lora import TARGET_MODULES
 from omforge.contract.manifest import ModelConfig
 from omforge.errors import one_line
-from omforge.runtime.lora.adapter import LoraAdapter, LoraError, make_adapter
+from omforge.runtime.lora.base import LoraAdapter, LoraError, make_adapter
 
 GGUF_TARGETS = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
                 "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from omforge.contract.lora import ATTENTION_MODULES, TARGET_MODULES
-from omforge.runtime.lora.adapter import LoraAdapter, LoraError, make_adapter
+from omforge.runtime.lora.base import LoraAdapter, LoraError, make_adapter
 from omforge.runtime.lora.safetensors_file import SafetensorsError, read_safetensors
 
 CONFIG_FILE = "adapter_config.json"
