@@ -64,7 +64,9 @@ class KVCacheManager:
     Invariants (:meth:`check_invariants`): a block's refcount equals the number of tables holding it (each at
     most once); ``_hashes[r][i]`` is the chain hash of block ``i`` of request ``r`` and the pool hash of that
     block is None or that hash (a block past them may already carry the hash a forked sibling committed; hashes
-    are only computed when caching is on); host blocks are either free or in exactly one swapped table.
+    are only computed when caching is on); the chain of a request with a root (a LoRA adapter's digest,
+    :meth:`get_computed_blocks`) starts from it, its forks' too; host blocks are either free or in exactly one
+    swapped table.
     Copies returned by :meth:`allocate_slots`, :meth:`swap_out` and :meth:`swap_in` are correct when performed in
     the order the calls returned them, before the step that follows.
 
@@ -93,6 +95,7 @@ class KVCacheManager:
         self._host_tables: dict[str, list[int]] = {}
         self._host_free: deque[int] = deque(range(num_host_blocks))
         self._pins: Counter[int] = Counter()
+        self._roots: dict[str, BlockHash] = {}  # the hash-chain root of a request that has one (a LoRA adapter's)
 
     def _table(self, req_id: str) -> list[int]:
         if req_id in self._host_tables:
@@ -101,11 +104,14 @@ class KVCacheManager:
             raise ValueError(f"request {req_id!r} holds no blocks")
         return self._tables[req_id]
 
-    def get_computed_blocks(self, req_id: str, token_ids: Sequence[int], use_cache: bool = True) -> int:
+    def get_computed_blocks(self, req_id: str, token_ids: Sequence[int], use_cache: bool = True,
+                            root: BlockHash | None = None) -> int:
         """For a NEW request: take references on the longest chain of cached full blocks matching the prefix of
         ``token_ids`` and start its block table with them. Returns the tokens already computed: a multiple of
         ``block_size``, always < ``len(token_ids)`` (one token is left so the step yields logits); 0 when off
-        or not ``use_cache`` (the request computes its whole prompt, and still commits its blocks)."""
+        or not ``use_cache`` (the request computes its whole prompt, and still commits its blocks).
+        ``root``: the parent of the request's first block in its hash chain — a LoRA adapter's digest (docs/lora.md),
+        so requests of different adapters, or of an adapter and the base model (None), never share a block."""
         if req_id in self._tables or req_id in self._host_tables:
             raise ValueError(f"request {req_id!r} already holds blocks")
         if len(token_ids) == 0:
@@ -113,7 +119,7 @@ class KVCacheManager:
         bs, blocks, hashes = self.block_size, [], []
         if self.enable_prefix_caching and use_cache:
             for i in range((len(token_ids) - 1) // bs):
-                block_hash = hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs])
+                block_hash = hash_block_tokens(hashes[-1] if hashes else root, token_ids[i * bs:(i + 1) * bs])
                 block = self.pool.lookup(block_hash)
                 if block is None:
                     break
@@ -121,6 +127,8 @@ class KVCacheManager:
                 hashes.append(block_hash)
             self.pool.incref(blocks)
         self._tables[req_id], self._hashes[req_id] = blocks, hashes
+        if root is not None:
+            self._roots[req_id] = root
         return len(blocks) * bs
 
     def allocate_slots(self, req_id: str, num_computed_tokens: int,
@@ -170,7 +178,8 @@ class KVCacheManager:
             return
         bs = self.block_size
         for i in range(len(hashes), num_computed_tokens // bs):
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else self._roots.get(req_id),
+                                            token_ids[i * bs:(i + 1) * bs]))
             # a forked sibling may have registered it already; a released block is not registered again
             if table[i] != NO_BLOCK and self.pool.block_hash(table[i]) is None:
                 self.pool.register(table[i], hashes[-1])
@@ -202,7 +211,8 @@ class KVCacheManager:
         hashes, bs = list(self._hashes[req_id]), self.block_size
         start = len(hashes)
         for i in range(start, (len(token_ids) - 1) // bs):
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else self._roots.get(req_id),
+                                            token_ids[i * bs:(i + 1) * bs]))
         return hashes[start:]
 
     def holds(self, req_id: str) -> bool:
@@ -222,6 +232,8 @@ class KVCacheManager:
             raise ValueError(f"request {child_id!r} already holds blocks")
         self.pool.incref(b for b in table if b != NO_BLOCK)
         self._tables[child_id], self._hashes[child_id] = list(table), list(self._hashes[parent_id])
+        if parent_id in self._roots:
+            self._roots[child_id] = self._roots[parent_id]
 
     def free(self, req_id: str, retire: Sequence[int] = ()) -> None:
         """Release the request's blocks, tail first (hashed ones stay cached until evicted); unknown ids are a no-op.
@@ -237,6 +249,7 @@ class KVCacheManager:
             self.pool.decref(b for b in reversed(table) if b != NO_BLOCK and b not in gone)
         self._host_free.extend(h for h in self._host_tables.pop(req_id, ()) if h != NO_BLOCK)
         self._hashes.pop(req_id, None)
+        self._roots.pop(req_id, None)
 
     def swap_out(self, req_id: str) -> list[tuple[int, int]] | None:
         """Move the request to the host tier: returns the ``(device block, host block)`` copies and frees its device
@@ -312,6 +325,7 @@ class KVCacheManager:
                    for t, kept in zip(self._tables.values(), live)), "a released block that is not a leading one"
         assert not self._tables.keys() & self._host_tables.keys(), "a request is both on device and swapped out"
         assert self._hashes.keys() == self._tables.keys() | self._host_tables.keys(), "hash chains out of step"
+        assert self._roots.keys() <= self._hashes.keys(), "a hash-chain root of a request that holds no blocks"
         for req_id, table in self._tables.items():
             hashes = self._hashes[req_id]
             assert len(hashes) <= len(table), f"request {req_id!r} has more hashes than blocks"

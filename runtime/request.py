@@ -5,6 +5,8 @@ KV cache manager, a WAITING one holds none; a WAITING_FOR_REMOTE_KV one holds th
 loading into (runtime/kv_connector.py: a tier below the pool or a prefill replica) and is in the scheduler's
 ``loading``; a finished one holds none, unless its blocks wait for a load that cannot be stopped to end (still in
 ``loading``) or for a remote reader (a PD prefill leg, in the scheduler's ``held``) — always under its own id.
+A request with a LoRA adapter (``lora``, docs/lora.md) pins its adapter's slot while it is RUNNING, SWAPPED or
+WAITING_FOR_REMOTE_KV (the scheduler's ``LoraSlots``); a WAITING or finished one pins none.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class Request:
     kv_transfer: Any = None  # runtime/kv_transfer's KVTransferParams of a PD leg, None otherwise
     kv_transfer_out: dict | None = None  # a finished prefill leg: the decode leg's kv_transfer_params
     error: str | None = None  # why it ended without an answer (a failed KV transfer)
+    lora: str | None = None  # the LoRA adapter's name (docs/lora.md); None: the base model. n > 1: the leader's
 
     @property
     def all_token_ids(self) -> list[int]:

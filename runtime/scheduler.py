@@ -19,6 +19,13 @@ Policy only; allocation is the KV cache manager's. Every step:
   4. A request that finishes frees its blocks — unless a connector holds them for a remote reader (a PD prefill
      leg, in ``held`` under its own id until the reader is done), or its load is in flight (in ``loading``
      until the load ends).
+LoRA (``lora``: the engine's ``LoraSlots``, docs/lora.md): a WAITING request with an adapter is admitted only when
+its adapter holds a slot (``acquire``: resident already, or written into a free or least recently used unpinned
+slot); one whose adapter cannot get a slot (every slot pinned by other adapters) stays WAITING and the requests
+behind it may go first. The pin lasts while the request is RUNNING, SWAPPED or loading, and ends when it finishes,
+is aborted or is preempted back to WAITING; ``n > 1`` followers pin their leader's adapter when they fork. Each
+work item carries its adapter's slot (``SeqWork.lora_slot``; 0: the base model), and a request's prefix-cache hash
+chain starts from its adapter's digest, so adapters never share KV with each other or with the base model.
 With ``mixed_batches`` (executors that support them, ``ExecutorCapabilities.supports_mixed_batches``: the ORT step
 graph's decode group, ``contract.DECODE_GROUP_INPUTS``) every step carries the running decodes and fills the rest of
 the budget with prefill chunks, vLLM's chunked prefill: the decodes are attended apart from the chunks and cost
@@ -36,7 +43,8 @@ Invariants: the scheduled tokens of a step never exceed the budget, nor its pref
 (with the token budget: the larger of ``MIN_PREFILL_WITH_DECODES`` and the budget less the step's decodes);
 at most ``max_num_seqs`` requests are RUNNING or loading, counting the ``n > 1`` followers a leader will fork; a
 request is in exactly one of waiting / running / swapped / loading until it finishes; blocks are held only under
-the id of the request that owns them.
+the id of the request that owns them; every RUNNING, SWAPPED or loading request with an adapter pins it once (so a
+step carries at most ``max_loras`` adapters), and no other request does.
 The step's lifecycle is the scheduler's (vLLM v1's shape): :meth:`Scheduler.schedule` returns the plan — the work
 and the ordered block moves the executor carries out (``executor.run_plan``) — and
 :meth:`Scheduler.update_from_output` finishes the step with the sampled tokens: tokens computed, full blocks
@@ -50,11 +58,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from omforge.runtime.kv_cache_manager import KVCacheManager
 from omforge.runtime.kv_connector import ExternalHit, FinishedLoad, KVConnector
 from omforge.runtime.request import Request, Status
 from omforge.runtime.step import SeqWork
+
+if TYPE_CHECKING:
+    from omforge.runtime.lora.slots import LoraSlots
 
 PREEMPTION_MODES = ("recompute", "swap")
 MIN_PREFILL_WITH_DECODES = 32  # prefill tokens a step with decodes may always carry (the token budget's floor)
@@ -147,8 +159,11 @@ class _StepBudget:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, config: SchedulerConfig, connectors: Sequence[KVConnector] = ()):
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig, connectors: Sequence[KVConnector] = (),
+                 lora: LoraSlots | None = None):
         self.kv = kv
+        self.lora = lora  # the adapter slots (None: the bundle has no LoRA, every request is the base model's)
+        self._lora_pins: dict[str, str] = {}  # request id → the adapter it pins (RUNNING, SWAPPED or loading)
         self.connectors = list(connectors)
         self.config = config
         self.max_num_seqs = config.max_num_seqs
@@ -169,6 +184,8 @@ class Scheduler:
         """n > 1: ``follower`` starts RUNNING on a fork of ``leader``'s blocks, as far as the leader has computed
         (its prompt). Seats were reserved when the leader was admitted (:meth:`_seats`)."""
         self.kv.fork(leader.request_id, follower.request_id)
+        if follower.lora is not None:  # its leader pins the adapter: the slot is resident
+            self._pin(follower)
         follower.num_computed_tokens = leader.num_computed_tokens
         follower.num_cached_tokens = leader.num_cached_tokens
         follower.status = Status.RUNNING
@@ -182,6 +199,46 @@ class Scheduler:
     def _occupied(self) -> int:
         """Seats taken: the running and loading requests and the followers they will fork (reserved at admission)."""
         return sum(1 + len(r.followers) for r in (*self.running, *self.loading.values()) if not r.finished)
+
+    # --- LoRA adapter slots (docs/lora.md) -------------------------------------------------------------------
+
+    def _pin(self, req: Request) -> bool:
+        """Pin ``req``'s adapter's slot (acquiring it: resident, or written into a free or unpinned one); False
+        when every slot is pinned by other adapters. A request without an adapter, or already pinning, is True."""
+        if req.lora is None or req.request_id in self._lora_pins:
+            return True
+        if self.lora is None:
+            raise ValueError(f"request {req.request_id!r} names LoRA adapter {req.lora!r} but the scheduler has "
+                             "no adapter slots")
+        if self.lora.acquire(req.lora) is None:
+            return False
+        self._lora_pins[req.request_id] = req.lora
+        return True
+
+    def _unpin(self, req: Request) -> None:
+        """Release ``req``'s pin on its adapter's slot, if it holds one (idempotent)."""
+        name = self._lora_pins.pop(req.request_id, None)
+        if name is not None and self.lora is not None:
+            self.lora.release(name)
+
+    def lora_slot(self, req: Request) -> int:
+        """The slot of ``req``'s adapter (it pins it while it runs); 0 for the base model."""
+        if req.lora is None or self.lora is None:
+            return 0
+        slot = self.lora.slot_of(req.lora)
+        if slot is None:
+            raise RuntimeError(f"request {req.request_id!r} runs but its adapter {req.lora!r} holds no slot")
+        return slot
+
+    def _lora_root(self, req: Request) -> bytes | None:
+        """The root of ``req``'s prefix-cache hash chain: its adapter's digest (None: the base model)."""
+        if req.lora is None or self.lora is None:
+            return None
+        return self.lora.get(req.lora).digest
+
+    def lora_pins(self) -> dict[str, str]:
+        """Request id → the adapter it pins (RUNNING, SWAPPED or loading requests with an adapter)."""
+        return dict(self._lora_pins)
 
     def has_unfinished(self) -> bool:
         """Requests in any queue, a load in flight (an aborted one holds blocks until it ends) or blocks held for a
@@ -198,6 +255,7 @@ class Scheduler:
         for queue in (self.running, self.waiting, self.swapped):
             if request in queue:
                 queue.remove(request)
+        self._unpin(request)
         if request.request_id not in self.loading:
             self.kv.free(request.request_id)
 
@@ -222,6 +280,7 @@ class Scheduler:
         rid = req.request_id
         if req.finished or load.error is not None:  # aborted meanwhile, or the load failed
             self.kv.free(rid, retire=load.retired)
+            self._unpin(req)
             if req.finished:
                 return
             req.num_computed_tokens = 0
@@ -287,14 +346,16 @@ class Scheduler:
             req = s.request
             if s.num_draft:  # the last known token and the drafts, a logits row for each
                 out.work.append(SeqWork([*req.all_token_ids[s.start:], *req.draft], s.start,
-                                        self.kv.block_table(req.request_id), all_logits=True))
+                                        self.kv.block_table(req.request_id), all_logits=True,
+                                        lora_slot=self.lora_slot(req)))
                 out.spec_rows.append((req, rows, s.num_draft))
                 rows += s.num_new_tokens
                 continue
             # a chunk that holds prompt positions whose next token is a prompt token: logits for all its rows
             every = req.params.prompt_logprobs is not None and s.start < len(req.prompt_token_ids) - 1
             out.work.append(SeqWork(req.all_token_ids[s.start:s.start + s.num_new_tokens], s.start,
-                                    self.kv.block_table(req.request_id), needs_logits=s.samples, all_logits=every))
+                                    self.kv.block_table(req.request_id), needs_logits=s.samples, all_logits=every,
+                                    lora_slot=self.lora_slot(req)))
             if every:
                 out.prompt_rows.append((req, rows, s.start, s.num_new_tokens))
                 rows += s.num_new_tokens - 1
@@ -364,6 +425,7 @@ class Scheduler:
         for queue in (self.running, self.waiting, self.swapped):
             if request in queue:
                 queue.remove(request)
+        self._unpin(request)  # it runs no more (blocks held for a load or a reader need no adapter)
         rid = request.request_id
         if rid in self.loading:  # its blocks are freed when the load ends
             return
@@ -475,29 +537,36 @@ class Scheduler:
 
     def _fill_waiting(self, out: SchedulerOutput, step: _StepBudget) -> None:
         """WAITING requests, first come first served, from their prefix-cache hit on, then what a connector can
-        supply past it (one admission path for every source of KV: runtime/kv_connector.py)."""
+        supply past it (one admission path for every source of KV: runtime/kv_connector.py). A request whose LoRA
+        adapter cannot get a slot is passed over: it keeps its place and the requests behind it may go first."""
         # no admission after a preemption in this step: a request preempted for recompute would come straight back
         bs = self.kv.block_size
-        while (not out.preempted and self.waiting and self._occupied() < self.max_num_seqs and step.tokens > 0
-               and step.prefill > 0):
-            req = self.waiting[0]
+        i = 0  # the first request not passed over for its adapter
+        while (not out.preempted and i < len(self.waiting) and self._occupied() < self.max_num_seqs
+               and step.tokens > 0 and step.prefill > 0):
+            req = self.waiting[i]
             rid = req.request_id
             if self._occupied() + self._seats(req) > self.max_num_seqs:
                 break  # an n > 1 request waits until all its sequences can run
+            if not self._pin(req):
+                i += 1  # every adapter slot is pinned by other adapters: it waits, the ones behind it may go
+                continue
             hit, source = None, None
             if req.num_computed_tokens == 0:  # prompt logprobs are computed, never read from the cache
                 use_cache = req.params.prompt_logprobs is None
-                req.num_computed_tokens = self.kv.get_computed_blocks(rid, req.all_token_ids, use_cache=use_cache)
+                req.num_computed_tokens = self.kv.get_computed_blocks(rid, req.all_token_ids, use_cache=use_cache,
+                                                                      root=self._lora_root(req))
                 hit, source = self._external_hit(req, use_cache)
             cached = req.num_computed_tokens
             external = hit.num_tokens if hit is not None else 0
             if hit is not None and hit.load_async:  # it waits for its load, holding its seat and blocks
                 if self.kv.allocate_slots(rid, cached, external) is None:
                     self.kv.free(rid)  # give back the prefix-cache references; retried next step
+                    self._unpin(req)
                     req.num_computed_tokens = 0
                     break
                 self._allocated(req, source, self.kv.block_table(rid)[cached // bs:], external)
-                self.waiting.popleft()
+                del self.waiting[i]
                 req.status = Status.WAITING_FOR_REMOTE_KV
                 self.loading[rid] = req
                 continue
@@ -505,6 +574,7 @@ class Scheduler:
             copies = self.kv.allocate_slots(rid, cached, external + n)
             if copies is None:
                 self.kv.free(rid)  # give back the prefix-cache references; retry later
+                self._unpin(req)
                 req.num_computed_tokens = 0
                 break
             # a synchronous hit: its blocks are copied in by this plan, before the step reads them
@@ -515,7 +585,7 @@ class Scheduler:
                 self.kv.commit(rid, req.all_token_ids, req.num_computed_tokens)
             req.num_cached_tokens = max(req.num_cached_tokens,
                                         min(req.num_computed_tokens, len(req.prompt_token_ids)))
-            self.waiting.popleft()
+            del self.waiting[i]
             req.status = Status.RUNNING
             self.running.append(req)
             self._admit(out, step, req, n, copies, prefill=True)
@@ -533,6 +603,7 @@ class Scheduler:
                 self.swapped.append(victim)
                 return
         self.kv.free(victim.request_id)  # recompute: its tokens are prefilled again when it is readmitted
+        self._unpin(victim)  # its adapter is acquired again with its readmission
         victim.num_computed_tokens = 0
         victim.draft = []
         victim.status = Status.WAITING
