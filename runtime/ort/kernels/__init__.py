@@ -4,8 +4,9 @@ The library (``_omforge_kernels*.so`` beside this file, built from the C++ sourc
 ``$OMFORGE_KERNELS_LIBRARY``) registers ``PagedAttention``, ``PagedAttentionBF16`` and ``PagedAttentionInt8``
 (fp32, bf16 and int8 KV pools), ``SwiGLU``, ``AddRMSNorm``, ``MatMulQ`` (block-quantized weights × int8
 activations, its weights in the packed layout of ``qgemm.h``), ``MatMulQBF16`` (the same weights × bfloat16
-activations), ``MatMulBF16`` (bfloat16 weights) and ``MatMulF32`` (float32 weights in column panels); their
-contracts are at the top of ``custom_op.cpp`` and ``qgemm_op.h``, and what the lowering shares of them (domain, ABI
+activations), ``MatMulBF16`` (bfloat16 weights), ``MatMulF32`` (float32 weights in column panels) and
+``LoraAdd`` (each token's LoRA term from adapter pools, tokens grouped by slot; since ABI 6); their contracts are at
+the top of ``custom_op.cpp``, ``qgemm_op.h`` and ``lora.h``, and what the lowering shares of them (domain, ABI
 version, head dims) lives in :mod:`omforge.contract.kernel_abi`. It receives ORT's API table at registration and
 declares the few ABI facts it uses itself (``ort_abi.h``), so it needs no ORT headers and loads on any ORT >=
 :data:`MIN_ORT`.
@@ -48,6 +49,7 @@ class KernelStatus:
     bf16: str | None = None  # MatMulBF16's ISA path (avx512bf16, generic)
     qbf16: str | None = None  # MatMulQBF16's ISA path (MatMulBF16's); None: a library from before the op
     f32: str | None = None  # MatMulF32's ISA path (avx512f, generic)
+    lora: str | None = None  # LoraAdd's ISA path (avx512, avx2, generic)
     weight_layout: int | None = None  # the packed weight layout version MatMulQ reads
 
     def manifest_entry(self, weight_layout: bool = False) -> KernelLibrary:
@@ -97,7 +99,7 @@ def status() -> KernelStatus:
                             reason=f"{path.name} speaks kernel ABI {abi}, this omforge {ABI_VERSION}; "
                                    "reinstall omforge")
     return KernelStatus(True, str(path), abi, fields["isa"], gemm=fields.get("gemm"), bf16=fields.get("bf16"),
-                        qbf16=fields.get("qbf16"), f32=fields.get("f32"),
+                        qbf16=fields.get("qbf16"), f32=fields.get("f32"), lora=fields.get("lora"),
                         weight_layout=int(fields["layout"]) if "layout" in fields else None)
 
 

@@ -2,8 +2,9 @@
 // (entry point RegisterCustomOps) and implements its ops on the CPU EP: PagedAttention (three KV pool
 // dtypes, below), SwiGLU (gate_up [..., 2F] -> silu(gate) * up [..., F]), AddRMSNorm (a + b and its RMSNorm, as
 // ORT's SkipSimplifiedLayerNormalization without the broadcasting), MatMulQ (a block-quantized weight
-// MatMul with int8 activations: qgemm.h, qgemm_op.h), MatMulQBF16 (the same weights, bfloat16 activations) and
-// MatMulBF16 (bfloat16 weights: bgemm_generic.cpp) and MatMulF32 (float32 weights in panels: fgemm_generic.cpp).
+// MatMul with int8 activations: qgemm.h, qgemm_op.h), MatMulQBF16 (the same weights, bfloat16 activations),
+// MatMulBF16 (bfloat16 weights: bgemm_generic.cpp), MatMulF32 (float32 weights in panels: fgemm_generic.cpp) and
+// LoraAdd (y + each token's LoRA term, tokens grouped by adapter slot: the contract in lora.h, since ABI 6).
 //
 // PagedAttention (fp32 pools) / PagedAttentionBF16 (bf16 pools) / PagedAttentionInt8 (int8 pools, each
 // head's row followed by its float32 scale: [S, Hkv, D + 4] int8), the ORT CPU lowering of the step ABI's
@@ -30,6 +31,7 @@
 #include <new>
 #include <string>
 
+#include "lora.h"
 #include "ort_abi.h"
 #include "ort_tensor.h"
 #include "paged_attention.h"
@@ -40,7 +42,7 @@
 namespace omf {
 namespace {
 
-constexpr int kAbiVersion = 5;  // bump when the op's inputs, outputs or attributes change
+constexpr int kAbiVersion = 6;  // bump when an op's inputs, outputs or attributes change or an op is added (6: LoraAdd)
 constexpr const char* kDomain = "omforge.kernels";
 constexpr int64_t kHeadDims[] = {16, 32, 64, 96, 128, 256};  // the instantiations in paged_attention_impl.h
 
@@ -76,7 +78,7 @@ const Isa& isa() {
 
 OrtStatus* fail(const std::string& msg) { return g_api.CreateStatus(kOrtInvalidArgument, ("PagedAttention: " + msg).c_str()); }
 
-enum class OpKind { kPagedAttention, kSwiGlu, kMatMulQ, kMatMulQBF16, kMatMulBF16, kMatMulF32, kAddRmsNorm };
+enum class OpKind { kPagedAttention, kSwiGlu, kMatMulQ, kMatMulQBF16, kMatMulBF16, kMatMulF32, kAddRmsNorm, kLoraAdd };
 
 struct Kernel {
   OpKind kind = OpKind::kPagedAttention;
@@ -393,7 +395,7 @@ OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernelIn
   if (!k) return g_api.CreateStatus(kOrtFail, "PagedAttention: out of memory");
   k->kind = as_op(op)->kind;
   k->kv_type = as_op(op)->kv_type;
-  if (k->kind == OpKind::kSwiGlu) {  // no attributes
+  if (k->kind == OpKind::kSwiGlu || k->kind == OpKind::kLoraAdd) {  // no attributes
     *out = k;
     return nullptr;
   }
@@ -447,6 +449,7 @@ OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
     if (k.kind == OpKind::kMatMulBF16) return compute_matmul_bf16(g_api, k.gemm, ctx);
     if (k.kind == OpKind::kMatMulF32) return compute_matmul_f32(g_api, k.gemm, ctx);
     if (k.kind == OpKind::kAddRmsNorm) return compute_add_rms_norm(k, ctx);
+    if (k.kind == OpKind::kLoraAdd) return compute_lora_add(g_api, ctx);
     return k.kind == OpKind::kSwiGlu ? compute_swiglu(ctx) : compute(k, ctx);
   } catch (const std::bad_alloc&) {
     return g_api.CreateStatus(kOrtFail, "PagedAttention: out of memory");
@@ -460,6 +463,7 @@ size_t input_count(const OrtCustomOp* op) {
   const OpKind kind = as_op(op)->kind;
   if (kind == OpKind::kMatMulQ || kind == OpKind::kMatMulQBF16) return 4;
   if (kind == OpKind::kAddRmsNorm) return 3;
+  if (kind == OpKind::kLoraAdd) return 5;
   return kind == OpKind::kSwiGlu ? 1 : kind == OpKind::kMatMulBF16 || kind == OpKind::kMatMulF32 ? 2 : 14;
 }
 size_t output_count(const OrtCustomOp* op) {
@@ -469,6 +473,7 @@ size_t output_count(const OrtCustomOp* op) {
 int input_type(const OrtCustomOp* op, size_t i) {
   if (as_op(op)->kind == OpKind::kMatMulQ || as_op(op)->kind == OpKind::kMatMulQBF16) return i == 1 ? kUint8 : kFloat;
   if (as_op(op)->kind == OpKind::kMatMulBF16) return i == 1 ? kUint16 : kFloat;
+  if (as_op(op)->kind == OpKind::kLoraAdd) return i == 4 ? kInt64 : kFloat;
   if (i <= 2 || i >= 12 || as_op(op)->kind == OpKind::kSwiGlu || as_op(op)->kind == OpKind::kAddRmsNorm ||
       as_op(op)->kind == OpKind::kMatMulF32)
     return kFloat;
@@ -530,7 +535,8 @@ Op g_ops[] = {make_op("PagedAttention", OpKind::kPagedAttention, KvType::kFloat3
               make_op("MatMulQ", OpKind::kMatMulQ, KvType::kFloat32),
               make_op("MatMulQBF16", OpKind::kMatMulQBF16, KvType::kFloat32),
               make_op("MatMulBF16", OpKind::kMatMulBF16, KvType::kFloat32),
-              make_op("MatMulF32", OpKind::kMatMulF32, KvType::kFloat32)};
+              make_op("MatMulF32", OpKind::kMatMulF32, KvType::kFloat32),
+              make_op("LoraAdd", OpKind::kLoraAdd, KvType::kFloat32)};
 
 }  // namespace
 }  // namespace omf
@@ -546,14 +552,15 @@ OMF_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApi
   return omf::g_api.AddCustomOpDomain(options, domain);
 }
 
-// "abi=<n> isa=<path> gemm=<path> bf16=<path> qbf16=<path> f32=<path> layout=<n> domain=<domain>": what `omforge
-// doctor` and the manifest report (qbf16: MatMulQBF16's path, the bf16 one; its presence says the library has the
-// op; f32: MatMulF32's).
+// "abi=<n> isa=<path> gemm=<path> bf16=<path> qbf16=<path> f32=<path> lora=<path> layout=<n> domain=<domain>": what
+// `omforge doctor` and the manifest report (qbf16: MatMulQBF16's path, the bf16 one; its presence says the library
+// has the op; f32: MatMulF32's; lora: LoraAdd's).
 OMF_EXPORT const char* omforge_kernels_info() {
   static std::string info = "abi=" + std::to_string(omf::kAbiVersion) + " isa=" + omf::isa().name +
                             " gemm=" + omf::gemm_isa().name + " bf16=" + omf::bf16_isa().name +
                             " qbf16=" + omf::bf16_isa().name +
-                            " f32=" + omf::f32_isa().name + " layout=" + std::to_string(omf::kPanelLayout) +
+                            " f32=" + omf::f32_isa().name + " lora=" + omf::lora_isa().name +
+                            " layout=" + std::to_string(omf::kPanelLayout) +
                             " domain=" + omf::kDomain;
   return info.c_str();
 }
