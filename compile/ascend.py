@@ -38,6 +38,7 @@ from omforge.contract.buckets import STEP_DIMS, BucketPlan, om_gears
 from omforge.contract.manifest import ACL_LOAD_PATH, DeviceMemoryPlan
 from omforge.errors import OmforgeError
 from omforge.passes.ascend_w8a16 import lowering_note
+from omforge.passes.lora import insert_options
 from omforge.passes.lower_ascend import PoolTooLarge
 from omforge.passes.pipeline import Pipeline, histogram, interface
 from omforge.recipe import Recipe
@@ -56,7 +57,8 @@ def lower_step_graph(export_dir: Path, out: Path, recipe: Recipe, block_size: in
         run = Pipeline("ascend", c.fusions, block_size, {"plain": plain, "num_slots": num_slots(recipe, block_size),
                                                          "soc_version": c.soc_version},
                        quantize=quantize,
-                       float16=c.weights != "float32", pooling=pooling).run(model)
+                       float16=c.weights != "float32", pooling=pooling,
+                       lora=insert_options(c.lora.model_dump() if c.lora else None, export_dir)).run(model)
     except ir.passes.PassError as error:  # onnx-ir's pass manager wraps what a pass raises
         e = error.__cause__
         while e is not None and not isinstance(e, PoolTooLarge):
@@ -74,7 +76,7 @@ def lower_step_graph(export_dir: Path, out: Path, recipe: Recipe, block_size: in
     final = ir.load(out / "step.onnx")
     return {"fusion_counts": counts, "num_nodes": len(list(final.graph)), "op_histogram": histogram(final),
             "abi": interface(final), "layout": asdict(layout) if layout is not None else None, "graph": "step.onnx",
-            "pooled_width": run.pooled_width,
+            "pooled_width": run.pooled_width, "lora": run.lora.to_dict() if run.lora is not None else None,
             "lowering": lowering.to_dict(), "onnxsim": simplified, "constants_as_value": constants,
             "weights": {"precision": c.weights, "quantized": run.quantized, "accuracy_level": None,
                         "graph": "float16 (float32 islands: RMSNorm statistics, softmax, rotary angles)"

@@ -32,6 +32,7 @@ from omforge.contract.manifest import (
     Graphs,
     KvSection,
     Limits,
+    LoraSection,
     Manifest,
     ModelConfig,
     ModelSection,
@@ -202,12 +203,21 @@ def _passes_stage(job: _Job, export_dir: Path, digest: str) -> Stage:
         "num_slots": _static_slots(recipe, target, block_size),
         "soc_version": recipe.compile.soc_version if target == "ascend" else None,  # which fused kernels ship
         **({"pooling": job.pooling} if job.pooling is not None else {}),
+        # compile.lora, and whether the kernel library here has LoraAdd (the ort lowering of the terms)
+        **({"lora": [recipe.compile.lora.model_dump(),
+                     target == "ort" and job.kernel and kernels.status().lora is not None]}
+           if recipe.compile.lora is not None else {}),
     })
     passes = Stage(f"passes-{target}", passes_key, job.root)
     job.cached["passes"] = passes.done
     with job.progress.stage(f"passes + lowering ({target})", passes.done):
         if not passes.done:
-            _run_passes(export_dir, passes, recipe, target, block_size, job.kernel, kv_dtype, job.pooling)
+            from omforge.passes.lora import LoraTargetMissing
+
+            try:
+                _run_passes(export_dir, passes, recipe, target, block_size, job.kernel, kv_dtype, job.pooling)
+            except LoraTargetMissing as e:
+                raise OmforgeError(f"{recipe.path}: {e}") from None
     return passes
 
 
@@ -263,6 +273,7 @@ def _manifest(job: _Job, digest: str, export_dir: Path, export_meta: dict[str, A
         if report.get("paged_attention") == "kernel" or (weights or {}).get("gemm") in _OUR_GEMMS else None,
         kv=KvSection.of(PagedLayout(**layout), write=_KV_WRITE[target]) if job.pooling is None else None,
         pooling=pooling_section(recipe, job.pooling, report["pooled_width"], cfg) if job.pooling is not None else None,
+        lora=LoraSection.from_dict(report["lora"], "lora") if report.get("lora") else None,
         limits=Limits(recipe.compile.max_seq_len, recipe.compile.max_batch_size, recipe.compile.max_num_tokens),
         serve=recipe.serve.model_dump(),
         buckets=plan,
@@ -396,10 +407,10 @@ def _run_passes(export_dir: Path, stage: Stage, recipe: Recipe, target: str, blo
         report = build(export_dir, out / "step.onnx", fusions=recipe.compile.fusions, block_size=block_size,
                        kernel=kernel, kv_cache_dtype=kv_dtype, weights=recipe.compile.weights,
                        quantization=q.model_dump(), blocks=blocks, float_gemm=recipe.compile.float_gemm,
-                       pooling=pooling)
+                       pooling=pooling, lora=recipe.compile.lora.model_dump() if recipe.compile.lora else None)
         stage.finish({**report.to_dict(), "abi": report.extra["abi"], "graph": "step.onnx",
                       "paged_attention": report.extra["paged_attention"], "weights": report.extra["weights"],
-                      "pooled_width": report.extra.get("pooled_width")})
+                      "pooled_width": report.extra.get("pooled_width"), "lora": report.extra.get("lora")})
         return
     from omforge.compile import ascend
 

@@ -15,6 +15,7 @@ import onnx_ir as ir
 
 from omforge.contract import PagedLayout
 from omforge.errors import OmforgeError
+from omforge.passes.lora import insert_options
 from omforge.passes.pipeline import Pipeline, histogram, interface
 from omforge.recipe import ACTIVATION_LEVELS, activations_of
 from omforge.runtime.ort import kernels
@@ -112,12 +113,18 @@ def quantize_options(weights: str, quantization: Mapping[str, Any] | None,
     return {"bits": WEIGHT_BITS[weights], **q, "blocks": blocks if use_blocks else None, "gemm": gemm}
 
 
+def lora_kernel() -> bool:
+    """Whether the kernel library here has ``LoraAdd`` (its info reports a ``lora`` path); else the ort lowering
+    writes the LoRA terms as plain ops."""
+    return kernels.status().lora is not None
+
+
 def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | None = None,
           block_size: int | None = None, target: str = "ort", kv_write: str = "graph",
           kernel: bool | None = None, kv_cache_dtype: str = "float32", weights: str = "float32",
           quantization: Mapping[str, Any] | None = None,
           blocks: Mapping[str, tuple[str, Any, int]] | None = None, float_gemm: str = "auto",
-          pooling: Mapping[str, Any] | None = None) -> PassReport:
+          pooling: Mapping[str, Any] | None = None, lora: Mapping[str, Any] | None = None) -> PassReport:
     """Fuse (switches ``fusions``), page the KV cache when ``block_size`` is given, lower to ``target``,
     and save ``out_path`` with its weights in ``out_path.name + '.data'`` beside it. ``kernel``: lower paged
     attention to omforge's CPU kernel (None: when the kernel library is usable here and ``kv_write="graph"``);
@@ -128,7 +135,9 @@ def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | Non
     weight-only quantization with the recipe's ``quantization`` options (``recipe.QuantizationSection``), taking
     the export's GGUF ``blocks`` as they are where they fit (``passes/quantize_weights.py``). ``pooling``
     (``InsertPooling``'s options): a pooling bundle's step graph instead of a paged one (its weight MatMuls take
-    the kernels a paged graph's would)."""
+    the kernels a paged graph's would). ``lora`` (the recipe's ``compile.lora``: max_loras, max_rank, target_modules):
+    LoRA pool inputs and terms (passes/lora.py; the term through the kernel library's LoraAdd where it has one,
+    :func:`lora_kernel`); the report's ``lora`` is the manifest section."""
     if target != "ort":
         raise ValueError(f"target '{target}' is built by compile/ascend.py, not here")
     model = ir.load(export_dir / "model.onnx")
@@ -136,9 +145,12 @@ def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | Non
         kernel = kv_write == "graph" and kernels.status().available
     gemm = gemm_lowering(weights, quantization, kernel, paged=block_size is not None or pooling is not None,
                          float_gemm=float_gemm)
-    run = Pipeline(target, fusions or {}, block_size,
-                   {"kv_write": kv_write, "kernel": kernel, "kv_cache_dtype": kv_cache_dtype},
-                   quantize_options(weights, quantization, blocks, gemm or "nbits"), pooling=pooling).run(model)
+    lowering: dict[str, Any] = {"kv_write": kv_write, "kernel": kernel, "kv_cache_dtype": kv_cache_dtype}
+    if lora is not None:
+        lowering["lora_kernel"] = kernel and lora_kernel()
+    run = Pipeline(target, fusions or {}, block_size, lowering,
+                   quantize_options(weights, quantization, blocks, gemm or "nbits"), pooling=pooling,
+                   lora=insert_options(lora, export_dir)).run(model)
     counts, layout = run.fusion_counts, run.layout
     if layout is not None:
         layout = replace(layout, kv_dtype=kv_cache_dtype)
@@ -147,6 +159,7 @@ def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | Non
     report = PassReport(counts, len(list(model.graph)), histogram(model), layout,
                         {"abi": interface(model), "kv_write": kv_write if layout else None,
                          "pooled_width": run.pooled_width,
+                         "lora": run.lora.to_dict() if run.lora is not None else None,
                          "paged_attention": ("kernel" if kernel else "plain") if layout else None,
                          "weights": {"precision": weights, "quantized": run.quantized,
                                      **_activation_report(weights, quantization),

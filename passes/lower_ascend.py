@@ -55,6 +55,11 @@ Atlas A2/A3 only, so Atlas 300I/310P gets plain rotary, and Atlas 200I/500 A2 (3
                   ``paged_attention="plugin"``: our op ``PagedAttention(query, key, value, kv_cache, block_tables,
                   query_index, token_index, position_ids; scale_value, num_heads, num_key_value_heads, block_size,
                   layer, num_layers) -> attention_out`` with the same semantics (own plugin AND own kernel).
+  LoraAdd     → plain ops always (passes/lora.py ``lower_plain``): Reshape of ``lora_slots`` to ``[T]`` (int64),
+                ``Gather(axis=0)`` of each pool by it (GatherV2: int64 indices), 3-D batched ``MatMul``s
+                (BatchMatMulV2), ``Shape`` / ``Reshape`` to the projection's shape, ``Add``; every form a row of
+                compile/cann_matrix.py already covers. The ACL executor does not feed the pools yet (runtime/ascend
+                refuses such a bundle).
   anything else neutral → its plain decomposition (:mod:`omforge.passes.decompose`).
 
 ``plain=True`` lowers every op to standard ONNX ops *with the numerics of the chosen lowering*: with
@@ -84,7 +89,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from omforge.contract.ascend import KV_NEW, KV_POOL
-from omforge.passes import ascend_kernels, decompose, ops
+from omforge.passes import ascend_kernels, decompose, lora, ops
 
 CANN_RMSNORM_EPS = 1e-6
 """The epsilon CANN's NPURmsNorm/NPUAddRmsNorm plugins hard-code (reference/ascend.md §2.2)."""
@@ -385,6 +390,7 @@ def lower(model: ir.Model, *, rmsnorm_plugin: Literal["cann", "omforge"] = DEFAU
         NPUPromptFlashAttention.rule("ascend_pfa") if pfa else decompose.RULES["Attention"],
     ])
     rules.apply_to_model(model)
+    lora.lower_plain(model.graph)
     left = sorted({n.op_type for n in model.graph if n.domain not in ("", "ai.onnx")})
     if left:
         raise RuntimeError(f"ascend lowering left ops outside the default domain: {left}")

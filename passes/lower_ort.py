@@ -16,6 +16,9 @@
                    mask; plain ops when the attention switch is off; twice per layer: the step's main group and its
                    decode group (inputs ``decode_block_tables``, ``decode_query_index``), so decodes ride along with
                    prefill chunks without being padded to them
+  LoraAdd     → with ``lora_kernel`` (default: ``kernel``, the step graph's): ``omforge.kernels.LoraAdd``, same
+                operands (tokens grouped by slot); otherwise plain ops (passes/lora.py ``lower_plain``: two Gathers
+                of the pools by slot, two batched MatMuls, Reshape, Add)
 
 After lowering the default-domain opset is 23: the exported ops keep their semantics there (the changes
 from 18 to 23 only widen type lists).
@@ -32,7 +35,7 @@ from onnxscript.rewriter import pattern
 from omforge.contract import row_elems
 from omforge.contract.kernel_abi import DOMAIN as KERNEL_DOMAIN
 from omforge.contract.kernel_abi import HEAD_DIMS
-from omforge.passes import decompose, ops, packed_qkv
+from omforge.passes import decompose, lora, ops, packed_qkv
 from omforge.passes.paged_kv import add_decode_group_inputs, new_rows_as_outputs
 
 ORT_OPSET = 23
@@ -132,14 +135,17 @@ KERNEL_OPS = {"float32": "PagedAttention", "bfloat16": "PagedAttentionBF16", "in
 _POOL_TYPES = {"float32": ir.DataType.FLOAT, "bfloat16": ir.DataType.BFLOAT16, "int8": ir.DataType.INT8}
 
 
-def lower(model: ir.Model, kv_write: str = "graph", kernel: bool = False, kv_cache_dtype: str = "float32") -> int:
+def lower(model: ir.Model, kv_write: str = "graph", kernel: bool = False, kv_cache_dtype: str = "float32",
+          lora_kernel: bool | None = None) -> int:
     """Lower every neutral op in ``model`` in place; returns the number of ops lowered. ``kv_write`` says who
     writes the new K/V rows of a step graph: the graph itself (default: ScatterND into the pool the executor
     binds in place) or the runtime (the graph returns the rows; attention sees them through a scatter into the
     gathered context; the graph write is the faster: benchmarks/RESULTS.md, "kv_write"). ``kernel`` (with
     ``kv_write="graph"``) lowers paged attention to omforge's CPU kernel instead of plain ops; the session must
     then register the kernel library (runtime/ort/kernels). ``kv_cache_dtype`` other than float32 (the pools'
-    element type, see ``contract.KV_DTYPES``) needs the kernel."""
+    element type, see ``contract.KV_DTYPES``) needs the kernel. ``lora_kernel``: LoRA terms (``omforge.LoraAdd``)
+    through the kernel library's ``LoraAdd`` (None: where the kernel lowering is used; False: plain ops, e.g. a library
+    that predates the op)."""
     if kv_write not in KV_WRITES:
         raise ValueError(f"kv_write={kv_write!r} is not one of {KV_WRITES}")
     if kernel and kv_write != "graph":
@@ -164,6 +170,11 @@ def lower(model: ir.Model, kv_write: str = "graph", kernel: bool = False, kv_cac
     if kernel:
         model.opset_imports[KERNEL_DOMAIN] = 1
     count = rules.apply_to_model(model)
+    if (kernel if lora_kernel is None else lora_kernel and kernel):
+        model.opset_imports[KERNEL_DOMAIN] = 1
+        count += lora.lower_kernel(model.graph)
+    else:
+        count += lora.lower_plain(model.graph)
     if kernel:  # after merging each layer's twin cos/sin slices (one Rotary lowering each for q and k)
         common.CommonSubexpressionEliminationPass()(model)
         count += packed_qkv.fuse(model.graph, tuple(KERNEL_OPS.values()))

@@ -16,6 +16,10 @@ Each op is a contract: its semantics below, a plain-op decomposition in :mod:`om
                  position_ids; scale, q_heads, kv_heads, block_size, fused_attention[, window])
                  -> (o, key_cache_out, value_cache_out)
                                   see :mod:`omforge.passes.paged_kv` and the step ABI in the README
+  LoraAdd(y, x, lora_a, lora_b, lora_slots) -> y'
+                                  y [..., out], x [..., in], lora_a [S, P·R, in], lora_b [S, out, P·R], lora_slots
+                                  [1, T] int64: y'[t] = y[t] + lora_b[slot_t] · (lora_a[slot_t] · x[t]); see
+                                  :mod:`omforge.passes.lora` and docs/lora.md
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """From an export to the graphs a target runs: each target's pass sequence as data, run by onnx-ir's pass manager.
 
-  ort:    fusions (recipe switches) → cleanup → paged-KV insertion (with a block size) → ORT lowering
+  ort:    fusions (recipe switches) → cleanup → [LoRA insertion] → paged-KV insertion (with a block size) → ORT lowering
           → weight quantization (int8 / int4 weights: MatMulNBits) → cleanup
-  ascend: fusions (recipe switches) → cleanup → paged-KV insertion → Ascend lowering → cleanup
+  ascend: fusions (recipe switches) → cleanup → [LoRA insertion] → paged-KV insertion → Ascend lowering → cleanup
   a pooling bundle (task embed | score) takes the pooling insertion in place of the paged-KV one
+  [LoRA insertion]: with ``lora`` (``compile.lora``, passes/lora.py): ``omforge.LoraAdd`` on each targeted projection
 
 :class:`Pipeline` is the one description that the ort build (``compile/ort.py``), the ascend stage
 (``compile/ascend.py``) and ``omforge diff``'s replay run; they decide its options (which lowering, which
@@ -22,10 +23,12 @@ from typing import Any
 import onnx_ir as ir
 
 from omforge.contract import STEP_INPUTS, PagedLayout
+from omforge.contract.manifest import LoraSection
 from omforge.contract.pooling import POOLING_INPUTS
 from omforge.passes import lower_ascend, lower_ort, manager, ops
 from omforge.passes.ascend_w8a16 import QuantizeW8A16
 from omforge.passes.float16 import CastToFloat16
+from omforge.passes.lora import InsertLora, LoraTargetMissing
 from omforge.passes.paged_kv import insert_paged_kv
 from omforge.passes.pooling import insert_pooling
 from omforge.passes.quantize_weights import QuantizeWeights
@@ -123,6 +126,9 @@ class Pipeline:
     float16: bool = False  # ascend: the lowered graph in float16 with float32 islands (passes/float16.py)
     # a pooling bundle (task embed | score): InsertPooling's options in place of the paged-KV insertion
     pooling: Mapping[str, Any] | None = None
+    # multi-LoRA (docs/lora.md): InsertLora's options (max_loras, max_rank, target_modules, config), after the
+    # fusions and before the paged-KV insertion; None: no LoRA input, no LoRA node
+    lora: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -131,10 +137,14 @@ class Pipeline:
             raise ValueError(f"a float16 graph is built for the ascend target, not {self.target}")
         if self.quantize is not None and self.target == "ascend" and not self.float16:
             raise ValueError("W8A16 on ascend quantizes the float16 graph: set float16")
+        if self.lora is not None and self.pooling is not None:
+            raise ValueError("LoRA is for generate step graphs, not pooling ones")
 
     def passes(self) -> list[ir.passes.PassBase]:
         """Fresh pass objects, in order (each records what it did: ``Fusion.count``, ``InsertPagedKV.layout``…)."""
         seq: list[ir.passes.PassBase] = [*manager.fusion_passes(self.fusions), manager.Cleanup()]
+        if self.lora is not None:
+            seq.append(InsertLora(**self.lora))
         if self.pooling is not None:
             seq.append(InsertPooling(**self.pooling))
         elif self.block_size:
@@ -151,7 +161,15 @@ class Pipeline:
 
     def run(self, model: ir.Model) -> PipelineRun:
         passes = self.passes()
-        ir.passes.PassManager(passes)(model)
+        try:
+            ir.passes.PassManager(passes)(model)
+        except ir.passes.PassError as error:  # the pass manager wraps what a pass raises: a user's error unwrapped
+            cause: BaseException | None = error
+            while cause is not None and not isinstance(cause, LoraTargetMissing):
+                cause = cause.__cause__
+            if cause is None:
+                raise
+            raise cause from None
         return PipelineRun(passes)
 
 
@@ -177,6 +195,11 @@ class PipelineRun:
     def pooled_width(self) -> int | None:
         """A pooling step graph's output width (hidden size, or 2 for score); None for a paged step graph."""
         return next((p.width for p in self.passes if isinstance(p, InsertPooling)), None)
+
+    @property
+    def lora(self) -> LoraSection | None:
+        """The manifest's ``lora`` section (the projections that carry a LoRA term); None without LoRA."""
+        return next((p.section for p in self.passes if isinstance(p, InsertLora)), None)
 
     @property
     def lowering(self) -> ir.passes.InPlacePass:

@@ -3,7 +3,8 @@
 Pure numpy, no ORT: the scheduler decides the work, this packs it. Invariants of the result: tokens are
 packed sequence after sequence; ``query_index[b, i]`` and ``token_index`` are inverse maps between the
 packed and the padded layouts; every block-table row is padded with a valid block id (its own first live one);
-a negative entry (a block released because it fell out of the sliding window, never read) is packed as that id.
+a negative entry (a block released because it fell out of the sliding window, never read) is packed as that id;
+``lora_slots [1, T]`` holds each token's adapter slot (its item's ``lora_slot``; only graphs with LoRA read it).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class SeqWork:
     block_table: Sequence[int]
     needs_logits: bool = True
     all_logits: bool = False  # a logits row for every token (prompt logprobs), in order, instead of the last
+    lora_slot: int = 0  # the LoRA adapter slot of every token of this item (0: the base model; docs/lora.md)
 
 
 def build_step(work: Sequence[SeqWork], block_size: int, max_blocks: int | None = None,
@@ -88,4 +90,5 @@ def build_step(work: Sequence[SeqWork], block_size: int, max_blocks: int | None 
         "logits_indices": np.asarray(logits_rows, dtype=np.int64),
         "decode_block_tables": d_tables,
         "decode_query_index": d_qidx.astype(np.int64),
+        "lora_slots": np.repeat(np.asarray([w.lora_slot for w in work], dtype=np.int64), lens)[None, :],
     }

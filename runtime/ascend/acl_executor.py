@@ -80,9 +80,13 @@ class _Model:
 
 def check_bundle(bundle: Path, manifest: Manifest) -> Path:
     """The OM of an ascend bundle (``<prefix>.om`` or ``<prefix>_<os>_<cpu>.om``); :class:`OmModelsMissing` (one
-    line) when it was not built. (A bundle from before the one-OM layout is refused when its manifest is read.)"""
+    line) when it was not built; a BundleError for a bundle with LoRA pools (not fed here yet). (A bundle from before
+    the one-OM layout is refused when its manifest is read.)"""
     if manifest.ascend is None:
         raise BundleError(f"{bundle}: not an ascend bundle (target {manifest.target})")
+    if manifest.lora is not None:
+        raise BundleError(f"{bundle}: compiled with compile.lora, and the ACL executor does not feed LoRA pools yet; "
+                          "compile it without compile.lora, or for the ort target")
     prefix = manifest.ascend.model
     try:
         om = find_om(bundle / prefix)

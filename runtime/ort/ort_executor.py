@@ -7,6 +7,10 @@ that output and the in-graph ScatterND writes in place; with ``key_new.N`` outpu
 ``slot_mapping`` after the run. Either way no step copies a pool: cost follows the work. A graph lowered to
 omforge's CPU kernel (``omforge.kernels.PagedAttention``) needs the kernel library, registered here whenever it
 is usable; :meth:`OrtExecutor.for_bundle` checks first that the library can run the bundle.
+
+A graph with LoRA inputs (docs/lora.md) gets its adapter pools the same way: each ``lora_a.*`` / ``lora_b.*`` input
+is a zeros float32 array of its ABI shape, allocated and bound once (zero-copy), exposed as :attr:`lora_pools` (input
+name → array): writing an adapter into a slot of those arrays (runtime/lora/slots.py) is seen by the next step.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from omforge.runtime.step import SeqWork, build_step
 
 BFLOAT16 = 16  # ONNX element type: numpy has no bfloat16, so bf16 pools are uint16 arrays bound with this type
 POOL_NUMPY_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "int8": np.int8}
+LORA_POOL_PREFIXES = ("lora_a.", "lora_b.")  # contract/lora.py pool_a / pool_b
 
 
 class OrtExecutor:
@@ -49,6 +54,7 @@ class OrtExecutor:
         self.binding = self.session.io_binding()
         self.binding.bind_output("logits")  # first, so it stays output 0 when re-bound each run
         self.input_names = {i.name for i in self.session.get_inputs()}
+        self._bind_lora_pools()
         # a decode group in the graph: decodes share a step with prefill chunks, unpadded
         self.capabilities = ExecutorCapabilities(supports_mixed_batches="decode_query_index" in self.input_names,
                                                  supports_prompt_logits=True, host_kv=HostKVPools(tuple(
@@ -72,6 +78,22 @@ class OrtExecutor:
                 self._slot_views.append(view)
         if prefault:
             self._warm_up()
+
+    def _bind_lora_pools(self) -> None:
+        """``lora_pools``: every LoRA pool input's array (zeros: slot 0, the base model, stays so), bound once."""
+        self.lora_pools: dict[str, np.ndarray] = {}
+        self._lora_values = []  # the OrtValues the binding refers to
+        for spec in self.session.get_inputs():
+            if not spec.name.startswith(LORA_POOL_PREFIXES):
+                continue
+            if spec.type != "tensor(float)" or not all(isinstance(d, int) for d in spec.shape):
+                raise ValueError(f"LoRA pool input {spec.name}: {spec.type} {spec.shape}, expected a float32 tensor "
+                                 "of static shape [slots, rows, columns]")
+            pool = np.zeros(spec.shape, np.float32)
+            value = ort.OrtValue.ortvalue_from_numpy(pool)
+            self.binding.bind_ortvalue_input(spec.name, value)
+            self.lora_pools[spec.name] = pool
+            self._lora_values.append(value)
 
     @classmethod
     def for_bundle(cls, bundle: Path, manifest: Manifest, num_blocks: int, threads: int | None = None,
