@@ -274,3 +274,43 @@ def test_missing_target_is_one_line() -> None:
         Pipeline("ort", lora={"max_loras": 1, "max_rank": 4,
                               "target_modules": ("q_proj", "o_proj", "down_proj")}).run(_projection_graph(False))
     assert str(err.value) == expected and isinstance(err.value, ir.passes.PostconditionError)
+
+
+@pytest.mark.parametrize("weights", ["float16", "int8"])
+def test_ascend_lowering_is_plain_ops_atc_accepts(root: Path, weights: str) -> None:
+    """The ascend step graph of a LoRA recipe (float16 graph; int8: W8A16 too): the terms are default-domain plain
+    ops (Gather by int64 slots, batched MatMul, Reshape, Add) that every CANN conformance rule accepts, the pools
+    are inputs of one dtype (the graph's float16) with static shapes, lora_slots int64 over the gear dim
+    num_tokens; the ACL executor refuses the bundle in one line (it does not feed LoRA pools yet)."""
+    from omforge.compile.atc_conformance import check_bundle
+    from omforge.compile.cann_matrix import violations
+    from omforge.compile.step_usage import file_uses
+    from omforge.contract.manifest import BundleError
+    from omforge.runtime.ascend.acl_executor import check_bundle as acl_check_bundle
+
+    recipe = write_recipe(root / f"ascend-{weights}.yaml", {"name": "tiny-lora", "source": "hf", "path": "hf"},
+                          compile={"target": "ascend", "weights": weights, "max_seq_len": 256, "max_batch_size": 4,
+                                   "max_num_tokens": 256, "lora": {"max_loras": 2, "max_rank": 4}})
+    bundle = compile_bundle(recipe, root / f"ascend-{weights}", root / "cache")
+    m = load_manifest(bundle)
+    assert m.lora is not None and len(m.lora.projections) == 8
+    step = bundle / "ascend" / "step.onnx"
+    model = ir.load(step)
+    assert {n.domain for n in model.graph} <= {"", "ai.onnx"} and set(model.opset_imports) == {""}
+    assert not [n for n in model.graph if "Lora" in n.op_type]
+    gathers = [n for n in model.graph if n.op_type == "Gather" and n.inputs[0].name.startswith("lora_")]
+    assert len(gathers) == 2 * len(m.lora.projections)
+    assert all(n.inputs[1].dtype == ir.DataType.INT64 for n in gathers)
+    pools = {v.name: v for v in model.graph.inputs if v.name.startswith(("lora_a.", "lora_b."))}
+    assert len(pools) == 2 * len(m.lora.projections)
+    assert {v.dtype for v in pools.values()} == {ir.DataType.FLOAT16}
+    assert all(all(isinstance(d, int) for d in v.shape) for v in pools.values())
+    slots = next(v for v in model.graph.inputs if v.name == SLOTS_INPUT)
+    assert slots.dtype == ir.DataType.INT64 and [str(d) for d in slots.shape] == ["1", "num_tokens"]
+    assert violations(file_uses(step)) == []
+    failed = [r.line() for results in check_bundle(bundle).values() for r in results if not r.ok]
+    assert not failed, failed
+    with pytest.raises(BundleError) as err:
+        acl_check_bundle(bundle, m)
+    assert str(err.value) == (f"{bundle}: compiled with compile.lora, and the ACL executor does not feed LoRA pools "
+                              "yet; compile it without compile.lora, or for the ort target")
