@@ -38,6 +38,16 @@ def _pooling_line(m: Manifest) -> str:
             f"{p.prompt_format}; no KV pool")
 
 
+def _layer_of(name: str) -> int | None:
+    """The layer of a per-layer ABI name (``key_cache.N``, ``lora_a.N.qkv``), else None."""
+    parts = name.split(".")
+    if parts[-1].isdigit():
+        return int(parts[-1])
+    if parts[0] in ("lora_a", "lora_b") and len(parts) == 3 and parts[1].isdigit():
+        return int(parts[1])
+    return None
+
+
 def describe(m: Manifest) -> str:
     """A readable summary for ``omforge inspect``."""
     cfg, kv, limits = m.model.config, m.kv, m.limits
@@ -62,11 +72,17 @@ def describe(m: Manifest) -> str:
     ]
     for io, entries in (("input", m.abi.inputs), ("output", m.abi.outputs)):
         for e in entries:
-            if e.name.split(".")[-1].isdigit() and not e.name.endswith(".0"):
+            layer = _layer_of(e.name)
+            if layer not in (None, 0):
                 continue
-            more = " (… one per layer)" if e.name.endswith(".0") else ""
+            more = " (… one per layer)" if layer == 0 else ""
             shape = list(e.shape) if e.shape is not None else None
             lines.append(f"    {io:6s} {e.name:22s} {e.dtype or '?':7s} {shape}{more}")
+    if m.lora:
+        lora = m.lora
+        lines.append(f"  lora       {lora.max_loras} adapter slots (+ the base model's), rank {lora.max_rank}, targets "
+                     f"{', '.join(lora.target_modules)}; {len(lora.projections)} projections: "
+                     + ", ".join(dict.fromkeys(p.name for p in lora.projections)))
     lines.append("  buckets    " + json.dumps(m.buckets.to_dict()))
     if m.ascend:
         asc, mem = m.ascend, m.ascend.memory

@@ -188,6 +188,12 @@ def test_manifest_section(root: Path) -> None:
     assert list(inputs[pool_b(1, "down")].shape) == [MAX_LORAS + 1, 64, MAX_RANK]
     assert inputs[pool_b(1, "down")].dtype == "float"  # float32, as the ABI names it (onnx-ir)
     assert LoraSection.from_dict(spec.to_dict(), "lora") == spec
+    from omforge.compile.bundle import describe  # omforge inspect: one line of the section, pools of layer 0 only
+
+    text = describe(m)
+    assert (f"  lora       {MAX_LORAS} adapter slots (+ the base model's), rank {MAX_RANK}, targets "
+            f"{', '.join(TARGET_MODULES)}; 8 projections: qkv, o, gate_up, down") in text.splitlines()
+    assert "lora_a.0.qkv" in text and "lora_a.1.qkv" not in text
 
 
 def test_target_subset(root: Path) -> None:
