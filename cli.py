@@ -230,7 +230,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_options = {}
     for o in SERVE_OPTIONS:  # None: not given, the bundle's value
         value = getattr(args, o.name) if o.cli_flag else None
-        if value is not None and o.kind is dict:
+        if value is not None and o.nargs:
+            value = _pairs(o, value)
+        elif value is not None and o.kind is dict:
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as e:
@@ -239,6 +241,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
             _check_range(o, value)
             engine_options[o.name] = value
     return serve(args.bundle, options, **engine_options)
+
+
+def _pairs(o: ServeOption, words: list[str]) -> dict[str, str]:
+    """A ``nargs`` option's ``NAME=VALUE`` words as a dict; a word without ``=`` or a name given twice is one line
+    naming the flag."""
+    pairs: dict[str, str] = {}
+    for word in words:
+        name, eq, value = word.partition("=")
+        if not eq or not name or not value:
+            raise OmforgeError(f"{o.cli_flag}: expected {o.metavar or 'NAME=VALUE'}, got {word!r}")
+        if name in pairs:
+            raise OmforgeError(f"{o.cli_flag}: {name!r} is given twice")
+        pairs[name] = value
+    return pairs
 
 
 def _check_range(o: ServeOption, value: Any) -> None:
@@ -336,6 +352,8 @@ def _serve_option_flags(p: argparse.ArgumentParser) -> None:
         common = {"dest": o.name, "default": None, "help": o.help + where}
         if o.kind is bool:
             p.add_argument(o.cli_flag, action=argparse.BooleanOptionalAction, **common)
+        elif o.nargs:
+            p.add_argument(o.cli_flag, nargs=o.nargs, metavar=o.metavar, **common)
         else:
             p.add_argument(o.cli_flag, type=_flag_type(o), choices=o.choices or None, metavar=o.metavar, **common)
 

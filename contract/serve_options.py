@@ -21,7 +21,8 @@ class ServeOption:
     ``nullable``: None is a value of the recipe (null); ``choices``: the only values allowed; ``words``: besides a
     positive number, the words allowed (``auto``); ``ge`` / ``gt`` / ``le``: the recipe's range; ``flag``: the
     command-line flag when it is not the name's (``--max-queue-time``), None for an option the command line does not
-    take; ``recipe``: False for an option of the command line (and the engine) only, not of the recipe."""
+    take; ``recipe``: False for an option of the command line (and the engine) only, not of the recipe; ``nargs``:
+    ``+`` for a dict option whose flag takes one or more ``NAME=VALUE`` words (``--lora-modules a=/p b=/q``)."""
 
     name: str
     kind: type
@@ -36,6 +37,7 @@ class ServeOption:
     flag: str | None = ""
     metavar: str | None = None
     recipe: bool = True
+    nargs: str | None = None  # the flag takes several words (``+``): a dict option's NAME=VALUE pairs
 
     @property
     def cli_flag(self) -> str | None:
@@ -91,6 +93,11 @@ SERVE_OPTIONS: tuple[ServeOption, ...] = (
     ServeOption("reasoning_budget", int, None, "thinking tokens after which </think> is forced, for a request that "
                 "sends no thinking_token_budget (llama.cpp --reasoning-budget; default: no cap)", nullable=True, ge=0,
                 metavar="N"),
+    ServeOption("lora_modules", dict, None, "LoRA adapters served beside the base model, NAME=PATH each (a PEFT "
+                "directory or a GGUF LoRA file); a request's model selects one (vLLM --lora-modules; the bundle needs "
+                "compile.lora)", nullable=True, metavar="NAME=PATH", recipe=False, nargs="+"),
+    ServeOption("max_loras", int, None, "LoRA adapters resident at once, 1 … the bundle's compile.lora.max_loras "
+                "(default: that; vLLM --max-loras)", nullable=True, ge=1, le=64, metavar="N", recipe=False),
     ServeOption("threads", int, None, "onnxruntime intra-op threads (default: all cores)", nullable=True,
                 recipe=False),
     ServeOption("kv_transfer_config", str, None, 'prefill/decode disaggregation over NIXL, vLLM\'s flag: '

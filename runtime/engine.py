@@ -4,6 +4,11 @@ One ``step()`` runs one execution of the step graph for every scheduled request 
 together). Loading needs no torch: a bundle (manifest + step graph + tokenizer), onnxruntime and numpy. What is not
 the loop lives beside it: the drafting policy (:class:`~omforge.runtime.spec_decode.SpeculativeDecoder`), the grammar
 masks (:class:`~omforge.runtime.structured.GrammarMasks`) and every logprob (the sampler's ``with_logprobs``).
+
+LoRA (a bundle compiled with ``compile.lora``, docs/lora.md): the engine holds the registered adapters and their
+slots (:class:`~omforge.runtime.lora.slots.LoraSlots` over the executor's ``lora_pools``), the scheduler pins them;
+adapters come from ``lora_modules`` at load and :meth:`LLMEngine.load_lora` / :meth:`LLMEngine.unload_lora` later
+(between steps, on the thread that steps); a request names its adapter (``add_request(..., lora=name)``).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +31,8 @@ from omforge.runtime.hicache.attach import build_tiers, host_tier_slots
 from omforge.runtime.kv_cache_manager import KVCacheManager
 from omforge.runtime.kv_connector import KVConnector
 from omforge.runtime.kv_transfer.connector import build_connector, request_params
+from omforge.runtime.lora.adapter import LoraAdapter, LoraError, load_adapter, validate
+from omforge.runtime.lora.slots import LoraSlots
 from omforge.runtime.ort.ort_executor import OrtExecutor
 from omforge.runtime.outputs import EngineSnapshot, EngineStats, RequestOutput
 from omforge.runtime.reasoning import ANSWER, MARKER, REASONING, ReasoningError, ReasoningParser, ReasoningState, steer
@@ -47,6 +54,34 @@ class RequestRejected(OmforgeError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class UnknownLora(RequestRejected):
+    """A request names a LoRA adapter the engine does not hold (never loaded, or unloaded)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, param="model")
+
+
+class LoraNameTaken(LoraError):
+    """An adapter name already loaded (unload it first to replace it)."""
+
+
+class LoraInUse(OmforgeError):
+    """An adapter that cannot be unloaded now: requests (running or waiting) still use it."""
+
+
+@dataclass(frozen=True)
+class LoraState:
+    """The engine's adapters after a step (``/metrics``): the adapters of the running requests (RUNNING, SWAPPED,
+    loading: they pin a slot) and of the waiting ones, sorted, without repeats (vLLM's ``lora_requests_info``); the
+    slots resident at once; adapters written into a slot so far, and how many of those replaced another."""
+
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    max_loras: int
+    loads: int
+    evictions: int
 
 
 class LLMEngine:
@@ -95,8 +130,13 @@ class LLMEngine:
             raise
         # the KV connectors under the scheduler, asked in this order: a PD decode leg's read comes first
         self.connectors: list[KVConnector] = [c for c in (self.pd, self.hicache) if c is not None]
+        try:
+            self.lora = self._lora_slots(m, cfg)  # the adapter slots (None: no LoRA), lora_modules registered
+        except OmforgeError:
+            self.close_parts()
+            raise
         self.scheduler = Scheduler(self.kv, cfg.scheduler_config(self.config, caps.supports_mixed_batches),
-                                   connectors=self.connectors)
+                                   connectors=self.connectors, lora=self.lora)
         self.sampler = Sampler(eos_token_ids=self.config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.closed = False
@@ -111,6 +151,74 @@ class LLMEngine:
         self._grammars = GrammarMasks(lambda: self.tokenizer.tokenizer.to_str() if self.tokenizer is not None else "",
                                       self.config.vocab_size, self.config.eos_token_ids)
 
+    def close_parts(self) -> None:
+        """Release what ``__init__`` built so far (a start-up error after the executor was made)."""
+        for connector in self.connectors:
+            connector.close()
+        self.executor.close()
+
+    def _lora_slots(self, m: Manifest, cfg: EngineConfig) -> LoraSlots | None:
+        """The adapter slots over the executor's pools, with ``lora_modules`` loaded and checked (a bad one: a
+        :class:`LoraError` naming it); None for a bundle without ``lora``."""
+        if m.lora is None:
+            return None  # lora_modules / max_loras on such a bundle were refused by EngineConfig.resolve
+        pools = getattr(self.executor, "lora_pools", None)
+        if not pools:
+            raise EngineConfigError(f"this bundle has LoRA slots (compile.lora) but its executor "
+                                    f"({type(self.executor).__name__}) binds no adapter pools")
+        slots = LoraSlots(m.lora, self.config, pools, cfg.max_loras)
+        for name, path in (cfg.lora_modules or {}).items():
+            slots.register(self._read_lora(name, path))
+        return slots
+
+    def _read_lora(self, name: str, path: str | Path) -> LoraAdapter:
+        """Adapter ``name`` read from ``path`` and checked against this bundle (:class:`LoraError` naming it).
+        Pure apart from reading the file: any thread may call it."""
+        if self.manifest.lora is None:
+            raise LoraError(f"adapter '{name}': this bundle was compiled without compile.lora (no adapter slots)")
+        adapter = load_adapter(name, path, self.config)
+        validate(adapter, self.manifest.lora, self.config)
+        return adapter
+
+    def read_lora(self, name: str, path: str | Path) -> LoraAdapter:
+        """:meth:`_read_lora` for callers that parse an adapter off the engine's thread (the server) and register
+        it with :meth:`add_lora` on it; also refuses an empty name."""
+        if not name or not name.strip():
+            raise LoraError("the adapter needs a name (lora_name)")
+        return self._read_lora(name, path)
+
+    def add_lora(self, adapter: LoraAdapter) -> None:
+        """Register a read and checked adapter under its name (between steps). A name already registered, or
+        a bundle without LoRA, is a :class:`LoraError`."""
+        if self.lora is None:
+            raise LoraError(f"adapter '{adapter.name}': this bundle was compiled without compile.lora (no adapter "
+                            "slots)")
+        if adapter.name in self.lora.names():
+            raise LoraNameTaken(f"adapter '{adapter.name}' is already loaded; unload it first to replace it")
+        self.lora.register(adapter)
+
+    def load_lora(self, name: str, path: str | Path) -> LoraAdapter:
+        """Read, check and register adapter ``name`` from ``path`` (a PEFT directory or a GGUF LoRA file); call
+        between steps, on the thread that steps. :class:`LoraError` naming the adapter when it cannot be read,
+        does not fit the bundle or its name is taken."""
+        adapter = self.read_lora(name, path)
+        self.add_lora(adapter)
+        return adapter
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter ``name`` (between steps). :class:`UnknownLora` if it is not loaded, :class:`LoraInUse`
+        while a request in flight (running or waiting) names it."""
+        if self.lora is None or name not in self.lora.names():
+            raise UnknownLora(f"the LoRA adapter '{name}' is not loaded")
+        users = sum(1 for r in self.requests.values() if r.lora == name and not r.finished)
+        if users:
+            raise LoraInUse(f"the LoRA adapter '{name}' is in use by {users} sequence(s); unload it once they end")
+        self.lora.unregister(name)
+
+    def lora_names(self) -> list[str]:
+        """The registered adapters' names, in registration order (empty without LoRA)."""
+        return list(self.lora.names()) if self.lora is not None else []
+
     def _executor(self, bundle: Path, m: Manifest, cfg: EngineConfig, acl_module: object) -> Executor:
         if m.target == "ascend":
             from omforge.runtime.ascend.acl_executor import AclExecutor
@@ -122,11 +230,19 @@ class LLMEngine:
 
     # --- requests -----------------------------------------------------------------------------------------
 
-    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> SamplingParams:
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                      lora: str | None = None) -> SamplingParams:
         """The admission check, pure (reads only limits fixed at load, so the server may call it from any thread):
         raises :class:`RequestRejected` naming the limit, or :class:`SamplingParamsError` naming the parameter;
-        returns ``params`` with ``max_tokens`` resolved (None → the room left in the context)."""
+        returns ``params`` with ``max_tokens`` resolved (None → the room left in the context). ``lora``: the
+        adapter the request names (whether it is loaded is :meth:`add_request`'s to say: adapters come and go)."""
         params.validate()
+        if lora is not None and self.manifest.lora is None:
+            raise UnknownLora(f"the LoRA adapter '{lora}' does not exist: this bundle was compiled without "
+                              "compile.lora")
+        if lora is not None and params.kv_transfer_params is not None:
+            raise SamplingParamsError("kv_transfer_params", "LoRA adapters are not supported with "
+                                      "kv_transfer_params")
         ids = prompt_token_ids
         if not ids:
             raise RequestRejected("the prompt is empty")
@@ -172,18 +288,23 @@ class LLMEngine:
         return replace(params, max_tokens=max_tokens)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> list[Request]:
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    lora: str | None = None) -> list[Request]:
         """Queue a request (``n`` sequences for ``params.n > 1``, ids ``{request_id}-{i}``). Raises
-        :class:`RequestRejected` when it can never run, :class:`SamplingParamsError` for bad parameters.
-        ``arrival_time`` (``time.monotonic()``) is when the request reached the server, for TTFT; default now."""
+        :class:`RequestRejected` when it can never run (:class:`UnknownLora` for an adapter not loaded),
+        :class:`SamplingParamsError` for bad parameters. ``arrival_time`` (``time.monotonic()``) is when the request
+        reached the server, for TTFT; default now. ``lora``: the adapter's name (None: the base model)."""
         params = params or SamplingParams()
+        if lora is not None and (self.lora is None or lora not in self.lora.names()):
+            loaded = ", ".join(self.lora_names()) or "none"
+            raise UnknownLora(f"the LoRA adapter '{lora}' is not loaded (loaded: {loaded})")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestRejected("this bundle has no tokenizer: give prompt token ids")
             ids, text = self.tokenizer.encode(prompt), prompt
         else:
             ids, text = list(prompt), None
-        params = self.check_request(ids, params)
+        params = self.check_request(ids, params, lora)
         kv_transfer = request_params(self.pd, params.kv_transfer_params, self.block_size)  # checked just now
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests or any(self.scheduler.holds(sid) for sid in seq_ids(rid, params.n)):
@@ -191,7 +312,7 @@ class LLMEngine:
         reqs = []
         for i, sid in enumerate(seq_ids(rid, params.n)):
             req = Request(sid, ids, params, prompt=text, index=i, generator=params.make_generator(i),
-                          kv_transfer=kv_transfer)
+                          kv_transfer=kv_transfer, lora=lora)
             if arrival_time is not None:
                 req.arrival_time = arrival_time
             if self.tokenizer is not None:
@@ -275,6 +396,17 @@ class LLMEngine:
             spec_accepted_per_position=dict(st.spec_accepted_per_position),
             hicache=self.hicache.stats() if self.hicache is not None else None,
             pd=replace(self.pd.stats) if self.pd is not None else None)
+
+    def lora_state(self) -> LoraState | None:
+        """The adapters now (:class:`LoraState`); None without LoRA. Call it on the engine thread."""
+        if self.lora is None:
+            return None
+        sched = self.scheduler
+        running = {r.lora for r in (*sched.running, *sched.swapped, *sched.loading.values())
+                   if r.lora is not None and not r.finished}
+        waiting = {r.lora for r in sched.waiting if r.lora is not None}
+        return LoraState(tuple(sorted(running)), tuple(sorted(waiting)), self.lora.max_loras, self.lora.loads,
+                         self.lora.evictions)
 
     def reset_prefix_cache(self) -> bool:
         """Drop all cached prefixes; returns False (nothing done) while requests are in flight."""

@@ -78,6 +78,8 @@ class EngineConfig:
     kv_transfer_config: str | dict | None = None  # vLLM's --kv-transfer-config (PD over NIXL; runtime/kv_transfer)
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser (runtime/reasoning.py PARSERS)
     reasoning_budget: int | None = None  # the thinking budget of a request that sets none (None: no cap)
+    lora_modules: dict[str, str] | None = None  # LoRA adapters loaded at start: name → path (docs/lora.md)
+    max_loras: int | None = None  # adapters resident at once (a LoRA bundle: 1 … compile.lora.max_loras; else None)
 
     @classmethod
     def resolve(cls, manifest: Manifest, **overrides: Any) -> EngineConfig:
@@ -138,7 +140,7 @@ class EngineConfig:
                    serving=bool(overrides.get("serving")), kv_transfer_config=pick("kv_transfer_config"),
                    reasoning_parser=pick("reasoning_parser"), reasoning_budget=pick("reasoning_budget"),
                    float32_weights=manifest.weights.precision == "float32",
-                   **tiers)
+                   **_lora(manifest, pick("lora_modules"), pick("max_loras")), **tiers)
 
     def with_num_kv_blocks(self, num_blocks: int) -> EngineConfig:
         """The same configuration on a pool the executor fixed (``ExecutorCapabilities.num_blocks``)."""
@@ -182,6 +184,28 @@ def _hicache(pick: Any) -> dict[str, Any]:
                                 f"{size} and {host}")
     return {"enable_hierarchical_cache": on, "hicache_size_gb": host, "hicache_storage_backend": backend,
             "hicache_storage_dir": None if where is None else str(where), "hicache_storage_size_gb": size}
+
+
+def _lora(manifest: Manifest, modules: Any, max_loras: Any) -> dict[str, Any]:
+    """``lora_modules`` (name → path) and ``max_loras`` (default: the bundle's slots), checked against the bundle's
+    ``lora`` section (one line naming the option at fault)."""
+    spec = manifest.lora
+    if spec is None:
+        for name, value in (("lora_modules", modules), ("max_loras", max_loras)):
+            if value:
+                raise EngineConfigError(f"{name}: this bundle was compiled without compile.lora (no adapter slots); "
+                                        "recompile it with compile.lora to serve LoRA adapters")
+        return {"lora_modules": None, "max_loras": None}
+    if modules is not None and (not isinstance(modules, dict)
+                                or not all(isinstance(k, str) and k and isinstance(v, str) and v
+                                           for k, v in modules.items())):
+        raise EngineConfigError(f"lora_modules must map adapter names to paths, got {modules!r}")
+    if max_loras is None:
+        max_loras = spec.max_loras
+    if isinstance(max_loras, bool) or not isinstance(max_loras, int) or not 1 <= max_loras <= spec.max_loras:
+        raise EngineConfigError(f"max_loras must be 1 … {spec.max_loras} (the bundle's compile.lora.max_loras), "
+                                f"got {max_loras}")
+    return {"lora_modules": dict(modules) if modules else None, "max_loras": max_loras}
 
 
 def _queue_time(value: float | None) -> float | None:

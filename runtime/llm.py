@@ -18,7 +18,9 @@ from omforge.runtime.sampling_params import SamplingParams
 
 class LLM:
     """``LLM("build/smollm2-135m").generate(["Hello"], SamplingParams(max_tokens=32))``; keyword arguments
-    override the bundle's serve limits (``num_kv_blocks``, ``max_num_seqs``, ``enable_prefix_caching``, …)."""
+    override the bundle's serve limits (``num_kv_blocks``, ``max_num_seqs``, ``enable_prefix_caching``, …) and
+    name LoRA adapters (``lora_modules={"sql": "adapters/sql"}``, ``max_loras``) for a bundle compiled with
+    ``compile.lora``: ``generate(prompts, params, lora="sql")``."""
 
     def __init__(self, bundle: str | Path, **engine_options: object):
         self.engine = open_engine(bundle, **engine_options)
@@ -69,9 +71,11 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None,
+                 lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Results in prompt order (for ``n > 1``, the n completions of a prompt follow each other). A progress
-        line goes to stderr when stderr is a terminal (or ``use_tqdm=True``)."""
+        line goes to stderr when stderr is a terminal (or ``use_tqdm=True``). ``lora``: the LoRA adapter of every
+        prompt, or one per prompt (None: the base model); an adapter not loaded is an ``UnknownLora``."""
         if isinstance(self.engine, PoolingEngine):
             raise OmforgeError(f"this bundle's task is {self.engine.task}: use LLM.embed or LLM.score; generate "
                                "needs a bundle compiled with task: generate")
@@ -80,9 +84,12 @@ class LLM:
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA adapters")
         order = []
-        for prompt, p in zip(prompts, plist):
-            order += [r.request_id for r in self.engine.add_request(prompt, p)]  # type: ignore[arg-type]
+        for prompt, p, name in zip(prompts, plist, loras):
+            order += [r.request_id for r in self.engine.add_request(prompt, p, lora=name)]  # type: ignore[arg-type]
         done: dict[str, RequestOutput] = {}
         show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
         t0, last = time.monotonic(), 0.0

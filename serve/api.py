@@ -1,5 +1,6 @@
 """The HTTP API: OpenAI's ``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings`` and ``/v1/models``,
-rerank and score (``routes_pooling``), plus ``/health`` and ``/metrics``. This module assembles the app: the routers
+rerank and score (``routes_pooling``), vLLM's LoRA adapter routes (``routes_lora``), plus ``/health`` and
+``/metrics``. This module assembles the app: the routers
 (``routes_admin``, ``routes_completions``, ``routes_chat``, ``routes_pooling``) over one
 :class:`~omforge.serve.state.ServerState`, the error handlers and the OpenAPI document. Requests are parsed and
 checked by :mod:`omforge.serve.intake`, answered by :mod:`omforge.serve.respond`; the model runs on the engine
@@ -27,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from omforge.serve import routes_admin, routes_chat, routes_completions, routes_pooling
+from omforge.serve import routes_admin, routes_chat, routes_completions, routes_lora, routes_pooling
 from omforge.serve.openapi import describe_bodies
 from omforge.serve.protocol import APIError, param_of
 from omforge.serve.state import ServerState, app_state
@@ -44,7 +45,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_middleware(InternalErrors)
-    for module in (routes_admin, routes_completions, routes_chat, routes_pooling):
+    for module in (routes_admin, routes_completions, routes_chat, routes_pooling, routes_lora):
         app.include_router(module.router)
     describe_bodies(app)
     return app

@@ -16,24 +16,31 @@ Invariants:
   before its next step.
 - No request waits longer than ``max_queue_time_s`` (checked before every step): one that has not started by then
   is aborted and its group ends with :class:`QueueTimeout`, counted as ``request_rejected{queue_timeout}``.
+- LoRA adapters (docs/lora.md): ``loras`` (name → path, event loop only) is what the server serves; an adapter is
+  parsed on a worker thread and registered (:class:`AddLora`) or forgotten (:class:`RemoveLora`) on the engine
+  thread between steps. An adapter with sequences in flight is never unloaded (``LoraInUse``), and one being
+  unloaded takes no new request (``UnknownLora`` at submission), so no request reaches the engine for an adapter
+  it no longer holds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import logging
 import threading
 import time
 import traceback
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from omforge.contract.manifest import PoolingSection
 from omforge.errors import OmforgeError
-from omforge.runtime.engine import LLMEngine, RequestOutput
+from omforge.runtime.engine import LLMEngine, LoraInUse, LoraNameTaken, RequestOutput, UnknownLora
+from omforge.runtime.lora.adapter import LoraAdapter
 from omforge.runtime.reasoning import ReasoningParser
 from omforge.runtime.request import seq_ids
 from omforge.runtime.sampling_params import SamplingParams
@@ -71,6 +78,23 @@ class AddRequest:
     params: SamplingParams
     request_id: str
     arrival_time: float
+    lora: str | None = None  # the LoRA adapter's name (None: the base model)
+
+
+@dataclass(frozen=True)
+class AddLora:
+    """Register a read and checked adapter (``LLMEngine.add_lora``); ``done`` gets None or the error."""
+
+    adapter: LoraAdapter
+    done: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
+class RemoveLora:
+    """Forget an adapter (``LLMEngine.unload_lora``); ``done`` gets None or the error."""
+
+    name: str
+    done: concurrent.futures.Future
 
 
 @dataclass(frozen=True)
@@ -85,7 +109,7 @@ class Shutdown:
     """Stop the engine thread before its next step; whatever is still running is dropped."""
 
 
-Command = AddRequest | Abort | Shutdown
+Command = AddRequest | Abort | Shutdown | AddLora | RemoveLora
 
 
 @dataclass
@@ -98,6 +122,7 @@ class RequestGroup:
     prompt_of: dict[str, int]
     unfinished: set[str]
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    lora: str | None = None  # the adapter every sequence of the group runs with
 
 
 class AsyncEngine:
@@ -130,6 +155,9 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        # LoRA adapters served (name → path) and sequences in flight per adapter (event loop only)
+        self.loras: dict[str, str] = {n: str(engine.lora.get(n).path) for n in engine.lora_names()}
+        self._lora_users: Counter[str] = Counter()
 
     # --- lifecycle ----------------------------------------------------------------------------------------
 
@@ -200,26 +228,35 @@ class AsyncEngine:
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> SamplingParams:
+    def check(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+              lora: str | None = None) -> SamplingParams:
         """The engine's admission check (raises RequestRejected / SamplingParamsError); see LLMEngine."""
-        return self._engine.check_request(prompt_token_ids, params)
+        return self._engine.check_request(prompt_token_ids, params, lora)
+
+    @property
+    def max_loras(self) -> int | None:
+        """Adapters resident at once (None: the bundle has no LoRA slots)."""
+        return self._engine.engine_config.max_loras
 
     def submit(self, prompts: list[tuple[list[int], SamplingParams]], request_id: str,
-               arrival_time: float | None = None) -> RequestGroup:
-        """Queue one request per (prompt token ids, checked params) as a group, all or none. Raises
+               arrival_time: float | None = None, lora: str | None = None) -> RequestGroup:
+        """Queue one request per (prompt token ids, checked params) as a group, all or none, with adapter ``lora``
+        (None: the base model). Raises :class:`UnknownLora` for an adapter not served (or being unloaded),
         :class:`Overloaded` when the group would exceed the capacity, :class:`EngineUnavailable` when draining or
         failed. Consume the group with :meth:`outputs` (which aborts what is left if the consumer stops)."""
         if self.failure is not None or not self.healthy:
             raise EngineUnavailable(f"the engine is not running: {self.failure or 'stopped'}")
         if self.draining:
             raise EngineUnavailable("the server is shutting down")
+        if lora is not None and lora not in self.loras:
+            raise UnknownLora(f"the LoRA adapter '{lora}' is not loaded")
         num_seqs = sum(p.n for _, p in prompts)
         refused = self.budget.refusal(self.num_in_flight, num_seqs)
         if refused is not None:
             if self.metrics is not None:
                 self.metrics.rejected("queue_full")
             raise Overloaded(f"the server is at capacity ({refused}); retry later")
-        group = RequestGroup({}, set())
+        group = RequestGroup({}, set(), lora=lora)
         arrival = arrival_time or time.monotonic()
         for i, (ids, params) in enumerate(prompts):
             rid = f"{request_id}-p{i}" if len(prompts) > 1 else request_id
@@ -227,9 +264,53 @@ class AsyncEngine:
                 group.prompt_of[sid] = i
                 group.unfinished.add(sid)
                 self._groups[sid] = group
-            self._send(AddRequest(ids, params, rid, arrival))
+            self._send(AddRequest(ids, params, rid, arrival, lora))
         self.num_in_flight += num_seqs
+        if lora is not None:
+            self._lora_users[lora] += num_seqs
+        if self.metrics is not None:
+            self.metrics.lora_request(lora, len(prompts))
         return group
+
+    # --- LoRA adapters (event loop) -----------------------------------------------------------------------
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Read and check adapter ``name`` from ``path`` on a worker thread, then register it on the engine thread
+        (between steps). Raises ``LoraError`` (unreadable, does not fit the bundle, name taken),
+        :class:`EngineUnavailable` when the engine is not running."""
+        self._require_running()
+        if name in self.loras:
+            raise LoraNameTaken(f"adapter '{name}' is already loaded; unload it first to replace it")
+        adapter = await asyncio.to_thread(self._engine.read_lora, name, path)
+        await self._on_engine_thread(AddLora(adapter, concurrent.futures.Future()))
+        self.loras[name] = str(path)
+
+    async def unload_lora(self, name: str) -> None:
+        """Forget adapter ``name`` (on the engine thread, between steps). Raises :class:`UnknownLora` if it is not
+        served, :class:`LoraInUse` while sequences of it are in flight."""
+        self._require_running()
+        if name not in self.loras:
+            raise UnknownLora(f"the LoRA adapter '{name}' is not loaded")
+        if self._lora_users[name]:
+            raise LoraInUse(f"the LoRA adapter '{name}' is in use by {self._lora_users[name]} sequence(s); unload "
+                            "it once they end")
+        path = self.loras.pop(name)  # no new request for it from now on
+        try:
+            await self._on_engine_thread(RemoveLora(name, concurrent.futures.Future()))
+        except BaseException:
+            self.loras[name] = path
+            raise
+
+    def _require_running(self) -> None:
+        if self.failure is not None or not self.healthy:
+            raise EngineUnavailable(f"the engine is not running: {self.failure or 'stopped'}")
+        if self.draining:
+            raise EngineUnavailable("the server is shutting down")
+
+    async def _on_engine_thread(self, cmd: AddLora | RemoveLora) -> None:
+        """Send ``cmd`` to the engine thread and wait for it to be applied (its error raised here)."""
+        self._send(cmd)
+        await asyncio.wrap_future(cmd.done)
 
     async def outputs(self, group: RequestGroup) -> AsyncIterator[list[RequestOutput]]:
         """Yield the group's outputs, one list per engine step, until every sequence finished. Leaving early
@@ -257,6 +338,10 @@ class AsyncEngine:
             if group is not None:
                 self.num_in_flight -= 1
                 group.unfinished.discard(sid)
+                if group.lora is not None:
+                    self._lora_users[group.lora] -= 1
+                    if not self._lora_users[group.lora]:
+                        del self._lora_users[group.lora]
 
     def _send(self, cmd: Command) -> None:
         with self._cv:
@@ -318,16 +403,33 @@ class AsyncEngine:
                     aborted = sum(self._engine.abort(sid) for sid in ids)
                     if self.metrics is not None and aborted:
                         self.metrics.aborted(aborted)
-                case AddRequest(prompt_token_ids=ids, params=params, request_id=rid, arrival_time=arrival):
+                case AddRequest(prompt_token_ids=ids, params=params, request_id=rid, arrival_time=arrival, lora=lora):
                     try:
-                        self._engine.add_request(ids, params, rid, arrival_time=arrival)
+                        self._engine.add_request(ids, params, rid, arrival_time=arrival, lora=lora)
                         added = True
                     except Exception as exc:
                         self._call_soon(self._fail, seq_ids(rid, params.n), exc)
+                case AddLora(adapter=adapter, done=done):
+                    self._settle(done, self._engine.add_lora, adapter)
+                case RemoveLora(name=name, done=done):
+                    self._settle(done, self._engine.unload_lora, name)
                 case Shutdown():
                     self._stopped = True
+                    for later in cmds[cmds.index(cmd) + 1:]:  # a LoRA command's waiter must not wait forever
+                        if isinstance(later, AddLora | RemoveLora):
+                            later.done.set_exception(EngineUnavailable("the server is shutting down"))
                     return added
         return added
+
+    @staticmethod
+    def _settle(done: concurrent.futures.Future, fn, *args) -> None:  # noqa: ANN001
+        """Run ``fn(*args)`` (engine thread) and put its outcome in ``done`` (awaited on the event loop)."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
 
     def _call_soon(self, fn, *args) -> None:  # noqa: ANN001
         assert self._loop is not None
@@ -355,6 +457,7 @@ class AsyncEngine:
                 if self.metrics is not None:  # before delivery: a client that has its answer sees it counted
                     pending = sum(isinstance(c, AddRequest) for c in list(self._cmds))
                     self.metrics.after_step(self.snapshot(pending), outputs)
+                    self.metrics.lora_state(engine.lora_state())
                 if outputs:
                     self._call_soon(self._deliver, outputs)
         except BaseException as exc:

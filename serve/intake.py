@@ -10,7 +10,7 @@ from typing import TypeVar
 from fastapi import Request
 from pydantic import ValidationError
 
-from omforge.runtime.engine import RequestRejected
+from omforge.runtime.engine import RequestRejected, UnknownLora
 from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
 from omforge.runtime.tokenizer import ChatTemplateError
 from omforge.serve.async_engine import EngineUnavailable, Overloaded, RequestGroup
@@ -59,11 +59,18 @@ async def parse(state: ServerState, request: Request, schema: type[B]) -> B:
     except ValidationError as exc:
         param, what = validation_message(exc)
         raise APIError(400, f"{param}: {what}", param=param) from None
-    if body.model is not None and body.model != state.model_name:
-        raise APIError(404, f"the model '{body.model}' does not exist; this server serves "
-                       f"'{state.model_name}'", param="model", code="model_not_found")
+    if body.model is not None and body.model != state.model_name and body.model not in state.engine.loras:
+        raise model_not_found(state, body.model)
     body.check_supported()
     return body
+
+
+def model_not_found(state: ServerState, model: str) -> APIError:
+    """404 ``model_not_found`` (vLLM's words) naming what this server serves: the base model and its adapters."""
+    adapters = f" and the LoRA adapter(s) {', '.join(repr(n) for n in state.engine.loras)}" \
+        if state.engine.loras else ""
+    return APIError(404, f"The model `{model}` does not exist; this server serves '{state.model_name}'{adapters}",
+                    param="model", code="model_not_found")
 
 
 def render_chat(state: ServerState, body: ChatCompletionRequest, add_special_tokens: bool = False,
@@ -101,10 +108,14 @@ def check_characters(state: ServerState, text: str, param: str) -> None:
                        param=param, code="context_length_exceeded")
 
 
-def check(state: ServerState, ids: list[int], params: SamplingParams, length_param: str) -> SamplingParams:
-    """The engine's admission check as a 400 (``length_param`` names the field of a too-long request)."""
+def check(state: ServerState, ids: list[int], params: SamplingParams, length_param: str,
+          lora: str | None = None) -> SamplingParams:
+    """The engine's admission check as a 400 (``length_param`` names the field of a too-long request); ``lora``:
+    the adapter the request's model selects."""
     try:
-        checked = state.engine.check(ids, params)
+        checked = state.engine.check(ids, params, lora)
+    except UnknownLora:
+        raise model_not_found(state, str(lora)) from None
     except SamplingParamsError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
     except RequestRejected as exc:
@@ -117,8 +128,9 @@ def check(state: ServerState, ids: list[int], params: SamplingParams, length_par
 
 
 def submit(state: ServerState, prompts: list[tuple[list[int], SamplingParams]], request_id: str,
-           arrival: float) -> RequestGroup:
-    """Queue the checked prompts as one group: 400 if they could never fit, 429 when full, 503 when stopping."""
+           arrival: float, lora: str | None = None) -> RequestGroup:
+    """Queue the checked prompts as one group with adapter ``lora``: 400 if they could never fit, 404 for an
+    adapter unloaded meanwhile, 429 when full, 503 when stopping."""
     num_seqs = sum(p.n for _, p in prompts)
     capacity = state.engine.capacity
     if num_seqs > capacity:  # never admissible: a 429 would have the client retry forever
@@ -126,7 +138,9 @@ def submit(state: ServerState, prompts: list[tuple[list[int], SamplingParams]], 
                        f"server ever holds ({capacity}: max_num_seqs + max_waiting_requests); "
                        "send fewer per request", param="prompt")
     try:
-        return state.engine.submit(prompts, request_id, arrival)
+        return state.engine.submit(prompts, request_id, arrival, lora)
+    except UnknownLora:
+        raise model_not_found(state, str(lora)) from None
     except Overloaded as exc:
         raise APIError(429, str(exc), type="server_overloaded", code="queue_full",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None

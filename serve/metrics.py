@@ -15,7 +15,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from omforge.runtime.engine import RequestOutput
+from omforge.runtime.engine import LoraState, RequestOutput
 from omforge.runtime.hicache.controller import HiCacheStats
 from omforge.runtime.kv_transfer.connector import PDStats
 from omforge.runtime.outputs import EngineSnapshot
@@ -176,6 +176,18 @@ class ServerMetrics:
         self._last_pos: dict[int, int] = {}
         self.hicache = HiCacheMetrics(r, model_name)
         self.pd = PDMetrics(r, model_name)
+        # LoRA (docs/lora.md): requests per adapter, and vLLM's lora_requests_info (the adapters running and
+        # waiting as labels, the time of the latest change as its value)
+        self.lora_requests = counter("lora_requests", "Requests (prompts) submitted per LoRA adapter (lora_name; "
+                                     "the base model's requests are not counted).", ("lora_name",))
+        self.lora_info = Gauge(PREFIX + "lora_requests_info", "The LoRA adapters of the running and the waiting "
+                               "requests (comma-separated labels) and the adapters resident at once; the value is "
+                               "when they last changed (unix seconds).",
+                               ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
+        self._lora_labels: tuple[str, str, str] | None = None
+        self.lora_loads = counter("lora_slot_loads", "LoRA adapters written into an adapter slot (on demand).")
+        self.lora_evictions = counter("lora_slot_evictions", "LoRA adapter slot loads that replaced a resident, "
+                                      "unpinned adapter (least recently used).")
 
     def after_step(self, st: EngineSnapshot, outputs: list[RequestOutput]) -> None:
         kv = st.kv
@@ -243,6 +255,28 @@ class ServerMetrics:
                      "cache_hit_rate": st.kv.hit_rate}
         stamp = datetime.datetime.fromtimestamp(taken, datetime.UTC).isoformat(timespec="milliseconds")
         return {"timestamp": stamp, "dp_rank_count": 1, "loads": [rank]}
+
+    def lora_request(self, lora: str | None, num_prompts: int) -> None:
+        """A request of ``num_prompts`` prompts was submitted with adapter ``lora`` (None: the base model)."""
+        if lora is not None:
+            self.lora_requests.labels(self.model, lora).inc(num_prompts)
+
+    def lora_state(self, state: LoraState | None) -> None:
+        """The adapters after a step (``LLMEngine.lora_state``; None: no LoRA): one series of
+        ``lora_requests_info``, replaced when the adapters running or waiting change; the slot counters."""
+        if state is None:
+            return
+        labels = (str(state.max_loras), ",".join(state.waiting), ",".join(state.running))
+        if labels != self._lora_labels:
+            self.lora_info.clear()
+            self.lora_info.labels(*labels).set(time.time())
+            self._lora_labels = labels
+        last = self._last
+        for key, value, metric in (("lora_loads", state.loads, self.lora_loads),
+                                   ("lora_evictions", state.evictions, self.lora_evictions)):
+            if value > last.get(key, 0):
+                metric.inc(value - last.get(key, 0))
+            last[key] = value
 
     def aborted(self, num_seqs: int) -> None:
         self.success.labels(self.model, "abort").inc(num_seqs)

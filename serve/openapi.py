@@ -16,6 +16,13 @@ from omforge.serve.protocol_pooling import EmbeddingRequest, RerankRequest, Scor
 BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, EmbeddingRequest,
           RerankRequest, ScoreRequest)
 
+
+def _bodies() -> tuple[type, ...]:
+    """:data:`BODIES` and the LoRA routes' (imported late: serve/routes_lora.py imports this module)."""
+    from omforge.serve.routes_lora import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+
+    return (*BODIES, LoadLoraAdapterRequest, UnloadLoraAdapterRequest)
+
 ERROR_SCHEMA: dict[str, Any] = {
     "title": "ErrorResponse", "type": "object", "required": ["error"],
     "description": "OpenAI's error body (serve/protocol.py APIError.body).",
@@ -29,8 +36,9 @@ WHY = {
     400: "Malformed JSON or an invalid parameter (`param` names it), or a context too long "
          "(`code: context_length_exceeded`)",
     401: "Missing or wrong API key (when the server has one)",
-    404: "The request names a model this server does not serve",
+    404: "The request names a model (or a LoRA adapter) this server does not serve",
     408: "The request body did not arrive in time",
+    409: "The LoRA adapter is in use by requests in flight",
     413: "The request body is larger than --max-request-body-bytes",
     429: "The waiting queue is full (retryable: Retry-After)",
     503: "Shutting down, the engine failed, or the request waited past max_queue_time_s (retryable: Retry-After)",
@@ -99,7 +107,7 @@ def describe_bodies(app: FastAPI) -> None:
             from fastapi.openapi.utils import get_openapi
 
             doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            _, defs = models_json_schema([(m, "validation") for m in BODIES],
+            _, defs = models_json_schema([(m, "validation") for m in _bodies()],
                                          ref_template="#/components/schemas/{model}")
             schemas = doc.setdefault("components", {}).setdefault("schemas", {})
             schemas.update(defs["$defs"])

@@ -31,9 +31,9 @@ async def respond(state: ServerState, request: Request, body: CompletionRequest 
         raise APIError(499, "the client closed the connection", code="client_disconnected")
     engine = state.engine
     rid = engine.new_request_id("chatcmpl" if kind == "chat" else "cmpl")
-    builder = ResponseBuilder(kind, rid, state.model_name, state.token_text, want_logprobs, tools)
-    run = Run(submit(state, prompts, rid, arrival), [len(ids) for ids, _ in prompts], prompts[0][1].n, echo,
-              scoring_only)
+    builder = ResponseBuilder(kind, rid, state.response_model(body.model), state.token_text, want_logprobs, tools)
+    run = Run(submit(state, prompts, rid, arrival, state.lora_of(body.model)), [len(ids) for ids, _ in prompts],
+              prompts[0][1].n, echo, scoring_only)
     cancel = functools.partial(engine.cancel, run.group)
     if body.stream:
         return EngineStream(stream(engine, run, builder, body.include_usage), cancel)

@@ -36,9 +36,11 @@ async def metrics(state: AppState) -> Response:
 @router.get("/v1/models", responses=errors(401))
 async def models(request: Request, state: AppState) -> Response:
     authorize(state, request)
-    return JSONResponse({"object": "list", "data": [
-        {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "omforge",
-         "max_model_len": state.max_model_len}]})
+    base = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "omforge",
+            "max_model_len": state.max_model_len}
+    adapters = [{**base, "id": name, "root": path, "parent": state.model_name}  # LoRA adapters, vLLM's shape
+                for name, path in state.engine.loras.items()]
+    return JSONResponse({"object": "list", "data": [base, *adapters]})
 
 
 @router.get("/v1/loads", responses={**LOADS, **errors(401)})

@@ -57,7 +57,7 @@ async def _chat_completions(state: ServerState, request: Request, arrival: float
     params.reasoning = reasoning(state, body, ids)
     length_param = ("max_completion_tokens" if body.max_completion_tokens else "max_tokens" if body.max_tokens
                     else "messages")  # the field the client sent
-    checked = await state.offload(check, state, ids, params, length_param)
+    checked = await state.offload(check, state, ids, params, length_param, state.lora_of(body.model))
     return await respond(state, request, body, "chat", [(ids, checked)], [], bool(body.logprobs), arrival,
                          tools=plan)
 

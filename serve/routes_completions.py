@@ -36,7 +36,8 @@ async def _completions(state: ServerState, request: Request, arrival: float) -> 
                                        for p in prompts])
     params = body.engine_params()
     length_param = "max_tokens" if body.max_tokens else "prompt"
-    checked = await state.offload(lambda: [(i, check(state, i, params, length_param)) for i in ids])
+    lora = state.lora_of(body.model)
+    checked = await state.offload(lambda: [(i, check(state, i, params, length_param, lora)) for i in ids])
     echo = []
     if body.echo:
         echo = await state.offload(lambda: [t if t is not None else (tokenizer.decode(i) if tokenizer else "")

@@ -120,6 +120,10 @@ def _serve(bundle: str | Path, options: ServeOptions, sock: socket.socket, t0: f
     engine = open_engine(bundle, prefault_kv=True, serving=True, **engine_options)
     cfg = engine.engine_config
     name = options.served_model_name or engine.manifest.model.name
+    if name in engine.lora_names():
+        engine.close()
+        raise ServeStartError(f"--lora-modules: the adapter name '{name}' is the base model's (its served name); "
+                              "pick another")
     metrics = ServerMetrics(name)
     async_engine = AsyncEngine(engine, max_waiting_requests=cfg.max_waiting_requests,
                                max_queue_delay_s=cfg.max_queue_delay_us / 1e6, metrics=metrics,
@@ -152,6 +156,10 @@ def _serve(bundle: str | Path, options: ServeOptions, sock: socket.socket, t0: f
           f"{bundle}, {pool}, max_num_seqs "
           f"{engine.engine_config.max_num_seqs}, context {engine.max_model_len}, loaded in "
           f"{time.perf_counter() - t0:.1f}s", flush=True)
+    if engine.lora is not None:
+        adapters = ", ".join(engine.lora_names()) or "none yet (POST /v1/load_lora_adapter)"
+        print(f"omforge serve: LoRA: {cfg.max_loras} of {engine.manifest.lora.max_loras} adapter slot(s) resident "
+              f"at once, rank <= {engine.manifest.lora.max_rank}; adapters: {adapters}", flush=True)
     if st.hicache is not None:
         for name, tier in st.hicache.tiers.items():
             where = f" {engine.engine_config.hicache_storage_dir}" if name == "storage" else ""

@@ -45,6 +45,15 @@ class ServerState:
         self.token_text = token_text_fn(self.tokenizer) if self.tokenizer is not None else str
         self.workers = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="omforge-tokenize")
 
+    def lora_of(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` selects: None for the base model (its name, or no model), else
+        the adapter's name (:func:`omforge.serve.intake.parse` has refused a model that is neither)."""
+        return None if model is None or model == self.model_name else model
+
+    def response_model(self, model: str | None) -> str:
+        """The ``model`` an answer names: the adapter's name, or the base model's."""
+        return model if model is not None else self.model_name
+
     async def offload(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on a tokenizer worker (tokenizing, templates, JSON of token lists): the event loop
         keeps answering, and at most ``TOKENIZE_THREADS`` such jobs run at once."""

@@ -36,6 +36,8 @@ def sample(o: ServeOption) -> tuple[list[str], Any]:
         return [o.cli_flag, o.choices[-1]], o.choices[-1]
     if o.words:
         return [o.cli_flag, o.words[0]], o.words[0]
+    if o.nargs:  # NAME=VALUE words
+        return [o.cli_flag, "a=/p", "b=/q"], {"a": "/p", "b": "/q"}
     if o.kind is dict:
         spec = {"method": "ngram", "num_speculative_tokens": 2}
         return [o.cli_flag, json.dumps(spec)], spec
@@ -75,7 +77,9 @@ def test_the_flags_are_the_declaration(tmp_path: Path, monkeypatch: pytest.Monke
         words, want[o.name] = sample(o)
         argv += words
     assert cli.main(argv) == 0 and seen == want
-    assert EngineConfig.resolve(manifest(), **{k: v for k, v in seen.items() if k != "kv_transfer_config"})
+    # PD needs NIXL, LoRA a bundle compiled with compile.lora (tests/test_lora_serve.py)
+    lora_or_pd = ("kv_transfer_config", "lora_modules", "max_loras")
+    assert EngineConfig.resolve(manifest(), **{k: v for k, v in seen.items() if k not in lora_or_pd})
 
 
 def test_a_flag_with_words_takes_a_number_a_word_or_none(capsys: pytest.CaptureFixture[str]) -> None:
