@@ -295,7 +295,8 @@ class LLMEngine:
         :class:`SamplingParamsError` for bad parameters. ``arrival_time`` (``time.monotonic()``) is when the request
         reached the server, for TTFT; default now. ``lora``: the adapter's name (None: the base model)."""
         params = params or SamplingParams()
-        if lora is not None and (self.lora is None or lora not in self.lora.names()):
+        # an adapter of a bundle without LoRA slots: check_request below says the bundle has none
+        if lora is not None and self.lora is not None and lora not in self.lora.names():
             loaded = ", ".join(self.lora_names()) or "none"
             raise UnknownLora(f"the LoRA adapter '{lora}' is not loaded (loaded: {loaded})")
         if isinstance(prompt, str):

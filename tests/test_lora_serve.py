@@ -16,59 +16,28 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from lora_setup import BASE, compile_lora_bundle, make_model, make_peft_adapter
 
-from helpers import compile_bundle, make_tiny_hf_dir, write_recipe
 from server_process import ServerProcess
 
-BASE = "tiny-lora"
 KEY = "lora-key"
 PROMPTS = ([5, 17, 42, 99, 3, 250, 7, 8], [11, 12, 13, 14, 15], [200, 1, 64, 128, 9, 33], [40, 41, 42])
 MAX_TOKENS = 8
 
 
-def _peft_adapter(hf: Path, out: Path, seed: int, rank: int = 4,
-                  targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                              "down_proj")) -> Path:
-    """A PEFT LoRA adapter of the tiny model with random A and B (init_lora_weights=False), saved to ``out``."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets),
-                                                  init_lora_weights=False))
-    with torch.no_grad():  # large enough to change the greedy tokens
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.mul_(3.0)
-    peft_model.save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("lora-serve")
-    make_tiny_hf_dir(root / "hf", "llama")
-    (root / "hf" / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    hf = make_model(root)
     for i, name in enumerate("abcd"):
-        _peft_adapter(root / "hf", root / name, seed=10 + i)
-    _peft_adapter(root / "hf", root / "too-big", seed=20, rank=16)
+        make_peft_adapter(hf, root / name, seed=10 + i)
+    make_peft_adapter(hf, root / "too-big", seed=20, rank=16)
     return root
-
-
-def _bundle(root: Path, name: str, lora: dict | None) -> Path:
-    compile_section = {"max_seq_len": 64, "max_batch_size": 8, "max_num_tokens": 64}
-    if lora is not None:
-        compile_section["lora"] = lora
-    recipe = write_recipe(root / f"{name}.yaml", {"name": BASE, "source": "hf", "path": "hf"},
-                          compile=compile_section, serve={"max_num_seqs": 8, "num_kv_blocks": 64})
-    return compile_bundle(recipe, root / name, root / "cache")
 
 
 @pytest.fixture(scope="module")
 def bundle(root: Path) -> Path:
-    return _bundle(root, "bundle", {"max_loras": 2, "max_rank": 8})
+    return compile_lora_bundle(root, "bundle", {"max_loras": 2, "max_rank": 8}, max_seq_len=1024)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +124,7 @@ def test_more_adapters_than_slots_under_concurrency_lose_nothing(server: ServerP
     """Three adapters and the base over two slots, 16 concurrent requests: every one finishes with the tokens of
     the same request alone (a mixed batch changes no one's greedy tokens), adapters swapped in on demand."""
     client = server.client()
-    jobs = [(model, PROMPTS[i % len(PROMPTS)]) for i, model in enumerate([BASE, "a", "b", "c"] * 4)]
+    jobs = [(model, prompt) for prompt in PROMPTS for model in (BASE, "a", "b", "c")]
     alone = {(m, tuple(p)): _tokens(client, m, p) for m, p in set((m, tuple(p)) for m, p in jobs)}
     assert {m for (m, p), t in alone.items() if m != BASE and t != alone[(BASE, p)]} == {"a", "b", "c"}
     before = server.metrics()
@@ -208,8 +177,8 @@ def test_load_and_unload_adapters_at_run_time(server: ServerProcess, root: Path)
 
     status, text = _post(server, "/v1/unload_lora_adapter", {"lora_name": "nope"})
     assert status == 404 and json.loads(text)["error"]["code"] == "model_not_found"
-    # in use: a stream of d is running
-    stream = client.completions.create(model="d", prompt=PROMPTS[0], max_tokens=48, temperature=0.0, stream=True,
+    # in use: a stream of d is running (1,000 tokens: seconds, far longer than the unload's round trip)
+    stream = client.completions.create(model="d", prompt=PROMPTS[0], max_tokens=1000, temperature=0.0, stream=True,
                                        extra_body={"ignore_eos": True})
     next(iter(stream))
     status, text = _post(server, "/v1/unload_lora_adapter", {"lora_name": "d"})
@@ -234,7 +203,7 @@ def _serve_exit(bundle: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_start_up_errors_are_one_line(root: Path, bundle: Path) -> None:
-    plain = _bundle(root, "plain", None)
+    plain = compile_lora_bundle(root, "plain", None)
     cases = [
         (plain, ["--lora-modules", f"a={root / 'a'}"], "lora_modules: this bundle was compiled without compile.lora"),
         (bundle, ["--lora-modules", f"a={root / 'missing'}"], f"adapter 'a': {root / 'missing'} does not exist"),
