@@ -108,3 +108,23 @@ def test_engine_options_errors(root: Path, bundle: Path) -> None:
         LLM(compile_small, lora_modules={"c": str(root / "c")})
     with LLM(plain) as base, pytest.raises(UnknownLora, match="compiled without compile.lora"):
         base.generate([PROMPTS[0]], GREEDY, lora="a")
+
+
+def test_the_storage_tier_keys_blocks_by_adapter(root: Path, bundle: Path, tmp_path: Path) -> None:
+    """The tier below the pool stores blocks under their hash chain, which starts from the adapter's digest: a
+    restarted engine finds adapter a's blocks for a's request only, never for the base model's or b's."""
+    prompt = list(range(3, 56))  # 3 full blocks of 16 before its last token
+    opts = dict(lora_modules={n: str(root / n) for n in "ab"}, max_loras=1, enable_hierarchical_cache=True,
+                hicache_storage_backend="file", hicache_storage_dir=str(tmp_path))
+    with LLM(bundle, **opts) as first:  # writes a's blocks through to the directory
+        want = first.generate([prompt], GREEDY, lora="a")[0].token_ids
+    with LLM(bundle, **opts) as second:  # nothing carried over but the directory
+
+        def hits() -> int:
+            return second.engine.hicache.stats().tiers["storage"].hits
+
+        second.generate([prompt], GREEDY)
+        second.generate([prompt], GREEDY, lora="b")
+        assert hits() == 0
+        assert second.generate([prompt], GREEDY, lora="a")[0].token_ids == want
+        assert hits() == 3
