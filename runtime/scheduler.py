@@ -215,6 +215,14 @@ class Scheduler:
         self._lora_pins[req.request_id] = req.lora
         return True
 
+    def _lora_waits(self, req: Request) -> bool:
+        """Whether ``req``'s adapter could not get a slot now: not resident, and every slot holds a pinned one."""
+        lora = self.lora
+        if req.lora is None or lora is None or lora.slot_of(req.lora) is not None:
+            return False
+        resident = [n for n in lora.names() if lora.slot_of(n) is not None]
+        return len(resident) >= lora.max_loras and all(lora.pinned(n) for n in resident)
+
     def _unpin(self, req: Request) -> None:
         """Release ``req``'s pin on its adapter's slot, if it holds one (idempotent)."""
         name = self._lora_pins.pop(req.request_id, None)
@@ -452,7 +460,9 @@ class Scheduler:
     def _fill(self, out: SchedulerOutput) -> None:
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         room = self._occupied() < self.max_num_seqs  # waiting/swapped work can only start with a free seat
-        prefill_pending = len(decoding) < len(self.running) or (room and bool(self.waiting or self.swapped))
+        # a waiting request whose adapter cannot get a slot now is no prefill this step can start
+        waiting = bool(self.waiting) if self.lora is None else any(not self._lora_waits(r) for r in self.waiting)
+        prefill_pending = len(decoding) < len(self.running) or (room and (waiting or bool(self.swapped)))
         decode_step = (bool(decoding) and not (prefill_pending and self._last_was_decode)
                        and not self.config.mixed_batches)
         self._last_was_decode = decode_step

@@ -212,3 +212,15 @@ def test_a_request_for_an_adapter_without_slots_is_refused() -> None:
     s.add(request("a", "x"))
     with pytest.raises(ValueError, match="names LoRA adapter 'x' but the scheduler has no adapter slots"):
         s.schedule()
+
+
+def test_without_mixed_batches_a_request_waiting_for_a_slot_does_not_stall_the_decodes() -> None:
+    """Steps of one kind (decodes or prefill): a waiting request whose adapter cannot get a slot is no prefill
+    work, so the running decodes run every step instead of every other one."""
+    s, slots = make(max_loras=1, adapters=("x", "y"), mixed_batches=False)
+    s.add(request("a", "x"))
+    step(s)  # a's prefill
+    s.add(request("b", "y"))
+    for _ in range(5):
+        assert ids(step(s)) == ["a"]  # a decodes; b waits for x's slot
+    assert s.waiting[0].request_id == "b"
