@@ -133,7 +133,7 @@ class LLMEngine:
         try:
             self.lora = self._lora_slots(m, cfg)  # the adapter slots (None: no LoRA), lora_modules registered
         except OmforgeError:
-            self.close_parts()
+            self._close_parts()
             raise
         self.scheduler = Scheduler(self.kv, cfg.scheduler_config(self.config, caps.supports_mixed_batches),
                                    connectors=self.connectors, lora=self.lora)
@@ -151,7 +151,7 @@ class LLMEngine:
         self._grammars = GrammarMasks(lambda: self.tokenizer.tokenizer.to_str() if self.tokenizer is not None else "",
                                       self.config.vocab_size, self.config.eos_token_ids)
 
-    def close_parts(self) -> None:
+    def _close_parts(self) -> None:
         """Release what ``__init__`` built so far (a start-up error after the executor was made)."""
         for connector in self.connectors:
             connector.close()

@@ -463,6 +463,9 @@ class AsyncEngine:
         except BaseException as exc:
             self.failure = exc
             log.error("engine thread failed:\n%s", traceback.format_exc())
+            for cmd in self._take_commands(block=False):  # a LoRA command's waiter must not wait forever
+                if isinstance(cmd, AddLora | RemoveLora) and not cmd.done.done():
+                    cmd.done.set_exception(EngineUnavailable(f"the engine failed: {type(exc).__name__}: {exc}"))
             self._call_soon(self._fail_all, EngineUnavailable(f"the engine failed: {type(exc).__name__}: {exc}"))
 
     def _fill_batch(self) -> None:
