@@ -3,7 +3,8 @@ and adapters made with ``peft`` (random A and B, saved as PEFT directories), on 
 127.0.0.1 with an API key. The official ``openai`` client selects an adapter by ``model``; ``/v1/models`` lists the
 base and each adapter; vLLM's load/unload routes with their errors; three adapters over two slots swapped in on
 demand under concurrent requests, each answer the greedy tokens of the same request alone; the adapter's tokens are
-transformers' on PEFT's model; per-adapter metrics; a bundle without LoRA refuses ``--lora-modules``.
+transformers' on PEFT's model; per-adapter metrics; a PD request with an adapter is a 400; a bundle without LoRA
+refuses ``--lora-modules``.
 """
 
 from __future__ import annotations
@@ -215,3 +216,13 @@ def test_start_up_errors_are_one_line(root: Path, bundle: Path) -> None:
         done = _serve_exit(where, *args)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1 and words in lines[0], (args, done.stderr)
+
+
+def test_an_adapter_with_kv_transfer_params_is_a_400(server: ServerProcess) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client().completions.create(model="a", prompt=[1, 2, 3], max_tokens=2,
+                                           extra_body={"kv_transfer_params": {"do_remote_decode": True}})
+    assert e.value.body["param"] == "kv_transfer_params"
+    assert "LoRA adapters are not supported with kv_transfer_params" in e.value.body["message"]
