@@ -152,11 +152,21 @@ class PoolingEngine:
     def task(self) -> str:
         return self.pooling.task
 
+    lora = None  # a pooling bundle has no LoRA slots (compile.lora is refused for task embed | score)
+
+    def lora_names(self) -> list[str]:
+        """No adapters: :class:`~omforge.runtime.engine.LLMEngine`'s, for the server's one start-up path."""
+        return []
+
     # --- requests -----------------------------------------------------------------------------------------
 
-    def check_request(self, prompt_token_ids: Sequence[int], params: PoolingParams) -> PoolingParams:
+    def check_request(self, prompt_token_ids: Sequence[int], params: PoolingParams,
+                      lora: str | None = None) -> PoolingParams:
         """The admission check, pure: :class:`RequestRejected` naming the limit (an empty or too long input, ids
-        outside the vocabulary), :class:`SamplingParamsError` for ``dimensions``; returns ``params``."""
+        outside the vocabulary, a LoRA adapter: a pooling bundle has none), :class:`SamplingParamsError` for
+        ``dimensions``; returns ``params``."""
+        if lora is not None:
+            raise RequestRejected(f"this pooling model serves no LoRA adapter ('{lora}')", param="model")
         if not prompt_token_ids:
             raise RequestRejected("the input is empty", param="input")
         vocab = self.config.vocab_size
@@ -176,12 +186,14 @@ class PoolingEngine:
         return params
 
     def add_request(self, prompt: str | Sequence[int], params: PoolingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> list[PoolingRequest]:
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    lora: str | None = None) -> list[PoolingRequest]:
         """Queue one input (text, tokenized with the bundle's tokenizer and ended with its ``append_token_id``,
-        or token ids as given). Raises :class:`RequestRejected` / :class:`SamplingParamsError`."""
+        or token ids as given; ``lora`` must be None). Raises :class:`RequestRejected` /
+        :class:`SamplingParamsError`."""
         params = params or PoolingParams()
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.check_request(ids, params)
+        self.check_request(ids, params, lora)
         rid = request_id or f"pool-{next(self._ids)}"
         if any(r.request_id == rid for r in self.waiting):
             raise RequestRejected(f"request id '{rid}' is already in use")

@@ -457,7 +457,8 @@ class AsyncEngine:
                 if self.metrics is not None:  # before delivery: a client that has its answer sees it counted
                     pending = sum(isinstance(c, AddRequest) for c in list(self._cmds))
                     self.metrics.after_step(self.snapshot(pending), outputs)
-                    self.metrics.lora_state(engine.lora_state())
+                    if engine.lora is not None:
+                        self.metrics.lora_state(engine.lora_state())
                 if outputs:
                     self._call_soon(self._deliver, outputs)
         except BaseException as exc:

@@ -204,7 +204,12 @@ def test_paged_step_graphs_generate_transformers_tokens(qwen3: dict, tmp_path: P
     assert hist.get("RMSNormalization") == 2 * L + 1
     if kernel:
         assert hist[f"{kernels.DOMAIN}::PagedAttention"] == L
-        assert "Transpose" not in hist and "RotaryEmbedding" not in hist, hist
+        assert "RotaryEmbedding" not in hist, hist
+        # no Transpose on the activations (the tied lm_head's transposed weight stays a constant's, on CPUs where
+        # float32 weights are not packed for MatMulF32)
+        moved = [n.name for n in ir.load(path).graph if n.op_type == "Transpose" and n.inputs[0].const_value is None
+                 and not n.inputs[0].is_initializer()]
+        assert not moved, moved
     assert [greedy_paged(path, report.layout, p) for p in PROMPTS] == qwen3["tokens"]
 
 
