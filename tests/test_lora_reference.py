@@ -126,3 +126,34 @@ def test_int4_bundle_matches_peft(smollm2_cache: Path, smollm2_export: Path, ada
         jobs = [(name, p) for p in PROMPTS for name in (None, *modules)]
         for (name, prompt), tokens in zip(jobs, _run(llm, tok, jobs)):
             assert tokens == adapters[name]["tokens"][PROMPTS.index(prompt)], f"int4: {name}, {prompt!r}"
+
+
+def test_served_with_three_adapters_answers_the_openai_client(lora_bundle: Path, adapters: dict,
+                                                              smollm2_hf) -> None:  # noqa: ANN001
+    """The acceptance of issue 49: ``omforge serve`` with the three PEFT adapters on the SmolLM2 bundle answers the
+    official ``openai`` client for each adapter and the base model, all four at once, with the reference's text."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server_process import ServerProcess
+
+    _, tok = smollm2_hf
+    names = [n for n in adapters if n is not None]
+    server = ServerProcess(lora_bundle, "--lora-modules", *(f"{n}={adapters[n]['path']}" for n in names))
+    try:
+        client = server.client()
+        base = client.models.list().data[0].id
+        assert [m.id for m in client.models.list().data] == [base, *names]
+        ids = _prompt_ids(tok, PROMPTS[1])
+
+        def ask(model: str) -> str:
+            out = client.completions.create(model=model, prompt=ids, max_tokens=NEW_TOKENS, temperature=0.0)
+            assert out.model == model
+            return out.choices[0].text
+
+        with ThreadPoolExecutor(4) as pool:
+            texts = dict(zip([base, *names], pool.map(ask, [base, *names])))
+        for name in [None, *names]:
+            want = [t for t in adapters[name]["tokens"][1] if t != 2]  # the server stops at EOS, the text without it
+            assert texts[name or base] == tok.decode(want), name
+    finally:
+        server.stop()
