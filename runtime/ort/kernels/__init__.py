@@ -109,8 +109,8 @@ GEMM_PATHS = {"MatMulQ": "gemm", "MatMulQBF16": "qbf16", "MatMulBF16": "bf16", "
 
 def portable_gemms(op_histogram: dict[str, int]) -> list[str]:
     """The weight GEMM ops in a step graph's op histogram (``domain::op``) that this library runs on its portable
-    path: the bundle was compiled where a vector path ran (compile lowers to these ops only then), and this CPU
-    lacks it. Correct (the same sums), and several times slower than ORT's own MatMul / MatMulNBits here."""
+    path: the bundle was compiled where a vector path ran and this CPU lacks it, or (MatMulBF16: bfloat16 weights
+    always lower to it) no CPU of this ISA has one. Correct (the same sums), and several times slower."""
     s = status()
     return [op for op, attr in GEMM_PATHS.items()
             if op_histogram.get(f"{DOMAIN}::{op}") and getattr(s, attr) == "generic"]
@@ -134,10 +134,12 @@ def check_bundle(bundle: Path, needs: KernelLibrary | None, op_histogram: dict[s
         raise BundleError(f"{bundle}: its weights are packed in MatMulQ layout version {needs.weight_layout}, "
                           f"this kernel library reads version {s.weight_layout}; recompile it")
     slow = portable_gemms(op_histogram)
-    if slow:
+    if slow:  # compiled on a CPU of this ISA (bfloat16 weights always lower to MatMulBF16): recompiling cannot help
+        advice = ("this CPU has no vector path for them: float32, int8 or int4 weights run faster here"
+                  if needs.isa == s.isa else "recompile the bundle on this machine")
         log.warning("%s: its weight GEMMs (%s) run on the kernel library's portable path on this CPU (compiled "
-                    "where its ISA path was %s): correct but several times slower; recompile the bundle on "
-                    "this machine", bundle, ", ".join(slow), needs.isa)
+                    "where its ISA path was %s): correct but several times slower; %s", bundle, ", ".join(slow),
+                    needs.isa, advice)
 
 
 def register(options) -> None:  # noqa: ANN001 - onnxruntime.SessionOptions
