@@ -31,7 +31,7 @@ from omforge.runtime.hicache.attach import build_tiers, host_tier_slots
 from omforge.runtime.kv_cache_manager import KVCacheManager
 from omforge.runtime.kv_connector import KVConnector
 from omforge.runtime.kv_transfer.connector import build_connector, request_params
-from omforge.runtime.lora.adapter import LoraAdapter, LoraError, load_adapter, validate
+from omforge.runtime.lora.adapter import LoraAdapter, LoraError, load_adapter
 from omforge.runtime.lora.slots import LoraSlots
 from omforge.runtime.ort.ort_executor import OrtExecutor
 from omforge.runtime.outputs import EngineSnapshot, EngineStats, RequestOutput
@@ -61,10 +61,6 @@ class UnknownLora(RequestRejected):
 
     def __init__(self, message: str):
         super().__init__(message, param="model")
-
-
-class LoraNameTaken(LoraError):
-    """An adapter name already loaded (unload it first to replace it)."""
 
 
 class LoraInUse(OmforgeError):
@@ -172,13 +168,12 @@ class LLMEngine:
         return slots
 
     def _read_lora(self, name: str, path: str | Path) -> LoraAdapter:
-        """Adapter ``name`` read from ``path`` and checked against this bundle (:class:`LoraError` naming it).
-        Pure apart from reading the file: any thread may call it."""
+        """Adapter ``name`` read from ``path`` (:class:`LoraError` naming it; whether it fits the bundle is checked
+        when it is registered, :meth:`LoraSlots.register`). Pure apart from reading the file: any thread may call
+        it."""
         if self.manifest.lora is None:
             raise LoraError(f"adapter '{name}': this bundle was compiled without compile.lora (no adapter slots)")
-        adapter = load_adapter(name, path, self.config)
-        validate(adapter, self.manifest.lora, self.config)
-        return adapter
+        return load_adapter(name, path, self.config)
 
     def read_lora(self, name: str, path: str | Path) -> LoraAdapter:
         """:meth:`_read_lora` for callers that parse an adapter off the engine's thread (the server) and register
@@ -188,13 +183,11 @@ class LLMEngine:
         return self._read_lora(name, path)
 
     def add_lora(self, adapter: LoraAdapter) -> None:
-        """Register a read and checked adapter under its name (between steps). A name already registered, or
-        a bundle without LoRA, is a :class:`LoraError`."""
+        """Register a read adapter under its name (between steps), checked against the bundle. One that does not
+        fit, a bundle without LoRA, or a name already registered (:class:`LoraNameTaken`) is a :class:`LoraError`."""
         if self.lora is None:
             raise LoraError(f"adapter '{adapter.name}': this bundle was compiled without compile.lora (no adapter "
                             "slots)")
-        if adapter.name in self.lora.names():
-            raise LoraNameTaken(f"adapter '{adapter.name}' is already loaded; unload it first to replace it")
         self.lora.register(adapter)
 
     def load_lora(self, name: str, path: str | Path) -> LoraAdapter:

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 
 from omforge.contract.manifest import PoolingSection
 from omforge.errors import OmforgeError
-from omforge.runtime.engine import LLMEngine, LoraInUse, LoraNameTaken, RequestOutput, UnknownLora
-from omforge.runtime.lora.adapter import LoraAdapter
+from omforge.runtime.engine import LLMEngine, LoraInUse, RequestOutput, UnknownLora
+from omforge.runtime.lora.adapter import LoraAdapter, LoraNameTaken
 from omforge.runtime.reasoning import ReasoningParser
 from omforge.runtime.request import seq_ids
 from omforge.runtime.sampling_params import SamplingParams
@@ -244,10 +244,7 @@ class AsyncEngine:
         (None: the base model). Raises :class:`UnknownLora` for an adapter not served (or being unloaded),
         :class:`Overloaded` when the group would exceed the capacity, :class:`EngineUnavailable` when draining or
         failed. Consume the group with :meth:`outputs` (which aborts what is left if the consumer stops)."""
-        if self.failure is not None or not self.healthy:
-            raise EngineUnavailable(f"the engine is not running: {self.failure or 'stopped'}")
-        if self.draining:
-            raise EngineUnavailable("the server is shutting down")
+        self._require_running()
         if lora is not None and lora not in self.loras:
             raise UnknownLora(f"the LoRA adapter '{lora}' is not loaded")
         num_seqs = sum(p.n for _, p in prompts)
@@ -302,6 +299,7 @@ class AsyncEngine:
             raise
 
     def _require_running(self) -> None:
+        """:class:`EngineUnavailable` unless the engine thread runs and the server is not draining."""
         if self.failure is not None or not self.healthy:
             raise EngineUnavailable(f"the engine is not running: {self.failure or 'stopped'}")
         if self.draining:

@@ -8,7 +8,7 @@ import secrets
 from typing import TypeVar
 
 from fastapi import Request
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from omforge.runtime.engine import RequestRejected, UnknownLora
 from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
@@ -28,6 +28,7 @@ from omforge.serve.state import ServerState
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait; the queue moves every engine step
 B = TypeVar("B", CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+M = TypeVar("M", bound=BaseModel)
 
 
 def authorize(state: ServerState, request: Request) -> None:
@@ -51,18 +52,24 @@ async def parse(state: ServerState, request: Request, schema: type[B]) -> B:
                        f"{state.engine.pooling.task} (a pooling bundle: /v1/embeddings, /v1/rerank, /v1/score); "
                        "completions and chat need a bundle compiled with task: generate", param="model",
                        code="wrong_model_task")
+    body = await read_body(state, request, schema)
+    if body.model is not None and body.model != state.model_name and body.model not in state.engine.loras:
+        raise model_not_found(state, body.model)
+    body.check_supported()
+    return body
+
+
+async def read_body(state: ServerState, request: Request, schema: type[M]) -> M:
+    """The request's JSON body (bounded in time and size) as ``schema``: a 400 naming the field that does not fit,
+    or the nesting that is too deep. Authorization is the caller's (first)."""
     data = await read_json(request, state.body_timeout, state.max_body_bytes)
     try:
-        body = schema.model_validate(data)
+        return schema.model_validate(data)
     except RecursionError:  # a deep structure inside an accepted field (logit_bias, a message …)
         raise APIError(400, "the request body nests too deeply") from None
     except ValidationError as exc:
         param, what = validation_message(exc)
         raise APIError(400, f"{param}: {what}", param=param) from None
-    if body.model is not None and body.model != state.model_name and body.model not in state.engine.loras:
-        raise model_not_found(state, body.model)
-    body.check_supported()
-    return body
 
 
 def model_not_found(state: ServerState, model: str) -> APIError:

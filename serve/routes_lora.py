@@ -9,16 +9,15 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from omforge.runtime.engine import LoraInUse, LoraNameTaken, UnknownLora
-from omforge.runtime.lora.adapter import LoraError
+from omforge.runtime.engine import LoraInUse, UnknownLora
+from omforge.runtime.lora.adapter import LoraError, LoraNameTaken
 from omforge.serve.async_engine import EngineUnavailable
-from omforge.serve.body import read_json
-from omforge.serve.intake import authorize
+from omforge.serve.intake import M, authorize, read_body
 from omforge.serve.openapi import CLIENT_ERRORS, errors
 from omforge.serve.openapi import body as openapi_body
-from omforge.serve.protocol import APIError, validation_message
+from omforge.serve.protocol import APIError
 from omforge.serve.state import AppState, ServerState
 
 router = APIRouter()
@@ -46,23 +45,15 @@ LORA_ERRORS = (*CLIENT_ERRORS, 409, 503)
 OK = {200: {"description": "Success: a line of text", "content": {"text/plain": {"schema": {"type": "string"}}}}}
 
 
-async def _body(state: ServerState, request: Request, schema: type[BaseModel]) -> BaseModel:
+async def _body(state: ServerState, request: Request, schema: type[M]) -> M:
     authorize(state, request)
-    data = await read_json(request, state.body_timeout, state.max_body_bytes)
-    try:
-        return schema.model_validate(data)
-    except RecursionError:
-        raise APIError(400, "the request body nests too deeply") from None
-    except ValidationError as exc:
-        param, what = validation_message(exc)
-        raise APIError(400, f"{param}: {what}", param=param) from None
+    return await read_body(state, request, schema)
 
 
 @router.post("/v1/load_lora_adapter", openapi_extra=openapi_body("LoadLoraAdapterRequest"),
              responses={**OK, **errors(*LORA_ERRORS)})
 async def load_lora_adapter(request: Request, state: AppState) -> Response:
     body = await _body(state, request, LoadLoraAdapterRequest)
-    assert isinstance(body, LoadLoraAdapterRequest)
     name = body.lora_name
     if name == state.model_name:
         raise APIError(400, f"lora_name: '{name}' is the base model's name; pick another", param="lora_name")
@@ -84,7 +75,6 @@ async def load_lora_adapter(request: Request, state: AppState) -> Response:
              responses={**OK, **errors(*LORA_ERRORS)})
 async def unload_lora_adapter(request: Request, state: AppState) -> Response:
     body = await _body(state, request, UnloadLoraAdapterRequest)
-    assert isinstance(body, UnloadLoraAdapterRequest)
     name = body.lora_name
     try:
         await state.engine.unload_lora(name)

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from lora_setup import compile_lora_bundle, make_model, make_peft_adapter
 
-from omforge.runtime.engine import LoraInUse, LoraNameTaken, UnknownLora
+from omforge.runtime.engine import LoraInUse, UnknownLora
 from omforge.runtime.engine_config import EngineConfigError
 from omforge.runtime.llm import LLM
-from omforge.runtime.lora.adapter import LoraError
+from omforge.runtime.lora.adapter import LoraError, LoraNameTaken
 from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from omforge.contract.manifest import LoraSection, ModelConfig
-from omforge.runtime.lora.base import LoraAdapter, LoraError, make_adapter, module_path
+from omforge.runtime.lora.base import LoraAdapter, LoraError, LoraNameTaken, make_adapter, module_path
 
-__all__ = ["LoraAdapter", "LoraError", "load_adapter", "make_adapter", "module_path", "validate"]
+__all__ = ["LoraAdapter", "LoraError", "LoraNameTaken", "load_adapter", "make_adapter", "module_path", "validate"]
 
 
 def load_adapter(name: str, path: str | Path, config: ModelConfig | None = None) -> LoraAdapter:

@@ -24,6 +24,10 @@ class LoraError(OmforgeError):
     """An adapter that cannot be read or does not fit the bundle; the message names the adapter and the field."""
 
 
+class LoraNameTaken(LoraError):
+    """An adapter name already registered (unload it first to replace it)."""
+
+
 @dataclass(frozen=True, eq=False)
 class LoraAdapter:
     """One adapter, parsed once. ``weights[(layer, target)] = (A [r, in], B [out, r])``, float32, ``B`` scaled;

@@ -15,7 +15,7 @@ import numpy as np
 
 from omforge.contract.lora import BASE_SLOT, pool_a, pool_b
 from omforge.contract.manifest import LoraSection, ModelConfig
-from omforge.runtime.lora.adapter import LoraAdapter, LoraError, validate
+from omforge.runtime.lora.adapter import LoraAdapter, LoraError, LoraNameTaken, validate
 
 
 def _pool(pools: Mapping[str, np.ndarray], name: str) -> np.ndarray:
@@ -81,11 +81,12 @@ class LoraSlots:
         """Loads that replaced a resident (unpinned) adapter."""
 
     def register(self, adapter: LoraAdapter) -> None:
-        """Add ``adapter`` (validated against the bundle; not loaded into a slot until acquired)."""
+        """Add ``adapter`` (validated against the bundle; not loaded into a slot until acquired); a name already
+        registered is a :class:`LoraNameTaken`."""
         validate(adapter, self.spec, self.config)
         with self._lock:
             if adapter.name in self._adapters:
-                raise LoraError(f"adapter '{adapter.name}' is already loaded; unload it first")
+                raise LoraNameTaken(f"adapter '{adapter.name}' is already loaded; unload it first to replace it")
             self._adapters[adapter.name] = adapter
             self._pins[adapter.name] = 0
 
