@@ -25,6 +25,7 @@ from omforge.compile import bucket_plan as bucket_planner
 from omforge.compile.atc import AtcMissing
 from omforge.compile.bundle import file_entries, write_manifest
 from omforge.compile.cache import Stage, cache_root, copy_into, stage_key
+from omforge.compile.ort import lora_kernel
 from omforge.contract import DEFAULT_BLOCK_SIZE, PagedLayout
 from omforge.contract.manifest import (
     AscendSection,
@@ -205,7 +206,7 @@ def _passes_stage(job: _Job, export_dir: Path, digest: str) -> Stage:
         **({"pooling": job.pooling} if job.pooling is not None else {}),
         # compile.lora, and whether the kernel library here has LoraAdd (the ort lowering of the terms)
         **({"lora": [recipe.compile.lora.model_dump(),
-                     target == "ort" and job.kernel and kernels.status().lora is not None]}
+                     target == "ort" and job.kernel and lora_kernel()]}
            if recipe.compile.lora is not None else {}),
     })
     passes = Stage(f"passes-{target}", passes_key, job.root)
