@@ -44,8 +44,9 @@ class ModelSection(_Section):
     ``source``: ``hf`` (a Hugging Face directory: config.json, *.safetensors, tokenizer.json),
     ``gguf`` (a GGUF file; quantized tensors are dequantized to fp32 on load), ``package``
     (a file shipped inside an installed Python package, found through importlib.resources), or
-    ``random`` (random weights with a fixed ``seed``; ``config`` must then give the shape and
-    ``tokenizer`` may name a tokenizer.json).
+    ``random`` (random weights with a fixed ``seed``; ``config`` must then give the shape).
+    ``tokenizer`` may name a tokenizer.json, for any source: it is the one exported (for ``hf`` / ``gguf``, instead
+    of the directory's tokenizer.json or the GGUF's vocabulary).
     """
 
     name: str = Field(min_length=1)

@@ -54,7 +54,11 @@ class Section:
 
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+"""``freq_factors``: ``{"rope_type": "freq_factors", "factors": [head_dim // 2 floats]}``, the per-frequency divisors a
+GGUF carries as ``rope_freqs.weight`` (llama.cpp's convert_hf_to_gguf.py writes them for Llama 3's ``llama3``
+scaling, whose parameters the GGUF does not keep); ``inv_freq[i] = default inv_freq[i] / factors[i]``, as ggml's
+rope divides theta by ``freq_factors[i]`` (ggml-cpu/ops.cpp, ``ggml_rope_cache_init``)."""
 
 
 class ConfigError(OmforgeError):
@@ -70,7 +74,8 @@ class ModelConfig(Section):
 
     Invariants (:class:`ConfigError` naming the field): the sizes are positive integers; ``num_attention_heads %
     num_key_value_heads == 0`` (GQA groups are whole); ``head_dim`` is even (rotary pairs); ``rope_scaling`` is None
-    or a dict whose ``rope_type`` is one of :data:`ROPE_TYPES`. Read from JSON (:meth:`from_dict`), a missing
+    or a dict whose ``rope_type`` is one of :data:`ROPE_TYPES` (``freq_factors``: ``factors`` is a list of
+    ``head_dim // 2`` positive finite numbers). Read from JSON (:meth:`from_dict`), a missing
     required field or a broken invariant is a :class:`BundleError` naming ``model.config.<field>``."""
 
     family: str
@@ -108,6 +113,8 @@ class ModelConfig(Section):
         if self.rope_scaling is not None and self.rope_scaling.get("rope_type") not in ROPE_TYPES:
             raise ConfigError(f"rope_scaling: type {self.rope_scaling.get('rope_type')!r} is not supported; "
                               f"supported: {', '.join(ROPE_TYPES)}")
+        if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "freq_factors":
+            _check_freq_factors(self.rope_scaling.get("factors"), self.head_dim // 2)
 
     @property
     def qk_norm(self) -> bool:
@@ -122,6 +129,16 @@ class ModelConfig(Section):
             return _read_section(cls, data, where)
         except ConfigError as e:
             raise BundleError(_at(where, str(e))) from None
+
+
+def _check_freq_factors(factors: Any, n: int) -> None:
+    """``rope_scaling.factors`` of a ``freq_factors`` scaling: a list of ``n`` positive finite numbers."""
+    if not isinstance(factors, list) or len(factors) != n:
+        got = f"{len(factors)} items" if isinstance(factors, list | tuple) else repr(factors)
+        raise ConfigError(f"rope_scaling.factors: expected a list of head_dim / 2 = {n} numbers, got {got}")
+    bad = [f for f in factors if not _is(float, f) or not 0 < f < float("inf")]
+    if bad:
+        raise ConfigError(f"rope_scaling.factors: every factor must be a positive finite number (got {bad[0]!r})")
 
 
 @dataclass(frozen=True)

@@ -24,15 +24,17 @@ class TokenizerError(OmforgeError):
 def write_tokenizer(recipe: Recipe, ckpt: Checkpoint, out_dir: Path) -> dict[str, Any]:
     """Write ``out_dir/tokenizer.json``; return the metadata (chat template, special tokens) for export.json.
 
+    ``model.tokenizer``, where the recipe names one, is used whatever the source (it replaces the directory's
+    tokenizer.json or the GGUF's vocabulary); the chat template and special tokens then come from its folder.
     Returns ``{"file": None, ...}`` when the model has no tokenizer (random weights without ``model.tokenizer``).
     """
     out = out_dir / "tokenizer.json"
     src = ckpt.source
-    if recipe.model.source == "random":
-        if recipe.model.tokenizer is None:
-            return {"file": None, "chat_template": None, "bos_token": None, "eos_token": None}
+    if recipe.model.tokenizer is not None:
         shutil.copyfile(recipe.model.tokenizer, out)
         return {"file": out.name, **_hf_tokenizer_meta(Path(recipe.model.tokenizer).parent)}
+    if recipe.model.source == "random":
+        return {"file": None, "chat_template": None, "bos_token": None, "eos_token": None}
     assert src is not None
     if src.is_dir():
         if not (src / "tokenizer.json").is_file():

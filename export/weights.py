@@ -208,10 +208,33 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+GGUF_ROPE_FREQS = "rope_freqs.weight"
+"""Per-frequency rope divisors ``[head_dim / 2]`` F32. llama.cpp's converter writes them for a config.json with
+``rope_scaling.rope_type: llama3`` (conversion/llama.py, ``LlamaModel.generate_extra_tensors``, in the llama.cpp of
+llama-cpp-python 0.3.36) and no ``rope.scaling.*`` metadata, so the llama3 parameters are not in the file; ggml's rope
+divides each theta by its factor (ggml-cpu/ops.cpp, ``ggml_rope_cache_init``: ``theta / freq_factors[i0/2]``);
+llama.cpp loads the tensor as ``{n_rot/2}`` (src/models/llama.cpp) and ggml asserts it is F32."""
+
+
+def _rope_freq_factors(t, head_dim: int) -> list[float]:  # noqa: ANN001 - gguf.ReaderTensor
+    """``rope_freqs.weight`` as a list of ``head_dim // 2`` floats; :class:`ConfigError` naming the tensor otherwise."""
+    shape = [int(x) for x in t.shape.tolist()]
+    if t.tensor_type.name != "F32":
+        raise ConfigError(f"{GGUF_ROPE_FREQS}: type {t.tensor_type.name}, expected F32 (as ggml's rope requires)")
+    if shape != [head_dim // 2]:
+        raise ConfigError(f"{GGUF_ROPE_FREQS}: shape {shape}, expected [{head_dim // 2}] (head_dim {head_dim} / 2)")
+    factors = np.asarray(t.data, dtype=np.float32).reshape(-1)
+    if bad := [i for i, f in enumerate(factors) if not (np.isfinite(f) and f > 0)]:
+        raise ConfigError(f"{GGUF_ROPE_FREQS}: factor {bad[0]} is {factors[bad[0]]}; factors must be positive "
+                          "and finite")
+    return [float(f) for f in factors]
+
+
 def gguf_config(reader) -> ModelConfig:  # noqa: ANN001 - gguf.GGUFReader
     """The model config from a GGUF's metadata. ``head_dim``: ``<arch>.attention.key_length`` where written (llama.cpp's
     convert_hf_to_gguf.py writes it from config.json's ``head_dim``: Qwen3's is not hidden / heads), else
-    ``<arch>.rope.dimension_count``, else hidden / heads."""
+    ``<arch>.rope.dimension_count``, else hidden / heads. A :data:`GGUF_ROPE_FREQS` tensor becomes
+    ``rope_scaling = {"rope_type": "freq_factors", "factors": [...]}`` (not with ``rope.scaling.type`` linear)."""
     def field(key: str, default=None):  # noqa: ANN001, ANN202
         f = reader.get_field(key)
         return f.contents() if f is not None else default
@@ -219,8 +242,6 @@ def gguf_config(reader) -> ModelConfig:  # noqa: ANN001 - gguf.GGUFReader
     arch = field("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ConfigError(f"general.architecture: '{arch}' is not supported ({', '.join(GGUF_ARCHITECTURES)})")
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise ConfigError("rope_freqs.weight: GGUF rope frequency factors are not supported; use the HF directory")
     heads = int(field(f"{arch}.attention.head_count"))
     hidden = int(field(f"{arch}.embedding_length"))
     vocab = field(f"{arch}.vocab_size") or len(reader.get_field("tokenizer.ggml.tokens").data)
@@ -229,6 +250,14 @@ def gguf_config(reader) -> ModelConfig:  # noqa: ANN001 - gguf.GGUFReader
     scaling = field(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
         raise ConfigError(f"{arch}.rope.scaling.type: '{scaling}' is not supported (none, linear)")
+    head_dim = int(field(f"{arch}.attention.key_length", field(f"{arch}.rope.dimension_count", hidden // heads)))
+    rope_scaling = {"rope_type": "linear", "factor": float(field(f"{arch}.rope.scaling.factor"))} \
+        if scaling == "linear" else None
+    if (freqs := next((t for t in reader.tensors if t.name == GGUF_ROPE_FREQS), None)) is not None:
+        if rope_scaling is not None:
+            raise ConfigError(f"{GGUF_ROPE_FREQS}: rope frequency factors together with {arch}.rope.scaling.type "
+                              f"'{scaling}' are not supported")
+        rope_scaling = {"rope_type": "freq_factors", "factors": _rope_freq_factors(freqs, head_dim)}
     return ModelConfig(
         family=arch,
         vocab_size=int(vocab),
@@ -237,11 +266,10 @@ def gguf_config(reader) -> ModelConfig:  # noqa: ANN001 - gguf.GGUFReader
         num_hidden_layers=int(field(f"{arch}.block_count")),
         num_attention_heads=heads,
         num_key_value_heads=int(field(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(field(f"{arch}.attention.key_length", field(f"{arch}.rope.dimension_count", hidden // heads))),
+        head_dim=head_dim,
         rms_norm_eps=float(np.float32(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5))),
         rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling={"rope_type": "linear", "factor": float(field(f"{arch}.rope.scaling.factor"))}
-        if scaling == "linear" else None,
+        rope_scaling=rope_scaling,
         max_position_embeddings=int(field(f"{arch}.context_length", 4096)),
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
@@ -267,6 +295,8 @@ def load_gguf(path: Path) -> Checkpoint:
     where: dict[str, tuple[object, int | None]] = {}  # name → (reader tensor, heads to un-permute or None)
     blocks: dict[str, tuple[str, np.ndarray, int]] = {}
     for t in reader.tensors:
+        if t.name == GGUF_ROPE_FREQS:  # read into cfg.rope_scaling by gguf_config: not a parameter
+            continue
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name)
         if m:
             if m[2] not in _GGUF_LAYER:

@@ -21,11 +21,13 @@ from omforge.contract.manifest import ModelConfig
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Rotary inverse frequencies ``[head_dim // 2]`` (float32), with linear or Llama-3 scaling applied.
+    """Rotary inverse frequencies ``[head_dim // 2]`` (float32), with linear, Llama-3 or per-frequency scaling applied.
 
     The same float32 operations, in the same order, as transformers' ``_compute_default_rope_parameters`` /
     ``_compute_linear_scaling_rope_parameters`` / ``_compute_llama3_parameters``, so the constant baked into
-    the export is bit-identical to the reference.
+    the export is bit-identical to the reference. ``freq_factors`` (a GGUF's ``rope_freqs.weight``) divides the
+    default frequencies by the factors, as ggml's rope divides theta by ``freq_factors[i]`` (ggml-cpu/ops.cpp,
+    ``ggml_rope_cache_init``): within a float32 rounding of ``llama3`` for factors the converter computed from it.
     """
     dim = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
@@ -42,6 +44,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         inv = torch.where(medium, smoothed, scaled)
+    elif s.get("rope_type") == "freq_factors":
+        inv = inv / torch.tensor(s["factors"], dtype=torch.float32)
     return inv
 
 

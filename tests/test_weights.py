@@ -277,13 +277,16 @@ def test_gguf_linear_rope_scaling(tmp_path: Path) -> None:
     ("gpt2", None, None, ConfigError, r"general\.architecture: 'gpt2' is not supported \(llama, qwen2, qwen3\)"),
     ("llama", None, lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN), ConfigError,
      r"llama\.rope\.scaling\.type: 'yarn' is not supported \(none, linear\)"),
-    ("llama", {"rope_freqs.weight": np.ones(8, np.float32)}, None, ConfigError,
-     r"rope_freqs\.weight: GGUF rope frequency factors are not supported"),
+    ("llama", {"rope_freqs.weight": np.ones(7, np.float32)}, None, ConfigError,  # head_dim 16: 8 factors
+     r"rope_freqs\.weight: shape \[7\], expected \[8\] \(head_dim 16 / 2\)"),
+    ("llama", {"rope_freqs.weight": np.ones(8, np.float32)}, lambda w: w.add_rope_scaling_type(
+        gguf.RopeScalingType.LINEAR) or w.add_rope_scaling_factor(2.0), ConfigError,
+     r"rope_freqs\.weight: rope frequency factors together with llama\.rope\.scaling\.type 'linear' are not"),
     ("llama", {"blk.0.attn_qkv.weight": np.zeros((128, 64), np.float32)}, None, WeightsError,
      r"tensor 'blk\.0\.attn_qkv\.weight' has no place in a llama model"),
     ("llama", {"token_types.weight": np.zeros((2, 64), np.float32)}, None, WeightsError,
      r"tensor 'token_types\.weight' has no place in a llama model"),
-], ids=["architecture", "yarn", "rope_freqs", "fused_qkv", "stray_tensor"])
+], ids=["architecture", "yarn", "rope_freqs_length", "rope_freqs_and_linear", "fused_qkv", "stray_tensor"])
 def test_gguf_rejected(tmp_path: Path, arch: str, extra, metadata, error: type, message: str) -> None:  # noqa: ANN001
     path = write_tiny_gguf(tmp_path / "bad.gguf", tiny_hf_tensors(True), arch=arch, extra=extra, metadata=metadata)
     with pytest.raises(error, match=rf"^{at(path)}: {message}"):
