@@ -3,7 +3,7 @@ activations), MatMulBF16 and MatMulF32 (the weights as bfloat16 / float32 panels
 (accuracy levels 4 and 0) and the float32 MatMul, per shape and row
 count, in one process (ratios measured side by side), with this CPU's measured int8 VNNI peak.
 
-  .venv/bin/python benchmarks/bench_gemm.py [--shapes smollm2|llama8b|all] [--rows 1,8,16,32,64,128,256]
+  .venv/bin/python benchmarks/bench_gemm.py [--shapes smollm2|llama1b|llama8b|all] [--rows 1,8,16,32,64,128,256]
                                             [--threads 2] [--reps 30] [--bits 4] [--affine] [--repeat 8]
 
 Weights: random, round to nearest per 32 along K (``--affine``: with a per-block offset, like GGUF Q4_1). Each
@@ -37,6 +37,8 @@ from omforge.runtime.ort import kernels
 SHAPES = {  # (name, N, K): the weight matrices of a layer (merged as omforge's fusions merge them) and the head
     "smollm2": [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536),
                 ("lm_head", 49152, 576)],
+    "llama1b": [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192),
+                ("lm_head", 128256, 2048)],
     "llama8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
 }
 
@@ -110,6 +112,9 @@ def _peak_library() -> Path | None:
 
 def vnni_peak(threads: int) -> float | None:
     """int8 GOP/s of ``threads`` threads issuing only vpdpbusd zmm (64 multiply-adds each), or None."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if "avx512_vnni" not in flags:  # the loop is zmm vpdpbusd: an illegal instruction on an AVX2-only CPU
+        return None
     path = _peak_library()
     if path is None:
         return None

@@ -50,10 +50,10 @@ def test_a_wide_output() -> None:
     check(8192 + 32, 40, rows=(2, 16))
 
 
-@pytest.mark.parametrize(("isa", "want"), [("generic", "generic"), ("avx512", "avx512bf16")])
+@pytest.mark.parametrize(("isa", "want"), [("generic", "generic"), ("avx2", "avx2"), ("avx512", "avx512bf16")])
 def test_the_slower_paths(isa: str, want: str) -> None:
-    """The portable path and (where the CPU has it) the AVX-512 path forced in a child process, when the default is
-    another one (AMX tiles by default where the CPU has them)."""
+    """The portable path and (where the CPU has them) the AVX2 and AVX-512 paths forced in a child process, when the
+    default is another one (AMX tiles by default where the CPU has them)."""
     code = ("import sys, test_matmul_bf16 as t; from omforge.runtime.ort import kernels; "
             f"kernels.status().bf16 == {want!r} or sys.exit(3); t.check(40, 97, (1, 9)); "
             "t.check(33, 64, (2, 17))")
@@ -62,6 +62,41 @@ def test_the_slower_paths(isa: str, want: str) -> None:
     if r.returncode == 3:
         pytest.skip(f"this CPU has no {want} path")
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def _child_outputs(tmp_path: Path, isa: str) -> np.ndarray | None:
+    """MatMulBF16 of model.onnx on x.npy in tmp_path, in a child process with OMFORGE_KERNELS_ISA=isa; None when
+    the child does not get that path (the CPU lacks it)."""
+    code = ("import sys, onnx, numpy as np, test_matmul_bf16 as t; from omforge.runtime.ort import kernels; "
+            f"kernels.status().bf16 == {isa!r} or sys.exit(3); d = sys.argv[1]; "
+            f"np.save(d + '/y-{isa}.npy', t.session(onnx.load(d + '/model.onnx')).run(None, "
+            "{'x': np.load(d + '/x.npy')})[0])")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env={**os.environ, "OMFORGE_KERNELS_ISA": isa},
+                       cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
+    if r.returncode == 3:
+        return None
+    assert r.returncode == 0, r.stderr[-2000:]
+    return np.load(tmp_path / f"y-{isa}.npy")
+
+
+def test_the_avx2_path_gives_the_portable_bits(tmp_path: Path) -> None:
+    """AVX2 has no bfloat16 dot product: its path widens both operands and adds the pair's two products with two
+    FMAs, high element first. A bfloat16 product is exact in float32, so that is the portable loop's sum bit for
+    bit — over odd K, a partial panel, ragged rows, a wide output's streaming stores and a NaN."""
+    rng = np.random.default_rng(5)
+    n, k = 8192 + 16 + 7, 97
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    x = rng.standard_normal((11, k)).astype(np.float32)
+    x[3, 5] = np.nan
+    x[4, :] *= 1e-3
+    (tmp_path / "model.onnx").write_bytes(matmul_bf16_model(gemm_pack.pack_bf16(w), n, k).SerializeToString())
+    np.save(tmp_path / "x.npy", x)
+    portable = _child_outputs(tmp_path, "generic")
+    vector = _child_outputs(tmp_path, "avx2")
+    if vector is None:
+        pytest.skip("this CPU has no AVX2 + FMA")
+    assert np.isnan(vector[3]).all() and not np.isnan(np.delete(vector, 3, axis=0)).any()
+    assert np.array_equal(portable, vector, equal_nan=True)
 
 
 def test_errors_name_what_is_wrong() -> None:

@@ -74,7 +74,7 @@ def test_gguf_blocks_as_they_are(kind: str) -> None:
 def _child_outputs(tmp_path: Path, isa: str, n: int) -> np.ndarray | None:
     """MatMulQBF16 on models m0..m{n-1} and x.npy in tmp_path, in a child process with OMFORGE_KERNELS_ISA=isa;
     None when that path is not the one the child gets (the CPU lacks it)."""
-    want = "generic" if isa == "generic" else "avx512bf16"
+    want = {"generic": "generic", "avx2": "avx2"}.get(isa, "avx512bf16")
     code = ("import sys, onnx, numpy as np, test_matmul_q_bf16 as t; from omforge.runtime.ort import kernels; "
             f"kernels.status().qbf16 == {want!r} or sys.exit(3); d = sys.argv[1]; x = np.load(d + '/x.npy'); "
             f"np.save(d + '/y-{isa}.npy', np.stack([t.session(onnx.load(f'{{d}}/m{{i}}.onnx'))"
@@ -89,8 +89,8 @@ def _child_outputs(tmp_path: Path, isa: str, n: int) -> np.ndarray | None:
 
 def test_the_portable_path_gives_the_same_bits(tmp_path: Path) -> None:
     """The portable path, forced in a child process: the same bfloat16 weights (one fma, one rounding) and the same
-    products added in the same order as vdpbf16ps — the AVX-512 path's bits exactly (no denormals here). The AMX
-    path (the default where the CPU has it) sums the same products in another order: within float32 rounding."""
+    products added in the same order as vdpbf16ps — the AVX-512 and AVX2 paths' bits exactly (no denormals here).
+    The AMX path (the default where the CPU has it) sums the same products in another order: within float32 rounding."""
     rng = np.random.default_rng(11)
     cases = [quant.quantize(rng.standard_normal((50, 300)).astype(np.float32), bits, 64, sym)
              for bits in (4, 8) for sym in (True, False)]
@@ -99,12 +99,13 @@ def test_the_portable_path_gives_the_same_bits(tmp_path: Path) -> None:
         (tmp_path / f"m{i}.onnx").write_bytes(matmul_q_model(gemm_pack.pack(p), op="MatMulQBF16").SerializeToString())
     np.save(tmp_path / "x.npy", x)
     portable = _child_outputs(tmp_path, "generic", len(cases))
-    vector = _child_outputs(tmp_path, "avx512", len(cases))
-    if vector is not None:
-        assert np.array_equal(portable, vector)
+    for isa in ("avx2", "avx512"):  # AVX2: widened operands, two FMAs a pair, high first — the same sums
+        vector = _child_outputs(tmp_path, isa, len(cases))
+        if vector is not None:
+            assert np.array_equal(portable, vector), isa
     here = np.stack([session(matmul_q_model(gemm_pack.pack(p), op="MatMulQBF16")).run(None, {"x": x})[0]
                      for p in cases])
-    if kernels.status().qbf16 in ("generic", "avx512bf16"):
+    if kernels.status().qbf16 in ("generic", "avx2", "avx512bf16"):
         assert np.array_equal(portable, here)
     else:  # the tile unit: float32 sums of the same exact products, another order
         assert np.abs(here - portable).max() <= 1e-5 * np.abs(portable).max()

@@ -9,10 +9,10 @@
 #include "qgemm.h"
 
 namespace omf::generic {
-namespace {
 
 // panel p of the problem into out [Kp/2, 32] (panel16-bf16): out[i, 2c + e] = bf16(fma(c − z, s, m)) at k = 2i + e
-void decompress(const QBGemmProblem& P, int64_t p, uint16_t* out) {
+// (the AVX2 path decompresses with it too)
+void decompress_panel(const QBGemmProblem& P, int64_t p, uint16_t* out) {
   const int64_t chunks = P.Kp / kChunk, kb = P.Kp / P.block, chunk_bytes = kPanel * kChunk * P.bits / 8;
   const uint8_t* panel = P.codes + p * chunks * chunk_bytes;
   const float* sp = P.scales + p * kb * kPanel;
@@ -31,10 +31,8 @@ void decompress(const QBGemmProblem& P, int64_t p, uint16_t* out) {
   }
 }
 
-}  // namespace
-
 void qbgemm(const QBGemmProblem& P, int64_t panel_begin, int64_t panel_end) {
-  qbgemm_pairs(P, panel_begin, panel_end, [&P](int64_t p, uint16_t* out) { decompress(P, p, out); },
+  qbgemm_pairs(P, panel_begin, panel_end, [&P](int64_t p, uint16_t* out) { decompress_panel(P, p, out); },
                [](const Bf16Panels& T, int n) { bf16_panels(T, n); });
 }
 

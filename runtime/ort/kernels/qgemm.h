@@ -98,7 +98,7 @@ inline int code_at(const uint8_t* chunk, int64_t bits, int i, int t) {
   return r < 4 ? byte & 15 : byte >> 4;
 }
 
-// MatMulBF16 (bgemm_generic.cpp, bgemm_avx512.cpp): bfloat16 weights in the panel16-bf16 layout, activations rounded to bfloat16 per call.
+// MatMulBF16 (bgemm_generic.cpp, bgemm_avx2.cpp, bgemm_avx512.cpp): bfloat16 weights in the panel16-bf16 layout, activations rounded to bfloat16 per call.
 struct BGemmProblem {
   const uint16_t* a;      // [M, Kp] activations, bfloat16
   const uint16_t* codes;  // [P, Kp/2, 32]
@@ -193,12 +193,18 @@ void qgemm(const QGemmProblem&, int64_t, int64_t);
 }  // namespace avxvnni
 namespace avx2 {
 void qgemm(const QGemmProblem&, int64_t, int64_t);
+// MatMulBF16 / MatMulQBF16 (bgemm_avx2.cpp): bfloat16 widened to float32 in registers, FMA; the portable path's bits
+void bgemm(const BGemmProblem&, int64_t, int64_t);
+void bf16_panels(const Bf16Panels&, int panels);
+void qbgemm(const QBGemmProblem&, int64_t, int64_t);
+void to_bf16_rows(const float*, int64_t, int64_t, uint16_t*, int64_t, int64_t);
 }  // namespace avx2
 namespace generic {
 void fgemm(const FGemmProblem&, int64_t, int64_t);
 void bgemm(const BGemmProblem&, int64_t, int64_t);
 void bf16_panels(const Bf16Panels&, int panels);
 void qbgemm(const QBGemmProblem&, int64_t, int64_t);
+void decompress_panel(const QBGemmProblem&, int64_t p, uint16_t* out);  // panel p of the codes, panel16-bf16
 void to_bf16_rows(const float*, int64_t, int64_t, uint16_t*, int64_t, int64_t);
 void qgemm(const QGemmProblem&, int64_t, int64_t);
 void quantize_rows(const float*, int64_t, int64_t, int64_t, bool, const QuantizedRows&, int64_t, int64_t);

@@ -35,8 +35,8 @@ GemmIsa choose() {
   return {"generic", &generic::qgemm, &generic::quantize_rows};
 }
 
-// AMX tiles where the CPU and the kernel allow them, else AVX-512 BF16, else portable; OMFORGE_KERNELS_ISA=avx512
-// forces the AVX-512 path ("generic" the portable one).
+// AMX tiles where the CPU and the kernel allow them, else AVX-512 BF16, else AVX2 (widening + FMA), else portable;
+// OMFORGE_KERNELS_ISA=avx512 forces the AVX-512 path, "avx2" the AVX2 one, "generic" the portable one.
 Bf16Isa choose_bf16() {
   const char* want = std::getenv("OMFORGE_KERNELS_ISA");
   const std::string w = want ? want : "";
@@ -47,6 +47,8 @@ Bf16Isa choose_bf16() {
     return {"amx-bf16", &amx::bgemm, &avx512bf16::to_bf16_rows, &amx::qbgemm, 16, 32};
   if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") && (w.empty() || w == "avx512"))
     return {"avx512bf16", &avx512bf16::bgemm, &avx512bf16::to_bf16_rows, &avx512bf16::qbgemm};
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && (w.empty() || w == "avx2" || w == "avxvnni"))
+    return {"avx2", &avx2::bgemm, &avx2::to_bf16_rows, &avx2::qbgemm};
 #endif
   return {"generic", &generic::bgemm, &generic::to_bf16_rows, &generic::qbgemm};
 }
