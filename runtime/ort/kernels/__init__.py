@@ -110,7 +110,7 @@ GEMM_PATHS = {"MatMulQ": "gemm", "MatMulQBF16": "qbf16", "MatMulBF16": "bf16", "
 def portable_gemms(op_histogram: dict[str, int]) -> list[str]:
     """The weight GEMM ops in a step graph's op histogram (``domain::op``) that this library runs on its portable
     path: the bundle was compiled where a vector path ran and this CPU lacks it, or (MatMulBF16: bfloat16 weights
-    always lower to it) no CPU of this ISA has one. Correct (the same sums), and several times slower."""
+    always lower to it) a CPU without AVX2 has none. Correct (the same sums), and several times slower."""
     s = status()
     return [op for op, attr in GEMM_PATHS.items()
             if op_histogram.get(f"{DOMAIN}::{op}") and getattr(s, attr) == "generic"]
