@@ -83,6 +83,24 @@ def test_kernel_gemm_graph_is_the_dequantized_model(tiny_exports: dict[str, Path
         assert np.abs(got - ref).max() <= 3e-2 * np.abs(ref).max(), variant
 
 
+@pytest.mark.skipif(kernels.status().weight_layout is None, reason="the kernel library's MatMulF32 is unavailable")
+def test_float32_panels_hold_a_tied_table_once(tiny_exports: dict[str, Path]) -> None:
+    """bits 32: every weight MatMul is MatMulF32; a tied embedding is gathered from the lm_head's panels (its table
+    is gone from the graph), an untied one keeps its table; the embedded rows are the table's own values, so the
+    logits are the float graph's to float32 summation order."""
+    for variant, tied in (("qwen2", True), ("llama", False)):
+        fused, packed = load_export(tiny_exports[variant]), load_export(tiny_exports[variant])
+        Pipeline("ort").run(fused)
+        Pipeline("ort", quantize={"bits": 32, "embedding": "float", "gemm": "kernel"}).run(packed)
+        ops = [n.op_type for n in packed.graph]
+        assert ops.count("MatMulF32") == 2 * 4 + 1, variant
+        assert ("model.embed_tokens.weight" in packed.graph.initializers) is not tied, variant
+        assert ("GatherElements" in ops) is tied, variant
+        feeds = export_feeds(seed=3)
+        ref, got = run_model(fused, feeds)[0], run_model(packed, feeds)[0]
+        assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), variant
+
+
 def test_8bit_stays_float_at_accuracy_level_0(tiny_exports: dict[str, Path]) -> None:
     model = load_export(tiny_exports["llama"])
     run = Pipeline("ort", quantize={"bits": 8, "accuracy_level": 0}).run(model)
