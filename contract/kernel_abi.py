@@ -5,7 +5,7 @@ passes read them without importing the runtime."""
 from __future__ import annotations
 
 DOMAIN = "omforge.kernels"
-ABI_VERSION = 6
+ABI_VERSION = 7
 """The op contract version this Python side speaks; the library reports its own (must match)."""
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 """Head sizes the kernel is instantiated for; the lowering keeps plain ops for any other."""

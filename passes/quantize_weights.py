@@ -17,8 +17,8 @@ Which op (``gemm``): ``"nbits"`` — ``com.microsoft.MatMulNBits`` (an affine bl
 into the kernel), its weights packed at compile time (:mod:`omforge.passes.gemm_pack`); ``"kernel_bf16"`` —
 omforge's ``MatMulQBF16``, the same packed weights × bfloat16 activations. ``bits`` 16 and 32 quantize nothing: every
 weight MatMul becomes omforge's ``MatMulBF16`` (weights rounded to bfloat16) or ``MatMulF32`` (the float32 weights
-as they are, in column panels), the embedding gather stays float32 (at 32 bits a tied table is gathered from the
-lm_head's panels: held once). The compile stage decides (compile/ort.py) and
+as they are, in column panels); an untied embedding's gather stays float32, a tied one reads the lm_head's panels
+(the table held once). The compile stage decides (compile/ort.py) and
 hands the choice in.
 Postcondition: no quantized group's MatMul is left, and ``report`` names the source and width of every weight.
 """
@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
@@ -142,8 +143,8 @@ class QuantizeWeights(ir.passes.InPlacePass):
         modified = False
         for node in weight_matmuls(graph):
             modified |= self._matmul(graph, node)
-        if self.embedding == "quantized" or self.bits == 32:
-            gather = self._gather if self.embedding == "quantized" else self._gather_f32_panels
+        if self.embedding == "quantized" or self.bits in _FLOAT_OPS:
+            gather = self._gather if self.embedding == "quantized" else self._gather_panels
             for node in list(graph):
                 if node.op_type == "Gather" and node.domain in ("", "ai.onnx"):
                     modified |= gather(graph, node)
@@ -221,8 +222,8 @@ class QuantizeWeights(ir.passes.InPlacePass):
         name = f"{source}.{f.tag}.panel{WEIGHT_LAYOUT}"
         if source not in self._float:
             w_nk = rows()
-            panels = f.pack(w_nk)
-            self._const(graph, name, panels)
+            panels = f.pack(w_nk)  # bfloat16 bits typed as such: the tied table's Gather reads them (_gather_panels)
+            self._const(graph, name, panels.view(ml_dtypes.bfloat16) if self.bits == 16 else panels)
             self._float[source] = w_nk.shape
             self.report[source] = {"bits": self.bits, "block": None, "source": f.source, "bytes": panels.nbytes}
         n, k = self._float[source]
@@ -275,15 +276,20 @@ class QuantizeWeights(ir.passes.InPlacePass):
         return True
 
 
-    def _gather_f32_panels(self, graph: ir.Graph, node: ir.Node) -> bool:
-        """A tied embedding's Gather (bits 32) reads the rows from the lm_head's MatMulF32 panels — row ``v`` is
-        column ``v % 16`` of panel ``v // 16`` (gemm_pack.pack_f32), the same float32 values — so the bundle and
-        the session hold the table once (1 GB less at Llama-3.2-1B's 128k × 2048). An untied table stays."""
+    def _gather_panels(self, graph: ir.Graph, node: ir.Node) -> bool:
+        """A tied embedding's Gather (bits 16 / 32) reads its rows from the lm_head's panels, so the bundle and the
+        session hold the table once (Llama-3.2-1B's 128k × 2048: 1 GB less in float32, 1 GB → 0.5 GB in bfloat16).
+        Row ``v`` is column ``v % 16`` of panel ``v // 16``: MatMulF32's ``[P, K, 16]`` holds the float32 values
+        themselves; MatMulBF16's ``[P, Kp/2, 32]`` (bfloat16, the pair ``2c, 2c+1`` of each k pair is column ``c``)
+        the bfloat16 rounding every other weight of the bundle has, Cast to float32. An untied table stays."""
         table, ids = node.inputs
         if table is None or ids is None or table.name not in self._float or node.attributes.get_int("axis", 0) != 0:
             return False
+        f = _FLOAT_OPS[self.bits]
         n, k = self._float[table.name]
-        panels = graph.initializers[f"{table.name}.f32.panel{WEIGHT_LAYOUT}"]
+        panels = graph.initializers[f"{table.name}.{f.tag}.panel{WEIGHT_LAYOUT}"]
+        pairs = 2 if self.bits == 16 else 1  # k values per panel column entry: bf16 pairs, f32 single
+        steps = -(-k // pairs)  # [P, steps, 16 * pairs]
         nodes: list[ir.Node] = []
 
         def add(op: str, inputs: list[ir.Value], **attrs: object) -> ir.Value:
@@ -292,14 +298,20 @@ class QuantizeWeights(ir.passes.InPlacePass):
             return new.outputs[0]
 
         def const(name: str, values: list[int]) -> ir.Value:
-            return self._const(graph, f"{table.name}.f32.panel_gather.{name}", np.array(values, np.int64))
+            return self._const(graph, f"{table.name}.{f.tag}.panel_gather.{name}", np.array(values, np.int64))
 
         flat = add("Reshape", [ids, const("flat", [-1])])  # [T]
         width = const("panel_width", [gemm_pack.PANEL])
-        cols = add("Gather", [panels, add("Div", [flat, width])], axis=0)  # [T, K, 16]: each id's whole panel
-        which = add("Expand", [add("Reshape", [add("Mod", [flat, width]), const("column", [-1, 1, 1])]),
-                               const("broadcast", [1, k, 1])])  # [T, K, 1]: the id's column, on every k
-        rows = add("GatherElements", [cols, which], axis=2)  # [T, K, 1]
+        cols = add("Gather", [panels, add("Div", [flat, width])], axis=0)  # [T, steps, 16·pairs]: each id's panel
+        cols = add("Reshape", [cols, const("columns", [0, steps, gemm_pack.PANEL, pairs])])  # [T, steps, 16, pairs]
+        which = add("Expand", [add("Reshape", [add("Mod", [flat, width]), const("column", [-1, 1, 1, 1])]),
+                               const("broadcast", [1, steps, 1, pairs])])  # [T, steps, 1, pairs]: the id's column
+        rows = add("GatherElements", [cols, which], axis=2)
+        rows = add("Reshape", [rows, const("row", [0, steps * pairs])])  # [T, steps·pairs]
+        if steps * pairs != k:  # K padded to even in the bf16 panels
+            rows = add("Slice", [rows, const("zero", [0]), const("k", [k]), const("last", [-1])])
+        if self.bits == 16:
+            rows = add("Cast", [rows], to=ir.DataType.FLOAT)
         rows = add("Reshape", [rows, add("Concat", [add("Shape", [ids]), const("k", [k])], axis=0)])
         ir.convenience.replace_nodes_and_values(graph, node, [node], nodes, node.outputs, [rows])
         return True

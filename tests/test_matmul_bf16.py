@@ -103,8 +103,23 @@ def test_errors_name_what_is_wrong() -> None:
     codes = gemm_pack.pack_bf16(np.ones((20, 64), np.float32))
     with pytest.raises(Exception, match="weight layout version 3 is not known"):
         session(matmul_bf16_model(codes, 20, 64, layout=3))
-    with pytest.raises(Exception, match=r"codes must be uint16 \[3, 32, 32\]"):
+    with pytest.raises(Exception, match=r"codes must be uint16 or bfloat16 \[3, 32, 32\]"):
         session(matmul_bf16_model(codes, 40, 64)).run(None, {"x": np.zeros((1, 64), np.float32)})
+    with pytest.raises(Exception, match=r"codes must be uint16 or bfloat16 \[2, 32, 32\]"):  # the bits as int16
+        session(matmul_bf16_model(codes.view(np.int16), 20, 64)).run(None, {"x": np.zeros((1, 64), np.float32)})
+
+
+def test_panels_typed_bfloat16_are_the_same_bits() -> None:
+    """The panels may be typed bfloat16 (a bundle's tied embedding gathers its rows from them with ONNX ops) as well
+    as uint16: the same bits, the same products."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(2)
+    w, x = rng.standard_normal((40, 70)).astype(np.float32), rng.standard_normal((5, 70)).astype(np.float32)
+    codes = gemm_pack.pack_bf16(w)
+    as_u16 = session(matmul_bf16_model(codes, 40, 70)).run(None, {"x": x})[0]
+    as_bf16 = session(matmul_bf16_model(codes.view(ml_dtypes.bfloat16), 40, 70)).run(None, {"x": x})[0]
+    assert np.array_equal(as_u16, as_bf16)
 
 
 def test_a_bfloat16_bundle(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from helpers import SMOLLM2_RECIPE, TINY_RECIPE, compile_bundle, export_feeds, load_export, run_model
 from omforge.errors import OmforgeError
-from omforge.passes import quant
+from omforge.passes import gemm_pack, manager, quant
 from omforge.passes.pipeline import Pipeline
 from omforge.passes.quantize_weights import QuantizeWeights, group_of, parts_of
 from omforge.recipe import load_recipe
@@ -83,11 +83,47 @@ def test_kernel_gemm_graph_is_the_dequantized_model(tiny_exports: dict[str, Path
         assert np.abs(got - ref).max() <= 3e-2 * np.abs(ref).max(), variant
 
 
+def _tied_graph(table: np.ndarray) -> ir.Model:
+    """``ids [B, S] → (Gather(table, ids), x [M, K] @ Transpose(table))``: a tied embedding and its lm_head."""
+    v, k = table.shape
+    ids = ir.Value(name="ids", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(["B", "S"]))
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["M", k]))
+    w = ir.Value(name="model.embed_tokens.weight", const_value=ir.tensor(table, name="model.embed_tokens.weight"))
+    gather = ir.node("Gather", [w, ids], name="embed")
+    transpose = ir.node("Transpose", [w], attributes={"perm": [1, 0]}, name="lm_head_tied_transpose")
+    matmul = ir.node("MatMul", [x, transpose.outputs[0]], name="lm_head")
+    gather.outputs[0].name, matmul.outputs[0].name = "rows", "logits"
+    graph = ir.Graph([ids, x], [gather.outputs[0], matmul.outputs[0]], nodes=[gather, transpose, matmul],
+                     initializers=[w], opset_imports={"": 23})
+    return ir.Model(graph, ir_version=10)
+
+
+@pytest.mark.skipif(kernels.status().weight_layout is None, reason="the kernel library is unavailable")
+@pytest.mark.parametrize("bits", [32, 16])
+def test_a_tied_table_is_gathered_from_the_lm_head_panels(bits: int) -> None:
+    """bits 32 / 16: the lm_head is MatMulF32 / MatMulBF16 and the tied embedding's rows come from its panels (the
+    table itself is gone): exactly the table's rows (float32), or their bfloat16 rounding (bfloat16: what every
+    weight of such a bundle is), an odd K and a vocabulary that is not a whole number of panels included."""
+    rng = np.random.default_rng(5)
+    table = rng.standard_normal((53, 37)).astype(np.float32)
+    model = _tied_graph(table)
+    QuantizeWeights(bits=bits, embedding="float", gemm="kernel")(model)
+    manager.Cleanup()(model)  # as the pipeline does after it: the lm_head's Transpose goes, and the table with it
+    assert "model.embed_tokens.weight" not in model.graph.initializers
+    assert {n.op_type for n in model.graph} >= {"GatherElements", "MatMulF32" if bits == 32 else "MatMulBF16"}
+    ids = np.array([[0, 52, 16, 17], [31, 15, 1, 48]], np.int64)
+    x = rng.standard_normal((3, 37)).astype(np.float32)
+    rows, logits = run_model(model, {"ids": ids, "x": x})
+    want = table if bits == 32 else gemm_pack.unpack_bf16(gemm_pack.pack_bf16(table), 53, 37)
+    assert rows.shape == (2, 4, 37) and np.array_equal(rows, want[ids])
+    assert np.allclose(logits, x @ table.T, rtol=0, atol=(1e-4 if bits == 32 else 0.1))
+
+
 @pytest.mark.skipif(kernels.status().weight_layout is None, reason="the kernel library's MatMulF32 is unavailable")
 def test_float32_panels_hold_a_tied_table_once(tiny_exports: dict[str, Path]) -> None:
-    """bits 32: every weight MatMul is MatMulF32; a tied embedding is gathered from the lm_head's panels (its table
-    is gone from the graph), an untied one keeps its table; the embedded rows are the table's own values, so the
-    logits are the float graph's to float32 summation order."""
+    """bits 32 on the tiny exports: every weight MatMul is MatMulF32; a tied embedding is gathered from the lm_head's
+    panels (its table is gone from the graph), an untied one keeps its table; the logits are the float graph's to
+    float32 summation order."""
     for variant, tied in (("qwen2", True), ("llama", False)):
         fused, packed = load_export(tiny_exports[variant]), load_export(tiny_exports[variant])
         Pipeline("ort").run(fused)

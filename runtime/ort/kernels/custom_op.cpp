@@ -42,7 +42,8 @@
 namespace omf {
 namespace {
 
-constexpr int kAbiVersion = 6;  // bump when an op's inputs, outputs or attributes change or an op is added (6: LoraAdd)
+constexpr int kAbiVersion = 7;  // bump when an op's inputs, outputs or attributes change or an op is added (6: LoraAdd;
+                                // 7: MatMulBF16's panels may be typed bfloat16 as well as uint16)
 constexpr const char* kDomain = "omforge.kernels";
 constexpr int64_t kHeadDims[] = {16, 32, 64, 96, 128, 256};  // the instantiations in paged_attention_impl.h
 
@@ -472,7 +473,9 @@ size_t output_count(const OrtCustomOp* op) {
 }
 int input_type(const OrtCustomOp* op, size_t i) {
   if (as_op(op)->kind == OpKind::kMatMulQ || as_op(op)->kind == OpKind::kMatMulQBF16) return i == 1 ? kUint8 : kFloat;
-  if (as_op(op)->kind == OpKind::kMatMulBF16) return i == 1 ? kUint16 : kFloat;
+  // MatMulBF16's panels: uint16 or bfloat16 (the same bits; compute_matmul_bf16 checks), so a graph may also
+  // gather a tied embedding's rows from them with ONNX ops and Cast them to float
+  if (as_op(op)->kind == OpKind::kMatMulBF16) return i == 1 ? kUndefined : kFloat;
   if (as_op(op)->kind == OpKind::kLoraAdd) return i == 4 ? kInt64 : kFloat;
   if (i <= 2 || i >= 12 || as_op(op)->kind == OpKind::kSwiGlu || as_op(op)->kind == OpKind::kAddRmsNorm ||
       as_op(op)->kind == OpKind::kMatMulF32)

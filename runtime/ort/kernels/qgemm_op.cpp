@@ -89,6 +89,7 @@ struct PanelInput {
   int type;
   const char* type_name;
   const char* layout;
+  int same_bits_type = -1;  // another element type of the same bits accepted (MatMulBF16: bfloat16 beside uint16)
 };
 
 // x float32 [..., K] and the panels (`w`, of shape `dims`) read into in[0], in[1] and checked; y made
@@ -99,7 +100,7 @@ OrtStatus* float_weight_inputs(const ort::Api& api, OrtKernelContext* ctx, const
   if (!have[0] || !have[1]) return fail(api, op, std::string("x and ") + w.name + " are required");
   if (in[0].type != kFloat || in[0].dims.empty() || in[0].dims.back() != A.K)
     return fail(api, op, "x must be float32 [..., " + std::to_string(A.K) + "]");
-  if (in[1].type != w.type || in[1].dims != dims) {
+  if ((in[1].type != w.type && in[1].type != w.same_bits_type) || in[1].dims != dims) {
     std::string shape;
     for (size_t i = 0; i < dims.size(); ++i) shape += (i ? ", " : "") + std::to_string(dims[i]);
     return fail(api, op, std::string(w.name) + " must be " + w.type_name + " [" + shape + "] (the " + w.layout +
@@ -185,8 +186,8 @@ OrtStatus* compute_matmul_bf16(const ort::Api& api, const MatMulQAttrs& A, OrtKe
   Tensor in[2];
   void* y = nullptr;
   const int64_t P = panels_of(A.N), Kp = (A.K + 1) / 2 * 2;
-  if (OrtStatus* s = float_weight_inputs(api, ctx, "MatMulBF16", A, {"codes", kUint16, "uint16", "panel16-bf16"},
-                                         {P, Kp / 2, 32}, in, &y))
+  const PanelInput codes_input{"codes", kUint16, "uint16 or bfloat16", "panel16-bf16", kBfloat16};
+  if (OrtStatus* s = float_weight_inputs(api, ctx, "MatMulBF16", A, codes_input, {P, Kp / 2, 32}, in, &y))
     return s;
   const Tensor &x = in[0], &codes = in[1];
   const int64_t M = x.numel() / A.K;
