@@ -41,6 +41,7 @@ from omforge.runtime.sampler import LogprobEntry, Sampler, prompt_logprobs
 from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
 from omforge.runtime.scheduler import Scheduler
 from omforge.runtime.spec_decode import SpeculativeConfig, SpeculativeDecoder
+from omforge.runtime.step_trace import StepTrace
 from omforge.runtime.structured import GrammarMasks, StructuredOutputError, compiled_grammar
 from omforge.runtime.tokenizer import TextTokenizer
 
@@ -137,6 +138,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.closed = False
         self.stats = EngineStats()
+        self._trace = StepTrace.from_env()  # OMFORGE_STEP_TRACE: one line per model step
         self._ids = itertools.count()
         self.speculative = SpeculativeConfig.from_dict(cfg.speculative_config)
         if self.speculative is not None and not caps.supports_prompt_logits:
@@ -370,6 +372,8 @@ class LLMEngine:
                 connector.close()
             self.executor.close()
             self._grammars.close()
+            if self._trace is not None:
+                self._trace.close()
 
     def has_unfinished(self) -> bool:
         """Requests in flight (or their blocks held), or connector I/O that holds blocks or must be polled."""
@@ -422,7 +426,9 @@ class LLMEngine:
         self.stats.preemptions = self.scheduler.num_preemptions
         masks = self._grammars.start([r.matcher if r.reasoning is None or r.reasoning.constrained else None
                                       for r, _ in plan.sample_rows])  # beside the model step; none in the thinking
+        t_model = time.perf_counter()
         logits = run_plan(self.executor, plan)
+        model_s = time.perf_counter() - t_model
         failed = [self._failed(req) for req in self.scheduler.failed]  # ended without an answer (a KV read)
         self.scheduler.failed.clear()
         if logits is None:
@@ -475,6 +481,9 @@ class LLMEngine:
         st.decode_tokens += decode
         st.prefill_tokens += plan.num_tokens - decode
         st.step_times.append(time.perf_counter() - t0)
+        if self._trace is not None:
+            self._trace.record(time.monotonic() - st.step_times[-1], st.step_times[-1], model_s,
+                               st.last_prefill_tokens, decode, len(self.scheduler.running), len(self.scheduler.waiting))
         for connector in self.connectors:
             connector.after_step(st.last_prefill_tokens, st.step_times[-1], idle=False)
         return outputs
