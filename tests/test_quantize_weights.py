@@ -119,6 +119,27 @@ def test_a_tied_table_is_gathered_from_the_lm_head_panels(bits: int) -> None:
     assert np.allclose(logits, x @ table.T, rtol=0, atol=(1e-4 if bits == 32 else 0.1))
 
 
+@pytest.mark.skipif(kernels.status().weight_layout is None, reason="the kernel library's MatMulQ is unavailable")
+@pytest.mark.parametrize(("bits", "symmetric"), [(4, True), (4, False), (8, True)])
+def test_a_quantized_tied_table_is_gathered_from_the_lm_head_panels(bits: int, symmetric: bool) -> None:
+    """gemm "kernel": the tied embedding's rows come from the lm_head's MatMulQ panels (no second copy of the
+    blocks): exactly the dequantized rows the blocks stand for, affine blocks and a K padded to whole blocks
+    included."""
+    rng = np.random.default_rng(6)
+    table = rng.standard_normal((53, 70)).astype(np.float32)
+    model = _tied_graph(table)
+    qpass = QuantizeWeights(bits=bits, group_size=32, symmetric=symmetric, accuracy_level=4, gemm="kernel")
+    qpass(model)
+    manager.Cleanup()(model)
+    names = set(model.graph.initializers)
+    assert "model.embed_tokens.weight" not in names and f"model.embed_tokens.weight.q{bits}" not in names
+    assert {n.op_type for n in model.graph} >= {"GatherElements", "MatMulQ"}
+    ids = np.array([[0, 52, 16, 17], [31, 15, 1, 48]], np.int64)
+    rows, logits = run_model(model, {"ids": ids, "x": rng.standard_normal((3, 70)).astype(np.float32)})
+    want = quant.dequantize(qpass._packed["model.embed_tokens.weight"])
+    assert rows.shape == (2, 4, 70) and logits.shape == (3, 53) and np.array_equal(rows, want[ids])
+
+
 @pytest.mark.skipif(kernels.status().weight_layout is None, reason="the kernel library's MatMulF32 is unavailable")
 def test_float32_panels_hold_a_tied_table_once(tiny_exports: dict[str, Path]) -> None:
     """bits 32 on the tiny exports: every weight MatMul is MatMulF32; a tied embedding is gathered from the lm_head's
