@@ -2,9 +2,11 @@
 # The 1B-shaped sitting of issue 48: omforge beside llama.cpp, OpenVINO GenAI and vLLM CPU on the artefacts of
 # benchmarks/build_large_peers.py (same random weights, same tokenizer), one engine at a time, in one sitting.
 #   bash benchmarks/bench_large.sh ROOT OUT.jsonl [GROUP…]
-# Groups (default: all, in this order): limits single chat serve
+# Groups (default: all, in this order): limits single pairs chat serve
 #   limits  ../shared/bench/machine_limits.py: read / copy bandwidth and the fp32 GEMM peak of the sitting
 #   single  offline.py --workload single --ttft --runs 2 (1 × 128 → 128): fp32, bf16, int4 rows
+#   pairs   the single-stream rows against llama.cpp again, interleaved (two rounds of omforge and llama.cpp at fp32,
+#           bf16/F16 and int4/Q4_0, --runs 3 each): the machine's speed moves within a sitting (RESULTS, 2026-12-06)
 #   chat    offline.py --workload short-chat --num 64 --runs 2: the batching engines (llama.cpp's adapter runs
 #           requests one at a time: 64 × 128 tokens at 1B would take ~30 min and is left out)
 #   serve   omforge serve and vLLM's OpenAI server (fp32), loadgen short-chat at concurrency 8 (32 requests) and 32
@@ -14,7 +16,7 @@ set -uo pipefail
 ROOT=${1:?usage: bench_large.sh ROOT OUT.jsonl [GROUP…]}
 OUT=${2:?usage: bench_large.sh ROOT OUT.jsonl [GROUP…]}
 shift 2
-GROUPS_=${*:-limits single chat serve}
+GROUPS_=${*:-limits single pairs chat serve}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 BENCH=${BENCH:-$HERE/../shared/bench}
 M=$ROOT/models
@@ -53,6 +55,14 @@ single)
   single "$OVPY" openvino "$M/$N-ov-int4" int4 "OpenVINO int4 g64"
   single "$OMPY" omforge "$M/$N-omforge-int4-q4_0" int4 "omforge int4 from the Q4_0 GGUF"
   single "$OMPY" omforge "$M/$N-omforge-int4-rtn" int4 "omforge int4 RTN" ;;
+pairs)
+  for round in 1 2; do
+    for row in "f16 F16 bf16 bf16" "fp32 F32 fp32 fp32" "Q4_0 Q4_0 int4 int4-q4_0"; do
+      set -- $row
+      off "$LCPY" llamacpp "$M/$N-$2.gguf" "$1" "llama.cpp $2 round $round" --workload single --ttft --runs 3
+      off "$OMPY" omforge "$M/$N-omforge-$4" "$3" "omforge $4 round $round" --workload single --ttft --runs 3
+    done
+  done ;;
 chat)
   chat "$OVPY" openvino "$M/$N-ov-fp32" fp32 "OpenVINO fp32 IR, f32 hint, f32 KV" --ov-props "$F32_OV"
   chat "$OMPY" omforge "$M/$N-omforge-fp32" fp32 "omforge fp32"
