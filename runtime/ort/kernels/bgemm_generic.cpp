@@ -3,7 +3,7 @@
 // in float32 (the ORT CPU lowering of compile.weights: bfloat16; passes/gemm_pack.py writes the layout).
 //
 // Layout "panel16-bf16" (version kPanelLayout): N padded to 16·P (zero columns), K to an even Kp (zero);
-//   codes uint16 [P, Kp/2, 32]: element [p, i, 2c + e] = bf16(W[16p + c, 2i + e])
+//   codes uint16 or bfloat16 (the same bits; ABI 7) [P, Kp/2, 32]: element [p, i, 2c + e] = bf16(W[16p + c, 2i + e])
 // so one 64-byte load is 16 float32 lanes of one k pair, the operand of one vdpbf16ps against a broadcast pair of a
 // row's activations. Paths: AVX-512 BF16 (a tile of up to 8 rows × 2 panels, 16 float accumulators) and portable
 // (the same two products per pair, added high element first as vdpbf16ps does; not bit-identical: the instruction
