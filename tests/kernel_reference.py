@@ -3,6 +3,11 @@ for tests/test_kernels.py (and the lowering tests)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -23,6 +28,22 @@ def kernel_session(model: onnx.ModelProto, threads: int = 2) -> ort.InferenceSes
     options.intra_op_num_threads = threads
     kernels.register(options)
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def forced_isa_outputs(folder: Path, isa: str, status: str, want: str, models: int) -> np.ndarray | None:
+    """Models ``m0.onnx`` … ``m{models-1}.onnx`` run on ``x.npy`` in ``folder``, in a child process whose kernel
+    library is forced to ``OMFORGE_KERNELS_ISA=isa``: their outputs stacked; None when the child's
+    ``kernels.status().<status>`` is not ``want`` (the CPU lacks that path)."""
+    code = ("import sys, onnx, numpy as np, kernel_reference as t; from omforge.runtime.ort import kernels; "
+            f"kernels.status().{status} == {want!r} or sys.exit(3); d = sys.argv[1]; x = np.load(d + '/x.npy'); "
+            f"np.save(d + '/y-{isa}.npy', np.stack([t.kernel_session(onnx.load(f'{{d}}/m{{i}}.onnx'))"
+            f".run(None, {{'x': x}})[0] for i in range({models})]))")
+    r = subprocess.run([sys.executable, "-c", code, str(folder)], env={**os.environ, "OMFORGE_KERNELS_ISA": isa},
+                       cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
+    if r.returncode == 3:
+        return None
+    assert r.returncode == 0, r.stderr[-2000:]
+    return np.load(folder / f"y-{isa}.npy")
 
 
 KV_ONNX_TYPES = {"float32": TensorProto.FLOAT, "bfloat16": TensorProto.BFLOAT16, "int8": TensorProto.INT8}

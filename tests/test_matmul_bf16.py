@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from helpers import TINY_RECIPE, compile_bundle
+from kernel_reference import forced_isa_outputs, matmul_bf16_model
 from kernel_reference import kernel_session as session
-from kernel_reference import matmul_bf16_model
 from omforge.passes import gemm_pack
 from omforge.runtime.ort import kernels
 
@@ -64,21 +64,6 @@ def test_the_slower_paths(isa: str, want: str) -> None:
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-def _child_outputs(tmp_path: Path, isa: str) -> np.ndarray | None:
-    """MatMulBF16 of model.onnx on x.npy in tmp_path, in a child process with OMFORGE_KERNELS_ISA=isa; None when
-    the child does not get that path (the CPU lacks it)."""
-    code = ("import sys, onnx, numpy as np, test_matmul_bf16 as t; from omforge.runtime.ort import kernels; "
-            f"kernels.status().bf16 == {isa!r} or sys.exit(3); d = sys.argv[1]; "
-            f"np.save(d + '/y-{isa}.npy', t.session(onnx.load(d + '/model.onnx')).run(None, "
-            "{'x': np.load(d + '/x.npy')})[0])")
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env={**os.environ, "OMFORGE_KERNELS_ISA": isa},
-                       cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
-    if r.returncode == 3:
-        return None
-    assert r.returncode == 0, r.stderr[-2000:]
-    return np.load(tmp_path / f"y-{isa}.npy")
-
-
 def test_the_avx2_path_gives_the_portable_bits(tmp_path: Path) -> None:
     """AVX2 has no bfloat16 dot product: its path widens both operands and adds the pair's two products with two
     FMAs, high element first. A bfloat16 product is exact in float32, so that is the portable loop's sum bit for
@@ -89,12 +74,13 @@ def test_the_avx2_path_gives_the_portable_bits(tmp_path: Path) -> None:
     x = rng.standard_normal((11, k)).astype(np.float32)
     x[3, 5] = np.nan
     x[4, :] *= 1e-3
-    (tmp_path / "model.onnx").write_bytes(matmul_bf16_model(gemm_pack.pack_bf16(w), n, k).SerializeToString())
+    (tmp_path / "m0.onnx").write_bytes(matmul_bf16_model(gemm_pack.pack_bf16(w), n, k).SerializeToString())
     np.save(tmp_path / "x.npy", x)
-    portable = _child_outputs(tmp_path, "generic")
-    vector = _child_outputs(tmp_path, "avx2")
+    portable = forced_isa_outputs(tmp_path, "generic", "bf16", "generic", 1)[0]
+    vector = forced_isa_outputs(tmp_path, "avx2", "bf16", "avx2", 1)
     if vector is None:
         pytest.skip("this CPU has no AVX2 + FMA")
+    vector = vector[0]
     assert np.isnan(vector[3]).all() and not np.isnan(np.delete(vector, 3, axis=0)).any()
     assert np.array_equal(portable, vector, equal_nan=True)
 

@@ -7,17 +7,14 @@ errors; and ``quantization.activations: bfloat16`` end to end (tiny model; SmolL
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from helpers import SMOLLM2_RECIPE, TINY_RECIPE, compile_bundle
+from kernel_reference import forced_isa_outputs, matmul_q_bf16_reference, matmul_q_model
 from kernel_reference import kernel_session as session
-from kernel_reference import matmul_q_bf16_reference, matmul_q_model
 from omforge.passes import gemm_pack, quant
 from omforge.runtime.ort import kernels
 
@@ -72,19 +69,8 @@ def test_gguf_blocks_as_they_are(kind: str) -> None:
 
 
 def _child_outputs(tmp_path: Path, isa: str, n: int) -> np.ndarray | None:
-    """MatMulQBF16 on models m0..m{n-1} and x.npy in tmp_path, in a child process with OMFORGE_KERNELS_ISA=isa;
-    None when that path is not the one the child gets (the CPU lacks it)."""
-    want = {"generic": "generic", "avx2": "avx2"}.get(isa, "avx512bf16")
-    code = ("import sys, onnx, numpy as np, test_matmul_q_bf16 as t; from omforge.runtime.ort import kernels; "
-            f"kernels.status().qbf16 == {want!r} or sys.exit(3); d = sys.argv[1]; x = np.load(d + '/x.npy'); "
-            f"np.save(d + '/y-{isa}.npy', np.stack([t.session(onnx.load(f'{{d}}/m{{i}}.onnx'))"
-            f".run(None, {{'x': x}})[0] for i in range({n})]))")
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env={**os.environ, "OMFORGE_KERNELS_ISA": isa},
-                       cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
-    if r.returncode == 3:
-        return None
-    assert r.returncode == 0, r.stderr[-2000:]
-    return np.load(tmp_path / f"y-{isa}.npy")
+    """MatMulQBF16 on models m0..m{n-1} and x.npy in tmp_path with OMFORGE_KERNELS_ISA=isa (kernel_reference)."""
+    return forced_isa_outputs(tmp_path, isa, "qbf16", {"generic": "generic", "avx2": "avx2"}.get(isa, "avx512bf16"), n)
 
 
 def test_the_portable_path_gives_the_same_bits(tmp_path: Path) -> None:
