@@ -245,15 +245,8 @@ class QuantizeWeights(ir.passes.InPlacePass):
             return False
         blocks = self._const(graph, f"{table.name}.q{p.bits}", p.blocks)
         kb = p.k_blocks
-        nodes: list[ir.Node] = []
-
-        def add(op: str, inputs: list[ir.Value], **attrs: object) -> ir.Value:
-            n = ir.node(op, inputs, attributes=attrs or None, name=f"{node.name}_{op.lower()}_{len(nodes)}")
-            nodes.append(n)
-            return n.outputs[0]
-
-        def const(name: str, array: np.ndarray) -> ir.Value:
-            return self._const(graph, f"{table.name}.q{p.bits}.{name}", array)
+        b = _Replacement(self, graph, node, f"{node.name}_", f"{table.name}.q{p.bits}")
+        add, const = b.add, b.const
 
         last = const("last_axis", np.array([-1], np.int64))
         rows = add("Gather", [blocks, ids], axis=0)  # [.., kb, bytes]
@@ -273,15 +266,13 @@ class QuantizeWeights(ir.passes.InPlacePass):
         if kb * p.block != p.k:
             zero, k, axis = (const(n, np.array([v], np.int64)) for n, v in (("zero", 0), ("k", p.k), ("axis", -1)))
             rows = add("Slice", [rows, zero, k, axis])
-        ir.convenience.replace_nodes_and_values(graph, node, [node], nodes, node.outputs, [rows])
-        return True
-
+        return b.replace(rows)
 
     def _gather_q_panels(self, graph: ir.Graph, node: ir.Node) -> bool:
-        """gemm "kernel": a tied table's Gather reads the lm_head's MatMulQ panel16 codes, scales and offsets (row
-        ``v``: column ``v % 16`` of panel ``v // 16``, gemm_pack.pack) instead of a second copy of its blocks — the
-        same dequantization as :meth:`_gather`, ``(code - zero) · scale (+ offset)`` in that order, so the same
-        rows; the table is held once (164 MB less at Llama-3.2-1B's int4)."""
+        """gemm "kernel": a tied table's Gather reads the lm_head's MatMulQ panel16 codes, scales and offsets
+        (:func:`_panel_column`) instead of a second copy of its blocks — the same dequantization as :meth:`_gather`,
+        ``(code - zero) · scale (+ offset)`` in that order, so the same rows; the table is held once (164 MB less at
+        Llama-3.2-1B's int4)."""
         table, ids = node.inputs
         if table is None or ids is None or node.attributes.get_int("axis", 0) != 0:
             return False
@@ -293,86 +284,94 @@ class QuantizeWeights(ir.passes.InPlacePass):
         offsets = graph.initializers.get(f"{name}.offsets")
         kb, chunks = p.k_blocks, p.k_blocks * p.block // gemm_pack.CHUNK
         groups = 8 if p.bits == 8 else 4  # bytes of one column in a chunk come in groups of 4 (qgemm.h)
-        nodes: list[ir.Node] = []
-
-        def add(op: str, inputs: list[ir.Value], **attrs: object) -> ir.Value:
-            new = ir.node(op, inputs, attributes=attrs or None, name=f"{node.name}_panels_{op.lower()}_{len(nodes)}")
-            nodes.append(new)
-            return new.outputs[0]
-
-        def const(cname: str, array: np.ndarray) -> ir.Value:
-            return self._const(graph, f"{name}.gather.{cname}", array)
-
-        def i64(*values: int) -> np.ndarray:
-            return np.array(values, np.int64)
-
-        flat = add("Reshape", [ids, const("flat", i64(-1))])  # [T]
-        width = const("panel_width", i64(gemm_pack.PANEL))
-        panel, column = add("Div", [flat, width]), add("Mod", [flat, width])
-        col5 = add("Reshape", [column, const("col5", i64(-1, 1, 1, 1, 1))])
-        g = add("Reshape", [add("Gather", [codes, panel], axis=0), const("bytes", i64(0, chunks, groups, 16, 4))])
-        g = add("GatherElements", [g, add("Expand", [col5, const("bytes_b", i64(1, chunks, groups, 1, 4))])], axis=3)
+        b = _Replacement(self, graph, node, f"{node.name}_panels_", f"{name}.gather")
+        panel, column = _panel_of(b, ids)
+        g = _panel_column(b, codes, panel, column, (chunks, groups, None, 4), "bytes")
         if p.bits == 4:  # [T, chunk, h, 1, e]: low nibble k = 8h + e, high k = 8h + 4 + e
-            lo = add("BitwiseAnd", [g, const("mask", np.array(15, np.uint8))])
-            hi = add("BitShift", [g, const("shift", np.array(4, np.uint8))], direction="RIGHT")
-            g = add("Concat", [lo, hi], axis=3)
-        values = add("Reshape", [add("Cast", [g], to=ir.DataType.FLOAT), const("blocks", i64(0, kb, p.block))])
-        col3 = add("Reshape", [column, const("col3", i64(-1, 1, 1))])
-        pick = add("Expand", [col3, const("per_block", i64(1, kb, 1))])  # [T, kb, 1]
-
-        def per_block(v: ir.Value) -> ir.Value:  # [P, kb, 16] → the id's column, [T, kb, 1]
-            return add("GatherElements", [add("Gather", [v, panel], axis=0), pick], axis=2)
-
-        zero = const("zero_point", np.array(1 << (p.bits - 1), np.float32))
-        rows = add("Mul", [add("Sub", [values, zero]), per_block(scales)])
+            lo = b.add("BitwiseAnd", [g, b.const("mask", np.array(15, np.uint8))])
+            hi = b.add("BitShift", [g, b.const("shift", np.array(4, np.uint8))], direction="RIGHT")
+            g = b.add("Concat", [lo, hi], axis=3)
+        values = b.add("Reshape", [b.add("Cast", [g], to=ir.DataType.FLOAT), b.i64("blocks", 0, kb, p.block)])
+        zero = b.const("zero_point", np.array(1 << (p.bits - 1), np.float32))
+        rows = b.add("Mul", [b.add("Sub", [values, zero]),
+                             _panel_column(b, scales, panel, column, (kb, None), "scales")])
         if offsets is not None:
-            rows = add("Add", [rows, per_block(offsets)])
-        rows = add("Reshape", [rows, const("row", i64(0, kb * p.block))])
-        if kb * p.block != p.k:
-            rows = add("Slice", [rows, const("start", i64(0)), const("k", i64(p.k)), const("last", i64(-1))])
-        rows = add("Reshape", [rows, add("Concat", [add("Shape", [ids]), const("k_dim", i64(p.k))], axis=0)])
-        ir.convenience.replace_nodes_and_values(graph, node, [node], nodes, node.outputs, [rows])
-        return True
+            rows = b.add("Add", [rows, _panel_column(b, offsets, panel, column, (kb, None), "offsets")])
+        return b.replace(_rows_of(b, rows, kb * p.block, p.k, ids))
 
     def _gather_panels(self, graph: ir.Graph, node: ir.Node) -> bool:
-        """A tied embedding's Gather (bits 16 / 32) reads its rows from the lm_head's panels, so the bundle and the
-        session hold the table once (Llama-3.2-1B's 128k × 2048: 1 GB less in float32, 1 GB → 0.5 GB in bfloat16).
-        Row ``v`` is column ``v % 16`` of panel ``v // 16``: MatMulF32's ``[P, K, 16]`` holds the float32 values
-        themselves; MatMulBF16's ``[P, Kp/2, 32]`` (bfloat16, the pair ``2c, 2c+1`` of each k pair is column ``c``)
-        the bfloat16 rounding every other weight of the bundle has, Cast to float32. An untied table stays."""
+        """A tied embedding's Gather (bits 16 / 32) reads its rows from the lm_head's panels (:func:`_panel_column`),
+        so the bundle and the session hold the table once (Llama-3.2-1B's 128k × 2048: 1 GB less in float32, 1 GB →
+        0.5 GB in bfloat16): MatMulF32's ``[P, K, 16]`` holds the float32 values themselves; MatMulBF16's
+        ``[P, Kp/2, 32]`` (bfloat16, the pair ``2c, 2c+1`` of each k pair is column ``c``) the bfloat16 rounding
+        every other weight of the bundle has, Cast to float32. An untied table stays."""
         table, ids = node.inputs
         if table is None or ids is None or table.name not in self._float or node.attributes.get_int("axis", 0) != 0:
             return False
         f = _FLOAT_OPS[self.bits]
-        n, k = self._float[table.name]
+        _, k = self._float[table.name]
         panels = graph.initializers[f"{table.name}.{f.tag}.panel{WEIGHT_LAYOUT}"]
         pairs = 2 if self.bits == 16 else 1  # k values per panel column entry: bf16 pairs, f32 single
         steps = -(-k // pairs)  # [P, steps, 16 * pairs]
-        nodes: list[ir.Node] = []
-
-        def add(op: str, inputs: list[ir.Value], **attrs: object) -> ir.Value:
-            new = ir.node(op, inputs, attributes=attrs or None, name=f"{node.name}_panels_{op.lower()}_{len(nodes)}")
-            nodes.append(new)
-            return new.outputs[0]
-
-        def const(name: str, values: list[int]) -> ir.Value:
-            return self._const(graph, f"{table.name}.{f.tag}.panel_gather.{name}", np.array(values, np.int64))
-
-        flat = add("Reshape", [ids, const("flat", [-1])])  # [T]
-        width = const("panel_width", [gemm_pack.PANEL])
-        cols = add("Gather", [panels, add("Div", [flat, width])], axis=0)  # [T, steps, 16·pairs]: each id's panel
-        cols = add("Reshape", [cols, const("columns", [0, steps, gemm_pack.PANEL, pairs])])  # [T, steps, 16, pairs]
-        which = add("Expand", [add("Reshape", [add("Mod", [flat, width]), const("column", [-1, 1, 1, 1])]),
-                               const("broadcast", [1, steps, 1, pairs])])  # [T, steps, 1, pairs]: the id's column
-        rows = add("GatherElements", [cols, which], axis=2)
-        rows = add("Reshape", [rows, const("row", [0, steps * pairs])])  # [T, steps·pairs]
-        if steps * pairs != k:  # K padded to even in the bf16 panels
-            rows = add("Slice", [rows, const("zero", [0]), const("k", [k]), const("last", [-1])])
+        b = _Replacement(self, graph, node, f"{node.name}_panels_", f"{table.name}.{f.tag}.panel_gather")
+        panel, column = _panel_of(b, ids)
+        rows = _panel_column(b, panels, panel, column, (steps, None, pairs), "columns")
         if self.bits == 16:
-            rows = add("Cast", [rows], to=ir.DataType.FLOAT)
-        rows = add("Reshape", [rows, add("Concat", [add("Shape", [ids]), const("k", [k])], axis=0)])
-        ir.convenience.replace_nodes_and_values(graph, node, [node], nodes, node.outputs, [rows])
+            rows = b.add("Cast", [rows], to=ir.DataType.FLOAT)
+        return b.replace(_rows_of(b, rows, steps * pairs, k, ids))
+
+
+class _Replacement:
+    """The nodes that replace one Gather, named ``<infix><op>_<i>``, and the constants they read, made once per name
+    under ``prefix`` (:meth:`QuantizeWeights._const`: a tied table's MatMul and Gather share them)."""
+
+    def __init__(self, qpass: QuantizeWeights, graph: ir.Graph, node: ir.Node, infix: str, prefix: str) -> None:
+        self.qpass, self.graph, self.node, self.infix, self.prefix = qpass, graph, node, infix, prefix
+        self.nodes: list[ir.Node] = []
+
+    def add(self, op: str, inputs: list[ir.Value], **attrs: object) -> ir.Value:
+        new = ir.node(op, inputs, attributes=attrs or None, name=f"{self.infix}{op.lower()}_{len(self.nodes)}")
+        self.nodes.append(new)
+        return new.outputs[0]
+
+    def const(self, name: str, array: np.ndarray) -> ir.Value:
+        return self.qpass._const(self.graph, f"{self.prefix}.{name}", array)
+
+    def i64(self, name: str, *values: int) -> ir.Value:
+        return self.const(name, np.array(values, np.int64))
+
+    def replace(self, rows: ir.Value) -> bool:
+        """The Gather's output is ``rows`` from now on."""
+        ir.convenience.replace_nodes_and_values(self.graph, self.node, [self.node], self.nodes, self.node.outputs,
+                                                [rows])
         return True
+
+
+def _panel_of(b: _Replacement, ids: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """Where token ``v``'s row lives in a 16-column panel layout: panel ``v // 16``, column ``v % 16`` (ids flat)."""
+    flat = b.add("Reshape", [ids, b.i64("flat", -1)])  # [T]
+    width = b.i64("panel_width", gemm_pack.PANEL)
+    return b.add("Div", [flat, width]), b.add("Mod", [flat, width])
+
+
+def _panel_column(b: _Replacement, weights: ir.Value, panel: ir.Value, column: ir.Value, view: tuple[int | None, ...],
+                  name: str) -> ir.Value:
+    """Each id's column out of its panel: ``weights [P, ...]`` gathered at ``panel``, seen as ``[T, *view]`` whose
+    axis ``view`` gives as ``None`` holds the 16 columns, reduced to that one column (size 1 there)."""
+    axis = 1 + view.index(None)
+    view = tuple(gemm_pack.PANEL if v is None else v for v in view)
+    picked = b.add("Reshape", [b.add("Gather", [weights, panel], axis=0), b.i64(name, 0, *view)])
+    where = b.add("Reshape", [column, b.i64(f"{name}_column", -1, *(1 for _ in view))])
+    spread = b.i64(f"{name}_spread", 1, *(1 if i + 1 == axis else v for i, v in enumerate(view)))
+    return b.add("GatherElements", [picked, b.add("Expand", [where, spread])], axis=axis)
+
+
+def _rows_of(b: _Replacement, rows: ir.Value, width: int, k: int, ids: ir.Value) -> ir.Value:
+    """``rows`` (``width`` values per id, K padded to ``width``) as the Gather's ``[*ids.shape, k]``."""
+    rows = b.add("Reshape", [rows, b.i64("row", 0, width)])
+    if width != k:
+        rows = b.add("Slice", [rows, b.i64("start", 0), b.i64("k", k), b.i64("last", -1)])
+    return b.add("Reshape", [rows, b.add("Concat", [b.add("Shape", [ids]), b.i64("k_dim", k)], axis=0)])
 
 
 def weight_source(w: ir.Value | None) -> tuple[str | None, ir.Value | None, bool]:

@@ -100,33 +100,35 @@ def _tied_graph(table: np.ndarray) -> ir.Model:
 
 @pytest.mark.skipif(kernels.status().weight_layout is None, reason="the kernel library is unavailable")
 @pytest.mark.parametrize("bits", [32, 16])
-def test_a_tied_table_is_gathered_from_the_lm_head_panels(bits: int) -> None:
+@pytest.mark.parametrize("k", [37, 32])
+def test_a_tied_table_is_gathered_from_the_lm_head_panels(bits: int, k: int) -> None:
     """bits 32 / 16: the lm_head is MatMulF32 / MatMulBF16 and the tied embedding's rows come from its panels (the
     table itself is gone): exactly the table's rows (float32), or their bfloat16 rounding (bfloat16: what every
-    weight of such a bundle is), an odd K and a vocabulary that is not a whole number of panels included."""
+    weight of such a bundle is), an odd K and a vocabulary that is not a whole number of panels included (K 32:
+    16 bfloat16 k pairs a panel, as many as its columns)."""
     rng = np.random.default_rng(5)
-    table = rng.standard_normal((53, 37)).astype(np.float32)
+    table = rng.standard_normal((53, k)).astype(np.float32)
     model = _tied_graph(table)
     QuantizeWeights(bits=bits, embedding="float", gemm="kernel")(model)
     manager.Cleanup()(model)  # as the pipeline does after it: the lm_head's Transpose goes, and the table with it
     assert "model.embed_tokens.weight" not in model.graph.initializers
     assert {n.op_type for n in model.graph} >= {"GatherElements", "MatMulF32" if bits == 32 else "MatMulBF16"}
     ids = np.array([[0, 52, 16, 17], [31, 15, 1, 48]], np.int64)
-    x = rng.standard_normal((3, 37)).astype(np.float32)
+    x = rng.standard_normal((3, k)).astype(np.float32)
     rows, logits = run_model(model, {"ids": ids, "x": x})
-    want = table if bits == 32 else gemm_pack.unpack_bf16(gemm_pack.pack_bf16(table), 53, 37)
-    assert rows.shape == (2, 4, 37) and np.array_equal(rows, want[ids])
+    want = table if bits == 32 else gemm_pack.unpack_bf16(gemm_pack.pack_bf16(table), 53, k)
+    assert rows.shape == (2, 4, k) and np.array_equal(rows, want[ids])
     assert np.allclose(logits, x @ table.T, rtol=0, atol=(1e-4 if bits == 32 else 0.1))
 
 
 @pytest.mark.skipif(kernels.status().weight_layout is None, reason="the kernel library's MatMulQ is unavailable")
-@pytest.mark.parametrize(("bits", "symmetric"), [(4, True), (4, False), (8, True)])
-def test_a_quantized_tied_table_is_gathered_from_the_lm_head_panels(bits: int, symmetric: bool) -> None:
+@pytest.mark.parametrize(("bits", "symmetric", "k"), [(4, True, 70), (4, False, 70), (8, True, 70), (4, True, 512)])
+def test_a_quantized_tied_table_is_gathered_from_the_lm_head_panels(bits: int, symmetric: bool, k: int) -> None:
     """gemm "kernel": the tied embedding's rows come from the lm_head's MatMulQ panels (no second copy of the
-    blocks): exactly the dequantized rows the blocks stand for, affine blocks and a K padded to whole blocks
-    included."""
+    blocks): exactly the dequantized rows the blocks stand for, affine blocks, a K padded to whole blocks and K 512
+    (16 chunks a panel, as many as its columns) included."""
     rng = np.random.default_rng(6)
-    table = rng.standard_normal((53, 70)).astype(np.float32)
+    table = rng.standard_normal((53, k)).astype(np.float32)
     model = _tied_graph(table)
     qpass = QuantizeWeights(bits=bits, group_size=32, symmetric=symmetric, accuracy_level=4, gemm="kernel")
     qpass(model)
@@ -135,9 +137,9 @@ def test_a_quantized_tied_table_is_gathered_from_the_lm_head_panels(bits: int, s
     assert "model.embed_tokens.weight" not in names and f"model.embed_tokens.weight.q{bits}" not in names
     assert {n.op_type for n in model.graph} >= {"GatherElements", "MatMulQ"}
     ids = np.array([[0, 52, 16, 17], [31, 15, 1, 48]], np.int64)
-    rows, logits = run_model(model, {"ids": ids, "x": rng.standard_normal((3, 70)).astype(np.float32)})
+    rows, logits = run_model(model, {"ids": ids, "x": rng.standard_normal((3, k)).astype(np.float32)})
     want = quant.dequantize(qpass._packed["model.embed_tokens.weight"])
-    assert rows.shape == (2, 4, 70) and logits.shape == (3, 53) and np.array_equal(rows, want[ids])
+    assert rows.shape == (2, 4, k) and logits.shape == (3, 53) and np.array_equal(rows, want[ids])
 
 
 @pytest.mark.skipif(kernels.status().weight_layout is None, reason="the kernel library's MatMulF32 is unavailable")
