@@ -481,6 +481,7 @@ class LLMEngine:
         st.decode_tokens += decode
         st.prefill_tokens += plan.num_tokens - decode
         st.step_times.append(time.perf_counter() - t0)
+        self.scheduler.observe_step(st.last_prefill_tokens, decode, st.step_times[-1])
         if self._trace is not None:
             self._trace.record(time.monotonic() - st.step_times[-1], st.step_times[-1], model_s,
                                st.last_prefill_tokens, decode, len(self.scheduler.running), len(self.scheduler.waiting))

@@ -29,10 +29,14 @@ DEFAULT_MAX_QUEUE_TIME_S = SERVE_DEFAULTS["max_queue_time_s"]  # a request waiti
 # applies (no inter-token gap is seen there). The measurements: benchmarks/RESULTS.md, 2026-12-02 "the decode-step
 # token budget"
 DECODE_STEP_TOKEN_BUDGET = 128
-# ... except for float32 weights, whose steps are longer: when serving, "auto" is then a fixed 64 prefill tokens
-# beside decodes; quantized and bfloat16 bundles keep the budget, which the fixed cap would cost throughput.
-# The measurements: benchmarks/RESULTS.md, 2026-12-05 "The decode-step budget, again"
+# ... except for float32 weights, whose steps are longer: when serving, "auto" is then the time rule (runtime/
+# step_cost.py: a step with decodes lasts about MIXED_STEP_TIME_RATIO decode-only steps), a fixed 64 prefill tokens
+# beside decodes until the engine has timed both kinds of step; quantized and bfloat16 bundles keep the budget, which
+# a smaller prefill share would cost throughput. The measurements: benchmarks/RESULTS.md, 2026-12-05 "The
+# decode-step budget, again" (the fixed 64 at 135M) and 2026-12-06 "the time rule" (1B: a fixed 64 fp32 tokens made
+# 700 ms mixed steps beside 123 ms decode-only ones)
 FLOAT32_PREFILL_WITH_DECODES = 64
+MIXED_STEP_TIME_RATIO = 3.0
 DEFAULT_HICACHE_STORAGE_GB = 16.0  # the storage tier's budget when none is given
 HICACHE_STORAGE_BACKENDS = ("file",)
 QUEUE_BATCHES = 1
@@ -151,16 +155,18 @@ class EngineConfig:
 
     def scheduler_config(self, model: ModelConfig, mixed_batches: bool) -> SchedulerConfig:
         """The scheduler's limits: these options with the model's EOS ids and sliding window."""
-        # "auto": when serving the token budget (float32 weights: a fixed prefill cap); offline (whole outputs
+        # "auto": when serving the token budget (float32 weights: the time rule); offline (whole outputs
         # returned at once, nobody sees an inter-token gap) the step budget, for throughput
         auto = self.max_prefill_tokens_with_decodes == "auto"
         cap = None if auto else self.max_prefill_tokens_with_decodes
         budget = DECODE_STEP_TOKEN_BUDGET if auto and self.serving else None
+        ratio = None
         if budget is not None and self.float32_weights:
-            cap, budget = FLOAT32_PREFILL_WITH_DECODES, None
+            cap, budget, ratio = FLOAT32_PREFILL_WITH_DECODES, None, MIXED_STEP_TIME_RATIO
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                preemption_mode=self.preemption_mode, mixed_batches=mixed_batches,
                                max_prefill_tokens_with_decodes=cap, decode_step_token_budget=budget,
+                               mixed_step_time_ratio=ratio,
                                max_model_len=self.max_model_len,
                                eos_token_ids=model.eos_token_ids, sliding_window=model.sliding_window)
 

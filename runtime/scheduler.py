@@ -33,14 +33,16 @@ their own work only. A step that carries running decodes is bounded (Sarathi-Ser
 that arrivals cannot stall the running streams behind a full-budget chunk: by ``decode_step_token_budget`` — the
 step's tokens in all, decodes first, the prefill chunks the rest but never fewer than
 ``MIN_PREFILL_WITH_DECODES`` (the server's default rule, 128 tokens: benchmarks/RESULTS.md "decode-step token
-budget"; for float32 weights the default is a fixed cap instead, runtime/engine_config.py) —
-or by ``max_prefill_tokens_with_decodes``, a fixed number of prefill tokens; steps without decodes take the whole
-budget. Without mixed batches (graphs that
-pad every sequence's queries to the step's longest: the runtime-write ORT graph) a step carries either decodes or
-prefill work, and the two kinds alternate while both are pending. Measured: benchmarks/RESULTS.md ("mixed steps";
-"the decode-step prefill cap").
+budget"; for float32 weights the default is the time rule instead, runtime/engine_config.py) —
+or by ``max_prefill_tokens_with_decodes``, a fixed number of prefill tokens; or by time (``mixed_step_time_ratio``,
+runtime/step_cost.py: the step lasts about that many decode-only steps, as measured on the running engine; the
+token rule holds until both costs have been seen); steps without decodes take the whole budget. Without mixed
+batches (graphs that pad every sequence's queries to the step's longest: the runtime-write ORT graph) a step
+carries either decodes or prefill work, and the two kinds alternate while both are pending. Measured:
+benchmarks/RESULTS.md ("mixed steps"; "the decode-step prefill cap"; "the time rule").
 Invariants: the scheduled tokens of a step never exceed the budget, nor its prefill tokens the decode-step cap
-(with the token budget: the larger of ``MIN_PREFILL_WITH_DECODES`` and the budget less the step's decodes);
+(with the token budget: the larger of ``MIN_PREFILL_WITH_DECODES`` and the budget less the step's decodes; with the
+time rule: its prediction, at least ``MIN_TIMED_PREFILL``);
 at most ``max_num_seqs`` requests are RUNNING or loading, counting the ``n > 1`` followers a leader will fork; a
 request is in exactly one of waiting / running / swapped / loading until it finishes; blocks are held only under
 the id of the request that owns them; every RUNNING, SWAPPED or loading request with an adapter pins it once (so a
@@ -64,12 +66,14 @@ from omforge.runtime.kv_cache_manager import KVCacheManager
 from omforge.runtime.kv_connector import ExternalHit, FinishedLoad, KVConnector
 from omforge.runtime.request import Request, Status
 from omforge.runtime.step import SeqWork
+from omforge.runtime.step_cost import StepCost
 
 if TYPE_CHECKING:
     from omforge.runtime.lora.slots import LoraSlots
 
 PREEMPTION_MODES = ("recompute", "swap")
 MIN_PREFILL_WITH_DECODES = 32  # prefill tokens a step with decodes may always carry (the token budget's floor)
+MIN_TIMED_PREFILL = 16  # the time rule's floor: prefill progresses however slow a token is
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,9 @@ class SchedulerConfig:
     mixed_batches: bool = False
     max_prefill_tokens_with_decodes: int | None = None  # a fixed cap; wins over the token budget
     decode_step_token_budget: int | None = None  # tokens in all of a step with decodes (mixed batches)
+    # the time rule (runtime/step_cost.py): once the step costs are known, a step with decodes lasts about this many
+    # decode-only steps, replacing the token rule above (which still holds until then)
+    mixed_step_time_ratio: float | None = None
     max_model_len: int | None = None  # a request that reaches it finishes with "length"
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None  # blocks wholly before the window go back to the pool
@@ -93,6 +100,8 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
         if self.decode_step_token_budget is not None and self.decode_step_token_budget < 1:
             raise ValueError("decode_step_token_budget must be at least 1")
+        if self.mixed_step_time_ratio is not None and self.mixed_step_time_ratio <= 1:
+            raise ValueError("mixed_step_time_ratio must be above 1 (a decode-only step is 1)")
 
     def prefill_cap(self, decodes: int) -> int | None:
         """Prefill tokens a step carrying ``decodes`` decoding sequences may take (None: the budget's rest)."""
@@ -176,6 +185,21 @@ class Scheduler:
         self.failed: list[Request] = []  # ended without an answer (a failed KV load): the engine reports them
         self.num_preemptions = 0
         self._last_was_decode = False
+        self.step_cost = StepCost()  # the time rule's model, fed by observe_step
+
+    def observe_step(self, prefill_tokens: int, decode_tokens: int, seconds: float) -> None:
+        """A finished step's shape and duration (the engine's clock), for the time rule."""
+        self.step_cost.observe(prefill_tokens, decode_tokens, seconds)
+
+    def _prefill_cap(self, decodes: int) -> int | None:
+        """The prefill tokens a step carrying ``decodes`` decodes may take: the time rule's once it has costs,
+        else the configured token rule's (:meth:`SchedulerConfig.prefill_cap`)."""
+        ratio = self.config.mixed_step_time_ratio
+        if ratio is not None and self.config.mixed_batches and decodes:
+            timed = self.step_cost.prefill_within(ratio, MIN_TIMED_PREFILL)
+            if timed is not None:
+                return timed
+        return self.config.prefill_cap(decodes)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -468,7 +492,7 @@ class Scheduler:
         self._last_was_decode = decode_step
         # prefill tokens this step may take: capped when it carries decodes (mixed batches); a swapped request
         # that comes back decoding brings the cap a step without decodes would have with one
-        cap = self.config.prefill_cap(max(1, len(decoding)))
+        cap = self._prefill_cap(max(1, len(decoding)))
         step = _StepBudget(self.budget, cap if cap and decoding else self.budget, cap, bool(decoding))
         self._fill_running(out, step, decode_step)
         if decode_step:

@@ -23,6 +23,7 @@ from omforge.contract.manifest import (
 from omforge.runtime.engine_config import (
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_MAX_QUEUE_TIME_S,
+    MIXED_STEP_TIME_RATIO,
     QUEUE_BATCHES,
     EngineConfig,
     EngineConfigError,
@@ -93,29 +94,30 @@ def test_scheduler_config_carries_the_model_facts() -> None:
 
 
 def test_the_decode_step_cap_is_a_number_the_token_budget_or_none() -> None:
-    """``auto`` (the recipe's default) is, when serving, the scheduler's token budget for steps with decodes — a fixed
-    cap of 64 prefill tokens for float32 weights — (offline the step budget: no inter-token gap is seen there); a
-    number is a fixed
+    """``auto`` (the recipe's default) is, when serving, the scheduler's token budget for steps with decodes — for
+    float32 weights the time rule, a fixed 64 prefill tokens until steps are timed — (offline the step budget: no
+    inter-token gap is seen there); a number is a fixed
     prefill cap; null — or a caller's ``none`` over a bundle's value — bounds nothing; anything else is refused."""
-    def caps(cfg: EngineConfig, serving: bool = True) -> tuple[int | None, int | None]:
+    def caps(cfg: EngineConfig, serving: bool = True) -> tuple[int | None, int | None, float | None]:
         cfg = replace(cfg, serving=serving)
         sc = cfg.scheduler_config(MODEL, mixed_batches=True)
-        return sc.max_prefill_tokens_with_decodes, sc.decode_step_token_budget
+        return sc.max_prefill_tokens_with_decodes, sc.decode_step_token_budget, sc.mixed_step_time_ratio
 
     int4 = replace(manifest(max_prefill_tokens_with_decodes="auto"), weights=Weights("int4", {}))
-    assert caps(EngineConfig.resolve(int4)) == (None, 128)
-    assert caps(EngineConfig.resolve(int4), serving=False) == (None, None)
-    assert caps(EngineConfig.resolve(int4, max_prefill_tokens_with_decodes=32)) == (32, None)
-    # float32 weights: a fixed cap (their steps are slower), when serving only; a given number still wins
-    assert caps(EngineConfig.resolve(manifest(max_prefill_tokens_with_decodes="auto"))) == (64, None)
-    assert caps(EngineConfig.resolve(manifest(max_prefill_tokens_with_decodes="auto")), serving=False) == (None, None)
-    assert caps(EngineConfig.resolve(manifest(max_prefill_tokens_with_decodes=96))) == (96, None)
+    assert caps(EngineConfig.resolve(int4)) == (None, 128, None)
+    assert caps(EngineConfig.resolve(int4), serving=False) == (None, None, None)
+    assert caps(EngineConfig.resolve(int4, max_prefill_tokens_with_decodes=32)) == (32, None, None)
+    # float32 weights: the time rule over a fixed cap (their steps are slower), when serving only; a number still wins
+    auto = manifest(max_prefill_tokens_with_decodes="auto")
+    assert caps(EngineConfig.resolve(auto)) == (64, None, MIXED_STEP_TIME_RATIO)
+    assert caps(EngineConfig.resolve(auto), serving=False) == (None, None, None)
+    assert caps(EngineConfig.resolve(manifest(max_prefill_tokens_with_decodes=96))) == (96, None, None)
     assert EngineConfig.resolve(manifest(), serving=True).serving  # omforge serve's engine
-    assert caps(EngineConfig.resolve(manifest())) == (None, None)  # a bundle that recorded null
+    assert caps(EngineConfig.resolve(manifest())) == (None, None, None)  # a bundle that recorded null
     assert caps(EngineConfig.resolve(manifest(max_prefill_tokens_with_decodes="auto"),
-                                     max_prefill_tokens_with_decodes="none")) == (None, None)
+                                     max_prefill_tokens_with_decodes="none")) == (None, None, None)
     assert caps(EngineConfig.resolve(replace(manifest(), weights=Weights("bfloat16", {})),
-                                     max_prefill_tokens_with_decodes="auto")) == (None, 128)
+                                     max_prefill_tokens_with_decodes="auto")) == (None, 128, None)
     with pytest.raises(EngineConfigError, match="unknown engine option"):
         EngineConfig.resolve(manifest(), float32_weights=False)  # read from the bundle, not an option
     with pytest.raises(EngineConfigError, match="max_prefill_tokens_with_decodes must be a positive number, 'auto'"):

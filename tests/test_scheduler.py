@@ -21,7 +21,13 @@ from omforge.runtime.executor import Executor, ExecutorCapabilities, run_plan
 from omforge.runtime.kv_cache_manager import NO_BLOCK, KVCacheManager
 from omforge.runtime.request import Request, Status
 from omforge.runtime.sampling_params import SamplingParams
-from omforge.runtime.scheduler import MIN_PREFILL_WITH_DECODES, Scheduler, SchedulerConfig, SchedulerOutput
+from omforge.runtime.scheduler import (
+    MIN_PREFILL_WITH_DECODES,
+    MIN_TIMED_PREFILL,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 
 EOS = 2
 
@@ -357,14 +363,16 @@ def lifecycles(draw: st.DrawFn) -> dict:
                 cap=draw(st.one_of(st.none(), st.integers(1, 16))), token_budget=draw(st.one_of(st.none(),
                                                                                              st.integers(33, 48))),
                 window=draw(st.sampled_from([None, 6, 13])),
-                aborts=draw(st.lists(st.integers(0, 9), max_size=3)), spec=draw(st.booleans()))
+                aborts=draw(st.lists(st.integers(0, 9), max_size=3)), spec=draw(st.booleans()),
+                timed=draw(st.booleans()))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lifecycles())
 def test_fuzz_lifecycles_keep_the_invariants(case: dict) -> None:
     """Random arrivals (some n > 1, some sharing prompts), aborts, EOS, budgets, pools, both preemption modes,
-    prefix caching on and off, mixed batches or alternation, the decode-step cap and sliding windows. After every
+    prefix caching on and off, mixed batches or alternation, the decode-step cap (a number, the token budget or the
+    time rule over random step times) and sliding windows. After every
     step: the budget, the cap and max_num_seqs hold, every request is in exactly one queue, no request preempted
     in a step is scheduled in it, the KV manager's invariants hold and every scheduled context reads back its own
     tokens; at the end every request finished and every block is free. With ``spec``, decoding requests bring
@@ -375,7 +383,8 @@ def test_fuzz_lifecycles_keep_the_invariants(case: dict) -> None:
     s, fake = make(case["blocks"], case["block_size"], caching=case["caching"], host=case["host"],
                    max_num_seqs=case["max_num_seqs"], max_num_batched_tokens=budget, mixed_batches=mixed,
                    preemption_mode=case["mode"], max_prefill_tokens_with_decodes=cap,
-                   decode_step_token_budget=case["token_budget"], sliding_window=case["window"])
+                   decode_step_token_budget=case["token_budget"], sliding_window=case["window"],
+                   mixed_step_time_ratio=3.0 if case["timed"] else None)
     shared = [rng.randrange(3, 40) for _ in range(30)]
     pending, live = [], []
     for i, (n_prompt, max_tokens, n, arrive, share) in enumerate(case["reqs"]):
@@ -415,12 +424,19 @@ def test_fuzz_lifecycles_keep_the_invariants(case: dict) -> None:
         decodes = sum(r.num_tokens - r.num_computed_tokens == 1 for r in s.running)
         if cap is None and case["token_budget"]:
             cap = max(MIN_PREFILL_WITH_DECODES, case["token_budget"] - max(1, decodes))  # this step's
+        cost = s.step_cost
+        if case["timed"] and cost.decode_s is not None and cost.prefill_token_s is not None:  # the time rule's
+            cap = max(MIN_TIMED_PREFILL, int(2.0 * cost.decode_s / cost.prefill_token_s))
         plan = step(s, fake, tokens=lambda r: EOS if rng.random() < 0.1 else rng.randrange(3, 40), verify=keep)
         assert plan.num_tokens <= budget
         if mixed and cap and any(x.num_new_tokens - x.num_draft == 1 and x.start >= len(x.request.prompt_token_ids)
                                  and id(x.request) in running for x in plan.scheduled):
             assert sum(x.num_new_tokens for x in plan.scheduled if x.num_new_tokens > 1 and not x.num_draft) <= cap
         cap = case["cap"]
+        if case["timed"]:  # step times that vary with the plan's tokens (a decode ~3 ms, a prefill token ~0.4 ms)
+            prefill = plan.num_tokens - plan.num_decode_tokens
+            s.observe_step(prefill, plan.num_decode_tokens,
+                           rng.uniform(0.5, 1.5) * (0.003 * bool(plan.num_decode_tokens) + 0.0004 * prefill))
         assert sum(1 + len(r.followers) for r in s.running) <= s.max_num_seqs  # seats: unforked followers too
         assert not {id(r) for r in plan.preempted} & {id(x.request) for x in plan.scheduled}
         queues = [*s.waiting, *s.running, *s.swapped]
@@ -430,3 +446,29 @@ def test_fuzz_lifecycles_keep_the_invariants(case: dict) -> None:
     assert all(r.finished for _, seqs in pending for r in seqs)
     stats = s.kv.stats()
     assert stats.num_free == case["blocks"] and stats.num_host_free == case["host"]
+
+
+def test_the_time_rule_sizes_prefill_beside_decodes_once_steps_are_timed() -> None:
+    """``mixed_step_time_ratio``: the token rule (here a fixed 64) holds until the engine has timed a decode-only
+    step and a prefill; then a step with decodes carries the prefill that makes it last ~ratio decode-only steps
+    (never fewer than MIN_TIMED_PREFILL); steps without decodes still take the whole budget."""
+    s, fake = make(blocks=1024, block_size=16, max_num_batched_tokens=512, max_prefill_tokens_with_decodes=64,
+                   mixed_step_time_ratio=3.0)
+    s.add(request("a", 20, max_tokens=1000))
+    assert shape(step(s, fake)) == [("a", 20)]
+    s.add(request("long", 900))
+    assert shape(step(s, fake)) == [("a", 1), ("long", 64)]  # nothing timed yet: the token rule
+    s.observe_step(0, 1, 0.100)  # a decode-only step: 100 ms
+    s.observe_step(64, 1, 0.100 + 64 * 0.010)  # 10 ms per prefill token beyond it
+    assert shape(step(s, fake)) == [("a", 1), ("long", 20)]  # (3 - 1) * 100 ms / 10 ms
+    s.observe_step(0, 1, 0.020)
+    for _ in range(12):
+        s.observe_step(0, 1, 0.020)  # decode steps got faster: the mean follows, the floor holds
+    assert shape(step(s, fake)) == [("a", 1), ("long", MIN_TIMED_PREFILL)]
+    s2, fake2 = make(blocks=1024, block_size=16, max_num_batched_tokens=512, mixed_step_time_ratio=3.0)
+    s2.observe_step(0, 1, 0.1)
+    s2.observe_step(64, 1, 0.74)
+    s2.add(request("b", 600))
+    assert shape(step(s2, fake2)) == [("b", 512)]  # no decodes: the whole budget
+    with pytest.raises(ValueError, match="mixed_step_time_ratio must be above 1"):
+        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=16, mixed_step_time_ratio=1.0)
