@@ -29,10 +29,11 @@ DEFAULT_MAX_QUEUE_TIME_S = SERVE_DEFAULTS["max_queue_time_s"]  # a request waiti
 # applies (no inter-token gap is seen there). The measurements: benchmarks/RESULTS.md, 2026-12-02 "the decode-step
 # token budget"
 DECODE_STEP_TOKEN_BUDGET = 128
-# ... except for float32 weights, whose steps are longer: when serving, "auto" is then the time rule (runtime/
-# step_cost.py: a step with decodes lasts about MIXED_STEP_TIME_RATIO decode-only steps), a fixed 64 prefill tokens
-# beside decodes until the engine has timed both kinds of step; quantized and bfloat16 bundles keep the budget, which
-# a smaller prefill share would cost throughput. The measurements: benchmarks/RESULTS.md, 2026-12-05 "The
+# ... except for float32 weights, whose steps are longer: when serving, "auto" is then a fixed 64 prefill tokens
+# beside decodes, and once the engine has timed both kinds of step no more than the time rule allows (runtime/
+# step_cost.py: a step with decodes lasts at most ~MIXED_STEP_TIME_RATIO decode-only steps; at 135M the 64 tokens
+# are within it, at 1B they are not); quantized and bfloat16 bundles keep the budget, which a smaller prefill share
+# would cost throughput. The measurements: benchmarks/RESULTS.md, 2026-12-05 "The
 # decode-step budget, again" (the fixed 64 at 135M) and 2026-12-06 "the time rule" (1B: a fixed 64 fp32 tokens made
 # 700 ms mixed steps beside 123 ms decode-only ones)
 FLOAT32_PREFILL_WITH_DECODES = 64

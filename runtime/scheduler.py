@@ -34,15 +34,15 @@ that arrivals cannot stall the running streams behind a full-budget chunk: by ``
 step's tokens in all, decodes first, the prefill chunks the rest but never fewer than
 ``MIN_PREFILL_WITH_DECODES`` (the server's default rule, 128 tokens: benchmarks/RESULTS.md "decode-step token
 budget"; for float32 weights the default is the time rule instead, runtime/engine_config.py) —
-or by ``max_prefill_tokens_with_decodes``, a fixed number of prefill tokens; or by time (``mixed_step_time_ratio``,
-runtime/step_cost.py: the step lasts about that many decode-only steps, as measured on the running engine; the
-token rule holds until both costs have been seen); steps without decodes take the whole budget. Without mixed
-batches (graphs that pad every sequence's queries to the step's longest: the runtime-write ORT graph) a step
-carries either decodes or prefill work, and the two kinds alternate while both are pending. Measured:
+or by ``max_prefill_tokens_with_decodes``, a fixed number of prefill tokens; and further by time
+(``mixed_step_time_ratio``, runtime/step_cost.py: the step lasts no more than about that many decode-only steps, as
+measured on the running engine, once both costs have been seen); steps without decodes take the whole budget.
+Without mixed batches (graphs that pad every sequence's queries to the step's longest: the runtime-write ORT graph)
+a step carries either decodes or prefill work, and the two kinds alternate while both are pending. Measured:
 benchmarks/RESULTS.md ("mixed steps"; "the decode-step prefill cap"; "the time rule").
 Invariants: the scheduled tokens of a step never exceed the budget, nor its prefill tokens the decode-step cap
 (with the token budget: the larger of ``MIN_PREFILL_WITH_DECODES`` and the budget less the step's decodes; with the
-time rule: its prediction, at least ``MIN_TIMED_PREFILL``);
+time rule also its prediction, at least ``MIN_TIMED_PREFILL``);
 at most ``max_num_seqs`` requests are RUNNING or loading, counting the ``n > 1`` followers a leader will fork; a
 request is in exactly one of waiting / running / swapped / loading until it finishes; blocks are held only under
 the id of the request that owns them; every RUNNING, SWAPPED or loading request with an adapter pins it once (so a
@@ -86,8 +86,8 @@ class SchedulerConfig:
     mixed_batches: bool = False
     max_prefill_tokens_with_decodes: int | None = None  # a fixed cap; wins over the token budget
     decode_step_token_budget: int | None = None  # tokens in all of a step with decodes (mixed batches)
-    # the time rule (runtime/step_cost.py): once the step costs are known, a step with decodes lasts about this many
-    # decode-only steps, replacing the token rule above (which still holds until then)
+    # the time rule (runtime/step_cost.py): once the step costs are known, a step with decodes lasts no more than
+    # about this many decode-only steps (within the token rule above, which alone holds until then)
     mixed_step_time_ratio: float | None = None
     max_model_len: int | None = None  # a request that reaches it finishes with "length"
     eos_token_ids: tuple[int, ...] = ()
@@ -192,14 +192,15 @@ class Scheduler:
         self.step_cost.observe(prefill_tokens, decode_tokens, seconds)
 
     def _prefill_cap(self, decodes: int) -> int | None:
-        """The prefill tokens a step carrying ``decodes`` decodes may take: the time rule's once it has costs,
-        else the configured token rule's (:meth:`SchedulerConfig.prefill_cap`)."""
+        """The prefill tokens a step carrying ``decodes`` decodes may take: the configured token rule's
+        (:meth:`SchedulerConfig.prefill_cap`), and once the time rule has costs, no more than its prediction."""
+        cap = self.config.prefill_cap(decodes)
         ratio = self.config.mixed_step_time_ratio
         if ratio is not None and self.config.mixed_batches and decodes:
             timed = self.step_cost.prefill_within(ratio, MIN_TIMED_PREFILL)
             if timed is not None:
-                return timed
-        return self.config.prefill_cap(decodes)
+                return timed if cap is None else min(cap, timed)
+        return cap
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)

@@ -3,7 +3,7 @@
 A step that carries running decodes is every running stream's inter-token gap. The token rules (a fixed prefill cap,
 a token budget) bound its tokens, but what a token costs differs by two orders of magnitude between a 135M int4
 bundle and a 1B float32 one (benchmarks/RESULTS.md, issue 48: a 64-token fp32 chunk beside ~6 decodes took 700 ms
-on the 1B shape against a 123 ms decode-only step). The time rule bounds the step's time instead: a step with
+on the 1B shape against a 123 ms decode-only step). The time rule bounds the step's time as well: a step with
 decodes may last ``ratio`` times a decode-only step, the prefill chunks taking what is left (Sarathi-Serve sizes its
 token budget from a time-between-tokens target the same way, by profiling; here the profile is the running engine).
 

@@ -426,7 +426,8 @@ def test_fuzz_lifecycles_keep_the_invariants(case: dict) -> None:
             cap = max(MIN_PREFILL_WITH_DECODES, case["token_budget"] - max(1, decodes))  # this step's
         cost = s.step_cost
         if case["timed"] and cost.decode_s is not None and cost.prefill_token_s is not None:  # the time rule's
-            cap = max(MIN_TIMED_PREFILL, int(2.0 * cost.decode_s / cost.prefill_token_s))
+            timed = max(MIN_TIMED_PREFILL, int(2.0 * cost.decode_s / cost.prefill_token_s))
+            cap = timed if cap is None else min(cap, timed)
         plan = step(s, fake, tokens=lambda r: EOS if rng.random() < 0.1 else rng.randrange(3, 40), verify=keep)
         assert plan.num_tokens <= budget
         if mixed and cap and any(x.num_new_tokens - x.num_draft == 1 and x.start >= len(x.request.prompt_token_ids)
@@ -449,9 +450,9 @@ def test_fuzz_lifecycles_keep_the_invariants(case: dict) -> None:
 
 
 def test_the_time_rule_sizes_prefill_beside_decodes_once_steps_are_timed() -> None:
-    """``mixed_step_time_ratio``: the token rule (here a fixed 64) holds until the engine has timed a decode-only
-    step and a prefill; then a step with decodes carries the prefill that makes it last ~ratio decode-only steps
-    (never fewer than MIN_TIMED_PREFILL); steps without decodes still take the whole budget."""
+    """``mixed_step_time_ratio``: the token rule (here a fixed 64) alone holds until the engine has timed a
+    decode-only step and a prefill; then a step with decodes carries no more prefill than makes it last ~ratio
+    decode-only steps (never fewer than MIN_TIMED_PREFILL); steps without decodes still take the whole budget."""
     s, fake = make(blocks=1024, block_size=16, max_num_batched_tokens=512, max_prefill_tokens_with_decodes=64,
                    mixed_step_time_ratio=3.0)
     s.add(request("a", 20, max_tokens=1000))
@@ -465,6 +466,9 @@ def test_the_time_rule_sizes_prefill_beside_decodes_once_steps_are_timed() -> No
     for _ in range(12):
         s.observe_step(0, 1, 0.020)  # decode steps got faster: the mean follows, the floor holds
     assert shape(step(s, fake)) == [("a", 1), ("long", MIN_TIMED_PREFILL)]
+    for _ in range(30):
+        s.observe_step(0, 1, 1.0)  # slow decode steps: the time rule would allow ~200 tokens, the token rule 64
+    assert shape(step(s, fake)) == [("a", 1), ("long", 64)]
     s2, fake2 = make(blocks=1024, block_size=16, max_num_batched_tokens=512, mixed_step_time_ratio=3.0)
     s2.observe_step(0, 1, 0.1)
     s2.observe_step(64, 1, 0.74)
