@@ -11,6 +11,12 @@
 #           requests one at a time: 64 × 128 tokens at 1B would take ~30 min and is left out)
 #   serve   omforge serve and vLLM's OpenAI server (fp32), loadgen short-chat at concurrency 8 (32 requests) and 32
 #           (64 requests), streaming, EOS ignored
+#   tail    the serving tail (item 5): as serve, fp32 only, omforge with its default (the time rule) and with the fixed
+#           64-token cap it replaced (--max-prefill-tokens-with-decodes 64), each with OMFORGE_STEP_TRACE written to
+#           OUT.steps-LABEL.jsonl, then vLLM
+#   limits8b, pairs8b  the 8B shape (Llama-3-8B's config): machine_limits at its size, then single stream int4
+#           against llama.cpp Q4_0 / Q4_1 and OpenVINO int4 g64, interleaved in two rounds (--runs 3 each);
+#           q4pairs8b / q4pairs1b: omforge int4 and llama.cpp Q4_0 alone, three interleaved rounds, at 8B / 1B
 # Every command runs under a time bound; a row that fails or times out is reported and the sitting goes on.
 set -uo pipefail
 ROOT=${1:?usage: bench_large.sh ROOT OUT.jsonl [GROUP…]}
@@ -98,6 +104,55 @@ serve)
     if wait_up "$URL"; then serve_one; else log "FAILED: vLLM"; tail -5 /tmp/bench_large_vllm.log; fi
     kill -INT $S; wait $S 2>/dev/null
   fi ;;
+tail)
+  serve_one() {
+    for lv in "12 32 8" "13 64 32"; do
+      set -- $lv
+      log "loadgen $LABEL short-chat c=$3"
+      timeout 1200 "$OMPY" "$BENCH/loadgen.py" --base-url "$URL" --tokenizer "$HF" --engine "$LABEL" --ignore-eos \
+        --deadline 1100 --timeout 900 --out "$OUT" --workload short-chat --seed "$1" --num "$2" --concurrency "$3" \
+        | tail -1
+    done
+  }
+  wait_up() { for _ in $(seq 1 400); do curl -sf "$1/v1/models" >/dev/null && return 0; sleep 1; done; return 1; }
+  for rule in "time-rule" "fixed-64 --max-prefill-tokens-with-decodes 64"; do
+    set -- $rule
+    LABEL="omforge fp32 $1"; URL=http://127.0.0.1:8100; tag=$1; shift
+    OMFORGE_STEP_TRACE="${OUT%.jsonl}.steps-$tag.jsonl" "$HERE/.venv/bin/omforge" serve "$M/$N-omforge-fp32" \
+      --host 127.0.0.1 --port 8100 "$@" >/tmp/bench_large_om.log 2>&1 &
+    S=$!
+    if wait_up "$URL"; then serve_one; else log "FAILED: omforge serve $tag"; tail -5 /tmp/bench_large_om.log; fi
+    kill -INT $S; wait $S 2>/dev/null
+  done
+  if [ -x "$VLLM/bin/python" ]; then
+    LABEL="vLLM CPU fp32"; URL=http://127.0.0.1:8101
+    VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 OMP_NUM_THREADS=2 \
+      LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$VLLM/lib/libiomp5.so \
+      "$VLLM/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF" --dtype float32 \
+      --max-model-len 2048 --host 127.0.0.1 --port 8101 >/tmp/bench_large_vllm.log 2>&1 &
+    S=$!
+    if wait_up "$URL"; then serve_one; else log "FAILED: vLLM"; tail -5 /tmp/bench_large_vllm.log; fi
+    kill -INT $S; wait $S 2>/dev/null
+  fi ;;
+limits8b)
+  log "machine_limits (8.03 B parameters, int4 Q4_0: 4.5 bits a weight)"
+  timeout 600 "$OMPY" "$BENCH/machine_limits.py" --params 8030261248 --bytes-per-param 0.5625 ;;
+pairs8b|q4pairs8b)  # q4pairs8b: omforge and llama.cpp Q4_0 only, three rounds
+  N8=llama-3-8b; HF8=$M/$N8-hf
+  [ -f "$HF8/config.json" ] || { log "FAILED: $HF8 has no config.json (benchmarks/build_large_peers.py --models 8b)"; continue; }
+  for round in $([ "$g" = pairs8b ] && echo 1 2 || echo 1 2 3); do
+    HF=$HF8 off "$LCPY" llamacpp "$M/$N8-Q4_0.gguf" Q4_0 "8B llama.cpp Q4_0 round $round" --workload single --ttft --runs 3
+    HF=$HF8 off "$OMPY" omforge "$M/$N8-omforge-int4-q4_0" int4 "8B omforge int4 from the Q4_0 GGUF round $round" \
+      --workload single --ttft --runs 3
+    [ "$g" = pairs8b ] || continue
+    HF=$HF8 off "$LCPY" llamacpp "$M/$N8-Q4_1.gguf" Q4_1 "8B llama.cpp Q4_1 round $round" --workload single --ttft --runs 3
+    HF=$HF8 off "$OVPY" openvino "$M/$N8-ov-int4" int4 "8B OpenVINO int4 g64 round $round" --workload single --ttft --runs 3
+  done ;;
+q4pairs1b)  # the 1B int4 row again: omforge int4 (Q4_0 blocks) and llama.cpp Q4_0, three rounds
+  for round in 1 2 3; do
+    off "$LCPY" llamacpp "$M/$N-Q4_0.gguf" Q4_0 "llama.cpp Q4_0 round $round" --workload single --ttft --runs 3
+    off "$OMPY" omforge "$M/$N-omforge-int4-q4_0" int4 "omforge int4-q4_0 round $round" --workload single --ttft --runs 3
+  done ;;
 *) echo "unknown group $g" >&2; exit 2 ;;
 esac; done
 log "done: $OUT"

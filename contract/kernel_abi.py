@@ -5,10 +5,10 @@ passes read them without importing the runtime."""
 from __future__ import annotations
 
 DOMAIN = "omforge.kernels"
-ABI_VERSION = 7
+ABI_VERSION = 8
 """The op contract version this Python side speaks; the library reports its own (must match)."""
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 """Head sizes the kernel is instantiated for; the lowering keeps plain ops for any other."""
-WEIGHT_LAYOUT = 1
+WEIGHT_LAYOUT = 2
 """The packed weight layout ``MatMulQ`` reads (runtime/ort/kernels/qgemm.h ``kPanelLayout``; passes/gemm_pack.py
-writes it). A bundle records it; a library reading another version refuses the bundle in one line."""
+writes it; 2: float16 scales). A bundle records it; a library reading another version refuses the bundle in one line."""

@@ -29,7 +29,7 @@ class PanelWeights:
     n: int
     k: int
     codes: np.ndarray  # uint8 [P, Kp/32, 16·32·bits/8]
-    scales: np.ndarray  # float32 [P, kb, 16]
+    scales: np.ndarray  # float16 [P, kb, 16]
     offsets: np.ndarray | None  # float32 [P, kb, 16]; None when symmetric
 
     @property
@@ -53,14 +53,18 @@ def pack(p: quant.Packed) -> PanelWeights:
         c6 = codes.reshape(panels, PANEL, chunks, 4, 2, 4)
         c = (c6[:, :, :, :, 0] | (c6[:, :, :, :, 1] << 4)).transpose(0, 2, 3, 1, 4)
     packed = np.ascontiguousarray(c).reshape(panels, chunks, -1)
-    return PanelWeights(p.bits, p.block, p.n, p.k, packed, _panel_major(p.scales.reshape(p.n, kb), panels),
+    scales = p.scales.astype(np.float16)
+    if not np.array_equal(scales.astype(np.float32), p.scales):
+        raise ValueError("MatMulQ's scales are float16: these blocks' scales are not all float16 values "
+                         "(quant.quantize rounds its scales to float16; GGUF's d are float16)")
+    return PanelWeights(p.bits, p.block, p.n, p.k, packed, _panel_major(scales.reshape(p.n, kb), panels),
                         None if p.block_min is None else _panel_major(p.block_min, panels))
 
 
 def _panel_major(per_block: np.ndarray, panels: int) -> np.ndarray:
-    """``[N, kb]`` → ``[P, kb, 16]``, padding columns 0."""
+    """``[N, kb]`` → ``[P, kb, 16]`` in ``per_block``'s dtype, padding columns 0."""
     n, kb = per_block.shape
-    out = np.zeros((panels * PANEL, kb), np.float32)
+    out = np.zeros((panels * PANEL, kb), per_block.dtype)
     out[:n] = per_block
     return np.ascontiguousarray(out.reshape(panels, PANEL, kb).transpose(0, 2, 1))
 
@@ -76,7 +80,7 @@ def unpack(w: PanelWeights) -> np.ndarray:
     codes = c.reshape(panels * PANEL, chunks * CHUNK).astype(np.float32)
     kb = w.scales.shape[1]
     scales = w.scales.transpose(0, 2, 1).reshape(-1, kb)
-    out = (codes.reshape(-1, kb, w.block) - (1 << (w.bits - 1))) * scales[..., None]
+    out = (codes.reshape(-1, kb, w.block) - (1 << (w.bits - 1))) * scales.astype(np.float32)[..., None]
     if w.offsets is not None:
         out += w.offsets.transpose(0, 2, 1).reshape(-1, kb)[..., None]
     return out.reshape(panels * PANEL, -1)[:w.n, :w.k]

@@ -66,7 +66,8 @@ ROWS_PER_CHUNK = 2048  # rows quantized at a time: the temporaries stay a few ro
 def quantize(w: np.ndarray, bits: int, block: int, symmetric: bool = True) -> Packed:
     """Round-to-nearest quantization of ``w [N, K]`` (float) per ``block`` consecutive elements along K (K is
     padded with zeros to a whole block). Symmetric: scale ``amax / (2^(bits-1) - 1)``; asymmetric: scale
-    ``(max - min) / (2^bits - 1)`` over the block's range (widened to include 0) and its offset as ``block_min``.
+    ``(max - min) / (2^bits - 1)`` over the block's range (widened to include 0) and its offset as ``block_min``;
+    either scale rounded to a float16 value first (:func:`_float16_scale`).
     Works through :data:`ROWS_PER_CHUNK` rows at a time (an 128k-row embedding would otherwise need several
     float32 copies of itself)."""
     if bits not in (4, 8):
@@ -84,14 +85,12 @@ def _quantize_rows(w: np.ndarray, bits: int, block: int, symmetric: bool) -> Pac
     g = g.reshape(n, kb, block)
     half, top = 1 << (bits - 1), (1 << bits) - 1
     if symmetric:
-        scale = np.abs(g).max(-1) / (half - 1)
-        scale[scale == 0] = 1.0
+        scale = _float16_scale(np.abs(g).max(-1) / (half - 1))
         codes = np.clip(np.rint(g / scale[..., None]), -half, half - 1) + half
         block_min = None
     else:  # w ≈ (q - z)·s = (q - half)·s + (half - z)·s
         lo, hi = np.minimum(g.min(-1), 0), np.maximum(g.max(-1), 0)
-        scale = (hi - lo) / top
-        scale[scale == 0] = 1.0
+        scale = _float16_scale((hi - lo) / top)
         z = np.clip(np.rint(-lo / scale), 0, top)
         codes = np.clip(np.rint(g / scale[..., None]) + z[..., None], 0, top)
         block_min = ((half - z) * scale).astype(np.float32)
@@ -99,6 +98,18 @@ def _quantize_rows(w: np.ndarray, bits: int, block: int, symmetric: bool) -> Pac
     blocks = _pack_nibbles(codes) if bits == 4 else codes
     return Packed(bits, block, n, k, blocks, scale.reshape(-1).astype(np.float32), block_min,
                   f"rtn {'symmetric' if symmetric else 'asymmetric'}")
+
+
+def _float16_scale(scale: np.ndarray) -> np.ndarray:
+    """Block scales as float16 values (in float32), chosen before the codes so that the codes fit them: the kernel
+    layout stores scales as float16 (runtime/ort/kernels/qgemm.h), as GGUF's Q4_0/Q8_0 store ``d``. Rounded up, never
+    down, so the block's range still fits its codes (each weight within half a step); an all-zero block gets 1, and
+    scales stay within float16's range (2^-24 … 65504: a block whose step would be finer holds weights under ~1e-7,
+    whose codes then round to the zero point)."""
+    scale = np.clip(np.where(scale == 0, np.float32(1.0), scale), np.float32(2.0 ** -24), np.float32(65504.0))
+    half = scale.astype(np.float16)
+    half = np.where(half.astype(np.float32) < scale, np.nextafter(half, np.float16(np.inf)), half)
+    return half.astype(np.float32)
 
 
 def unpacked_codes(p: Packed) -> np.ndarray:

@@ -293,8 +293,8 @@ class QuantizeWeights(ir.passes.InPlacePass):
             g = b.add("Concat", [lo, hi], axis=3)
         values = b.add("Reshape", [b.add("Cast", [g], to=ir.DataType.FLOAT), b.i64("blocks", 0, kb, p.block)])
         zero = b.const("zero_point", np.array(1 << (p.bits - 1), np.float32))
-        rows = b.add("Mul", [b.add("Sub", [values, zero]),
-                             _panel_column(b, scales, panel, column, (kb, None), "scales")])
+        scale = b.add("Cast", [_panel_column(b, scales, panel, column, (kb, None), "scales")], to=ir.DataType.FLOAT)
+        rows = b.add("Mul", [b.add("Sub", [values, zero]), scale])  # float16 scales: exact in float32
         if offsets is not None:
             rows = b.add("Add", [rows, _panel_column(b, offsets, panel, column, (kb, None), "offsets")])
         return b.replace(_rows_of(b, rows, kb * p.block, p.k, ids))

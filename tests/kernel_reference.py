@@ -13,6 +13,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from omforge.contract.kernel_abi import WEIGHT_LAYOUT
 from omforge.passes.gemm_pack import to_bf16 as to_bf16  # the kernels' rounding (round to nearest even)
 from omforge.runtime.ort.kernels import DOMAIN
 
@@ -173,8 +174,8 @@ def matmul_q_model(w, op: str = "MatMulQ", **attrs: int) -> onnx.ModelProto:  # 
     if w.offsets is not None:
         inits.append(onnx.numpy_helper.from_array(w.offsets, "offsets"))
         inputs.append("offsets")
-    node = helper.make_node(op, inputs, ["y"], domain=DOMAIN,
-                            **{"K": w.k, "N": w.n, "bits": w.bits, "block_size": w.block, "layout": 1, **attrs})
+    node = helper.make_node(op, inputs, ["y"], domain=DOMAIN, **{"K": w.k, "N": w.n, "bits": w.bits,
+                                                              "block_size": w.block, "layout": WEIGHT_LAYOUT, **attrs})
     graph = helper.make_graph([node], "matmul_q", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", w.k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", w.n])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
@@ -227,7 +228,8 @@ def matmul_f32_model(panels: np.ndarray, n: int, k: int, **attrs: int) -> onnx.M
 
 
 def _panel_matmul(op: str, weight: np.ndarray, n: int, k: int, attrs: dict[str, int]) -> onnx.ModelProto:
-    node = helper.make_node(op, ["x", "w"], ["y"], domain=DOMAIN, **{"K": k, "N": n, "layout": 1, **attrs})
+    node = helper.make_node(op, ["x", "w"], ["y"], domain=DOMAIN,
+                            **{"K": k, "N": n, "layout": WEIGHT_LAYOUT, **attrs})
     graph = helper.make_graph([node], op, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
                               [onnx.numpy_helper.from_array(weight, "w")])

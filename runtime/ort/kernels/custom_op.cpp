@@ -42,8 +42,9 @@
 namespace omf {
 namespace {
 
-constexpr int kAbiVersion = 7;  // bump when an op's inputs, outputs or attributes change or an op is added (6: LoraAdd;
-                                // 7: MatMulBF16's panels may be typed bfloat16 as well as uint16)
+constexpr int kAbiVersion = 8;  // bump when an op's inputs, outputs or attributes change or an op is added (6: LoraAdd;
+                                // 7: MatMulBF16's panels may be typed bfloat16 as well as uint16; 8: MatMulQ's and
+                                // MatMulQBF16's scales are float16)
 constexpr const char* kDomain = "omforge.kernels";
 constexpr int64_t kHeadDims[] = {16, 32, 64, 96, 128, 256};  // the instantiations in paged_attention_impl.h
 
@@ -472,7 +473,8 @@ size_t output_count(const OrtCustomOp* op) {
   return kind == OpKind::kPagedAttention ? 3 : kind == OpKind::kAddRmsNorm ? 2 : 1;
 }
 int input_type(const OrtCustomOp* op, size_t i) {
-  if (as_op(op)->kind == OpKind::kMatMulQ || as_op(op)->kind == OpKind::kMatMulQBF16) return i == 1 ? kUint8 : kFloat;
+  if (as_op(op)->kind == OpKind::kMatMulQ || as_op(op)->kind == OpKind::kMatMulQBF16)
+    return i == 1 ? kUint8 : i == 2 ? kFloat16 : kFloat;  // codes, float16 scales (panel16 layout 2)
   // MatMulBF16's panels: uint16 or bfloat16 (the same bits; compute_matmul_bf16 checks), so a graph may also
   // gather a tied embedding's rows from them with ONNX ops and Cast them to float
   if (as_op(op)->kind == OpKind::kMatMulBF16) return i == 1 ? kUndefined : kFloat;

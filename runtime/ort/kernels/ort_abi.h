@@ -33,7 +33,7 @@ enum OmfOrtErrorCode { kOrtOk = 0, kOrtFail = 1, kOrtInvalidArgument = 2 };
 
 // ONNX TensorProto element types (ORT's ONNXTensorElementDataType has the same values). kUndefined as a custom op's
 // input type: any tensor type (ORT's custom_ops.cc gives the input an "all types" constraint); the kernel checks it.
-enum OmfElemType { kUndefined = 0, kFloat = 1, kUint8 = 2, kInt8 = 3, kUint16 = 4, kInt64 = 7, kBfloat16 = 16 };
+enum OmfElemType { kUndefined = 0, kFloat = 1, kUint8 = 2, kInt8 = 3, kUint16 = 4, kInt64 = 7, kFloat16 = 10, kBfloat16 = 16 };
 
 // OrtCustomOpInputOutputCharacteristic: 0 required, 1 optional, 2 variadic. OrtMemType default: 0.
 struct OrtCustomOp {

@@ -36,7 +36,7 @@ void decompress_bits(const QBGemmProblem& P, int64_t p, uint16_t* out) {
   const int64_t chunks = P.Kp / kChunk, kb = P.Kp / P.block;
   constexpr int64_t chunk_bytes = kPanel * kChunk * BITS / 8;
   const uint8_t* panel = P.codes + p * chunks * chunk_bytes;
-  const float* sp = P.scales + p * kb * kPanel;
+  const uint16_t* sp = P.scales + p * kb * kPanel;
   const float* op = P.offsets ? P.offsets + p * kb * kPanel : nullptr;
   const __m512i z = _mm512_set1_epi32(1 << (BITS - 1));
   alignas(64) uint16_t order[32];
@@ -44,7 +44,8 @@ void decompress_bits(const QBGemmProblem& P, int64_t p, uint16_t* out) {
   const __m512i interleave = _mm512_load_si512(order);
   for (int64_t j = 0; j < chunks; ++j) {
     const int64_t b = j * kChunk / P.block;
-    const __m512 s = _mm512_loadu_ps(sp + b * kPanel), m = op ? _mm512_loadu_ps(op + b * kPanel) : _mm512_setzero_ps();
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + b * kPanel)));
+    const __m512 m = op ? _mm512_loadu_ps(op + b * kPanel) : _mm512_setzero_ps();
     const uint8_t* c = panel + j * chunk_bytes;
     uint16_t* o = out + j * (kChunk / 2) * 32;  // this chunk's 16 k pairs
     auto w = [&](__m512i v, int shift) { return _mm512_fmadd_ps(codes_at<(1 << BITS) - 1>(v, shift, z), s, m); };

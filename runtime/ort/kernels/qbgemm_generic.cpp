@@ -15,13 +15,13 @@ namespace omf::generic {
 void decompress_panel(const QBGemmProblem& P, int64_t p, uint16_t* out) {
   const int64_t chunks = P.Kp / kChunk, kb = P.Kp / P.block, chunk_bytes = kPanel * kChunk * P.bits / 8;
   const uint8_t* panel = P.codes + p * chunks * chunk_bytes;
-  const float* sp = P.scales + p * kb * kPanel;
+  const uint16_t* sp = P.scales + p * kb * kPanel;
   const float* op = P.offsets ? P.offsets + p * kb * kPanel : nullptr;
   const int z = 1 << (P.bits - 1);
   for (int64_t j = 0; j < chunks; ++j) {
     const int64_t b = j * kChunk / P.block;
     for (int c = 0; c < kPanel; ++c) {
-      const float s = sp[b * kPanel + c], m = op ? op[b * kPanel + c] : 0.0f;
+      const float s = half_to_float(sp[b * kPanel + c]), m = op ? op[b * kPanel + c] : 0.0f;
       for (int t = 0; t < kChunk; ++t) {
         const int64_t k = j * kChunk + t;
         const float w = std::fma(static_cast<float>(code_at(panel + j * chunk_bytes, P.bits, c, t) - z), s, m);

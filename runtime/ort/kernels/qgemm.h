@@ -8,7 +8,10 @@
 //   codes   uint8 [P, Kp/32, 16·32·bits/8]: panel p (columns 16p..16p+15), chunk j (k = 32j..32j+31):
 //             8 bits: 8 groups g of 64 bytes; byte 4i+e = c[16p+i, 32j+4g+e]
 //             4 bits: 4 groups h of 64 bytes; byte 4i+e = c[16p+i, 32j+8h+e] | c[16p+i, 32j+8h+4+e] << 4
-//   scales  float [P, kb, 16], offsets float [P, kb, 16] (absent for symmetric blocks)
+//   scales  float16 [P, kb, 16] (IEEE binary16: GGUF's own d, and round-to-nearest scales rounded to it before the
+//           codes are chosen — passes/quant.py — so no value changes; 2 bytes a block instead of 4: at 4 bits and
+//           blocks of 32 a weight costs 18 bytes per 32, GGUF Q4_0's 18, where float32 scales made it 20),
+//   offsets float [P, kb, 16] (absent for symmetric blocks; Q4_1's offset m + z·d is no binary16 value in general)
 // Each 64-byte group is 16 int32 lanes of 4 consecutive k: one vpdpbusd against 4 broadcast activations.
 //
 // Activations are quantized once per call, symmetric int8 per 32 consecutive k of a row (d = max|x| / 127,
@@ -22,11 +25,12 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace omf {
 
-constexpr int kPanelLayout = 1;  // bump with any change of the byte layout above
+constexpr int kPanelLayout = 2;  // bump with any change of the byte layout above (2: float16 scales)
 constexpr int kPanel = 16;       // columns per panel
 constexpr int64_t panels_of(int64_t n) { return (n + kPanel - 1) / kPanel; }  // panels holding n columns
 constexpr int kChunk = 32;       // k per activation scale
@@ -75,10 +79,24 @@ inline void block_sums(const float* xr, int64_t K, int64_t block, int64_t kb, fl
   }
 }
 
+// IEEE binary16 bits → float, exactly (every binary16 value is a float): the portable paths' scale reads; the vector
+// paths convert 8 or 16 at a time (vcvtph2ps), to the same values.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+  if (exp == 0) {  // zero or subnormal: man · 2^-24
+    const float f = std::ldexp(static_cast<float>(man), -24);
+    return sign ? -f : f;
+  }
+  const uint32_t bits = sign | (exp == 0x1F ? 0x7F800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 struct QGemmProblem {
   QuantizedRows x;
   const uint8_t* codes;
-  const float* scales;
+  const uint16_t* scales;  // float16 bits
   const float* offsets;  // null: symmetric
   float* y;
   int64_t M, N, K, Kp, bits, block;
@@ -127,7 +145,7 @@ struct Bf16Panels {
 struct QBGemmProblem {
   const uint16_t* a;  // [M, Kp] activations, bfloat16 (Kp = kb·block, zero past K)
   const uint8_t* codes;
-  const float* scales;
+  const uint16_t* scales;  // float16 bits
   const float* offsets;  // null: symmetric
   float* y;
   int64_t M, N, K, Kp, bits, block;

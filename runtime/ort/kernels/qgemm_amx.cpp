@@ -132,7 +132,7 @@ void row_tile(const QGemmProblem& P, int64_t m0, int64_t p, const uint8_t* bt, c
   const int64_t chunks = P.Kp / kChunk, kb = P.Kp / P.block;
   const int shift = P.block == 128 ? 2 : P.block == 64 ? 1 : 0;  // chunk j is in block j >> shift
   const int64_t last = (int64_t{1} << shift) - 1;                  // a block's last chunk: (j & last) == last
-  const float* sp = P.scales + p * kb * kPanel;
+  const uint16_t* sp = P.scales + p * kb * kPanel;
   const float* op = OFFSETS ? P.offsets + p * kb * kPanel : nullptr;
   const int8_t* a = P.x.a + m0 * P.Kp;
   const float* d = t.d.data();
@@ -147,7 +147,8 @@ void row_tile(const QGemmProblem& P, int64_t m0, int64_t p, const uint8_t* bt, c
 #define OMF_SCALE(J)                                                                                             \
   do {                                                                                                           \
     const int64_t b = (J) >> shift;                                                                              \
-    scale_chunk(acc, dot[(J) % 2], _mm512_loadu_ps(sp + b * kPanel), d + (J) * 16);                              \
+    scale_chunk(acc, dot[(J) % 2], _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + b * kPanel))),    \
+                d + (J) * 16);                                                                                   \
     if (OFFSETS && ((J) & last) == last) offset_term(acc, _mm512_loadu_ps(op + b * kPanel), xs + b * 16);        \
   } while (0)
   OMF_CHUNK_PRODUCTS(0, 4, 6, 0);

@@ -9,7 +9,7 @@
 #include "qgemm.h"
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace omf::avx2 {
 #define OMF_VNNI 0
 #include "qgemm_avx2_impl.h"
@@ -18,7 +18,7 @@ namespace omf::avx2 {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,avxvnni")
+#pragma GCC target("avx2,fma,f16c,avxvnni")
 namespace omf::avxvnni {
 #define OMF_VNNI 1
 #include "qgemm_avx2_impl.h"

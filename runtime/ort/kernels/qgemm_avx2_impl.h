@@ -35,7 +35,7 @@ void tile(const QGemmProblem& P, int64_t m0, int64_t p) {
   constexpr int64_t chunk_bytes = kPanel * kChunk * BITS / 8;
   constexpr bool kUnsignedCodes = !(BITS == 8 && !OMF_VNNI);  // else dot4 takes the zero point out itself
   const uint8_t* panel = P.codes + p * chunks * chunk_bytes;
-  const float* sp = P.scales + p * kb * kPanel;
+  const uint16_t* sp = P.scales + p * kb * kPanel;
   const float* op = P.offsets ? P.offsets + p * kb * kPanel : nullptr;
   constexpr int32_t z = kUnsignedCodes ? 1 << (BITS - 1) : 0;
   const int8_t* a[MR];
@@ -44,7 +44,8 @@ void tile(const QGemmProblem& P, int64_t m0, int64_t p) {
   __m256 acc[MR][2];
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < kb; ++b) {
-    const __m256 s[2] = {_mm256_loadu_ps(sp + b * kPanel), _mm256_loadu_ps(sp + b * kPanel + 8)};
+    const __m256 s[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + b * kPanel))),
+                         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + b * kPanel + 8)))};
     for (int64_t j = b * per_block; j < (b + 1) * per_block; ++j) {
       const uint8_t* c = panel + j * chunk_bytes;
       const int64_t k0 = j * kChunk;

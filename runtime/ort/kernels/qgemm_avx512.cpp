@@ -69,7 +69,7 @@ void tile(const QGemmProblem& P, int64_t m0, int64_t p, PanelPrefetch& ahead, in
   constexpr int64_t chunk_bytes = kPanel * kChunk * BITS / 8;
   const int64_t panel_bytes = chunks * chunk_bytes;
   const uint8_t* panel = P.codes + p * panel_bytes;
-  const float* sp = P.scales + p * kb * kPanel;
+  const uint16_t* sp = P.scales + p * kb * kPanel;
   const float* op = P.offsets ? P.offsets + p * kb * kPanel : nullptr;
   constexpr int32_t z = 1 << (BITS - 1);
   const int8_t* a[MR];
@@ -81,7 +81,8 @@ void tile(const QGemmProblem& P, int64_t m0, int64_t p, PanelPrefetch& ahead, in
   int64_t due = 0;
   for (int64_t b = 0; b < kb; ++b) {
     __m512 s[NP];
-    for (int q = 0; q < NP; ++q) s[q] = _mm512_loadu_ps(sp + (q * kb + b) * kPanel);
+    for (int q = 0; q < NP; ++q)
+      s[q] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + (q * kb + b) * kPanel)));
     for (int64_t j = b * per_block; j < (b + 1) * per_block; ++j) {
       if constexpr (PF)
         for (due += lines; due >= chunks; due -= chunks) ahead.next();
@@ -163,7 +164,7 @@ PanelPrefetch pair_at(const QGemmProblem& P, int64_t next) {
   PanelPrefetch a;
   if (n == 0) return a;
   a.p[0] = reinterpret_cast<const char*>(P.codes + next * panel_bytes), a.lines[0] = n * panel_bytes / 64;
-  a.p[1] = reinterpret_cast<const char*>(P.scales + next * kb * kPanel), a.lines[1] = n * kb * kPanel * 4 / 64;
+  a.p[1] = reinterpret_cast<const char*>(P.scales + next * kb * kPanel), a.lines[1] = (n * kb * kPanel * 2 + 63) / 64;
   if (P.offsets)
     a.p[2] = reinterpret_cast<const char*>(P.offsets + next * kb * kPanel), a.lines[2] = n * kb * kPanel * 4 / 64;
   return a;

@@ -37,7 +37,7 @@ void qgemm(const QGemmProblem& P, int64_t panel_begin, int64_t panel_end) {
   const int32_t z = 1 << (P.bits - 1);
   for (int64_t p = panel_begin; p < panel_end; ++p) {
     const uint8_t* panel = P.codes + p * chunks * chunk_bytes;
-    const float* sp = P.scales + p * kb * kPanel;
+    const uint16_t* sp = P.scales + p * kb * kPanel;
     const float* op = P.offsets ? P.offsets + p * kb * kPanel : nullptr;
     for (int i = 0; i < kPanel; ++i) {
       const int64_t n = p * kPanel + i;
@@ -46,7 +46,7 @@ void qgemm(const QGemmProblem& P, int64_t panel_begin, int64_t panel_end) {
         const int8_t* ar = P.x.a + m * P.Kp;
         float acc = 0.0f;
         for (int64_t b = 0; b < kb; ++b) {
-          const float s = sp[b * kPanel + i];
+          const float s = half_to_float(sp[b * kPanel + i]);
           for (int64_t j = b * per_block; j < (b + 1) * per_block; ++j) {
             const uint8_t* chunk = panel + j * chunk_bytes;
             int32_t dot = -z * P.x.asum[m * chunks + j];

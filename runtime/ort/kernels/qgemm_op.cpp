@@ -23,7 +23,8 @@ GemmIsa choose() {
   const std::string w = want ? want : "";
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  // the 256-bit paths widen the float16 scales with vcvtph2ps (F16C: every AVX2 CPU has it, but it is checked)
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   if (w.empty() || w == "amx")
     if (amx::available_int8()) return {"amx-int8", &amx::qgemm, &avx512vnni::quantize_rows};
   if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") && (w.empty() || w == "avx512"))
@@ -254,7 +255,7 @@ OrtStatus* panel16_inputs(const ort::Api& api, const char* op, const MatMulQAttr
     return fail(api, op, "codes must be uint8 [" + std::to_string(P) + ", " + std::to_string(Kp / kChunk) +
                 ", " + std::to_string(chunk_bytes) + "] (the panel16 layout)");
   const std::vector<int64_t> sdims{P, kb, kPanel};
-  if (scales.type != kFloat || scales.dims != sdims) return fail(api, op, "scales must be float32 [P, kb, 16]");
+  if (scales.type != kFloat16 || scales.dims != sdims) return fail(api, op, "scales must be float16 [P, kb, 16]");
   if (have[3] && (offsets.type != kFloat || offsets.dims != sdims))
     return fail(api, op, "offsets must be float32 [P, kb, 16]");
   if (OrtStatus* s = last_dim_output(api, ctx, 0, x, A.N, y)) return s;
@@ -281,7 +282,7 @@ OrtStatus* compute_matmul_qbf16(const ort::Api& api, const MatMulQAttrs& A, OrtK
   Bf16Run run{static_cast<const float*>(in[0].data), {xa, nullptr, nullptr, M, A.N, A.K, Kp, lda},
               rows_per_item(A.K)};
   if (OrtStatus* s = run_items(api, ctx, &to_bf16_item, items_of(M, run.rows_per_item), &run)) return s;
-  QBGemmProblem prob{xa, static_cast<const uint8_t*>(in[1].data), static_cast<const float*>(in[2].data),
+  QBGemmProblem prob{xa, static_cast<const uint8_t*>(in[1].data), static_cast<const uint16_t*>(in[2].data),
                      have[3] ? static_cast<const float*>(in[3].data) : nullptr, static_cast<float*>(y),
                      M, A.N, A.K, Kp, A.bits, A.block, lda};
   return run_items(api, ctx, &qbgemm_item, items_of(P, kPanelsPerItem), &prob);
@@ -308,7 +309,7 @@ OrtStatus* compute_matmul_q(const ort::Api& api, const MatMulQAttrs& A, OrtKerne
   QuantizeRun qr{static_cast<const float*>(x.data), A.K, Kp, A.block, M, rows_per_item(A.K), have[3], q};
   if (OrtStatus* s = run_items(api, ctx, &quantize_item, items_of(M, qr.rows_per_item), &qr)) return s;
 
-  QGemmProblem prob{q, static_cast<const uint8_t*>(in[1].data), static_cast<const float*>(in[2].data),
+  QGemmProblem prob{q, static_cast<const uint8_t*>(in[1].data), static_cast<const uint16_t*>(in[2].data),
                     have[3] ? static_cast<const float*>(in[3].data) : nullptr, static_cast<float*>(y),
                     M, A.N, A.K, Kp, A.bits, A.block};
   return run_items(api, ctx, &gemm_item, items_of(P, kPanelsPerItem), &prob);

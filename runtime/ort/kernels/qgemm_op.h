@@ -1,5 +1,5 @@
 // The MatMulQ op's ORT side (qgemm_op.cpp): attributes read at kernel creation, one call per run.
-//   inputs   0 x [..., K] float32   1 codes uint8 [P, Kp/32, 16·32·bits/8]   2 scales float32 [P, kb, 16]
+//   inputs   0 x [..., K] float32   1 codes uint8 [P, Kp/32, 16·32·bits/8]   2 scales float16 [P, kb, 16]
 //            3 offsets float32 [P, kb, 16] (optional: absent for symmetric blocks)
 //   outputs  0 y [..., N] float32
 //   attrs    K, N, bits (4 or 8), block_size (32, 64 or 128), layout (must be kPanelLayout)
