@@ -15,13 +15,16 @@ For each shape (Llama-3.2-1B's and Llama-3-8B's real configs, :data:`SHAPES`) it
 - ``NAME-ov-fp32/`` (1B only: 8B in float32 does not fit this machine's memory) and ``NAME-ov-int4/``: optimum-cli
   (``--weight-format int4 --group-size 64 --ratio 1.0``).
 - ``NAME-omforge-{fp32,bf16,int4-q4_0,int4-rtn}/``: omforge bundles of the same weights — the HF directory for
-  fp32 / bf16 / int4 RTN, the Q4_0 GGUF for int4 from its own blocks (both sides run the same quantized weights).
+  fp32 / bf16 / int4 RTN, the Q4_0 GGUF for int4 from its own blocks (both sides run the same quantized weights);
+  the 8B shape only ``int4-q4_0``.
 
 The peers' virtual environments are those of ../shared/reference/peers.md (``ROOT/venv-ov``, ``ROOT/venv-llamacpp``,
 ``ROOT/venv-vllm``); ``--install`` creates them (on the 2-core VM: 1 min, 12–21 min compiling llama.cpp, ~5 min).
-The whole 1B build from nothing took ~36 minutes on 2026-12-06 (benchmarks/RESULTS.md); the sitting itself is
-``benchmarks/bench_large.sh``. Every step skips what already exists, so a run
-that stopped resumes. Times per step are printed; the full build's is in benchmarks/RESULTS.md.
+The whole 1B build from nothing took ~36 minutes on 2026-12-06 (benchmarks/RESULTS.md), the 8B artefacts ~16 minutes
+more (HF 131 s, GGUF 184 s, OpenVINO 137 s, omforge 477–524 s; with ``--drop-hf-weights`` the 8B build needs ~50 GB
+of free disk at its peak, omforge's float32 export stage); the sitting itself is ``benchmarks/bench_large.sh``.
+Every step skips what already exists, so a run that stopped resumes. Times per step are printed; the full build's
+is in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

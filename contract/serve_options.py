@@ -52,7 +52,7 @@ SERVE_OPTIONS: tuple[ServeOption, ...] = (
                 "maxPrefillTokens)", ge=16, le=1_048_576),
     ServeOption("max_prefill_tokens_with_decodes", int, "auto", "prefill tokens in a step with decodes: a number, "
                 "auto = when serving a 128-token budget for the whole step (float32 weights: 64 prefill tokens, fewer "
-                "where a step would last over ~3 decode-only steps as timed by the engine), "
+                "where a step would last over ~3 times its decodes alone, as timed by the engine), "
                 "none = no bound", nullable=True, words=("auto",), ge=1, le=1_048_576, metavar="N|auto|none"),
     ServeOption("max_model_len", int, None, "longest prompt + output admitted, at most compile.max_seq_len (default: "
                 "it; vLLM max_model_len, MindIE maxSeqLen)", nullable=True, ge=16),

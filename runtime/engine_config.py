@@ -30,12 +30,12 @@ DEFAULT_MAX_QUEUE_TIME_S = SERVE_DEFAULTS["max_queue_time_s"]  # a request waiti
 # token budget"
 DECODE_STEP_TOKEN_BUDGET = 128
 # ... except for float32 weights, whose steps are longer: when serving, "auto" is then a fixed 64 prefill tokens
-# beside decodes, and once the engine has timed both kinds of step no more than the time rule allows (runtime/
-# step_cost.py: a step with decodes lasts at most ~MIXED_STEP_TIME_RATIO decode-only steps; at 135M the 64 tokens
-# are within it, at 1B they are not); quantized and bfloat16 bundles keep the budget, which a smaller prefill share
-# would cost throughput. The measurements: benchmarks/RESULTS.md, 2026-12-05 "The
+# beside decodes, and once the engine has fitted its step costs no more than the time rule allows (runtime/
+# step_cost.py: a step with decodes lasts at most ~MIXED_STEP_TIME_RATIO times its decodes alone; at 135M the 64
+# tokens are within it, at 1B beside a few decodes they are not); quantized and bfloat16 bundles keep the budget,
+# which a smaller prefill share would cost throughput. The measurements: benchmarks/RESULTS.md, 2026-12-05 "The
 # decode-step budget, again" (the fixed 64 at 135M) and 2026-12-06 "the time rule" (1B: a fixed 64 fp32 tokens made
-# 700 ms mixed steps beside 123 ms decode-only ones)
+# 700 ms mixed steps beside 130 ms decode-only ones)
 FLOAT32_PREFILL_WITH_DECODES = 64
 MIXED_STEP_TIME_RATIO = 3.0
 DEFAULT_HICACHE_STORAGE_GB = 16.0  # the storage tier's budget when none is given

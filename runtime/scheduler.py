@@ -35,8 +35,8 @@ step's tokens in all, decodes first, the prefill chunks the rest but never fewer
 ``MIN_PREFILL_WITH_DECODES`` (the server's default rule, 128 tokens: benchmarks/RESULTS.md "decode-step token
 budget"; for float32 weights the default is the time rule instead, runtime/engine_config.py) —
 or by ``max_prefill_tokens_with_decodes``, a fixed number of prefill tokens; and further by time
-(``mixed_step_time_ratio``, runtime/step_cost.py: the step lasts no more than about that many decode-only steps, as
-measured on the running engine, once both costs have been seen); steps without decodes take the whole budget.
+(``mixed_step_time_ratio``, runtime/step_cost.py: the step lasts no more than about that many times its decodes
+alone, from step costs fitted on the running engine); steps without decodes take the whole budget.
 Without mixed batches (graphs that pad every sequence's queries to the step's longest: the runtime-write ORT graph)
 a step carries either decodes or prefill work, and the two kinds alternate while both are pending. Measured:
 benchmarks/RESULTS.md ("mixed steps"; "the decode-step prefill cap"; "the time rule").
@@ -87,7 +87,7 @@ class SchedulerConfig:
     max_prefill_tokens_with_decodes: int | None = None  # a fixed cap; wins over the token budget
     decode_step_token_budget: int | None = None  # tokens in all of a step with decodes (mixed batches)
     # the time rule (runtime/step_cost.py): once the step costs are known, a step with decodes lasts no more than
-    # about this many decode-only steps (within the token rule above, which alone holds until then)
+    # about this many times its decodes alone (within the token rule above, which alone holds until then)
     mixed_step_time_ratio: float | None = None
     max_model_len: int | None = None  # a request that reaches it finishes with "length"
     eos_token_ids: tuple[int, ...] = ()
@@ -101,7 +101,7 @@ class SchedulerConfig:
         if self.decode_step_token_budget is not None and self.decode_step_token_budget < 1:
             raise ValueError("decode_step_token_budget must be at least 1")
         if self.mixed_step_time_ratio is not None and self.mixed_step_time_ratio <= 1:
-            raise ValueError("mixed_step_time_ratio must be above 1 (a decode-only step is 1)")
+            raise ValueError("mixed_step_time_ratio must be above 1 (the decodes alone are 1)")
 
     def prefill_cap(self, decodes: int) -> int | None:
         """Prefill tokens a step carrying ``decodes`` decoding sequences may take (None: the budget's rest)."""
@@ -197,7 +197,7 @@ class Scheduler:
         cap = self.config.prefill_cap(decodes)
         ratio = self.config.mixed_step_time_ratio
         if ratio is not None and self.config.mixed_batches and decodes:
-            timed = self.step_cost.prefill_within(ratio, MIN_TIMED_PREFILL)
+            timed = self.step_cost.prefill_within(ratio, decodes, MIN_TIMED_PREFILL)
             if timed is not None:
                 return timed if cap is None else min(cap, timed)
         return cap

@@ -424,9 +424,10 @@ def test_fuzz_lifecycles_keep_the_invariants(case: dict) -> None:
         decodes = sum(r.num_tokens - r.num_computed_tokens == 1 for r in s.running)
         if cap is None and case["token_budget"]:
             cap = max(MIN_PREFILL_WITH_DECODES, case["token_budget"] - max(1, decodes))  # this step's
-        cost = s.step_cost
-        if case["timed"] and cost.decode_s is not None and cost.prefill_token_s is not None:  # the time rule's
-            timed = max(MIN_TIMED_PREFILL, int(2.0 * cost.decode_s / cost.prefill_token_s))
+        fitted = s.step_cost.fit()
+        if case["timed"] and fitted is not None:  # the time rule's: 3 times the decodes alone
+            fixed_s, token_s = fitted
+            timed = max(MIN_TIMED_PREFILL, int(2.0 * (fixed_s + token_s * max(1, decodes)) / token_s))
             cap = timed if cap is None else min(cap, timed)
         plan = step(s, fake, tokens=lambda r: EOS if rng.random() < 0.1 else rng.randrange(3, 40), verify=keep)
         assert plan.num_tokens <= budget
@@ -450,28 +451,32 @@ def test_fuzz_lifecycles_keep_the_invariants(case: dict) -> None:
 
 
 def test_the_time_rule_sizes_prefill_beside_decodes_once_steps_are_timed() -> None:
-    """``mixed_step_time_ratio``: the token rule (here a fixed 64) alone holds until the engine has timed a
-    decode-only step and a prefill; then a step with decodes carries no more prefill than makes it last ~ratio
-    decode-only steps (never fewer than MIN_TIMED_PREFILL); steps without decodes still take the whole budget."""
+    """``mixed_step_time_ratio``: the token rule (here a fixed 64) alone holds until the engine has fitted its step
+    costs; then a step with decodes carries no more prefill than makes it last ~ratio times its decodes alone (never
+    fewer than MIN_TIMED_PREFILL); steps without decodes still take the whole budget."""
     s, fake = make(blocks=1024, block_size=16, max_num_batched_tokens=512, max_prefill_tokens_with_decodes=64,
                    mixed_step_time_ratio=3.0)
     s.add(request("a", 20, max_tokens=1000))
     assert shape(step(s, fake)) == [("a", 20)]
     s.add(request("long", 900))
     assert shape(step(s, fake)) == [("a", 1), ("long", 64)]  # nothing timed yet: the token rule
-    s.observe_step(0, 1, 0.100)  # a decode-only step: 100 ms
-    s.observe_step(64, 1, 0.100 + 64 * 0.010)  # 10 ms per prefill token beyond it
-    assert shape(step(s, fake)) == [("a", 1), ("long", 20)]  # (3 - 1) * 100 ms / 10 ms
-    s.observe_step(0, 1, 0.020)
-    for _ in range(12):
-        s.observe_step(0, 1, 0.020)  # decode steps got faster: the mean follows, the floor holds
+    for _ in range(10):
+        s.observe_step(0, 1, 0.090 + 0.010)  # a decode-only step: 90 ms fixed + 10 ms a token
+        s.observe_step(64, 1, 0.090 + 65 * 0.010)
+    plan = shape(step(s, fake))
+    assert plan[0] == ("a", 1) and plan[1][0] == "long" and 19 <= plan[1][1] <= 20  # (3 - 1) * 100 ms / 10 ms
+    for _ in range(200):
+        s.observe_step(0, 1, 0.010)  # the fixed cost went (decay forgets the old steps): the floor holds
+        s.observe_step(64, 1, 0.650)
     assert shape(step(s, fake)) == [("a", 1), ("long", MIN_TIMED_PREFILL)]
-    for _ in range(30):
-        s.observe_step(0, 1, 1.0)  # slow decode steps: the time rule would allow ~200 tokens, the token rule 64
+    for _ in range(200):
+        s.observe_step(0, 1, 1.0 + 0.001)  # a slow fixed part: the time rule allows ~2,000 tokens, the token rule 64
+        s.observe_step(64, 1, 1.0 + 0.065)
     assert shape(step(s, fake)) == [("a", 1), ("long", 64)]
     s2, fake2 = make(blocks=1024, block_size=16, max_num_batched_tokens=512, mixed_step_time_ratio=3.0)
-    s2.observe_step(0, 1, 0.1)
-    s2.observe_step(64, 1, 0.74)
+    for _ in range(5):
+        s2.observe_step(0, 1, 0.1)
+        s2.observe_step(64, 1, 0.74)
     s2.add(request("b", 600))
     assert shape(step(s2, fake2)) == [("b", 512)]  # no decodes: the whole budget
     with pytest.raises(ValueError, match="mixed_step_time_ratio must be above 1"):
