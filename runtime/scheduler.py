@@ -33,7 +33,7 @@ their own work only. A step that carries running decodes is bounded (Sarathi-Ser
 that arrivals cannot stall the running streams behind a full-budget chunk: by ``decode_step_token_budget`` — the
 step's tokens in all, decodes first, the prefill chunks the rest but never fewer than
 ``MIN_PREFILL_WITH_DECODES`` (the server's default rule, 128 tokens: benchmarks/RESULTS.md "decode-step token
-budget"; for float32 weights the default is the time rule instead, runtime/engine_config.py) —
+budget"; for float32 weights the default is a fixed cap within the time rule, runtime/engine_config.py) —
 or by ``max_prefill_tokens_with_decodes``, a fixed number of prefill tokens; and further by time
 (``mixed_step_time_ratio``, runtime/step_cost.py: the step lasts no more than about that many times its decodes
 alone, from step costs fitted on the running engine); steps without decodes take the whole budget.
