@@ -30,13 +30,19 @@ CASES = ((64, 192), (32, 512), (16, 2048), (1, 192))  # (sequences, mean context
 
 
 def run(batch: int, context: int, kv: str, reps: int, q_heads: int = 9, kv_heads: int = 3, head_dim: int = 64,
-        block_size: int = 64, layers: int = 1) -> tuple[float, float]:
-    """(median seconds per call, K/V megabytes read per call); calls cycle over ``layers`` pools."""
+        block_size: int = 64, layers: int = 1, chunk: int = 0) -> tuple[float, float]:
+    """(median seconds per call, K/V megabytes read per call); calls cycle over ``layers`` pools. ``chunk`` > 0:
+    ``batch`` prefill chunks of ``chunk`` tokens at positions ``context`` … ``context + chunk - 1`` instead of
+    decodes (the megabytes are then the attention's GFLOP: 4 · D · Hq · the visible keys of every query)."""
     rng = np.random.default_rng(0)
-    lengths = rng.integers(max(1, context // 2), max(2, context * 3 // 2), batch)
+    if chunk:
+        lengths = np.full(batch, context + chunk - 1)
+    else:
+        lengths = rng.integers(max(1, context // 2), max(2, context * 3 // 2), batch)
     num_blocks = int(sum(-(-(n + 1) // block_size) for n in lengths)) + 8
     free = list(rng.permutation(num_blocks))
-    work = [SeqWork([5], int(n), [int(free.pop()) for _ in range(-(-(int(n) + 1) // block_size))]) for n in lengths]
+    work = [SeqWork([5] * chunk if chunk else [5], context if chunk else int(n),
+                    [int(free.pop()) for _ in range(-(-(int(n) + 1) // block_size))]) for n in lengths]
     step = build_step(work, block_size, split_decodes=True)
     T = step["input_ids"].shape[1]
     model = kernel_model(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
@@ -68,6 +74,9 @@ def run(batch: int, context: int, kv: str, reps: int, q_heads: int = 9, kv_heads
         t0 = time.perf_counter()
         sess.run_with_iobinding(binding)
         times.append(time.perf_counter() - t0)
+    if chunk:
+        visible = batch * sum(context + i + 1 for i in range(chunk))
+        return float(np.median(times)), 4 * head_dim * q_heads * visible / 1e9
     row_bytes = {"int8": head_dim + 4, "bfloat16": 2 * head_dim, "float32": 4 * head_dim}[kv]
     keys = int(sum(lengths)) + batch
     return float(np.median(times)), keys * kv_heads * row_bytes * 2 / 1e6
@@ -80,10 +89,17 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=1, help="pools the calls cycle over (30: read from memory)")
     ap.add_argument("--cases", default=",".join(f"{b}x{c}" for b, c in CASES),
                     help="SEQUENCESxCONTEXT decode cases, comma-separated (default: %(default)s)")
+    ap.add_argument("--prefill", default="",
+                    help="SEQUENCESxCHUNKxSTART prefill cases, comma-separated (e.g. 1x512x0,1x512x512): GFLOP/s")
     a = ap.parse_args()
-    cases = [tuple(int(x) for x in case.split("x")) for case in a.cases.split(",")]
+    cases = [tuple(int(x) for x in case.split("x")) for case in a.cases.split(",") if case]
     print(f"kernel library: {kernels.status().path} (isa {kernels.status().isa})")
     for kv in a.kv.split(","):
+        for case in filter(None, a.prefill.split(",")):
+            batch, chunk, start = (int(x) for x in case.split("x"))
+            t, gflop = run(batch, start, kv, a.reps, layers=a.layers, chunk=chunk)
+            print(f"prefill b{batch} {chunk} tokens from {start:<5} {kv:9s} {t * 1e6:9.1f} µs  "
+                  f"{gflop:6.3f} GFLOP  {gflop / t:6.1f} GFLOP/s")
         for batch, context in cases:
             t, mb = run(batch, context, kv, a.reps, layers=a.layers)
             print(f"decode b{batch:<3} c{context:<5} {kv:9s} {t * 1e6:8.1f} µs  K/V {mb:6.2f} MB  "

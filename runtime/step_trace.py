@@ -6,6 +6,7 @@ set; when on, one buffered line per step."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 from typing import TextIO
@@ -18,6 +19,7 @@ class StepTrace:
 
     def __init__(self, path: str) -> None:
         self._file: TextIO | None = open(path, "a", buffering=1 << 16)
+        atexit.register(self.close)  # an engine nobody closes (the offline API's) still leaves its whole trace
 
     @classmethod
     def from_env(cls) -> StepTrace | None:

@@ -266,7 +266,10 @@ OrtStatus* compute(const Kernel& K, OrtKernelContext* ctx) {
   std::vector<int32_t> tokens;
   std::vector<WorkItem> items;
   tokens.reserve(T);
+  // a sequence's chunk items are listed latest first: they see the most keys, and ORT's threads take items in order
+  // (one at a time), so the longest run first and the short ones even the threads out at the end
   auto add_rows = [&](const int64_t* rows, int64_t n, int64_t first_row, const int64_t* table, int64_t width) -> bool {
+    const auto first_item = static_cast<std::ptrdiff_t>(items.size());
     int32_t start = static_cast<int32_t>(tokens.size());
     for (int64_t i = 0; i < n; ++i) {
       const int64_t t = rows[i];
@@ -280,6 +283,7 @@ OrtStatus* compute(const Kernel& K, OrtKernelContext* ctx) {
     }
     if (static_cast<int32_t>(tokens.size()) > start)
       items.push_back({table, width, start, static_cast<int32_t>(tokens.size()) - start});
+    std::reverse(items.begin() + first_item, items.end());
     return true;
   };
   const int64_t* tb = static_cast<const int64_t*>(tables.data);

@@ -24,8 +24,10 @@
 //    in integers (each query row rounded once to int16, exact int32 dots with the int8 keys: score_group_i8, each
 //    key row widened once for all the query rows of its KV head), and P·V too (each row's probabilities, value
 //    scales folded in, rounded to int16 per block: pv_tile_i16, two keys per vpmaddwd);
-//  - many rows (prefill chunks): "tile" path, per KV head: the block's keys transposed once to [D][n],
-//    scores by a broadcast-FMA tile of 4 query rows x up to 4 vectors of keys, P·V by a register tile.
+//  - many rows (prefill chunks): "tile" path (attend_lanes), per KV head with the query rows in vector lanes: scores
+//    and P·V as broadcast-FMA register tiles, the online softmax vertical (no horizontal reduction per row and
+//    block). It replaced a per-row layout (keys transposed per block, each row's softmax reduced horizontally) that
+//    ran SmolLM2's 512-token prefill chunks at ~110 GFLOP/s on the Zen 4 VM (bench_attention.py --prefill).
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Scratch {
@@ -243,24 +245,6 @@ static inline void scale_row(float* acc, float c) {
   for (int i = 0; i < D; i += Vec::W) Vec::store(acc + i, Vec::mul(Vec::load(acc + i), vc));
 }
 
-// Scores tile: S[r][c*W..] = sum_d Q[r][d] * Kt[d][c*W..] for RT rows x CT vectors of keys.
-template <int D, int RT, int CT>
-static inline void score_tile(const float* Q, const float* Kt, int64_t ldk, float* S, int64_t lds) {
-  typename Vec::V acc[RT][CT];
-  for (int r = 0; r < RT; ++r)
-    for (int c = 0; c < CT; ++c) acc[r][c] = Vec::zero();
-  for (int d = 0; d < D; ++d) {
-    typename Vec::V k[CT];
-    for (int c = 0; c < CT; ++c) k[c] = Vec::load(Kt + d * ldk + c * Vec::W);
-    for (int r = 0; r < RT; ++r) {
-      const typename Vec::V qb = Vec::set1(Q[r * D + d]);
-      for (int c = 0; c < CT; ++c) acc[r][c] = Vec::fma(qb, k[c], acc[r][c]);
-    }
-  }
-  for (int r = 0; r < RT; ++r)
-    for (int c = 0; c < CT; ++c) Vec::store(S + r * lds + c * Vec::W, acc[r][c]);
-}
-
 template <int D>
 constexpr int kPvRows = D > 128 ? 1 : D > 64 ? 2 : 4;  // register tile rows of the float P·V tiles
 
@@ -361,19 +345,6 @@ static inline void pv_rows_i16(const int16_t* P16, int64_t ldp, const int8_t* co
   });
 }
 
-template <int D>
-static inline void score_cols(const float* Q, const float* Kt, int64_t ldk, float* S, int64_t lds, int64_t nvec) {
-  constexpr int RT = 4;
-  int64_t c = 0;
-  for (; c + 4 <= nvec; c += 4) score_tile<D, RT, 4>(Q, Kt + c * Vec::W, ldk, S + c * Vec::W, lds);
-  switch (nvec - c) {
-    case 3: score_tile<D, RT, 3>(Q, Kt + c * Vec::W, ldk, S + c * Vec::W, lds); break;
-    case 2: score_tile<D, RT, 2>(Q, Kt + c * Vec::W, ldk, S + c * Vec::W, lds); break;
-    case 1: score_tile<D, RT, 1>(Q, Kt + c * Vec::W, ldk, S + c * Vec::W, lds); break;
-    default: break;
-  }
-}
-
 // The key rows of `it`'s first visible block that its queries can see, as (pointer, bytes); (nullptr, 0) when its
 // table does not hold that block (attend_item reports that error when it runs the item).
 template <int D, typename KV>
@@ -389,6 +360,223 @@ static std::pair<const KV*, int64_t> first_key_block(const omf::PagedProblem& P,
   const int64_t n = std::min<int64_t>(bs, pmax + 1 - b * bs);
   return {static_cast<const KV*>(P.key_pool) + it.table[b] * bs * row_stride,
           n * row_stride * static_cast<int64_t>(sizeof(KV))};
+}
+
+// ---- the tile path (prefill chunks): query rows in vector lanes ----
+// Per KV head, the item's rows r = token i · G + hh sit in the lanes of NRV = ceil(rows / W) vectors, the queries
+// transposed once per item to QT[d][r]. A block's scores are then ST[j][r] = Σ_d K[j][d] · QT[d][r] (each key element
+// broadcast, no key transpose), the online softmax runs down the key rows with every lane its own query row (maxima,
+// sums and corrections vertical: no horizontal reduction per row and block), and P·V accumulates OT[d][r] +=
+// V[j][d] · P[j][r] (each value element broadcast). Both products are register tiles of up to 4 row vectors (the
+// scores × 4 keys, P·V × 4 head dimensions), so every broadcast feeds up to 4 FMAs and every loaded vector 4.
+
+// row vectors per register tile: 4 with 32 vector registers (AVX-512), 2 with 16 (AVX2) or plain arrays
+constexpr int kLaneTile = Vec::W == 16 ? 4 : 2;
+
+// ST[jj][lanes] = Σ_d K[jj][d] · QT[d][lanes] for JT keys (K rows kstride apart) and RVT row vectors.
+template <int D, int JT, int RVT>
+static inline void score_lanes(const float* QT, int64_t ldq, const float* K, int64_t kstride, float* ST, int64_t lds) {
+  typename Vec::V acc[JT][RVT];
+  for (int jj = 0; jj < JT; ++jj)
+    for (int i = 0; i < RVT; ++i) acc[jj][i] = Vec::zero();
+  for (int d = 0; d < D; ++d) {
+    typename Vec::V q[RVT];
+    for (int i = 0; i < RVT; ++i) q[i] = Vec::load(QT + d * ldq + i * Vec::W);
+    for (int jj = 0; jj < JT; ++jj) {
+      const typename Vec::V kb = Vec::set1(K[jj * kstride + d]);
+      for (int i = 0; i < RVT; ++i) acc[jj][i] = Vec::fma(kb, q[i], acc[jj][i]);
+    }
+  }
+  for (int jj = 0; jj < JT; ++jj)
+    for (int i = 0; i < RVT; ++i) Vec::store(ST + jj * lds + i * Vec::W, acc[jj][i]);
+}
+
+// OT[d][lanes] = OT[d][lanes] · corr[lanes] + Σ_j V[j][d] · PT[j][lanes] over n keys (V rows vstride apart), for all
+// D head dimensions, 4 at a time, and RVT row vectors.
+template <int D, int RVT>
+static inline void pv_lanes(const float* PT, int64_t ldp, const float* V, int64_t vstride, int64_t n, float* OT,
+                            int64_t ldo, const typename Vec::V* corr) {
+  constexpr int DT = 4;
+  static_assert(D % DT == 0, "head_dim must be a multiple of 4");
+  for (int d0 = 0; d0 < D; d0 += DT) {
+    typename Vec::V acc[DT][RVT];
+    for (int dd = 0; dd < DT; ++dd)
+      for (int i = 0; i < RVT; ++i) acc[dd][i] = Vec::mul(Vec::load(OT + (d0 + dd) * ldo + i * Vec::W), corr[i]);
+    for (int64_t j = 0; j < n; ++j) {
+      typename Vec::V p[RVT];
+      for (int i = 0; i < RVT; ++i) p[i] = Vec::load(PT + j * ldp + i * Vec::W);
+      const float* v = V + j * vstride + d0;
+      for (int dd = 0; dd < DT; ++dd) {
+        const typename Vec::V vb = Vec::set1(v[dd]);
+        for (int i = 0; i < RVT; ++i) acc[dd][i] = Vec::fma(vb, p[i], acc[dd][i]);
+      }
+    }
+    for (int dd = 0; dd < DT; ++dd)
+      for (int i = 0; i < RVT; ++i) Vec::store(OT + (d0 + dd) * ldo + i * Vec::W, acc[dd][i]);
+  }
+}
+
+// One block for RVT row vectors from row vector rv0 of a KV head (state in lanes: QT, OT, m, l, posf with ld row
+// stride): scores, scales, mask, online softmax, P·V. K, V: the block's first key / value row of this head as float
+// (kstride apart), n <= bs keys at positions j0 …; ksc / vsc: int8 pools' per-key scales (nullptr otherwise).
+template <int D, int RVT>
+static inline void block_lanes(const float* QT, float* OT, float* m, float* l, const float* posf, int64_t ld, int rv0,
+                               const float* K, const float* Vv, int64_t kstride, int64_t n, int64_t j0,
+                               const float* ksc, const float* vsc, bool masked, int64_t window, float* ST) {
+  using V = typename Vec::V;
+  const int64_t off = static_cast<int64_t>(rv0) * Vec::W;
+  ST += off;  // this tile's lanes of every key row
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) score_lanes<D, 4, RVT>(QT + off, ld, K + j * kstride, kstride, ST + j * ld, ld);
+  for (; j < n; ++j) score_lanes<D, 1, RVT>(QT + off, ld, K + j * kstride, kstride, ST + j * ld, ld);
+  V mx[RVT], pos[RVT];
+  for (int i = 0; i < RVT; ++i) {
+    mx[i] = Vec::set1(kNegInf);
+    pos[i] = Vec::load(posf + off + i * Vec::W);
+  }
+  const V ninf = Vec::set1(kNegInf), one = Vec::set1(1.0f);
+  for (j = 0; j < n; ++j) {
+    float* s = ST + j * ld;
+    const V kpos = Vec::set1(static_cast<float>(j0 + j));
+    for (int i = 0; i < RVT; ++i) {
+      V x = Vec::load(s + i * Vec::W);
+      if (ksc != nullptr) x = Vec::mul(x, Vec::set1(ksc[j]));
+      if (masked) {  // visible iff key <= pos and (no window or key > pos - window); padding rows have pos -1
+        x = Vec::select_positive(Vec::sub(pos[i], kpos), x, ninf);
+        if (window > 0)
+          x = Vec::select_positive(Vec::sub(Vec::add(kpos, Vec::set1(static_cast<float>(window))),
+                                            Vec::add(pos[i], one)), x, ninf);
+        Vec::store(s + i * Vec::W, x);
+      } else if (ksc != nullptr) {
+        Vec::store(s + i * Vec::W, x);
+      }
+      mx[i] = Vec::max(mx[i], x);
+    }
+  }
+  V corr[RVT], msafe[RVT], sum[RVT];
+  for (int i = 0; i < RVT; ++i) {
+    const V mold = Vec::load(m + off + i * Vec::W);
+    const V mnew = Vec::max(mold, mx[i]);
+    msafe[i] = Vec::max(mnew, Vec::set1(-std::numeric_limits<float>::max()));  // -inf (nothing seen yet) -> finite
+    corr[i] = vexp(Vec::sub(mold, msafe[i]));  // 0 where the row had seen nothing, 1 where its maximum held
+    Vec::store(m + off + i * Vec::W, mnew);
+    sum[i] = Vec::zero();
+  }
+  for (j = 0; j < n; ++j) {
+    float* s = ST + j * ld;
+    for (int i = 0; i < RVT; ++i) {
+      V p = vexp(Vec::sub(Vec::load(s + i * Vec::W), msafe[i]));
+      sum[i] = Vec::add(sum[i], p);
+      if (vsc != nullptr) p = Vec::mul(p, Vec::set1(vsc[j]));  // the value row's scale, after the sum
+      Vec::store(s + i * Vec::W, p);
+    }
+  }
+  for (int i = 0; i < RVT; ++i)
+    Vec::store(l + off + i * Vec::W, Vec::fma(Vec::load(l + off + i * Vec::W), corr[i], sum[i]));
+  pv_lanes<D, RVT>(ST, ld, Vv, kstride, n, OT + off, ld, corr);
+}
+
+// The tile path of one work item (rows in lanes, see above); blocks first_block … last_block are valid.
+template <int D, typename KV>
+static bool attend_lanes(const omf::PagedProblem& P, const omf::WorkItem& it, int64_t first_block,
+                         int64_t last_block, int64_t pmin, int64_t pmax) {
+  const int Hq = P.q_heads, Hkv = P.kv_heads, G = Hq / Hkv, bs = P.block_size;
+  constexpr int64_t HE = head_elems<KV, D>();
+  const int64_t row_stride = static_cast<int64_t>(Hkv) * HE;
+  constexpr bool is_f32 = std::is_same<KV, float>::value, is_i8 = std::is_same<KV, int8_t>::value;
+  Scratch& S = scratch();
+  const int ntok = it.count;
+  const int32_t* toks = P.tokens + it.first;
+  const int R = ntok * G;
+  const int nrv = static_cast<int>((R + Vec::W - 1) / Vec::W);
+  const int64_t ld = static_cast<int64_t>(nrv) * Vec::W;  // lanes per head (rows padded to whole vectors)
+  // per KV head g: QT / OT at g·D·ld ([d][lane]); m, l, posf at g·ld; ST: [bs][ld] for the block in flight
+  S.q.assign(static_cast<size_t>(Hkv) * D * ld, 0.0f);
+  S.acc.assign(static_cast<size_t>(Hkv) * D * ld, 0.0f);
+  S.m.assign(static_cast<size_t>(Hkv) * ld, kNegInf);
+  S.l.assign(static_cast<size_t>(Hkv) * ld, 0.0f);
+  S.s.assign(static_cast<size_t>(bs) * ld, 0.0f);
+  S.pscale.assign(ld, -1.0f);  // row positions as float (exact below 2^24), -1 on padding lanes
+  for (int i = 0; i < ntok; ++i) {
+    const float* q = P.q + toks[i] * P.q_tok_stride;
+    for (int hh = 0; hh < G; ++hh) S.pscale[i * G + hh] = static_cast<float>(P.positions[toks[i]]);
+    for (int h = 0; h < Hq; ++h) {
+      const float* qh = q + h * P.q_head_stride;
+      float* qt = &S.q[static_cast<size_t>(h / G) * D * ld] + i * G + h % G;
+      for (int d = 0; d < D; ++d) qt[d * ld] = qh[d] * P.scale;
+    }
+  }
+  if (!is_f32) {
+    S.kt.resize(static_cast<size_t>(2) * bs * D);
+    if (is_i8) {
+      S.scale.resize(bs);
+      S.vscale.resize(bs);
+    }
+  }
+  const KV* kpool = static_cast<const KV*>(P.key_pool);
+  const KV* vpool = static_cast<const KV*>(P.value_pool);
+  // row vectors split evenly into tiles of <= kLaneTile (the score tile's 4 × kLaneTile accumulators in registers)
+  const int tiles = (nrv + kLaneTile - 1) / kLaneTile, per_tile = (nrv + tiles - 1) / tiles;
+  for (int64_t b = first_block; b <= last_block; ++b) {
+    const int64_t base = it.table[b] * bs, j0 = b * bs;
+    const int64_t n = std::min<int64_t>(bs, pmax + 1 - j0);
+    const bool masked = pmin < j0 + n - 1 || P.window > 0;
+    for (int g = 0; g < Hkv; ++g) {
+      const KV* krow = kpool + base * row_stride + g * HE;
+      const KV* vrow = vpool + base * row_stride + g * HE;
+      const float *K, *Vv;
+      int64_t kstride;
+      const float *ksc = nullptr, *vsc = nullptr;
+      if constexpr (is_f32) {
+        K = reinterpret_cast<const float*>(krow), Vv = reinterpret_cast<const float*>(vrow), kstride = row_stride;
+      } else {  // the block's rows of this head as float (int8 unscaled: the scales go to scores and probabilities)
+        float* kf = S.kt.data();
+        float* vf = kf + static_cast<size_t>(bs) * D;
+        for (int64_t j = 0; j < n; ++j)
+          for (int d = 0; d < D; d += Vec::W) {
+            Vec::store(kf + j * D + d, Vec::load_kv(krow + j * row_stride + d));
+            Vec::store(vf + j * D + d, Vec::load_kv(vrow + j * row_stride + d));
+          }
+        if constexpr (is_i8) {
+          for (int64_t j = 0; j < n; ++j) {
+            S.scale[j] = row_scale<KV, D>(krow + j * row_stride);
+            S.vscale[j] = row_scale<KV, D>(vrow + j * row_stride);
+          }
+          ksc = S.scale.data(), vsc = S.vscale.data();
+        }
+        K = kf, Vv = vf, kstride = D;
+      }
+      float* QT = &S.q[static_cast<size_t>(g) * D * ld];
+      float* OT = &S.acc[static_cast<size_t>(g) * D * ld];
+      float* m = &S.m[static_cast<size_t>(g) * ld];
+      float* l = &S.l[static_cast<size_t>(g) * ld];
+      for (int rv0 = 0; rv0 < nrv; rv0 += per_tile) {
+        const int rvt = std::min(per_tile, nrv - rv0);
+        auto run = [&](auto c) {
+          block_lanes<D, decltype(c)::value>(QT, OT, m, l, S.pscale.data(), ld, rv0, K, Vv, kstride, n, j0, ksc, vsc,
+                                             masked, P.window, S.s.data());
+        };
+        switch (rvt) {
+          case 4: if constexpr (kLaneTile >= 4) run(std::integral_constant<int, 4>{}); break;
+          case 3: if constexpr (kLaneTile >= 3) run(std::integral_constant<int, 3>{}); break;
+          case 2: run(std::integral_constant<int, 2>{}); break;
+          default: run(std::integral_constant<int, 1>{}); break;
+        }
+      }
+    }
+  }
+  for (int i = 0; i < ntok; ++i) {
+    float* o = P.o + toks[i] * P.o_tok_stride;
+    for (int h = 0; h < Hq; ++h) {
+      const size_t g = static_cast<size_t>(h / G), r = static_cast<size_t>(i * G + h % G);
+      const float lr = S.l[g * ld + r];
+      const float inv = lr > 0.0f ? 1.0f / lr : 0.0f;
+      const float* ot = &S.acc[g * D * ld] + r;
+      float* oh = o + h * P.o_head_stride;
+      for (int d = 0; d < D; ++d) oh[d] = ot[d * ld] * inv;
+    }
+  }
+  return true;
 }
 
 // `next`: the item this thread most likely runs next (nullptr for none); its first key block is prefetched while
@@ -419,22 +607,20 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
       *error = "PagedAttention: block id out of range of the KV pool";
       return false;
     }
-  const int64_t np_max = round_up(bs, Vec::W);
-  // Row layout: row r = token i * Hq + head h (row path) or, per KV head, i * G + hh (tile path).
   constexpr bool int_rows = std::is_same<KV, int8_t>::value && kIntScores<D>;
   const bool row_path = int_rows ? ntok * G <= kRowPathRowsInt && G <= kMaxGroupRows : ntok * G <= kRowPathRows;
+  if (!row_path) return attend_lanes<D, KV>(P, it, first_block, last_block, pmin, pmax);
+  const int64_t np_max = round_up(bs, Vec::W);
+  // Row layout: row r = token i * Hq + head h.
   const int nrows = ntok * Hq;
-  const int rows_per_head = static_cast<int>(round_up(ntok * G, 4));  // tile path: each head's rows padded to 4
-  const size_t rows = static_cast<size_t>(std::max(nrows, rows_per_head * Hkv));  // scratch rows, either layout
+  const size_t rows = static_cast<size_t>(nrows);
   S.q.assign(rows * D, 0.0f);
   S.acc.assign(rows * D, 0.0f);
   S.m.assign(rows, kNegInf);
   S.l.assign(rows, 0.0f);
   S.s.assign(rows * np_max, kNegInf);
   S.pos.assign(rows, -1);
-  auto row_of = [&](int i, int h) -> int {
-    return row_path ? i * Hq + h : (h / G) * rows_per_head + i * G + h % G;
-  };
+  auto row_of = [&](int i, int h) -> int { return i * Hq + h; };
   for (int i = 0; i < ntok; ++i) {
     const float* q = P.q + toks[i] * P.q_tok_stride;
     for (int h = 0; h < Hq; ++h) {
@@ -566,52 +752,6 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
         }
       }
       continue;
-    }
-    // tile path, one KV head at a time; int8 pools: keys transposed unscaled, each score column then multiplied by
-    // its key's scale and each probability column by its value's (the scales gathered once per block, every head)
-    S.kt.resize(static_cast<size_t>(D) * np);
-    if constexpr (std::is_same<KV, int8_t>::value) {
-      gather_scales<KV, D>(kpool + base * row_stride, row_stride, n, Hkv, HE, np_max, S.scale);
-      gather_scales<KV, D>(vpool + base * row_stride, row_stride, n, Hkv, HE, np_max, S.vscale);
-    }
-    for (int g = 0; g < Hkv; ++g) {
-      float* kt = S.kt.data();
-      for (int64_t j = 0; j < n; ++j) {
-        const KV* k = kpool + (base + j) * row_stride + g * HE;
-        for (int d = 0; d < D; ++d) kt[d * np + j] = omf::kv_to_float(k[d]);
-      }
-      for (int d = 0; d < D; ++d)
-        for (int64_t j = n; j < np; ++j) kt[d * np + j] = 0.0f;
-      const int r0 = g * rows_per_head;
-      float* sg = &S.s[static_cast<size_t>(r0) * np_max];
-      for (int r = 0; r < rows_per_head; r += 4)
-        score_cols<D>(&S.q[static_cast<size_t>(r0 + r) * D], kt, np, sg + r * np_max, np_max, np / Vec::W);
-      for (int r = 0; r < rows_per_head; ++r) {
-        float* s = sg + r * np_max;
-        if constexpr (std::is_same<KV, int8_t>::value) {
-          const float* ksc = &S.scale[g * np_max];
-          for (int64_t j = 0; j < n; ++j) s[j] *= ksc[j];
-        }
-        const int64_t p = S.pos[r0 + r];
-        if (p < 0) {  // padding row
-          std::fill(s, s + np, 0.0f);
-          continue;
-        }
-        if (p < j0 + n - 1 || P.window > 0) {
-          for (int64_t j = 0; j < n; ++j)
-            if (!visible(j0 + j, p, P.window)) s[j] = kNegInf;
-        }
-        std::fill(s + n, s + np, kNegInf);  // the zero-padded key columns
-        const float corr = softmax_update(s, np, S.m[r0 + r], S.l[r0 + r]);
-        if (corr != 1.0f) scale_row<D>(&S.acc[static_cast<size_t>(r0 + r) * D], corr);
-      }
-      for (int64_t j = 0; j < n; ++j) vrows[j] = vpool + (base + j) * row_stride + g * HE;
-      if constexpr (std::is_same<KV, int8_t>::value) {  // fold each value row's scale into its probabilities
-        const float* vsc = &S.vscale[g * np_max];
-        for (int r = 0; r < rows_per_head; ++r)
-          for (int64_t j = 0; j < n; ++j) sg[r * np_max + j] *= vsc[j];
-      }
-      pv_rows<D, KV>(sg, np_max, vrows.data(), n, &S.acc[static_cast<size_t>(r0) * D], rows_per_head);
     }
   }
   for (int i = 0; i < ntok; ++i) {
