@@ -30,19 +30,24 @@ CASES = ((64, 192), (32, 512), (16, 2048), (1, 192))  # (sequences, mean context
 
 
 def run(batch: int, context: int, kv: str, reps: int, q_heads: int = 9, kv_heads: int = 3, head_dim: int = 64,
-        block_size: int = 64, layers: int = 1, chunk: int = 0) -> tuple[float, float]:
+        block_size: int = 64, layers: int = 1, chunk: int = 0, shared: int = 0) -> tuple[float, float]:
     """(median seconds per call, K/V megabytes read per call); calls cycle over ``layers`` pools. ``chunk`` > 0:
     ``batch`` prefill chunks of ``chunk`` tokens at positions ``context`` … ``context + chunk - 1`` instead of
-    decodes (the megabytes are then the attention's GFLOP: 4 · D · Hq · the visible keys of every query)."""
+    decodes (the megabytes are then the attention's GFLOP: 4 · D · Hq · the visible keys of every query).
+    ``shared`` > 0: every sequence's table begins with the same ``shared // block_size`` blocks (a shared prompt)."""
     rng = np.random.default_rng(0)
     if chunk:
         lengths = np.full(batch, context + chunk - 1)
     else:
         lengths = rng.integers(max(1, context // 2), max(2, context * 3 // 2), batch)
+    if shared:
+        lengths = np.maximum(lengths, shared)
     num_blocks = int(sum(-(-(n + 1) // block_size) for n in lengths)) + 8
     free = list(rng.permutation(num_blocks))
+    common = [int(free.pop()) for _ in range(shared // block_size)]
     work = [SeqWork([5] * chunk if chunk else [5], context if chunk else int(n),
-                    [int(free.pop()) for _ in range(-(-(int(n) + 1) // block_size))]) for n in lengths]
+                    common + [int(free.pop()) for _ in range(-(-(int(n) + 1) // block_size) - len(common))])
+            for n in lengths]
     step = build_step(work, block_size, split_decodes=True)
     T = step["input_ids"].shape[1]
     model = kernel_model(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
@@ -89,6 +94,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=1, help="pools the calls cycle over (30: read from memory)")
     ap.add_argument("--cases", default=",".join(f"{b}x{c}" for b, c in CASES),
                     help="SEQUENCESxCONTEXT decode cases, comma-separated (default: %(default)s)")
+    ap.add_argument("--shared", type=int, default=0,
+                    help="decode cases: the first SHARED tokens' blocks are the same in every table (a shared prompt)")
     ap.add_argument("--prefill", default="",
                     help="SEQUENCESxCHUNKxSTART prefill cases, comma-separated (e.g. 1x512x0,1x512x512): GFLOP/s")
     a = ap.parse_args()
@@ -101,7 +108,7 @@ def main() -> None:
             print(f"prefill b{batch} {chunk} tokens from {start:<5} {kv:9s} {t * 1e6:9.1f} µs  "
                   f"{gflop:6.3f} GFLOP  {gflop / t:6.1f} GFLOP/s")
         for batch, context in cases:
-            t, mb = run(batch, context, kv, a.reps, layers=a.layers)
+            t, mb = run(batch, context, kv, a.reps, layers=a.layers, shared=a.shared)
             print(f"decode b{batch:<3} c{context:<5} {kv:9s} {t * 1e6:8.1f} µs  K/V {mb:6.2f} MB  "
                   f"{mb / 1e3 / t:5.1f} GB/s")
 

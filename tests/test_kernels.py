@@ -158,6 +158,21 @@ def test_shared_prefix_blocks() -> None:
     run_case(np.random.default_rng(3), [(40, 5), (33, 1), (64, 1)], shared_prefix_blocks=2)
 
 
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("q_heads, kv_heads, head_dim", [(9, 3, 64), (16, 2, 128)])
+def test_decodes_sharing_a_prefix_attend_it_together(kv_dtype: str, q_heads: int, kv_heads: int,
+                                                     head_dim: int) -> None:
+    """Cascade (custom_op.cpp plan_cascade): decodes whose tables begin with the same blocks (at least 48 query
+    rows per KV head) attend those once, together, then their own blocks from the state that leaves. 20 members
+    (60 / 160 rows: one / three cascade items per KV head), one at the first position after the shared blocks;
+    beside a prefill chunk on the same prefix; the decodes in the decode group and among the chunk rows."""
+    rng = np.random.default_rng(11)
+    decodes = [(48 + int(n), 1) for n in rng.integers(1, 60, 19)] + [(48, 1)]
+    for split in (True, False):
+        run_case(rng, decodes + [(50, 20)], q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                 shared_prefix_blocks=3, num_blocks=160, kv_dtype=kv_dtype, split_decodes=split)
+
+
 def test_without_decode_split_and_token_major() -> None:
     rng = np.random.default_rng(4)
     run_case(rng, [(30, 40), (70, 1)], split_decodes=False)

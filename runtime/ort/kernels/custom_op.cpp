@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <new>
 #include <string>
+#include <vector>
 
 #include "lora.h"
 #include "ort_abi.h"
@@ -89,6 +90,64 @@ struct Kernel {
   float scale = 0.0f, epsilon = 0.0f;
   MatMulQAttrs gemm;
 };
+
+// Cascade attention for decodes that share a prefix (a system prompt, a shared document, parallel samples): the
+// one-token items whose block tables begin with the same full blocks attend those blocks once, together, as a
+// prefill chunk's rows do (query rows in vector lanes: every key element feeds up to 4 row vectors), instead of each
+// reading them on its own at a decode row's arithmetic intensity; each member's own item then goes on from the
+// state they leave (WorkItem::skip_blocks). Only without a sliding window (every key of a shared block is visible
+// to every member). Groups are keyed by the first block id; their shared length is the longest run of leading blocks
+// all members hold, each member keeping at least its own last block. A group needs kCascadeMinRows query rows per KV
+// head (members × G): one node of SmolLM2's shape (G = 3), 512 shared tokens of ~600, fp32 / bf16 / int8 pools
+// (bench_attention.py --shared 512, µs per call, two rounds): 16 sequences 487–541 → 358–399 / 363–402 → 325 /
+// 247–360 → 236–268, 32 926–1063 → 634–920 / 688–799 → 478–486 / 474–546 → 397–521, 64 2012–2039 → 1180–1399 /
+// 1426–1519 → 813–943 / 851–1021 → 756–864; 8 sequences (24 rows) no gain for fp32, int8 129–137 → 196–224.
+constexpr size_t kCascadeMinRows = 48;
+constexpr size_t kCascadeMaxRows = 64;  // per cascade item (and KV head): the items split a group's members
+
+// Plans the cascade items of `items` (sets the members' skip_blocks; appends the members' token indices to `tokens`,
+// which the cascade items index).
+std::vector<WorkItem> plan_cascade(std::vector<WorkItem>& items, std::vector<int32_t>& tokens, const int64_t* positions,
+                                   int64_t bs, int32_t q_heads, int32_t kv_heads) {
+  std::vector<size_t> cand;
+  for (size_t i = 0; i < items.size(); ++i)
+    if (items[i].count == 1 && items[i].table_len >= 1 && positions[tokens[items[i].first]] >= bs) cand.push_back(i);
+  std::vector<WorkItem> cascade;
+  const size_t G = static_cast<size_t>(q_heads / kv_heads);
+  if (cand.size() * G < kCascadeMinRows) return cascade;
+  std::stable_sort(cand.begin(), cand.end(), [&](size_t a, size_t b) { return items[a].table[0] < items[b].table[0]; });
+  for (size_t g0 = 0, g1; g0 < cand.size(); g0 = g1) {
+    for (g1 = g0 + 1; g1 < cand.size() && items[cand[g1]].table[0] == items[cand[g0]].table[0];) ++g1;
+    const size_t members = g1 - g0;
+    if (members * G < kCascadeMinRows) continue;
+    const WorkItem& lead = items[cand[g0]];
+    int64_t L = lead.table_len;
+    for (size_t k = g0; k < g1; ++k) L = std::min(L, positions[tokens[items[cand[k]].first]] / bs);
+    for (size_t k = g0 + 1; k < g1; ++k) {  // the run of leading blocks every member shares with the lead
+      const WorkItem& m = items[cand[k]];
+      int64_t b = 1;
+      while (b < L && b < m.table_len && m.table[b] == lead.table[b]) ++b;
+      L = b;
+    }
+    const size_t chunks = (members * G + kCascadeMaxRows - 1) / kCascadeMaxRows;
+    const size_t per = (members + chunks - 1) / chunks;
+    for (size_t c = g0; c < g1; c += per) {  // an item per chunk of members and KV head: work for every thread
+      WorkItem ci{lead.table, lead.table_len, static_cast<int32_t>(tokens.size()), 0};
+      ci.cascade_blocks = static_cast<int32_t>(L);
+      for (size_t k = c; k < std::min(g1, c + per); ++k) {
+        const int32_t t = tokens[items[cand[k]].first];
+        tokens.push_back(t);
+        items[cand[k]].skip_blocks = static_cast<int32_t>(L);
+        ++ci.count;
+      }
+      for (int32_t g = 0; g < kv_heads; ++g) {
+        ci.kv_head = g;
+        cascade.push_back(ci);
+      }
+    }
+  }
+  return cascade;
+}
 
 struct Run {
   const PagedProblem* problem;
@@ -303,12 +362,24 @@ OrtStatus* compute(const Kernel& K, OrtKernelContext* ctx) {
   P.key_pool = out_data[1], P.value_pool = out_data[2], P.kv_type = K.kv_type, P.num_slots = S;
   P.q_heads = static_cast<int>(K.q_heads), P.kv_heads = static_cast<int>(K.kv_heads), P.head_dim = static_cast<int>(D);
   P.block_size = static_cast<int>(K.block_size), P.scale = K.scale, P.window = K.window;
-  P.positions = static_cast<const int64_t*>(pos.data), P.tokens = tokens.data();
-  P.items = items.data(), P.num_items = items.size();
+  P.positions = static_cast<const int64_t*>(pos.data);
+  const std::vector<WorkItem> cascade =
+      K.window == 0 ? plan_cascade(items, tokens, P.positions, K.block_size,
+                                                   static_cast<int32_t>(K.q_heads), static_cast<int32_t>(K.kv_heads)) : std::vector<WorkItem>{};
+  P.tokens = tokens.data();
   // rows no item references (there are none in a well-formed step) read as zeros, never as garbage
   std::memset(P.o, 0, static_cast<size_t>(T) * K.q_heads * D * sizeof(float));
   Run run;
   run.problem = &P;
+  if (!cascade.empty()) {  // the shared blocks first: the members' items start from the state they leave
+    thread_local std::vector<float> partial;
+    partial.resize(static_cast<size_t>(T) * K.q_heads * (D + 2));
+    P.partial = partial.data();
+    P.items = cascade.data(), P.num_items = cascade.size();
+    if (OrtStatus* s = run_items(g_api, ctx, &run_item, cascade.size(), &run)) return s;
+    if (const char* err = run.error.load()) return g_api.CreateStatus(kOrtInvalidArgument, err);
+  }
+  P.items = items.data(), P.num_items = items.size();
   if (OrtStatus* s = run_items(g_api, ctx, &run_item, items.size(), &run)) return s;
   if (const char* err = run.error.load()) return g_api.CreateStatus(kOrtInvalidArgument, err);
   return nullptr;

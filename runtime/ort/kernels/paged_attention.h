@@ -15,12 +15,18 @@
 
 namespace omf {
 
-// One work item: query tokens of one sequence that share a block-table row, attended together.
+// One work item: query tokens of one sequence that share a block-table row, attended together — or a cascade item:
+// the decode tokens of several sequences whose tables begin with the same `cascade_blocks` blocks, attended over
+// those blocks together (their query rows in vector lanes, as a prefill chunk's), each row's softmax state written to
+// PagedProblem::partial; each of those sequences' own items then starts after them (`skip_blocks`) from that state.
 struct WorkItem {
-  const int64_t* table;  // the sequence's block-table row
+  const int64_t* table;  // the sequence's block-table row (a cascade item: its first member's)
   int64_t table_len;     // its width (blocks beyond the last visible position are never read)
   int32_t first;         // index into PagedProblem::tokens of the item's first token
   int32_t count;         // number of tokens (<= kMaxItemTokens)
+  int32_t skip_blocks = 0;     // > 0: blocks [0, skip_blocks) were attended by a cascade item (one token, no window)
+  int32_t cascade_blocks = 0;  // > 0: a cascade item over blocks [0, cascade_blocks), every key visible to each row
+  int32_t kv_head = -1;        // >= 0: the only KV head (and its query heads) the item attends (cascade items)
 };
 
 constexpr int kMaxItemTokens = 32;
@@ -47,6 +53,10 @@ struct PagedProblem {
   const int32_t* tokens;      // token ids (indices into T) of all work items, item after item
   const WorkItem* items;
   size_t num_items;
+  // cascade state, per token t and q head h at (t * q_heads + h) * (head_dim + 2): the running max m, the sum l and
+  // the unnormalized accumulator (head_dim floats) after the shared blocks; written by cascade items, read by the
+  // items with skip_blocks > 0 (nullptr when the step has no cascade)
+  float* partial = nullptr;
 };
 
 // Attention for one work item (its index in PagedProblem::items). Returns false (and sets *error) when a

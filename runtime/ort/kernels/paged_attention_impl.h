@@ -355,7 +355,8 @@ static std::pair<const KV*, int64_t> first_key_block(const omf::PagedProblem& P,
     pmax = std::max(pmax, P.positions[P.tokens[it.first + i]]);
     pmin = std::min(pmin, P.positions[P.tokens[it.first + i]]);
   }
-  const int64_t b = (P.window > 0 ? std::max<int64_t>(0, pmin - P.window + 1) : 0) / bs;
+  const int64_t b = std::max<int64_t>((P.window > 0 ? std::max<int64_t>(0, pmin - P.window + 1) : 0) / bs,
+                                      it.skip_blocks);
   if (pmax < 0 || b >= it.table_len || it.table[b] < 0 || it.table[b] >= P.num_slots / bs) return {nullptr, 0};
   const int64_t n = std::min<int64_t>(bs, pmax + 1 - b * bs);
   return {static_cast<const KV*>(P.key_pool) + it.table[b] * bs * row_stride,
@@ -497,10 +498,21 @@ static bool attend_lanes(const omf::PagedProblem& P, const omf::WorkItem& it, in
   S.l.assign(static_cast<size_t>(Hkv) * ld, 0.0f);
   S.s.assign(static_cast<size_t>(bs) * ld, 0.0f);
   S.pscale.assign(ld, -1.0f);  // row positions as float (exact below 2^24), -1 on padding lanes
+  if (it.skip_blocks > 0)  // the rows start from the cascade's state after the shared blocks
+    for (int i = 0; i < ntok; ++i)
+      for (int h = 0; h < Hq; ++h) {
+        const size_t g = static_cast<size_t>(h / G), r = static_cast<size_t>(i * G + h % G);
+        const float* st = P.partial + (static_cast<int64_t>(toks[i]) * Hq + h) * (D + 2);
+        S.m[g * ld + r] = st[0], S.l[g * ld + r] = st[1];
+        float* ot = &S.acc[g * D * ld] + r;
+        for (int d = 0; d < D; ++d) ot[d * ld] = st[2 + d];
+      }
+  const int g_lo = it.kv_head >= 0 ? it.kv_head : 0, g_hi = it.kv_head >= 0 ? it.kv_head + 1 : Hkv;
+  const int h_lo = g_lo * G, h_hi = g_hi * G;  // the query heads of KV heads g_lo … g_hi - 1
   for (int i = 0; i < ntok; ++i) {
     const float* q = P.q + toks[i] * P.q_tok_stride;
     for (int hh = 0; hh < G; ++hh) S.pscale[i * G + hh] = static_cast<float>(P.positions[toks[i]]);
-    for (int h = 0; h < Hq; ++h) {
+    for (int h = h_lo; h < h_hi; ++h) {
       const float* qh = q + h * P.q_head_stride;
       float* qt = &S.q[static_cast<size_t>(h / G) * D * ld] + i * G + h % G;
       for (int d = 0; d < D; ++d) qt[d * ld] = qh[d] * P.scale;
@@ -521,7 +533,7 @@ static bool attend_lanes(const omf::PagedProblem& P, const omf::WorkItem& it, in
     const int64_t base = it.table[b] * bs, j0 = b * bs;
     const int64_t n = std::min<int64_t>(bs, pmax + 1 - j0);
     const bool masked = pmin < j0 + n - 1 || P.window > 0;
-    for (int g = 0; g < Hkv; ++g) {
+    for (int g = g_lo; g < g_hi; ++g) {
       const KV* krow = kpool + base * row_stride + g * HE;
       const KV* vrow = vpool + base * row_stride + g * HE;
       const float *K, *Vv;
@@ -565,6 +577,17 @@ static bool attend_lanes(const omf::PagedProblem& P, const omf::WorkItem& it, in
       }
     }
   }
+  if (it.cascade_blocks > 0) {  // each row's state after the shared blocks, for its sequence's own item
+    for (int i = 0; i < ntok; ++i)
+      for (int h = h_lo; h < h_hi; ++h) {
+        const size_t g = static_cast<size_t>(h / G), r = static_cast<size_t>(i * G + h % G);
+        float* st = P.partial + (static_cast<int64_t>(toks[i]) * Hq + h) * (D + 2);
+        st[0] = S.m[g * ld + r], st[1] = S.l[g * ld + r];
+        const float* ot = &S.acc[g * D * ld] + r;
+        for (int d = 0; d < D; ++d) st[2 + d] = ot[d * ld];
+      }
+    return true;
+  }
   for (int i = 0; i < ntok; ++i) {
     float* o = P.o + toks[i] * P.o_tok_stride;
     for (int h = 0; h < Hq; ++h) {
@@ -597,7 +620,8 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
     pmin = std::min(pmin, P.positions[toks[i]]);
   }
   const int64_t lo_key = P.window > 0 ? std::max<int64_t>(0, pmin - P.window + 1) : 0;
-  const int64_t first_block = lo_key / bs, last_block = pmax / bs;
+  const int64_t first_block = std::max<int64_t>(lo_key / bs, it.skip_blocks);
+  const int64_t last_block = it.cascade_blocks > 0 ? it.cascade_blocks - 1 : pmax / bs;
   if (last_block >= it.table_len) {
     *error = "PagedAttention: a position lies beyond its sequence's block table";
     return false;
@@ -609,6 +633,7 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
     }
   constexpr bool int_rows = std::is_same<KV, int8_t>::value && kIntScores<D>;
   const bool row_path = int_rows ? ntok * G <= kRowPathRowsInt && G <= kMaxGroupRows : ntok * G <= kRowPathRows;
+  if (it.cascade_blocks > 0) return attend_lanes<D, KV>(P, it, first_block, last_block, pmin, pmax);
   if (!row_path) return attend_lanes<D, KV>(P, it, first_block, last_block, pmin, pmax);
   const int64_t np_max = round_up(bs, Vec::W);
   // Row layout: row r = token i * Hq + head h.
@@ -620,6 +645,12 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
   S.l.assign(rows, 0.0f);
   S.s.assign(rows * np_max, kNegInf);
   S.pos.assign(rows, -1);
+  if (it.skip_blocks > 0)  // one token: its rows start from the cascade's state after the shared blocks
+    for (int h = 0; h < Hq; ++h) {
+      const float* st = P.partial + (static_cast<int64_t>(toks[0]) * Hq + h) * (D + 2);
+      S.m[h] = st[0], S.l[h] = st[1];
+      std::copy(st + 2, st + 2 + D, &S.acc[static_cast<size_t>(h) * D]);
+    }
   auto row_of = [&](int i, int h) -> int { return i * Hq + h; };
   for (int i = 0; i < ntok; ++i) {
     const float* q = P.q + toks[i] * P.q_tok_stride;
