@@ -94,21 +94,25 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=1, help="pools the calls cycle over (30: read from memory)")
     ap.add_argument("--cases", default=",".join(f"{b}x{c}" for b, c in CASES),
                     help="SEQUENCESxCONTEXT decode cases, comma-separated (default: %(default)s)")
+    ap.add_argument("--heads", default="9,3,64", help="Q_HEADS,KV_HEADS,HEAD_DIM (default SmolLM2's; Llama-3.2-1B: "
+                                                       "32,8,64)")
     ap.add_argument("--shared", type=int, default=0,
                     help="decode cases: the first SHARED tokens' blocks are the same in every table (a shared prompt)")
     ap.add_argument("--prefill", default="",
                     help="SEQUENCESxCHUNKxSTART prefill cases, comma-separated (e.g. 1x512x0,1x512x512): GFLOP/s")
     a = ap.parse_args()
+    hq, hkv, hd = (int(x) for x in a.heads.split(","))
+    heads = {"q_heads": hq, "kv_heads": hkv, "head_dim": hd}
     cases = [tuple(int(x) for x in case.split("x")) for case in a.cases.split(",") if case]
     print(f"kernel library: {kernels.status().path} (isa {kernels.status().isa})")
     for kv in a.kv.split(","):
         for case in filter(None, a.prefill.split(",")):
             batch, chunk, start = (int(x) for x in case.split("x"))
-            t, gflop = run(batch, start, kv, a.reps, layers=a.layers, chunk=chunk)
+            t, gflop = run(batch, start, kv, a.reps, layers=a.layers, chunk=chunk, **heads)
             print(f"prefill b{batch} {chunk} tokens from {start:<5} {kv:9s} {t * 1e6:9.1f} µs  "
                   f"{gflop:6.3f} GFLOP  {gflop / t:6.1f} GFLOP/s")
         for batch, context in cases:
-            t, mb = run(batch, context, kv, a.reps, layers=a.layers, shared=a.shared)
+            t, mb = run(batch, context, kv, a.reps, layers=a.layers, shared=a.shared, **heads)
             print(f"decode b{batch:<3} c{context:<5} {kv:9s} {t * 1e6:8.1f} µs  K/V {mb:6.2f} MB  "
                   f"{mb / 1e3 / t:5.1f} GB/s")
 

@@ -4,7 +4,7 @@ activations), MatMulBF16 and MatMulF32 (the weights as bfloat16 / float32 panels
 count, in one process (ratios measured side by side), with this CPU's measured int8 VNNI peak.
 
   .venv/bin/python benchmarks/bench_gemm.py [--shapes smollm2|llama1b|llama8b|all] [--rows 1,8,16,32,64,128,256]
-                                            [--threads 2] [--reps 30] [--bits 4] [--affine] [--repeat 8]
+                                            [--threads 2] [--reps 30] [--bits 4] [--affine] [--repeat 8] [--torch]
 
 Weights: random, round to nearest per 32 along K (``--affine``: with a per-block offset, like GGUF Q4_1). Each
 cell is the median of ``--reps`` runs after one warm-up, printed as GOP/s (2·M·N·K per op): each run computes the op
@@ -213,6 +213,21 @@ def sessions(w: np.ndarray, bits: int, affine: bool, threads: int,
     return out
 
 
+class TorchLinear:
+    """``torch.nn.functional.linear`` (oneDNN / MKL, as vLLM CPU's float32 path calls it) ``repeat`` times per run on
+    ``threads`` threads, with the session's ``run(None, {"x": x})`` signature."""
+
+    def __init__(self, w: np.ndarray, threads: int, repeat: int) -> None:
+        import torch
+        torch.set_num_threads(threads)
+        self.torch, self.w, self.repeat = torch, torch.from_numpy(np.ascontiguousarray(w)), repeat
+
+    def run(self, _outputs: None, feeds: dict[str, np.ndarray]) -> None:
+        x = self.torch.from_numpy(feeds["x"])
+        for _ in range(self.repeat):
+            self.torch.nn.functional.linear(x, self.w)
+
+
 def median_seconds(s: ort.InferenceSession, x: np.ndarray, reps: int) -> float:
     s.run(None, {"x": x})
     times = []
@@ -232,6 +247,7 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4, choices=[4, 8])
     ap.add_argument("--affine", action="store_true")
     ap.add_argument("--repeat", type=int, default=8, help="copies of the op per run (1: one node per run)")
+    ap.add_argument("--torch", action="store_true", help="also torch.nn.functional.linear on the float32 weights")
     a = ap.parse_args()
     if not kernels.status().available or kernels.status().weight_layout is None:
         raise SystemExit(f"the kernel library's MatMulQ is unavailable: {kernels.status().reason}")
@@ -246,7 +262,10 @@ def main() -> None:
     rng = np.random.default_rng(0)
     shapes = [s for key in (SHAPES if a.shapes == "all" else [a.shapes]) for s in SHAPES[key]]
     for name, n, k in shapes:
-        ss = sessions(rng.standard_normal((n, k)).astype(np.float32) * 0.05, a.bits, a.affine, a.threads, a.repeat)
+        w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+        ss = sessions(w, a.bits, a.affine, a.threads, a.repeat)
+        if a.torch:
+            ss["torch linear"] = lambda w=w: TorchLinear(w, a.threads, a.repeat)
         print(f"\n{name} N={n} K={k}   GOP/s: " + " | ".join(ss) + " | MatMulQ of peak")
         rows = [int(m) for m in a.rows.split(",")]
         xs = {m: rng.standard_normal((m, k)).astype(np.float32) for m in rows}
