@@ -250,6 +250,8 @@ def test_slower_isa_paths(isa: str, tmp_path) -> None:  # noqa: ANN001
             "t.run_case(np.random.default_rng(9), [(30, 40), (70, 1)], kv_dtype='bfloat16'); "
             "t.run_case(np.random.default_rng(9), [(30, 40), (70, 1)], kv_dtype='int8'); "
             "t.run_case(np.random.default_rng(9), [(37, 1), (70, 1)], kv_dtype='int8', round_q_int16=True); "
+            "t.run_case(np.random.default_rng(10), [(48 + i, 1) for i in range(1, 20)] + [(50, 20)], "
+            "shared_prefix_blocks=3, num_blocks=160); "  # the cascade: 19 decodes on 3 shared blocks
             "t.check_add_rms_norm((1, 64, 576)); t.check_add_rms_norm((2, 3, 37))")
     import os
     env = {**os.environ, "OMFORGE_KERNELS_ISA": isa}
