@@ -13,7 +13,8 @@
 #           (64 requests), streaming, EOS ignored
 #   tail    the serving tail (item 5): as serve, fp32 only, omforge with its default (the time rule) and with the fixed
 #           64-token cap it replaced (--max-prefill-tokens-with-decodes 64), each with OMFORGE_STEP_TRACE written to
-#           OUT.steps-LABEL.jsonl, then vLLM
+#           OUT.steps-LABEL.jsonl, then vLLM (TAIL_ONLY_DEFAULT=1: the default alone; LARGE_NAME=llama-3.2-1b-text: on
+#           the text-vocabulary variant of build_large_peers.py --text-vocab, whose every streamed token carries text)
 #   prefill item 4: offline long-prompt (8 × 1024 → 64) and shared-prefix (32 × (512 + 64) → 64), --ttft, omforge fp32
 #           against vLLM fp32 (prefix caching for shared-prefix) at 135M (smollm2-135m-omforge-fp32: `omforge compile
 #           models/smollm2-135m.yaml -o ROOT/models/smollm2-135m-omforge-fp32`) and 1B; PREFILL_SHAPES picks shapes
@@ -33,7 +34,7 @@ GROUPS_=${*:-limits single pairs chat serve}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 BENCH=${BENCH:-$HERE/../shared/bench}
 M=$ROOT/models
-N=llama-3.2-1b
+N=${LARGE_NAME:-llama-3.2-1b}  # llama-3.2-1b-text: the text-vocabulary variant (build_large_peers.py --text-vocab)
 HF=$M/$N-hf
 OMPY=$HERE/.venv/bin/python
 LCPY=$ROOT/venv-llamacpp/bin/python
@@ -123,7 +124,9 @@ serve)
   done
   vllm_served ;;
 tail)
-  for rule in "time-rule" "fixed-64 --max-prefill-tokens-with-decodes 64"; do
+  rules=("time-rule")  # TAIL_ONLY_DEFAULT=1: the default alone
+  [ -n "${TAIL_ONLY_DEFAULT:-}" ] || rules+=("fixed-64 --max-prefill-tokens-with-decodes 64")
+  for rule in "${rules[@]}"; do
     set -- $rule
     tag=$1; shift
     served "omforge fp32 $tag" 8100 env OMFORGE_STEP_TRACE="${OUT%.jsonl}.steps-$tag.jsonl" \

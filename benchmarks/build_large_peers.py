@@ -18,6 +18,10 @@ For each shape (Llama-3.2-1B's and Llama-3-8B's real configs, :data:`SHAPES`) it
   fp32 / bf16 / int4 RTN, the Q4_0 GGUF for int4 from its own blocks (both sides run the same quantized weights);
   the 8B shape only ``int4-q4_0``.
 
+``--text-vocab`` adds ``NAME-text-hf`` (1B) — the same weights with the embedding rows of the ids beyond the tokenizer
+zeroed (tied: the lm_head scores them 0, so greedy tokens stay writable text, all 128,256 rows still computed) — and
+its ``NAME-text-omforge-fp32`` bundle, for serving rows whose ITL counts every token (99 s on 2026-12-06).
+
 The peers' virtual environments are those of ../shared/reference/peers.md (``ROOT/venv-ov``, ``ROOT/venv-llamacpp``,
 ``ROOT/venv-vllm``); ``--install`` creates them (on the 2-core VM: 1 min, 12–21 min compiling llama.cpp, ~5 min).
 The whole 1B build from nothing took ~36 minutes on 2026-12-06 (benchmarks/RESULTS.md), the 8B artefacts ~16 minutes
@@ -140,6 +144,29 @@ def write_hf_dir(name: str, out: Path, tokenizer_dir: Path, seed: int = 0) -> No
     tmp.rename(out)
 
 
+def write_text_vocab_dir(hf: Path, out: Path, tokenizer_size: int) -> None:
+    """``out``: ``hf`` with the embedding rows of the ids the tokenizer cannot write (>= ``tokenizer_size``) zeroed.
+    A tied lm_head then scores those ids exactly 0 while a random row's best score is positive, so greedy tokens
+    stay within the tokenizer and every streamed token carries text (serving ITL, issue 48 item 5); the shapes and
+    the lm_head's cost (all 128,256 rows) are unchanged. Only the embedding's shard is rewritten."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((hf / "config.json").read_text())
+    if not cfg.get("tie_word_embeddings", False):
+        raise SystemExit(f"{hf}: untied embeddings: the lm_head's rows would need the same treatment")
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(hf, tmp)
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"]["model.embed_tokens.weight"]
+    tensors = load_file(str(hf / shard))
+    tensors["model.embed_tokens.weight"][tokenizer_size:] = torch.zeros((), dtype=torch.bfloat16)
+    save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
 def llama_cpp_source(root: Path) -> Path:
     """llama.cpp's tree as llama-cpp-python's sdist vendors it (its converter and gguf-py)."""
     src = root / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}"
@@ -236,6 +263,20 @@ def build_omforge(root: Path, name: str, hf: Path) -> None:
             shutil.rmtree(cache / "exports", ignore_errors=True)
 
 
+def build_text_bundle(root: Path, name: str, text: Path) -> None:
+    """``NAME-text-omforge-fp32``: the fp32 bundle of the text-vocabulary directory (write_text_vocab_dir)."""
+    import yaml
+
+    out = root / "models" / f"{name}-text-omforge-fp32"
+    if (out / "manifest.json").exists():
+        return
+    path = root / "recipes" / f"{name}-text-fp32.yaml"
+    path.write_text(yaml.safe_dump(omforge_recipes(root, name, text)["fp32"], sort_keys=False))
+    with step(f"{name}: omforge fp32 of the text-vocabulary directory"):
+        run([sys.executable, "-m", "omforge", "compile", path, "-o", out],
+            env={**os.environ, "OMFORGE_CACHE_DIR": str(root / "omcache")})
+
+
 def install(root: Path) -> None:
     """The OpenVINO, llama.cpp and vLLM CPU venvs of ../shared/reference/peers.md."""
     ov, lc, vl = root / "venv-ov", root / "venv-llamacpp", root / "venv-vllm"
@@ -279,6 +320,8 @@ def main() -> None:
     ap.add_argument("--tokenizer", type=Path, help="HF dir whose tokenizer files are copied (default: the test "
                     "model's, converted once with ../shared/bench/tools/convert_smollm2.py into ROOT/models)")
     ap.add_argument("--install", action="store_true", help="create venv-ov, venv-llamacpp and venv-vllm first")
+    ap.add_argument("--text-vocab", action="store_true", help="also NAME-text-hf (1B): the embedding rows beyond the "
+                    "tokenizer zeroed, for serving rows whose every token streams text, and its omforge fp32 bundle")
     ap.add_argument("--drop-hf-weights", action="store_true", help="remove the 8B HF directory's weights (16 GB) "
                     "once its GGUF and OpenVINO forms exist, before omforge's export (its float32 stage is ~32 GB): "
                     "the 8B build then fits ~55 GB of free disk")
@@ -306,6 +349,12 @@ def main() -> None:
                 f.unlink(missing_ok=True)
         if "omforge" in steps:
             build_omforge(a.root, name, hf)
+        text = a.root / "models" / f"{name}-text-hf"
+        if a.text_vocab and not (text / "model.safetensors.index.json").exists():
+            with step(f"{name}: text-vocabulary HF directory"):
+                write_text_vocab_dir(hf, text, len(json.loads((tok / "tokenizer.json").read_text())["model"]["vocab"]))
+        if a.text_vocab:
+            build_text_bundle(a.root, name, text)
     print(f"[build] all: {time.monotonic() - t0:.0f}s")
 
 
