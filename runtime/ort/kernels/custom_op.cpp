@@ -364,8 +364,9 @@ OrtStatus* compute(const Kernel& K, OrtKernelContext* ctx) {
   P.block_size = static_cast<int>(K.block_size), P.scale = K.scale, P.window = K.window;
   P.positions = static_cast<const int64_t*>(pos.data);
   const std::vector<WorkItem> cascade =
-      K.window == 0 ? plan_cascade(items, tokens, P.positions, K.block_size,
-                                                   static_cast<int32_t>(K.q_heads), static_cast<int32_t>(K.kv_heads)) : std::vector<WorkItem>{};
+      K.window == 0 ? plan_cascade(items, tokens, P.positions, K.block_size, static_cast<int32_t>(K.q_heads),
+                                   static_cast<int32_t>(K.kv_heads))
+                    : std::vector<WorkItem>{};
   P.tokens = tokens.data();
   // rows no item references (there are none in a well-formed step) read as zeros, never as garbage
   std::memset(P.o, 0, static_cast<size_t>(T) * K.q_heads * D * sizeof(float));

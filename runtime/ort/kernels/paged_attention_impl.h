@@ -31,7 +31,7 @@
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Scratch {
-  std::vector<float> q, s, acc, m, l, kt, scale, vscale, qscale;
+  std::vector<float> q, s, acc, m, l, kt, scale, vscale, qscale, posf;
   std::vector<int16_t> q16, p16;
   std::vector<float> pscale;
   std::vector<int64_t> pos;
@@ -345,6 +345,18 @@ static inline void pv_rows_i16(const int16_t* P16, int64_t ldp, const int8_t* co
   });
 }
 
+// A token's cascade state for q head h in PagedProblem::partial: m, l, then the D-float accumulator.
+template <int D>
+static inline float* cascade_state(const omf::PagedProblem& P, int32_t token, int h) {
+  return P.partial + (static_cast<int64_t>(token) * P.q_heads + h) * (D + 2);
+}
+
+// The first block an item reads: the first a query can see (the sliding window), never one a cascade item attended.
+static inline int64_t first_read_block(const omf::PagedProblem& P, const omf::WorkItem& it, int64_t pmin) {
+  const int64_t lo_key = P.window > 0 ? std::max<int64_t>(0, pmin - P.window + 1) : 0;
+  return std::max<int64_t>(lo_key / P.block_size, it.skip_blocks);
+}
+
 // The key rows of `it`'s first visible block that its queries can see, as (pointer, bytes); (nullptr, 0) when its
 // table does not hold that block (attend_item reports that error when it runs the item).
 template <int D, typename KV>
@@ -355,8 +367,7 @@ static std::pair<const KV*, int64_t> first_key_block(const omf::PagedProblem& P,
     pmax = std::max(pmax, P.positions[P.tokens[it.first + i]]);
     pmin = std::min(pmin, P.positions[P.tokens[it.first + i]]);
   }
-  const int64_t b = std::max<int64_t>((P.window > 0 ? std::max<int64_t>(0, pmin - P.window + 1) : 0) / bs,
-                                      it.skip_blocks);
+  const int64_t b = first_read_block(P, it, pmin);
   if (pmax < 0 || b >= it.table_len || it.table[b] < 0 || it.table[b] >= P.num_slots / bs) return {nullptr, 0};
   const int64_t n = std::min<int64_t>(bs, pmax + 1 - b * bs);
   return {static_cast<const KV*>(P.key_pool) + it.table[b] * bs * row_stride,
@@ -497,12 +508,12 @@ static bool attend_lanes(const omf::PagedProblem& P, const omf::WorkItem& it, in
   S.m.assign(static_cast<size_t>(Hkv) * ld, kNegInf);
   S.l.assign(static_cast<size_t>(Hkv) * ld, 0.0f);
   S.s.assign(static_cast<size_t>(bs) * ld, 0.0f);
-  S.pscale.assign(ld, -1.0f);  // row positions as float (exact below 2^24), -1 on padding lanes
+  S.posf.assign(ld, -1.0f);  // row positions as float (exact below 2^24), -1 on padding lanes
   if (it.skip_blocks > 0)  // the rows start from the cascade's state after the shared blocks
     for (int i = 0; i < ntok; ++i)
       for (int h = 0; h < Hq; ++h) {
         const size_t g = static_cast<size_t>(h / G), r = static_cast<size_t>(i * G + h % G);
-        const float* st = P.partial + (static_cast<int64_t>(toks[i]) * Hq + h) * (D + 2);
+        const float* st = cascade_state<D>(P, toks[i], h);
         S.m[g * ld + r] = st[0], S.l[g * ld + r] = st[1];
         float* ot = &S.acc[g * D * ld] + r;
         for (int d = 0; d < D; ++d) ot[d * ld] = st[2 + d];
@@ -511,7 +522,7 @@ static bool attend_lanes(const omf::PagedProblem& P, const omf::WorkItem& it, in
   const int h_lo = g_lo * G, h_hi = g_hi * G;  // the query heads of KV heads g_lo … g_hi - 1
   for (int i = 0; i < ntok; ++i) {
     const float* q = P.q + toks[i] * P.q_tok_stride;
-    for (int hh = 0; hh < G; ++hh) S.pscale[i * G + hh] = static_cast<float>(P.positions[toks[i]]);
+    for (int hh = 0; hh < G; ++hh) S.posf[i * G + hh] = static_cast<float>(P.positions[toks[i]]);
     for (int h = h_lo; h < h_hi; ++h) {
       const float* qh = q + h * P.q_head_stride;
       float* qt = &S.q[static_cast<size_t>(h / G) * D * ld] + i * G + h % G;
@@ -565,7 +576,7 @@ static bool attend_lanes(const omf::PagedProblem& P, const omf::WorkItem& it, in
       for (int rv0 = 0; rv0 < nrv; rv0 += per_tile) {
         const int rvt = std::min(per_tile, nrv - rv0);
         auto run = [&](auto c) {
-          block_lanes<D, decltype(c)::value>(QT, OT, m, l, S.pscale.data(), ld, rv0, K, Vv, kstride, n, j0, ksc, vsc,
+          block_lanes<D, decltype(c)::value>(QT, OT, m, l, S.posf.data(), ld, rv0, K, Vv, kstride, n, j0, ksc, vsc,
                                              masked, P.window, S.s.data());
         };
         switch (rvt) {
@@ -581,7 +592,7 @@ static bool attend_lanes(const omf::PagedProblem& P, const omf::WorkItem& it, in
     for (int i = 0; i < ntok; ++i)
       for (int h = h_lo; h < h_hi; ++h) {
         const size_t g = static_cast<size_t>(h / G), r = static_cast<size_t>(i * G + h % G);
-        float* st = P.partial + (static_cast<int64_t>(toks[i]) * Hq + h) * (D + 2);
+        float* st = cascade_state<D>(P, toks[i], h);
         st[0] = S.m[g * ld + r], st[1] = S.l[g * ld + r];
         const float* ot = &S.acc[g * D * ld] + r;
         for (int d = 0; d < D; ++d) st[2 + d] = ot[d * ld];
@@ -619,8 +630,7 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
     pmax = std::max(pmax, P.positions[toks[i]]);
     pmin = std::min(pmin, P.positions[toks[i]]);
   }
-  const int64_t lo_key = P.window > 0 ? std::max<int64_t>(0, pmin - P.window + 1) : 0;
-  const int64_t first_block = std::max<int64_t>(lo_key / bs, it.skip_blocks);
+  const int64_t first_block = first_read_block(P, it, pmin);
   const int64_t last_block = it.cascade_blocks > 0 ? it.cascade_blocks - 1 : pmax / bs;
   if (last_block >= it.table_len) {
     *error = "PagedAttention: a position lies beyond its sequence's block table";
@@ -633,10 +643,9 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
     }
   constexpr bool int_rows = std::is_same<KV, int8_t>::value && kIntScores<D>;
   const bool row_path = int_rows ? ntok * G <= kRowPathRowsInt && G <= kMaxGroupRows : ntok * G <= kRowPathRows;
-  if (it.cascade_blocks > 0) return attend_lanes<D, KV>(P, it, first_block, last_block, pmin, pmax);
-  if (!row_path) return attend_lanes<D, KV>(P, it, first_block, last_block, pmin, pmax);
+  if (it.cascade_blocks > 0 || !row_path) return attend_lanes<D, KV>(P, it, first_block, last_block, pmin, pmax);
+  // the row path from here on; row r = token i * Hq + head h
   const int64_t np_max = round_up(bs, Vec::W);
-  // Row layout: row r = token i * Hq + head h.
   const int nrows = ntok * Hq;
   const size_t rows = static_cast<size_t>(nrows);
   S.q.assign(rows * D, 0.0f);
@@ -647,22 +656,21 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
   S.pos.assign(rows, -1);
   if (it.skip_blocks > 0)  // one token: its rows start from the cascade's state after the shared blocks
     for (int h = 0; h < Hq; ++h) {
-      const float* st = P.partial + (static_cast<int64_t>(toks[0]) * Hq + h) * (D + 2);
+      const float* st = cascade_state<D>(P, toks[0], h);
       S.m[h] = st[0], S.l[h] = st[1];
       std::copy(st + 2, st + 2 + D, &S.acc[static_cast<size_t>(h) * D]);
     }
-  auto row_of = [&](int i, int h) -> int { return i * Hq + h; };
   for (int i = 0; i < ntok; ++i) {
     const float* q = P.q + toks[i] * P.q_tok_stride;
     for (int h = 0; h < Hq; ++h) {
-      const int r = row_of(i, h);
+      const int r = i * Hq + h;
       const float* qh = q + h * P.q_head_stride;
       for (int d = 0; d < D; ++d) S.q[static_cast<size_t>(r) * D + d] = qh[d] * P.scale;
       S.pos[r] = P.positions[toks[i]];
     }
   }
   constexpr bool int_scores = std::is_same<KV, int8_t>::value && kIntScores<D>;
-  if (int_scores && row_path) {
+  if (int_scores) {
     S.q16.resize(static_cast<size_t>(nrows) * D);
     S.qscale.resize(nrows);
     for (int r = 0; r < nrows; ++r)
@@ -672,7 +680,7 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
   const KV* vpool = static_cast<const KV*>(P.value_pool);
   std::vector<const KV*> vrows(bs + 1);
   PrefetchPump pump;
-  if (row_path) {  // this item's first key block (usually in flight already: the previous item prefetched it)
+  {  // this item's first key block (usually in flight already: the previous item prefetched it)
     const auto [k0, bytes] = first_key_block<D, KV>(P, it);
     pump.start(k0, bytes, 1);
     pump.drain();
@@ -682,113 +690,110 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
     const int64_t base = it.table[b] * bs, j0 = b * bs;
     const int64_t n = std::min<int64_t>(bs, pmax + 1 - j0);  // keys of this block any query can see
     const int64_t np = round_up(n, Vec::W);
-    if (row_path) {
-      // Whole slot rows, W at a time (all heads of a row used while it is in L1; rows read in order). Memory
-      // overlaps compute: this block's value rows are prefetched during its scores, the next block's key rows
-      // (or the next item's first ones) during its P·V, a few lines per inner call.
-      const int64_t chunks = (n + Vec::W - 1) / Vec::W;
-      pump.start(vpool + base * row_stride, n * row_stride * static_cast<int64_t>(sizeof(KV)), chunks * nrows);
-      for (int64_t c = 0; c < n; c += Vec::W) {
-        const int64_t m = std::min<int64_t>(Vec::W, n - c);
-        const KV* kchunk = kpool + (base + c) * row_stride;
-        if constexpr (int_scores) {
-          for (int i = 0; i < ntok; ++i)
-            for (int g = 0; g < Hkv; ++g) {  // rows i·Hq + g·G … + G − 1: KV head g's query rows of token i
-              const int r0 = i * Hq + g * G;
-              for (int t = 0; t < G; ++t) pump.pump();
-              score_group_i8<D>(&S.q16[static_cast<size_t>(r0) * D], &S.qscale[r0], G, kchunk + g * HE,
-                                row_stride, m, &S.s[r0 * np_max + c], np_max);
-            }
-        } else {
-          for (int r = 0; r < nrows; ++r) {
-            pump.pump();
-            score_chunk<D, KV>(&S.q[static_cast<size_t>(r) * D], kchunk + (r % Hq / G) * HE, row_stride, m,
-                               &S.s[r * np_max + c]);
+    // Whole slot rows, W at a time (all heads of a row used while it is in L1; rows read in order). Memory
+    // overlaps compute: this block's value rows are prefetched during its scores, the next block's key rows
+    // (or the next item's first ones) during its P·V, a few lines per inner call.
+    const int64_t chunks = (n + Vec::W - 1) / Vec::W;
+    pump.start(vpool + base * row_stride, n * row_stride * static_cast<int64_t>(sizeof(KV)), chunks * nrows);
+    for (int64_t c = 0; c < n; c += Vec::W) {
+      const int64_t m = std::min<int64_t>(Vec::W, n - c);
+      const KV* kchunk = kpool + (base + c) * row_stride;
+      if constexpr (int_scores) {
+        for (int i = 0; i < ntok; ++i)
+          for (int g = 0; g < Hkv; ++g) {  // rows i·Hq + g·G … + G − 1: KV head g's query rows of token i
+            const int r0 = i * Hq + g * G;
+            for (int t = 0; t < G; ++t) pump.pump();
+            score_group_i8<D>(&S.q16[static_cast<size_t>(r0) * D], &S.qscale[r0], G, kchunk + g * HE,
+                              row_stride, m, &S.s[r0 * np_max + c], np_max);
           }
-        }
-      }
-      if constexpr (std::is_same<KV, int8_t>::value && !int_scores) {  // each key row's scale, gathered per head
-        gather_scales<KV, D>(kpool + base * row_stride, row_stride, n, Hkv, HE, np_max, S.scale);
+      } else {
         for (int r = 0; r < nrows; ++r) {
-          const float* sc = &S.scale[(r % Hq / G) * np_max];
-          for (int64_t j = 0; j < n; ++j) S.s[r * np_max + j] *= sc[j];
+          pump.pump();
+          score_chunk<D, KV>(&S.q[static_cast<size_t>(r) * D], kchunk + (r % Hq / G) * HE, row_stride, m,
+                             &S.s[r * np_max + c]);
         }
       }
+    }
+    if constexpr (std::is_same<KV, int8_t>::value && !int_scores) {  // each key row's scale, gathered per head
+      gather_scales<KV, D>(kpool + base * row_stride, row_stride, n, Hkv, HE, np_max, S.scale);
       for (int r = 0; r < nrows; ++r) {
-        float* s = &S.s[r * np_max];
-        const int64_t p = S.pos[r];
-        if (p < j0 + n - 1 || P.window > 0)
-          for (int64_t j = 0; j < n; ++j)
-            if (!visible(j0 + j, p, P.window)) s[j] = kNegInf;
-        std::fill(s + n, s + np, kNegInf);
-        const float corr = softmax_update(s, np, S.m[r], S.l[r]);
-        if (corr != 1.0f) scale_row<D>(&S.acc[static_cast<size_t>(r) * D], corr);
+        const float* sc = &S.scale[(r % Hq / G) * np_max];
+        for (int64_t j = 0; j < n; ++j) S.s[r * np_max + j] *= sc[j];
       }
-      if constexpr (std::is_same<KV, int8_t>::value) {  // fold each value row's scale into its probabilities
-        gather_scales<KV, D>(vpool + base * row_stride, row_stride, n, Hkv, HE, np_max, S.scale);
-        for (int r = 0; r < nrows; ++r) {
-          const float* sc = &S.scale[(r % Hq / G) * np_max];
-          for (int64_t j = 0; j < n; ++j) S.s[r * np_max + j] *= sc[j];
+    }
+    for (int r = 0; r < nrows; ++r) {
+      float* s = &S.s[r * np_max];
+      const int64_t p = S.pos[r];
+      if (p < j0 + n - 1 || P.window > 0)
+        for (int64_t j = 0; j < n; ++j)
+          if (!visible(j0 + j, p, P.window)) s[j] = kNegInf;
+      std::fill(s + n, s + np, kNegInf);
+      const float corr = softmax_update(s, np, S.m[r], S.l[r]);
+      if (corr != 1.0f) scale_row<D>(&S.acc[static_cast<size_t>(r) * D], corr);
+    }
+    if constexpr (std::is_same<KV, int8_t>::value) {  // fold each value row's scale into its probabilities
+      gather_scales<KV, D>(vpool + base * row_stride, row_stride, n, Hkv, HE, np_max, S.scale);
+      for (int r = 0; r < nrows; ++r) {
+        const float* sc = &S.scale[(r % Hq / G) * np_max];
+        for (int64_t j = 0; j < n; ++j) S.s[r * np_max + j] *= sc[j];
+      }
+    }
+    if constexpr (int_scores) {  // each row's probabilities as int16 with the row's own scale (pv_tile_i16)
+      S.p16.resize(static_cast<size_t>(nrows) * np_max);
+      S.pscale.resize(nrows);
+      for (int r = 0; r < nrows; ++r) {
+        const float* s = &S.s[r * np_max];
+        int16_t* p16 = &S.p16[static_cast<size_t>(r) * np_max];
+        const float amax = abs_max(s, np);  // the probabilities past n are 0
+        if (!(amax > 0.0f)) {
+          std::fill(p16, p16 + np, int16_t{0});
+          S.pscale[r] = 0.0f;
+          continue;
         }
+        for (int64_t j = 0; j < np; j += Vec::W) Vec::to_i16(s + j, 32767.0f / amax, p16 + j);
+        S.pscale[r] = amax / 32767.0f;
       }
-      if constexpr (int_scores) {  // each row's probabilities as int16 with the row's own scale (pv_tile_i16)
-        S.p16.resize(static_cast<size_t>(nrows) * np_max);
-        S.pscale.resize(nrows);
-        for (int r = 0; r < nrows; ++r) {
-          const float* s = &S.s[r * np_max];
-          int16_t* p16 = &S.p16[static_cast<size_t>(r) * np_max];
-          const float amax = abs_max(s, np);  // the probabilities past n are 0
-          if (!(amax > 0.0f)) {
-            std::fill(p16, p16 + np, int16_t{0});
-            S.pscale[r] = 0.0f;
-            continue;
-          }
-          for (int64_t j = 0; j < np; j += Vec::W) Vec::to_i16(s + j, 32767.0f / amax, p16 + j);
-          S.pscale[r] = amax / 32767.0f;
-        }
-      }
-      // the P·V below calls pump.pump() `pv_calls` times
-      const int64_t pv_calls = int_scores ? Hkv * ntok * pv_tiles<D>(G) * (((n + 1) / 2 + 3) / 4) : chunks * Hkv * ntok;
-      pump.drain();
-      if (b < last_block) {
-        const int64_t nn = std::min<int64_t>(bs, pmax + 1 - (b + 1) * bs);
-        pump.start(kpool + it.table[b + 1] * bs * row_stride, nn * row_stride * static_cast<int64_t>(sizeof(KV)),
-                   pv_calls);
-      } else if (next != nullptr) {
-        const auto [k0, bytes] = first_key_block<D, KV>(P, *next);
-        pump.start(k0, bytes, pv_calls);
-      }
-      if constexpr (int_scores) {  // P·V per KV head over the whole block, in integers
-        for (int g = 0; g < Hkv; ++g) {
-          for (int64_t j = 0; j < n; ++j) vrows[j] = vpool + (base + j) * row_stride + g * HE;
-          if (n & 1) vrows[n] = vrows[n - 1];  // the padding key (probability 0)
-          for (int i = 0; i < ntok; ++i) {
-            const int r0 = i * Hq + g * G;
-            pv_rows_i16<D>(&S.p16[static_cast<size_t>(r0) * np_max], np_max, vrows.data(), n, &S.pscale[r0],
-                           &S.acc[static_cast<size_t>(r0) * D], G, pump);
-          }
-        }
-        continue;
-      }
-      // P·V in chunks of W rows: every KV head's group of query rows in registers over the chunk
-      for (int64_t c = 0; c < n; c += Vec::W) {
-        const int64_t m = std::min<int64_t>(Vec::W, n - c);
-        for (int g = 0; g < Hkv; ++g) {
-          for (int64_t j = 0; j < m; ++j) vrows[j] = vpool + (base + c + j) * row_stride + g * HE;
-          for (int i = 0; i < ntok; ++i) {
-            pump.pump();
-            const int r0 = i * Hq + g * G;
-            pv_rows<D, KV>(&S.s[r0 * np_max + c], np_max, vrows.data(), m, &S.acc[static_cast<size_t>(r0) * D], G);
-          }
+    }
+    // the P·V below calls pump.pump() `pv_calls` times
+    const int64_t pv_calls = int_scores ? Hkv * ntok * pv_tiles<D>(G) * (((n + 1) / 2 + 3) / 4) : chunks * Hkv * ntok;
+    pump.drain();
+    if (b < last_block) {
+      const int64_t nn = std::min<int64_t>(bs, pmax + 1 - (b + 1) * bs);
+      pump.start(kpool + it.table[b + 1] * bs * row_stride, nn * row_stride * static_cast<int64_t>(sizeof(KV)),
+                 pv_calls);
+    } else if (next != nullptr) {
+      const auto [k0, bytes] = first_key_block<D, KV>(P, *next);
+      pump.start(k0, bytes, pv_calls);
+    }
+    if constexpr (int_scores) {  // P·V per KV head over the whole block, in integers
+      for (int g = 0; g < Hkv; ++g) {
+        for (int64_t j = 0; j < n; ++j) vrows[j] = vpool + (base + j) * row_stride + g * HE;
+        if (n & 1) vrows[n] = vrows[n - 1];  // the padding key (probability 0)
+        for (int i = 0; i < ntok; ++i) {
+          const int r0 = i * Hq + g * G;
+          pv_rows_i16<D>(&S.p16[static_cast<size_t>(r0) * np_max], np_max, vrows.data(), n, &S.pscale[r0],
+                         &S.acc[static_cast<size_t>(r0) * D], G, pump);
         }
       }
       continue;
+    }
+    // P·V in chunks of W rows: every KV head's group of query rows in registers over the chunk
+    for (int64_t c = 0; c < n; c += Vec::W) {
+      const int64_t m = std::min<int64_t>(Vec::W, n - c);
+      for (int g = 0; g < Hkv; ++g) {
+        for (int64_t j = 0; j < m; ++j) vrows[j] = vpool + (base + c + j) * row_stride + g * HE;
+        for (int i = 0; i < ntok; ++i) {
+          pump.pump();
+          const int r0 = i * Hq + g * G;
+          pv_rows<D, KV>(&S.s[r0 * np_max + c], np_max, vrows.data(), m, &S.acc[static_cast<size_t>(r0) * D], G);
+        }
+      }
     }
   }
   for (int i = 0; i < ntok; ++i) {
     float* o = P.o + toks[i] * P.o_tok_stride;
     for (int h = 0; h < Hq; ++h) {
-      const int r = row_of(i, h);
+      const int r = i * Hq + h;
       const float inv = S.l[r] > 0.0f ? 1.0f / S.l[r] : 0.0f;
       float* oh = o + h * P.o_head_stride;
       for (int d = 0; d < D; ++d) oh[d] = S.acc[static_cast<size_t>(r) * D + d] * inv;
