@@ -6,7 +6,8 @@
 #   limits  ../shared/bench/machine_limits.py: read / copy bandwidth and the fp32 GEMM peak of the sitting
 #   single  offline.py --workload single --ttft --runs 2 (1 × 128 → 128): fp32, bf16, int4 rows
 #   pairs   the single-stream rows against llama.cpp again, interleaved (two rounds of omforge and llama.cpp at fp32,
-#           bf16/F16 and int4/Q4_0, --runs 3 each): the machine's speed moves within a sitting (RESULTS, 2026-12-06)
+#           bf16/F16 and int4/Q4_0, --runs 3 each): the machine's speed moves within a sitting (RESULTS, 2026-12-06);
+#           PAIRS="f16 fp32" (say) keeps those rows only
 #   chat    offline.py --workload short-chat --num 64 --runs 2: the batching engines (llama.cpp's adapter runs
 #           requests one at a time: 64 × 128 tokens at 1B would take ~30 min and is left out)
 #   serve   omforge serve and vLLM's OpenAI server (fp32), loadgen short-chat at concurrency 8 (32 requests) and 32
@@ -14,7 +15,8 @@
 #   tail    the serving tail (item 5): as serve, fp32 only, omforge with its default (the time rule) and with the fixed
 #           64-token cap it replaced (--max-prefill-tokens-with-decodes 64), each with OMFORGE_STEP_TRACE written to
 #           OUT.steps-LABEL.jsonl, then vLLM (TAIL_ONLY_DEFAULT=1: the default alone; LARGE_NAME=llama-3.2-1b-text: on
-#           the text-vocabulary variant of build_large_peers.py --text-vocab, whose every streamed token carries text)
+#           the text-vocabulary variant of build_large_peers.py --text-vocab, whose every streamed token carries text;
+#           TAIL_INT4=1: omforge int4 RTN as well, with its step trace)
 #   prefill item 4: offline long-prompt (8 × 1024 → 64) and shared-prefix (32 × (512 + 64) → 64), --ttft, omforge fp32
 #           against vLLM fp32 (prefix caching for shared-prefix) at 135M (smollm2-135m-omforge-fp32: `omforge compile
 #           models/smollm2-135m.yaml -o ROOT/models/smollm2-135m-omforge-fp32`) and 1B; PREFILL_SHAPES picks shapes
@@ -119,6 +121,7 @@ pairs)
   for round in 1 2; do
     for row in "f16 F16 bf16 bf16" "fp32 F32 fp32 fp32" "Q4_0 Q4_0 int4 int4-q4_0"; do
       set -- $row
+      [[ " ${PAIRS:-f16 fp32 Q4_0} " == *" $1 "* ]] || continue
       off "$LCPY" llamacpp "$M/$N-$2.gguf" "$1" "llama.cpp $2 round $round" --workload single --ttft --runs 3
       off "$OMPY" omforge "$M/$N-omforge-$4" "$3" "omforge $4 round $round" --workload single --ttft --runs 3
     done
@@ -144,6 +147,10 @@ tail)
     served "omforge fp32 $tag" 8100 env OMFORGE_STEP_TRACE="${OUT%.jsonl}.steps-$tag.jsonl" \
       "$HERE/.venv/bin/omforge" serve "$M/$N-omforge-fp32" --host 127.0.0.1 --port 8100 "$@"
   done
+  if [ -n "${TAIL_INT4:-}" ]; then  # TAIL_INT4=1: omforge int4 RTN (its default, the 128-token step budget) as well
+    served "omforge int4-rtn" 8100 env OMFORGE_STEP_TRACE="${OUT%.jsonl}.steps-int4-rtn.jsonl" \
+      "$HERE/.venv/bin/omforge" serve "$M/$N-omforge-int4-rtn" --host 127.0.0.1 --port 8100
+  fi
   vllm_served ;;
 limits8b)
   log "machine_limits (8.03 B parameters, int4 Q4_0: 4.5 bits a weight)"

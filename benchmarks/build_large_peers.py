@@ -20,7 +20,8 @@ For each shape (Llama-3.2-1B's and Llama-3-8B's real configs, :data:`SHAPES`) it
 
 ``--text-vocab`` adds ``NAME-text-hf`` (1B) — the same weights with the embedding rows of the ids beyond the tokenizer
 zeroed (tied: the lm_head scores them 0, so greedy tokens stay writable text, all 128,256 rows still computed) — and
-its ``NAME-text-omforge-fp32`` bundle, for serving rows whose ITL counts every token (99 s on 2026-12-06).
+its ``NAME-text-omforge-fp32`` and ``-int4-rtn`` bundles, for serving rows whose ITL counts every token (the
+directory and the fp32 bundle 99 s on 2026-12-06).
 
 The peers' virtual environments are those of ../shared/reference/peers.md (``ROOT/venv-ov``, ``ROOT/venv-llamacpp``,
 ``ROOT/venv-vllm``); ``--install`` creates them (on the 2-core VM: 1 min, 12–21 min compiling llama.cpp, ~5 min).
@@ -311,7 +312,8 @@ def main() -> None:
                     "model's, converted once with ../shared/bench/tools/convert_smollm2.py into ROOT/models)")
     ap.add_argument("--install", action="store_true", help="create venv-ov, venv-llamacpp and venv-vllm first")
     ap.add_argument("--text-vocab", action="store_true", help="also NAME-text-hf (1B): the embedding rows beyond the "
-                    "tokenizer zeroed, for serving rows whose every token streams text, and its omforge fp32 bundle")
+                    "tokenizer zeroed, for serving rows whose every token streams text, and its omforge fp32 and "
+                    "int4 RTN bundles")
     ap.add_argument("--drop-hf-weights", action="store_true", help="remove the 8B HF directory's weights (16 GB) "
                     "once its GGUF and OpenVINO forms exist, before omforge's export (its float32 stage is ~32 GB): "
                     "the 8B build then fits ~55 GB of free disk")
@@ -344,7 +346,7 @@ def main() -> None:
             with step(f"{name}: text-vocabulary HF directory"):
                 write_text_vocab_dir(hf, text, len(json.loads((tok / "tokenizer.json").read_text())["model"]["vocab"]))
         if a.text_vocab:
-            build_omforge(a.root, name, text, tag=f"{name}-text", labels=("fp32",))
+            build_omforge(a.root, name, text, tag=f"{name}-text", labels=("fp32", "int4-rtn"))
     print(f"[build] all: {time.monotonic() - t0:.0f}s")
 
 

@@ -42,7 +42,9 @@ class PrefixCacheStats:
 class BlockPool:
     """Fixed-size blocks ``0 .. num_blocks - 1``, each in exactly one of four states:
 
-    - **free**: refcount 0, no hash; in a FIFO, handed out first (no cached KV is lost by taking one);
+    - **free**: refcount 0, no hash; handed out first (no cached KV is lost by taking one), the most recently
+      freed first: a block that held KV before is resident and warm, so a pool that is never prefaulted (offline)
+      keeps its resident part at what the load needs instead of walking every block once;
     - **cached-unreferenced**: refcount 0, holds a hash; in LRU order (least recently freed first), handed out
       only when no free block is left, and then its hash is dropped (eviction);
     - **referenced**: refcount > 0, with or without a hash; in no list;
@@ -96,13 +98,13 @@ class BlockPool:
         """Retired blocks nothing writes any more: free again."""
         for block in blocks:
             self._retired.remove(block)
-            self._free.append(block)
+            self._free.appendleft(block)
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash (caller: no block is referenced); cached blocks become free, retired ones stay."""
         if any(self._refs):
             raise ValueError("the prefix cache can only be reset while no block is referenced")
-        self._free.extend(self._evictable)
+        self._free.extendleft(self._evictable)  # before the never-used blocks, the most recently freed first
         self._evictable.clear()
         self._hash_of.clear()
         self._block_of.clear()
@@ -118,7 +120,8 @@ class BlockPool:
         return self._hash_of.get(block)
 
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` blocks at refcount 1: free ones first (FIFO), then evict the least recently freed cached ones."""
+        """Take ``n`` blocks at refcount 1: free ones first (most recently freed first), then evict the least recently
+        freed cached ones."""
         if not 0 <= n <= self.num_free():
             raise ValueError(f"cannot allocate {n} blocks: {self.num_free()} of {self.num_blocks} are free")
         blocks = []
@@ -154,7 +157,7 @@ class BlockPool:
                 if block in self._hash_of:
                     self._evictable[block] = None
                 else:
-                    self._free.append(block)
+                    self._free.appendleft(block)
 
     def lookup(self, block_hash: Hashable) -> int | None:
         """The block holding ``block_hash``, or None; counted in :attr:`stats`."""

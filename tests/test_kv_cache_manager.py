@@ -65,6 +65,30 @@ def test_pool_prefers_free_blocks_then_evicts_least_recently_freed() -> None:
     pool.check_invariants()
 
 
+def test_pool_reuses_freed_blocks_before_never_used_ones() -> None:
+    """A block that held KV is resident: handing it out again before a never-used one keeps an unprefaulted pool's
+    resident part at what the load needs (offline runs one request after another would otherwise walk every block)."""
+    pool = BlockPool(8)
+    first = pool.allocate(2)
+    pool.decref(first)  # plain free, no hash
+    assert sorted(pool.allocate(2)) == sorted(first)
+    pool.decref(first)
+    cached = pool.allocate(3)
+    for block, key in zip(cached, "xyz"):
+        pool.register(block, key)
+    pool.decref(cached)  # cached-unreferenced: kept while never-used blocks remain
+    assert set(pool.allocate(3)).isdisjoint(cached)
+    pool.check_invariants()
+    pool2 = BlockPool(8)
+    used = pool2.allocate(3)
+    for block, key in zip(used, "xyz"):
+        pool2.register(block, key)
+    pool2.decref(used)
+    pool2.reset_prefix_cache()  # the hashes go: the blocks that held them come before the never-used ones
+    assert sorted(pool2.allocate(3)) == sorted(used)
+    pool2.check_invariants()
+
+
 # --- the KV cache manager: unit tests ---------------------------------------------------------------------------
 
 def test_allocate_free_round_trip() -> None:
