@@ -16,7 +16,9 @@
 #           64-token cap it replaced (--max-prefill-tokens-with-decodes 64), each with OMFORGE_STEP_TRACE written to
 #           OUT.steps-LABEL.jsonl, then vLLM (TAIL_ONLY_DEFAULT=1: the default alone; LARGE_NAME=llama-3.2-1b-text: on
 #           the text-vocabulary variant of build_large_peers.py --text-vocab, whose every streamed token carries text;
-#           TAIL_INT4=1: omforge int4 RTN as well, with its step trace)
+#           TAIL_INT4=1: omforge int4 RTN as well, with its step trace; TAIL_RATIOS="2.0 …": omforge fp32 again with
+#           each --mixed-step-time-ratio; TAIL_SKIP_DEFAULT=1 / TAIL_SKIP_VLLM=1: without the default's / vLLM's run;
+#           LARGE_NAME=smollm2-135m: the same at 135M)
 #   prefill item 4: offline long-prompt (8 × 1024 → 64) and shared-prefix (32 × (512 + 64) → 64), --ttft, omforge fp32
 #           against vLLM fp32 (prefix caching for shared-prefix) at 135M (smollm2-135m-omforge-fp32: `omforge compile
 #           models/smollm2-135m.yaml -o ROOT/models/smollm2-135m-omforge-fp32`) and 1B; PREFILL_SHAPES picks shapes
@@ -141,6 +143,8 @@ serve)
 tail)
   rules=("time-rule")  # TAIL_ONLY_DEFAULT=1: the default alone
   [ -n "${TAIL_ONLY_DEFAULT:-}" ] || rules+=("fixed-64 --max-prefill-tokens-with-decodes 64")
+  for r in ${TAIL_RATIOS:-}; do rules+=("ratio-$r --mixed-step-time-ratio $r"); done
+  [ -z "${TAIL_SKIP_DEFAULT:-}" ] || rules=("${rules[@]:1}")
   for rule in "${rules[@]}"; do
     set -- $rule
     tag=$1; shift
@@ -151,7 +155,7 @@ tail)
     served "omforge int4-rtn" 8100 env OMFORGE_STEP_TRACE="${OUT%.jsonl}.steps-int4-rtn.jsonl" \
       "$HERE/.venv/bin/omforge" serve "$M/$N-omforge-int4-rtn" --host 127.0.0.1 --port 8100
   fi
-  vllm_served ;;
+  [ -n "${TAIL_SKIP_VLLM:-}" ] || vllm_served ;;
 limits8b)
   log "machine_limits (8.03 B parameters, int4 Q4_0: 4.5 bits a weight)"
   timeout 600 "$OMPY" "$BENCH/machine_limits.py" --params 8030261248 --bytes-per-param 0.5625 ;;

@@ -54,6 +54,9 @@ SERVE_OPTIONS: tuple[ServeOption, ...] = (
                 "auto = when serving a 128-token budget for the whole step (float32 weights: 64 prefill tokens, fewer "
                 "where a step would last over ~3 times its decodes alone, as timed by the engine), "
                 "none = no bound", nullable=True, words=("auto",), ge=1, le=1_048_576, metavar="N|auto|none"),
+    ServeOption("mixed_step_time_ratio", float, 3.0, "the time rule of auto on float32 weights: a step with decodes "
+                "lasts at most about this many times its decodes alone (runtime/step_cost.py); lower keeps the "
+                "inter-token tail down, at the cost of TTFT while streams decode", gt=1, le=100, metavar="RATIO"),
     ServeOption("max_model_len", int, None, "longest prompt + output admitted, at most compile.max_seq_len (default: "
                 "it; vLLM max_model_len, MindIE maxSeqLen)", nullable=True, ge=16),
     ServeOption("enable_prefix_caching", bool, True, "reuse the KV blocks of shared prefixes (vLLM "

@@ -37,7 +37,7 @@ DECODE_STEP_TOKEN_BUDGET = 128
 # decode-step budget, again" (the fixed 64 at 135M) and 2026-12-06 "the time rule" (1B: a fixed 64 fp32 tokens made
 # 700 ms mixed steps beside 130 ms decode-only ones)
 FLOAT32_PREFILL_WITH_DECODES = 64
-MIXED_STEP_TIME_RATIO = 3.0
+MIXED_STEP_TIME_RATIO = SERVE_DEFAULTS["mixed_step_time_ratio"]  # serve.mixed_step_time_ratio
 DEFAULT_HICACHE_STORAGE_GB = 16.0  # the storage tier's budget when none is given
 HICACHE_STORAGE_BACKENDS = ("file",)
 QUEUE_BATCHES = 1
@@ -74,6 +74,7 @@ class EngineConfig:
     prefault_kv: bool = False  # write the KV pool at start-up (omforge serve: RSS known up front)
     serving: bool = False  # outputs are streamed as they come (omforge serve): "auto" bounds decode-step prefill
     float32_weights: bool = False  # the bundle's weights are float32: "auto" takes FLOAT32_PREFILL_WITH_DECODES
+    mixed_step_time_ratio: float = MIXED_STEP_TIME_RATIO  # the time rule's bound on float32 weights (step_cost.py)
     # tiers below the pool (runtime/hicache; SGLang's option names): L2 host memory, L3 storage
     enable_hierarchical_cache: bool = False
     hicache_size_gb: float | None = None  # the host tier (for pools in device memory)
@@ -125,6 +126,10 @@ class EngineConfig:
         if not (cap is None or cap == "auto" or (isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1)):
             raise EngineConfigError(f"max_prefill_tokens_with_decodes must be a positive number, 'auto' or none, "
                                     f"got {cap!r}")
+        ratio = pick("mixed_step_time_ratio")
+        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not ratio > 1:
+            raise EngineConfigError(f"mixed_step_time_ratio must be a number above 1 (the decodes alone are 1), "
+                                    f"got {ratio!r}")
         tiers = _hicache(pick)
         for name, value in (("max_num_seqs", max_num_seqs), ("num_kv_blocks", blocks),
                             ("max_num_batched_tokens", max_batched)):
@@ -144,7 +149,7 @@ class EngineConfig:
                    speculative_config=pick("speculative_config"), prefault_kv=bool(overrides.get("prefault_kv")),
                    serving=bool(overrides.get("serving")), kv_transfer_config=pick("kv_transfer_config"),
                    reasoning_parser=pick("reasoning_parser"), reasoning_budget=pick("reasoning_budget"),
-                   float32_weights=manifest.weights.precision == "float32",
+                   float32_weights=manifest.weights.precision == "float32", mixed_step_time_ratio=float(ratio),
                    **_lora(manifest, pick("lora_modules"), pick("max_loras")), **tiers)
 
     def with_num_kv_blocks(self, num_blocks: int) -> EngineConfig:
@@ -163,7 +168,7 @@ class EngineConfig:
         budget = DECODE_STEP_TOKEN_BUDGET if auto and self.serving else None
         ratio = None
         if budget is not None and self.float32_weights:
-            cap, budget, ratio = FLOAT32_PREFILL_WITH_DECODES, None, MIXED_STEP_TIME_RATIO
+            cap, budget, ratio = FLOAT32_PREFILL_WITH_DECODES, None, self.mixed_step_time_ratio
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                preemption_mode=self.preemption_mode, mixed_batches=mixed_batches,
                                max_prefill_tokens_with_decodes=cap, decode_step_token_budget=budget,

@@ -124,6 +124,21 @@ def test_the_decode_step_cap_is_a_number_the_token_budget_or_none() -> None:
         EngineConfig.resolve(manifest(), max_prefill_tokens_with_decodes="fast")
 
 
+def test_the_time_rule_ratio_comes_from_the_recipe_or_the_caller() -> None:
+    """``mixed_step_time_ratio`` is the time rule's bound where ``auto`` applies it (float32 weights, serving): the
+    bundle's value, a caller's over it; anything not above 1 is refused (the decodes alone are 1)."""
+    def ratio(cfg: EngineConfig) -> float | None:
+        return replace(cfg, serving=True).scheduler_config(MODEL, mixed_batches=True).mixed_step_time_ratio
+
+    auto = manifest(max_prefill_tokens_with_decodes="auto", mixed_step_time_ratio=2.0)
+    assert ratio(EngineConfig.resolve(auto)) == 2.0
+    assert ratio(EngineConfig.resolve(auto, mixed_step_time_ratio=1.5)) == 1.5
+    assert ratio(EngineConfig.resolve(replace(auto, weights=Weights("int4", {})))) is None  # the token budget there
+    for bad in (1, 0.5, "fast", True):
+        with pytest.raises(EngineConfigError, match="mixed_step_time_ratio must be a number above 1"):
+            EngineConfig.resolve(manifest(), mixed_step_time_ratio=bad)
+
+
 def test_the_pool_is_sized_from_the_kv_cache_space_budget() -> None:
     big = manifest(max_num_seqs=4096)
     cfg = EngineConfig.resolve(big, kv_cache_space_gb=0.25)

@@ -31,7 +31,8 @@ MODEL_KEYS = "name, source, path, package, file, seed, family, config, tokenizer
 COMPILE_KEYS = ("target, dtype, opset, kv_block_size, kv_cache_dtype, max_batch_size, max_seq_len, max_num_tokens, "
                 "buckets, fusions, weights, quantization, float_gemm, lora, soc_version, precision_mode")
 BUCKET_KEYS = "prefill_seq_lens, decode_batch_sizes, context_lens"
-SERVE_KEYS = ("max_num_seqs, max_num_batched_tokens, max_prefill_tokens_with_decodes, max_model_len, "
+SERVE_KEYS = ("max_num_seqs, max_num_batched_tokens, max_prefill_tokens_with_decodes, mixed_step_time_ratio, "
+              "max_model_len, "
               "enable_prefix_caching, max_queue_delay_us, preemption_mode, swap_space_gb, num_kv_blocks, "
               "kv_cache_space_gb, speculative_config, max_waiting_requests, max_queue_time_s, "
               "enable_hierarchical_cache, hicache_size_gb, hicache_storage_backend, hicache_storage_dir, "

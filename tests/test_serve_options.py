@@ -44,7 +44,10 @@ def sample(o: ServeOption) -> tuple[list[str], Any]:
     if o.kind is int:  # within the declared range, which the command line checks as the recipe does
         value = max(3, int(o.ge or 0))
         return [o.cli_flag, str(value)], value
-    return {float: ([o.cli_flag, "0.5"], 0.5), str: ([o.cli_flag, "x"], "x")}[o.kind]
+    if o.kind is float:  # within the declared range too
+        value = max(0.5, (o.gt or o.ge or 0) + 0.5)
+        return [o.cli_flag, str(value)], value
+    return [o.cli_flag, "x"], "x"
 
 
 def test_the_recipe_schema_is_the_declaration() -> None:
