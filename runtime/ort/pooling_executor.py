@@ -12,6 +12,7 @@ import numpy as np
 import onnxruntime as ort
 
 from omforge.runtime.ort import kernels
+from omforge.runtime.ort.ort_executor import release_freed_heap
 
 
 class PoolingExecutor:
@@ -25,6 +26,7 @@ class PoolingExecutor:
         if kernels.status().available:
             kernels.register(opts)
         self.session = ort.InferenceSession(str(model_path), opts, providers=["CPUExecutionProvider"])
+        release_freed_heap()
         self.output = output
 
     def run(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
