@@ -52,7 +52,7 @@ SERVE_OPTIONS: tuple[ServeOption, ...] = (
                 "maxPrefillTokens)", ge=16, le=1_048_576),
     ServeOption("max_prefill_tokens_with_decodes", int, "auto", "prefill tokens in a step with decodes: a number, "
                 "auto = when serving a 128-token budget for the whole step (float32 weights: 64 prefill tokens, fewer "
-                "where a step would last over ~3 times its decodes alone, as timed by the engine), "
+                "where a step would last over ~mixed_step_time_ratio times its decodes alone, as timed by the engine), "
                 "none = no bound", nullable=True, words=("auto",), ge=1, le=1_048_576, metavar="N|auto|none"),
     ServeOption("mixed_step_time_ratio", float, 3.0, "the time rule of auto on float32 weights: a step with decodes "
                 "lasts at most about this many times its decodes alone (runtime/step_cost.py); lower keeps the "
