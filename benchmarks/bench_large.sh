@@ -46,6 +46,9 @@ OVPY=$ROOT/venv-ov/bin/python
 VLLM=$ROOT/venv-vllm
 F32_OV='{"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}'
 BF16_OV='{"INFERENCE_PRECISION_HINT": "bf16"}'
+# vLLM CPU's environment (peers.md): its KV space, its OpenMP threads bound to the 2 cores, tcmalloc and Intel's OpenMP
+VLLM_ENV=(env VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 OMP_NUM_THREADS=2
+  LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$VLLM/lib/libiomp5.so)
 log() { printf '[%s] %s\n' "$(date -u +%H:%M:%S)" "$*"; }
 off() {  # off PY ENGINE ENGINE_MODEL PRECISION LABEL [offline.py args…]
   local py=$1 engine=$2 em=$3 prec=$4 label=$5; shift 5
@@ -58,10 +61,8 @@ voff() {  # voff LABEL [offline.py args…]: vLLM CPU (fp32, VPREC=bf16: bfloat1
   [ -x "$VLLM/bin/python" ] || return 0
   local label=$1; shift
   log "offline vllm ${VPREC:-fp32} $label $*"
-  VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 OMP_NUM_THREADS=2 \
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$VLLM/lib/libiomp5.so \
-    timeout 1500 "$VLLM/bin/python" "$BENCH/offline.py" --engine vllm --model "$HF" --threads 2 --precision "${VPREC:-fp32}" \
-    --label "$label" --out "$OUT" "$@" 2>&1 | grep -v -i warn | tail -3 || log "FAILED: vllm $label"
+  "${VLLM_ENV[@]}" timeout 1500 "$VLLM/bin/python" "$BENCH/offline.py" --engine vllm --model "$HF" --threads 2 \
+    --precision "${VPREC:-fp32}" --label "$label" --out "$OUT" "$@" 2>&1 | grep -v -i warn | tail -3 || log "FAILED: vllm $label"
 }
 prefill_rows() {  # prefill_rows PREC SHAPE…: offline long-prompt and shared-prefix, omforge's PREC bundle against vLLM
   # in PREC (its prefix caching on for shared-prefix), --ttft: the whole batch's prefill timed with max_tokens=1
@@ -97,10 +98,8 @@ served() {  # served LABEL PORT COMMAND…: start the server, serve_one against 
 }
 vllm_served() {  # vllm_served [LABEL_PREFIX]: vLLM's OpenAI server (fp32) through served, when its venv exists
   [ -x "$VLLM/bin/python" ] || return 0
-  served "${1:-}vLLM CPU fp32" 8101 env VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 OMP_NUM_THREADS=2 \
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$VLLM/lib/libiomp5.so \
-    "$VLLM/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF" --dtype float32 \
-    --max-model-len 2048 --host 127.0.0.1 --port 8101
+  served "${1:-}vLLM CPU fp32" 8101 "${VLLM_ENV[@]}" "$VLLM/bin/python" -m vllm.entrypoints.openai.api_server \
+    --model "$HF" --dtype float32 --max-model-len 2048 --host 127.0.0.1 --port 8101
 }
 
 for g in $GROUPS_; do case $g in
@@ -141,10 +140,10 @@ serve)
   done
   vllm_served ;;
 tail)
-  rules=("time-rule")  # TAIL_ONLY_DEFAULT=1: the default alone
+  rules=()
+  [ -n "${TAIL_SKIP_DEFAULT:-}" ] || rules+=("time-rule")
   [ -n "${TAIL_ONLY_DEFAULT:-}" ] || rules+=("fixed-64 --max-prefill-tokens-with-decodes 64")
   for r in ${TAIL_RATIOS:-}; do rules+=("ratio-$r --mixed-step-time-ratio $r"); done
-  [ -z "${TAIL_SKIP_DEFAULT:-}" ] || rules=("${rules[@]:1}")
   for rule in "${rules[@]}"; do
     set -- $rule
     tag=$1; shift

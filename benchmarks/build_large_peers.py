@@ -341,11 +341,12 @@ def main() -> None:
                 f.unlink(missing_ok=True)
         if "omforge" in steps:
             build_omforge(a.root, name, hf)
-        text = a.root / "models" / f"{name}-text-hf"
-        if a.text_vocab and not (text / "model.safetensors.index.json").exists():
-            with step(f"{name}: text-vocabulary HF directory"):
-                write_text_vocab_dir(hf, text, len(json.loads((tok / "tokenizer.json").read_text())["model"]["vocab"]))
         if a.text_vocab:
+            text = a.root / "models" / f"{name}-text-hf"
+            if not (text / "model.safetensors.index.json").exists():
+                with step(f"{name}: text-vocabulary HF directory"):
+                    vocab = json.loads((tok / "tokenizer.json").read_text())["model"]["vocab"]
+                    write_text_vocab_dir(hf, text, len(vocab))
             build_omforge(a.root, name, text, tag=f"{name}-text", labels=("fp32", "int4-rtn"))
     print(f"[build] all: {time.monotonic() - t0:.0f}s")
 
