@@ -641,8 +641,8 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
       *error = "PagedAttention: block id out of range of the KV pool";
       return false;
     }
-  constexpr bool int_rows = std::is_same<KV, int8_t>::value && kIntScores<D>;
-  const bool row_path = int_rows ? ntok * G <= kRowPathRowsInt && G <= kMaxGroupRows : ntok * G <= kRowPathRows;
+  constexpr bool int_scores = std::is_same<KV, int8_t>::value && kIntScores<D>;  // the row path scores in integers
+  const bool row_path = int_scores ? ntok * G <= kRowPathRowsInt && G <= kMaxGroupRows : ntok * G <= kRowPathRows;
   if (it.cascade_blocks > 0 || !row_path) return attend_lanes<D, KV>(P, it, first_block, last_block, pmin, pmax);
   // the row path from here on; row r = token i * Hq + head h
   const int64_t np_max = round_up(bs, Vec::W);
@@ -669,7 +669,6 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
       S.pos[r] = P.positions[toks[i]];
     }
   }
-  constexpr bool int_scores = std::is_same<KV, int8_t>::value && kIntScores<D>;
   if (int_scores) {
     S.q16.resize(static_cast<size_t>(nrows) * D);
     S.qscale.resize(nrows);
