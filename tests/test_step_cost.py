@@ -63,7 +63,12 @@ def test_the_serving_engine_times_its_steps_for_the_rule(tmp_path: Path) -> None
         assert sched.config.mixed_step_time_ratio == MIXED_STEP_TIME_RATIO
         seen: list[tuple[int, int, float]] = []
         observe = sched.observe_step
-        sched.observe_step = lambda p, d, s: (seen.append((p, d, s)), observe(p, d, s))[1]
+
+        def spy(prefill: int, decode: int, seconds: float) -> None:
+            seen.append((prefill, decode, seconds))
+            observe(prefill, decode, seconds)
+
+        sched.observe_step = spy
         params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
         llm.engine.add_request(list(range(3, 20)), params, "a")
         for _ in range(12):
