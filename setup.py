@@ -13,12 +13,12 @@ from setuptools import Extension, setup
 # OMFORGE_KERNELS_DEBUG=1: with symbols and line tables, unstripped (perf annotate, gdb); the same -O3 code
 PROFILE_BUILD = os.environ.get("OMFORGE_KERNELS_DEBUG") == "1"
 
-SOURCES = ("custom_op", "pa_avx512", "pa_avx2", "pa_generic", "qgemm_op", "qgemm_avx512", "qgemm_avx2",
-           "qgemm_generic", "qgemm_amx", "bgemm_avx512", "bgemm_amx", "bgemm_avx2", "bgemm_generic",
+SOURCES = ("custom_op", "pa_avx512", "pa_avx512bf16", "pa_avx2", "pa_generic", "qgemm_op", "qgemm_avx512",
+           "qgemm_avx2", "qgemm_generic", "qgemm_amx", "bgemm_avx512", "bgemm_amx", "bgemm_avx2", "bgemm_generic",
            "qbgemm_avx512", "qbgemm_generic", "fgemm_avx512", "fgemm_generic",
            "lora_op", "lora_avx512", "lora_avx2", "lora_generic")
-HEADERS = ("ort_abi", "ort_tensor", "bf16", "amx", "paged_attention", "paged_attention_impl", "qgemm", "qgemm_op",
-           "qgemm_avx2_impl", "avx512_reduce", "avx512_tile", "lora", "lora_impl")
+HEADERS = ("ort_abi", "ort_tensor", "bf16", "amx", "paged_attention", "paged_attention_impl", "pa_avx512_vec",
+           "qgemm", "qgemm_op", "qgemm_avx2_impl", "avx512_reduce", "avx512_tile", "lora", "lora_impl")
 KERNELS = Extension(
     "omforge.runtime.ort.kernels._omforge_kernels",
     sources=[f"runtime/ort/kernels/{name}.cpp" for name in SOURCES],

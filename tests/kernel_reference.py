@@ -75,7 +75,8 @@ DECODE = {"float32": lambda p: p, "bfloat16": from_bf16, "int8": dequantize_int8
 
 def paged_attention_reference(f: dict[str, np.ndarray], *, q_heads: int, kv_heads: int, block_size: int,
                               scale: float, window: int = 0, kv_dtype: str = "float32",
-                              p_rounding: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                              p_rounding: np.ndarray | None = None, bf16_tokens: np.ndarray | None = None,
+                              dot_rounding: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(o [T, Hq, D] float64, key_pool, value_pool)`` with the pools encoded as ``kv_dtype`` (the new rows
     written as the kernel writes them), activations given token-major ``[T, H, D]``; attention over the
     pools as stored (decoded), in float64.
@@ -84,7 +85,14 @@ def paged_attention_reference(f: dict[str, np.ndarray], *, q_heads: int, kv_head
     that rounding the probabilities to int16 gives it, as the int8 decode path rounds them (paged_attention_impl.h
     ``pv_tile_i16``: per block of keys, each probability times its value row's scale rounded with the row's own
     step, the largest -> 32767): errors uniform within half a step, so σ² = Σ_blocks step² / 12 · Σ code², with the
-    step ``max(P·s_v) / 32767`` (P normalised) and the codes the block's int8 values of that element."""
+    step ``max(P·s_v) / 32767`` (P normalised) and the codes the block's int8 values of that element.
+
+    ``bf16_tokens`` (a ``[T]`` bool mask) and ``dot_rounding`` (``[T, Hq, D]``, filled in): for the tokens whose
+    attention scores and sums P·V in bfloat16 dot products (paged_attention_impl.h, bfloat16 pools on the tile path),
+    per output element the standard deviation, to first order, of what rounding ``q · scale`` and the probabilities
+    to bfloat16 moves it by: each rounded value's relative error taken uniform within ±2⁻⁸ (nearest even, 8
+    significant bits), so var = Σ_e M_de² (2⁻⁸ q_e)² / 3 with M = Σ_j w_j (v_j − o) k_jᵀ (the output's derivative
+    in q through the scores), plus Σ_j (w_j v_jd)² 2⁻¹⁶ / 3 (the probabilities; their sum l is not rounded)."""
     q = f["q"].astype(np.float64)
     pools = []
     for name, new in (("key_cache", f["k"]), ("value_cache", f["v"])):
@@ -111,6 +119,12 @@ def paged_attention_reference(f: dict[str, np.ndarray], *, q_heads: int, kv_head
             s = kc[slots, h // group] @ q[t, h] * scale
             w = np.exp(s - s.max())
             out[t, h] = (w / w.sum()) @ vc[slots, h // group]
+            if bf16_tokens is not None and bf16_tokens[t]:
+                wn, kk, vv = w / w.sum(), kc[slots, h // group], vc[slots, h // group]
+                m = (wn[:, None] * (vv - out[t, h])).T @ kk  # [D, D]: d(o_d) / d(q_e · scale)
+                var_q = (m ** 2) @ ((2.0 ** -8 * q[t, h] * scale) ** 2 / 3)
+                var_p = ((wn[:, None] * vv) ** 2).sum(0) * 2.0 ** -16 / 3
+                dot_rounding[t, h] = np.sqrt(var_q + var_p)
             if p_rounding is not None:
                 v = pools[1][slots, h // group]
                 codes2 = v[:, :-4].astype(np.float64) ** 2

@@ -62,18 +62,41 @@ def run_case(rng, seqs, *, q_heads=9, kv_heads=3, head_dim=64, block_size=16, nu
     if round_q_int16:
         ref["q"] = rounded_q_int16(ref["q"], scale)
     p_rounding = np.zeros((T, q_heads, head_dim)) if kv_dtype == "int8" else None
+    bf16_tokens = dot_rounding = None
+    if kv_dtype == "bfloat16" and kernels.status().isa == "avx512bf16":
+        bf16_tokens = tile_path_tokens(f, q_heads // kv_heads, cascade=shared_prefix_blocks > 0)
+        dot_rounding = np.zeros((T, q_heads, head_dim))
     want_o, want_k, want_v = paged_attention_reference(ref, q_heads=q_heads, kv_heads=kv_heads, block_size=block_size,
                                                        scale=scale, window=window, kv_dtype=kv_dtype,
-                                                       p_rounding=p_rounding)
+                                                       p_rounding=p_rounding, bf16_tokens=bf16_tokens,
+                                                       dot_rounding=dot_rounding)
     model = kernel_model(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, scale=scale,
                          window=window, token_major=token_major, kv_dtype=kv_dtype, packed=packed, rotary=rotary)
     o, k_out, v_out = run_kernel(model, f, pools, in_place, token_major or packed, kv_dtype, packed=packed)
     atol = 2e-4 if kv_dtype == "int8" and head_dim % 32 == 0 and not round_q_int16 else 2e-5
     if p_rounding is not None:  # int8 decode rows: probabilities rounded to int16; 6 σ of what that gives
         atol = atol + 6 * p_rounding
+    if dot_rounding is not None:  # bfloat16 pools' tile path: q and the probabilities rounded to bfloat16
+        assert bf16_tokens.any(), "no token took the bfloat16 tile path: the case checks nothing of it"
+        atol = atol + 6 * dot_rounding
     assert_close(o, want_o, atol=atol, rtol=1e-4)  # against attention over the pools as stored
     np.testing.assert_array_equal(k_out, want_k)
     np.testing.assert_array_equal(v_out, want_v)
+
+
+def tile_path_tokens(f: dict[str, np.ndarray], group: int, cascade: bool) -> np.ndarray:
+    """``[T]`` bool: the tokens whose attention runs on the kernel's tile path (paged_attention_impl.h attend_item):
+    those of a work item (a ``query_index`` row) with more than kRowPathRows = 8 query rows per KV head (tokens ×
+    group); with ``cascade`` (decodes on shared blocks, which plan_cascade attends on the tile path, whether they sit
+    in the decode group or in one-token items) every token."""
+    T = f["position_ids"].shape[1]
+    mask = np.full(T, cascade)
+    width = f["query_index"].shape[1]
+    for b, row in enumerate(f["query_index"]):
+        mine = [t for i, t in enumerate(row) if f["token_index"][t] == b * width + i]
+        if len(mine) * group > 8:
+            mask[mine] = True
+    return mask
 
 
 def assert_close(actual: np.ndarray, desired: np.ndarray, atol: np.ndarray | float, rtol: float) -> None:
@@ -143,9 +166,10 @@ def test_step_shapes(seqs) -> None:  # noqa: ANN001
 
 @pytest.mark.parametrize("q_heads, kv_heads", [(4, 4), (9, 3), (16, 2)], ids=["group1", "group3", "group8"])
 @pytest.mark.parametrize("head_dim", [16, 64, 128, 256])
-def test_gqa_and_head_dim(q_heads: int, kv_heads: int, head_dim: int) -> None:
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_gqa_and_head_dim(q_heads: int, kv_heads: int, head_dim: int, kv_dtype: str) -> None:
     run_case(np.random.default_rng(1), [(20, 1), (3, 9), (33, 1)], q_heads=q_heads, kv_heads=kv_heads,
-             head_dim=head_dim)
+             head_dim=head_dim, kv_dtype=kv_dtype)
 
 
 @pytest.mark.parametrize("block_size", [4, 16, 64, 128])
@@ -234,12 +258,12 @@ def test_packed_qkv_and_rotary(kv_dtype: str, packed: bool, rotary: bool) -> Non
     run_case(rng, [(20, 6), (33, 1)], kv_dtype=kv_dtype, packed=packed, rotary=rotary, in_place=False)
 
 
-ISAS = ["generic"] + [isa for isa in ("avx2", "avx512") if isa != "generic"]
-
-
-@pytest.mark.parametrize("isa", ["avx2", "generic"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "generic"])
 def test_slower_isa_paths(isa: str, tmp_path) -> None:  # noqa: ANN001
-    """The AVX2 and portable paths, forced in a child process (the ISA is fixed when the library loads)."""
+    """The AVX-512 (without bfloat16 dot products: bfloat16 pools attended in float32 on every path), AVX2 and
+    portable paths, forced in a child process (the ISA is fixed when the library loads)."""
+    if isa == "avx512" and kernels.status().isa != "avx512bf16":
+        pytest.skip("the AVX-512 path is this CPU's own (the other tests run it) or beyond it")
     import subprocess
     import sys
 
@@ -342,7 +366,7 @@ def test_packed_and_rotary_input_errors() -> None:
 
 def test_status_reports_the_isa() -> None:
     s = kernels.status()
-    assert s.abi == kernels.ABI_VERSION and s.isa in ("avx512", "avx2", "generic")
+    assert s.abi == kernels.ABI_VERSION and s.isa in ("avx512bf16", "avx512", "avx2", "generic")
     assert s.manifest_entry().domain == kernels.DOMAIN
 
 

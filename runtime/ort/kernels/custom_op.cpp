@@ -66,9 +66,12 @@ Isa choose_isa() {
   __builtin_cpu_init();
   const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");  // pa_avx512: BW for the int8 dots
   const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (has512 && (w.empty() || w == "avx512"))
+  if (has512 && __builtin_cpu_supports("avx512bf16") && (w.empty() || w == "avx512bf16"))
+    return {"avx512bf16", &avx512bf16::attend, &avx512bf16::swiglu, &avx512bf16::quantize_kv_int8,
+            &avx512bf16::add_rms_norm};
+  if (has512 && (w.empty() || w == "avx512bf16" || w == "avx512"))
     return {"avx512", &avx512::attend, &avx512::swiglu, &avx512::quantize_kv_int8, &avx512::add_rms_norm};
-  if (has2 && (w.empty() || w == "avx512" || w == "avx2"))
+  if (has2 && (w.empty() || w == "avx512bf16" || w == "avx512" || w == "avx2"))
     return {"avx2", &avx2::attend, &avx2::swiglu, &avx2::quantize_kv_int8, &avx2::add_rms_norm};
 #endif
   return {"generic", &generic::attend, &generic::swiglu, &generic::quantize_kv_int8, &generic::add_rms_norm};

@@ -12,8 +12,12 @@
 // VK& hi) (2W values of rows a and b widened, pairs (a[d], b[d]) split over lo and hi in an order of the ISA's
 // choosing); VI dot_pair(VI acc, VK v, int32_t pp) (lane += a·p0 + b·p1, pp the int16 pair, exact); void
 // add_pairs(float* out, VI lo, VI hi, float s) (out[d] += float(sum of d)·s for the 2W d of one interleave_pair, in
-// d order); (scalar conversions: omf::kv_to_float). It is included inside a namespace, so it includes nothing itself
-// (paged_attention.h brings the standard headers).
+// d order); (scalar conversions: omf::kv_to_float). Optional (a Vec with them scores bfloat16 pools' tile path in
+// bfloat16 dot products, kBf16Dot): VB, W bfloat16 pairs in 32-bit lanes; VB load_pairs(const uint32_t*); VB
+// broadcast_pair(const uint16_t* | const uint32_t*); V dot_bf16(V acc, VB a, VB b) (lane += a.lo·b.lo + a.hi·b.hi);
+// void store_pairs(uint32_t* out, V lo, V hi) (W pairs (bf16(lo[i]), bf16(hi[i])), nearest even); void
+// store_row_pairs(uint32_t* out, const uint16_t* a, const uint16_t* b) (W pairs (a[i], b[i]); b nullptr: 0). It is
+// included inside a namespace, so it includes nothing itself (paged_attention.h brings the standard headers).
 //
 // Algorithm (one work item = one sequence's query tokens, <= kMaxItemTokens): online softmax over the
 // sequence's blocks in order; a block no query of the item can see is never touched; within a block, keys
@@ -28,11 +32,16 @@
 //    and P·V as broadcast-FMA register tiles, the online softmax vertical (no horizontal reduction per row and
 //    block). It replaced a per-row layout (keys transposed per block, each row's softmax reduced horizontally) that
 //    ran SmolLM2's 512-token prefill chunks at ~110 GFLOP/s on the Zen 4 VM (bench_attention.py --prefill).
+//    bfloat16 pools on a CPU with bfloat16 dot products (kBf16Dot: pa_avx512bf16.cpp) score and sum P·V there in
+//    vdpbf16ps, two products per lane and instruction: each query row (times the scale) and each block's
+//    probabilities rounded to bfloat16 (nearest even), the keys and values as stored, float32 sums; the softmax
+//    (maxima, exp, the sum l of the unrounded probabilities) stays float32. As flash attention rounds P for its P·V.
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Scratch {
   std::vector<float> q, s, acc, m, l, kt, scale, vscale, qscale, posf;
   std::vector<int16_t> q16, p16;
+  std::vector<uint32_t> q2, v2, p2;  // the bfloat16 tile path's pairs: queries, a block's values, its probabilities
   std::vector<float> pscale;
   std::vector<int64_t> pos;
   std::vector<const float*> qrow;
@@ -385,6 +394,26 @@ static std::pair<const KV*, int64_t> first_key_block(const omf::PagedProblem& P,
 // row vectors per register tile: 4 with 32 vector registers (AVX-512), 2 with 16 (AVX2) or plain arrays
 constexpr int kLaneTile = Vec::W == 16 ? 4 : 2;
 
+// Vec has bfloat16 dot products (the optional traits above)
+template <typename T, typename = void>
+struct HasBf16Dot : std::false_type {};
+template <typename T>
+struct HasBf16Dot<T, std::void_t<decltype(&T::dot_bf16)>> : std::true_type {};
+constexpr bool kBf16Dot = HasBf16Dot<Vec>::value;
+
+// f(rv0, std::integral_constant<int, RVT>) for each tile of the nrv row vectors (per_tile <= kLaneTile each)
+template <typename F>
+static inline void for_lane_tiles(int nrv, int per_tile, F&& f) {
+  for (int rv0 = 0; rv0 < nrv; rv0 += per_tile) {
+    switch (std::min(per_tile, nrv - rv0)) {
+      case 4: if constexpr (kLaneTile >= 4) f(rv0, std::integral_constant<int, 4>{}); break;
+      case 3: if constexpr (kLaneTile >= 3) f(rv0, std::integral_constant<int, 3>{}); break;
+      case 2: f(rv0, std::integral_constant<int, 2>{}); break;
+      default: f(rv0, std::integral_constant<int, 1>{}); break;
+    }
+  }
+}
+
 // ST[jj][lanes] = Σ_d K[jj][d] · QT[d][lanes] for JT keys (K rows kstride apart) and RVT row vectors.
 template <int D, int JT, int RVT>
 static inline void score_lanes(const float* QT, int64_t ldq, const float* K, int64_t kstride, float* ST, int64_t lds) {
@@ -428,26 +457,21 @@ static inline void pv_lanes(const float* PT, int64_t ldp, const float* V, int64_
   }
 }
 
-// One block for RVT row vectors from row vector rv0 of a KV head (state in lanes: QT, OT, m, l, posf with ld row
-// stride): scores, scales, mask, online softmax, P·V. K, V: the block's first key / value row of this head as float
-// (kstride apart), n <= bs keys at positions j0 …; ksc / vsc: int8 pools' per-key scales (nullptr otherwise).
-template <int D, int RVT>
-static inline void block_lanes(const float* QT, float* OT, float* m, float* l, const float* posf, int64_t ld, int rv0,
-                               const float* K, const float* Vv, int64_t kstride, int64_t n, int64_t j0,
-                               const float* ksc, const float* vsc, bool masked, int64_t window, float* ST) {
+// The block's scores of RVT row vectors (ST: n key rows ld apart, this tile's lanes), in place: each int8 key's scale
+// applied (ksc; nullptr otherwise) and keys hidden from a row -inf (when `masked`); then each row's running maximum m
+// (this tile's lanes) raised to the block's, msafe = that maximum made finite, corr = exp(old maximum - msafe).
+template <int RVT>
+static inline void lanes_max(float* ST, int64_t ld, float* m, const float* posf, int64_t n, int64_t j0,
+                             const float* ksc, bool masked, int64_t window, typename Vec::V* msafe,
+                             typename Vec::V* corr) {
   using V = typename Vec::V;
-  const int64_t off = static_cast<int64_t>(rv0) * Vec::W;
-  ST += off;  // this tile's lanes of every key row
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) score_lanes<D, 4, RVT>(QT + off, ld, K + j * kstride, kstride, ST + j * ld, ld);
-  for (; j < n; ++j) score_lanes<D, 1, RVT>(QT + off, ld, K + j * kstride, kstride, ST + j * ld, ld);
   V mx[RVT], pos[RVT];
   for (int i = 0; i < RVT; ++i) {
     mx[i] = Vec::set1(kNegInf);
-    pos[i] = Vec::load(posf + off + i * Vec::W);
+    pos[i] = Vec::load(posf + i * Vec::W);
   }
   const V ninf = Vec::set1(kNegInf), one = Vec::set1(1.0f);
-  for (j = 0; j < n; ++j) {
+  for (int64_t j = 0; j < n; ++j) {
     float* s = ST + j * ld;
     const V kpos = Vec::set1(static_cast<float>(j0 + j));
     for (int i = 0; i < RVT; ++i) {
@@ -465,15 +489,31 @@ static inline void block_lanes(const float* QT, float* OT, float* m, float* l, c
       mx[i] = Vec::max(mx[i], x);
     }
   }
-  V corr[RVT], msafe[RVT], sum[RVT];
   for (int i = 0; i < RVT; ++i) {
-    const V mold = Vec::load(m + off + i * Vec::W);
+    const V mold = Vec::load(m + i * Vec::W);
     const V mnew = Vec::max(mold, mx[i]);
     msafe[i] = Vec::max(mnew, Vec::set1(-std::numeric_limits<float>::max()));  // -inf (nothing seen yet) -> finite
     corr[i] = vexp(Vec::sub(mold, msafe[i]));  // 0 where the row had seen nothing, 1 where its maximum held
-    Vec::store(m + off + i * Vec::W, mnew);
-    sum[i] = Vec::zero();
+    Vec::store(m + i * Vec::W, mnew);
   }
+}
+
+// One block for RVT row vectors from row vector rv0 of a KV head (state in lanes: QT, OT, m, l, posf with ld row
+// stride): scores, scales, mask, online softmax, P·V. K, V: the block's first key / value row of this head as float
+// (kstride apart), n <= bs keys at positions j0 …; ksc / vsc: int8 pools' per-key scales (nullptr otherwise).
+template <int D, int RVT>
+static inline void block_lanes(const float* QT, float* OT, float* m, float* l, const float* posf, int64_t ld, int rv0,
+                               const float* K, const float* Vv, int64_t kstride, int64_t n, int64_t j0,
+                               const float* ksc, const float* vsc, bool masked, int64_t window, float* ST) {
+  using V = typename Vec::V;
+  const int64_t off = static_cast<int64_t>(rv0) * Vec::W;
+  ST += off;  // this tile's lanes of every key row
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) score_lanes<D, 4, RVT>(QT + off, ld, K + j * kstride, kstride, ST + j * ld, ld);
+  for (; j < n; ++j) score_lanes<D, 1, RVT>(QT + off, ld, K + j * kstride, kstride, ST + j * ld, ld);
+  V corr[RVT], msafe[RVT], sum[RVT];
+  lanes_max<RVT>(ST, ld, m + off, posf + off, n, j0, ksc, masked, window, msafe, corr);
+  for (int i = 0; i < RVT; ++i) sum[i] = Vec::zero();
   for (j = 0; j < n; ++j) {
     float* s = ST + j * ld;
     for (int i = 0; i < RVT; ++i) {
@@ -486,6 +526,119 @@ static inline void block_lanes(const float* QT, float* OT, float* m, float* l, c
   for (int i = 0; i < RVT; ++i)
     Vec::store(l + off + i * Vec::W, Vec::fma(Vec::load(l + off + i * Vec::W), corr[i], sum[i]));
   pv_lanes<D, RVT>(ST, ld, Vv, kstride, n, OT + off, ld, corr);
+}
+
+// ---- bfloat16 pools on the tile path (kBf16Dot; X = Vec, a template parameter so that a Vec without the bfloat16
+// traits never instantiates these) ----
+// Layouts: QT2[p][lanes] the queries' dimension pairs (2p, 2p + 1) (per KV head, D/2 rows ld apart); VP[jp][d] a
+// block's value pairs (keys 2jp, 2jp + 1) of dimension d (D apart); PT2[jp][lanes] the probabilities of key pair jp.
+
+// ST[jj][lanes] = Σ_p dot(K[jj] pair p, QT2[p][lanes]) for JT keys (K rows kstride apart) and RVT row vectors.
+template <int D, int JT, int RVT, typename X>
+static inline void score_lanes_bf16(const uint32_t* QT2, int64_t ldq, const uint16_t* K, int64_t kstride, float* ST,
+                                    int64_t lds) {
+  typename X::V acc[JT][RVT];
+  for (int jj = 0; jj < JT; ++jj)
+    for (int i = 0; i < RVT; ++i) acc[jj][i] = X::zero();
+  for (int p = 0; p < D / 2; ++p) {
+    typename X::VB q[RVT];
+    for (int i = 0; i < RVT; ++i) q[i] = X::load_pairs(QT2 + p * ldq + i * X::W);
+    for (int jj = 0; jj < JT; ++jj) {
+      const typename X::VB kb = X::broadcast_pair(K + jj * kstride + 2 * p);
+      for (int i = 0; i < RVT; ++i) acc[jj][i] = X::dot_bf16(acc[jj][i], q[i], kb);
+    }
+  }
+  for (int jj = 0; jj < JT; ++jj)
+    for (int i = 0; i < RVT; ++i) X::store(ST + jj * lds + i * X::W, acc[jj][i]);
+}
+
+// OT[d][lanes] = OT[d][lanes] · corr[lanes] + Σ_jp dot(PT2[jp][lanes], VP[jp][d]) over npairs key pairs, for all D
+// head dimensions, 4 at a time, and RVT row vectors.
+template <int D, int RVT, typename X>
+static inline void pv_lanes_bf16(const uint32_t* PT2, int64_t ldp, const uint32_t* VP, int64_t npairs, float* OT,
+                                 int64_t ldo, const typename X::V* corr) {
+  constexpr int DT = 4;
+  for (int d0 = 0; d0 < D; d0 += DT) {
+    typename X::V acc[DT][RVT];
+    for (int dd = 0; dd < DT; ++dd)
+      for (int i = 0; i < RVT; ++i) acc[dd][i] = X::mul(X::load(OT + (d0 + dd) * ldo + i * X::W), corr[i]);
+    for (int64_t jp = 0; jp < npairs; ++jp) {
+      typename X::VB p[RVT];
+      for (int i = 0; i < RVT; ++i) p[i] = X::load_pairs(PT2 + jp * ldp + i * X::W);
+      const uint32_t* v = VP + jp * D + d0;
+      for (int dd = 0; dd < DT; ++dd) {
+        const typename X::VB vb = X::broadcast_pair(v + dd);
+        for (int i = 0; i < RVT; ++i) acc[dd][i] = X::dot_bf16(acc[dd][i], p[i], vb);
+      }
+    }
+    for (int dd = 0; dd < DT; ++dd)
+      for (int i = 0; i < RVT; ++i) X::store(OT + (d0 + dd) * ldo + i * X::W, acc[dd][i]);
+  }
+}
+
+// block_lanes for a bfloat16 pool: K the block's first key row of this head in the pool (kstride apart), VP its
+// values in pairs; the probabilities of key pairs go to PT2 (the missing half of an odd n's last pair 0).
+template <int D, int RVT, typename X>
+static inline void block_lanes_bf16(const uint32_t* QT2, float* OT, float* m, float* l, const float* posf, int64_t ld,
+                                    int rv0, const uint16_t* K, int64_t kstride, const uint32_t* VP, int64_t n,
+                                    int64_t j0, bool masked, int64_t window, float* ST, uint32_t* PT2) {
+  using V = typename X::V;
+  const int64_t off = static_cast<int64_t>(rv0) * X::W;
+  ST += off, PT2 += off;  // this tile's lanes of every key row / pair
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) score_lanes_bf16<D, 4, RVT, X>(QT2 + off, ld, K + j * kstride, kstride, ST + j * ld, ld);
+  for (; j < n; ++j) score_lanes_bf16<D, 1, RVT, X>(QT2 + off, ld, K + j * kstride, kstride, ST + j * ld, ld);
+  V corr[RVT], msafe[RVT], sum[RVT];
+  lanes_max<RVT>(ST, ld, m + off, posf + off, n, j0, nullptr, masked, window, msafe, corr);
+  for (int i = 0; i < RVT; ++i) sum[i] = X::zero();
+  const int64_t npairs = (n + 1) / 2;
+  for (int64_t jp = 0; jp < npairs; ++jp) {
+    const float* s = ST + 2 * jp * ld;
+    const bool odd = 2 * jp + 1 < n;
+    for (int i = 0; i < RVT; ++i) {
+      const V p0 = vexp(X::sub(X::load(s + i * X::W), msafe[i]));
+      const V p1 = odd ? vexp(X::sub(X::load(s + ld + i * X::W), msafe[i])) : X::zero();
+      sum[i] = X::add(sum[i], X::add(p0, p1));
+      X::store_pairs(PT2 + jp * ld + i * X::W, p0, p1);
+    }
+  }
+  for (int i = 0; i < RVT; ++i)
+    X::store(l + off + i * X::W, X::fma(X::load(l + off + i * X::W), corr[i], sum[i]));
+  pv_lanes_bf16<D, RVT, X>(PT2, ld, VP, npairs, OT + off, ld, corr);
+}
+
+// The queries of KV heads g_lo … g_hi - 1 in pairs: QT2[g][p][lanes] from QT[g][2p], QT[g][2p + 1] (float, scaled).
+template <int D, typename X>
+static inline void pair_queries_bf16(const float* QT, uint32_t* QT2, int64_t ld, int g_lo, int g_hi) {
+  for (int g = g_lo; g < g_hi; ++g)
+    for (int p = 0; p < D / 2; ++p)
+      for (int64_t c = 0; c < ld; c += X::W) {
+        const float* q = QT + (static_cast<int64_t>(g) * D + 2 * p) * ld + c;
+        X::store_pairs(QT2 + (static_cast<int64_t>(g) * (D / 2) + p) * ld + c, X::load(q), X::load(q + ld));
+      }
+}
+
+// One block of KV head g (krow / vrow: its first key / value row in the pool, row_stride apart) for every tile of the
+// item's rows: the values paired by key (VP, in S.v2), then block_lanes_bf16 per tile.
+template <int D, typename X>
+static inline void block_bf16(Scratch& S, int g, int64_t ld, int nrv, int per_tile, const uint16_t* krow,
+                              const uint16_t* vrow, int64_t row_stride, int64_t n, int64_t j0, bool masked,
+                              int64_t window) {
+  static_assert(D % X::W == 0, "the value pairs are written W at a time");
+  uint32_t* VP = S.v2.data();
+  for (int64_t jp = 0; jp < (n + 1) / 2; ++jp) {
+    const uint16_t* a = vrow + 2 * jp * row_stride;
+    const uint16_t* b = 2 * jp + 1 < n ? a + row_stride : nullptr;
+    for (int d = 0; d < D; d += X::W) X::store_row_pairs(VP + jp * D + d, a + d, b == nullptr ? nullptr : b + d);
+  }
+  const uint32_t* QT2 = &S.q2[static_cast<size_t>(g) * (D / 2) * ld];
+  float* OT = &S.acc[static_cast<size_t>(g) * D * ld];
+  float* m = &S.m[static_cast<size_t>(g) * ld];
+  float* l = &S.l[static_cast<size_t>(g) * ld];
+  for_lane_tiles(nrv, per_tile, [&](int rv0, auto c) {
+    block_lanes_bf16<D, decltype(c)::value, X>(QT2, OT, m, l, S.posf.data(), ld, rv0, krow, row_stride, VP, n, j0,
+                                               masked, window, S.s.data(), S.p2.data());
+  });
 }
 
 // The tile path of one work item (rows in lanes, see above); blocks first_block … last_block are valid.
@@ -529,7 +682,13 @@ static bool attend_lanes(const omf::PagedProblem& P, const omf::WorkItem& it, in
       for (int d = 0; d < D; ++d) qt[d * ld] = qh[d] * P.scale;
     }
   }
-  if (!is_f32) {
+  constexpr bool dot16 = kBf16Dot && std::is_same<KV, uint16_t>::value;  // bfloat16 dot products (see above)
+  if constexpr (dot16) {
+    S.q2.resize(static_cast<size_t>(Hkv) * (D / 2) * ld);
+    S.v2.resize(static_cast<size_t>((bs + 1) / 2) * D);
+    S.p2.resize(static_cast<size_t>((bs + 1) / 2) * ld);
+    pair_queries_bf16<D, Vec>(S.q.data(), S.q2.data(), ld, g_lo, g_hi);
+  } else if (!is_f32) {
     S.kt.resize(static_cast<size_t>(2) * bs * D);
     if (is_i8) {
       S.scale.resize(bs);
@@ -547,6 +706,10 @@ static bool attend_lanes(const omf::PagedProblem& P, const omf::WorkItem& it, in
     for (int g = g_lo; g < g_hi; ++g) {
       const KV* krow = kpool + base * row_stride + g * HE;
       const KV* vrow = vpool + base * row_stride + g * HE;
+      if constexpr (dot16) {
+        block_bf16<D, Vec>(S, g, ld, nrv, per_tile, krow, vrow, row_stride, n, j0, masked, P.window);
+        continue;
+      }
       const float *K, *Vv;
       int64_t kstride;
       const float *ksc = nullptr, *vsc = nullptr;
@@ -573,19 +736,10 @@ static bool attend_lanes(const omf::PagedProblem& P, const omf::WorkItem& it, in
       float* OT = &S.acc[static_cast<size_t>(g) * D * ld];
       float* m = &S.m[static_cast<size_t>(g) * ld];
       float* l = &S.l[static_cast<size_t>(g) * ld];
-      for (int rv0 = 0; rv0 < nrv; rv0 += per_tile) {
-        const int rvt = std::min(per_tile, nrv - rv0);
-        auto run = [&](auto c) {
-          block_lanes<D, decltype(c)::value>(QT, OT, m, l, S.posf.data(), ld, rv0, K, Vv, kstride, n, j0, ksc, vsc,
-                                             masked, P.window, S.s.data());
-        };
-        switch (rvt) {
-          case 4: if constexpr (kLaneTile >= 4) run(std::integral_constant<int, 4>{}); break;
-          case 3: if constexpr (kLaneTile >= 3) run(std::integral_constant<int, 3>{}); break;
-          case 2: run(std::integral_constant<int, 2>{}); break;
-          default: run(std::integral_constant<int, 1>{}); break;
-        }
-      }
+      for_lane_tiles(nrv, per_tile, [&](int rv0, auto c) {
+        block_lanes<D, decltype(c)::value>(QT, OT, m, l, S.posf.data(), ld, rv0, K, Vv, kstride, n, j0, ksc, vsc,
+                                           masked, P.window, S.s.data());
+      });
     }
   }
   if (it.cascade_blocks > 0) {  // each row's state after the shared blocks, for its sequence's own item
