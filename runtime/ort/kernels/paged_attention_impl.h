@@ -360,6 +360,16 @@ static inline float* cascade_state(const omf::PagedProblem& P, int32_t token, in
   return P.partial + (static_cast<int64_t>(token) * P.q_heads + h) * (D + 2);
 }
 
+// The smallest and largest position of the item's queries ({max int64, -1} for an empty item).
+static inline std::pair<int64_t, int64_t> position_range(const omf::PagedProblem& P, const omf::WorkItem& it) {
+  int64_t pmin = std::numeric_limits<int64_t>::max(), pmax = -1;
+  for (int i = 0; i < it.count; ++i) {
+    pmin = std::min(pmin, P.positions[P.tokens[it.first + i]]);
+    pmax = std::max(pmax, P.positions[P.tokens[it.first + i]]);
+  }
+  return {pmin, pmax};
+}
+
 // The first block an item reads: the first a query can see (the sliding window), never one a cascade item attended.
 static inline int64_t first_read_block(const omf::PagedProblem& P, const omf::WorkItem& it, int64_t pmin) {
   const int64_t lo_key = P.window > 0 ? std::max<int64_t>(0, pmin - P.window + 1) : 0;
@@ -371,11 +381,7 @@ static inline int64_t first_read_block(const omf::PagedProblem& P, const omf::Wo
 template <int D, typename KV>
 static std::pair<const KV*, int64_t> first_key_block(const omf::PagedProblem& P, const omf::WorkItem& it) {
   const int64_t bs = P.block_size, row_stride = static_cast<int64_t>(P.kv_heads) * head_elems<KV, D>();
-  int64_t pmax = -1, pmin = std::numeric_limits<int64_t>::max();
-  for (int i = 0; i < it.count; ++i) {
-    pmax = std::max(pmax, P.positions[P.tokens[it.first + i]]);
-    pmin = std::min(pmin, P.positions[P.tokens[it.first + i]]);
-  }
+  const auto [pmin, pmax] = position_range(P, it);
   const int64_t b = first_read_block(P, it, pmin);
   if (pmax < 0 || b >= it.table_len || it.table[b] < 0 || it.table[b] >= P.num_slots / bs) return {nullptr, 0};
   const int64_t n = std::min<int64_t>(bs, pmax + 1 - b * bs);
@@ -779,11 +785,7 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
   Scratch& S = scratch();
   const int ntok = it.count;
   const int32_t* toks = P.tokens + it.first;
-  int64_t pmax = -1, pmin = std::numeric_limits<int64_t>::max();
-  for (int i = 0; i < ntok; ++i) {
-    pmax = std::max(pmax, P.positions[toks[i]]);
-    pmin = std::min(pmin, P.positions[toks[i]]);
-  }
+  const auto [pmin, pmax] = position_range(P, it);
   const int64_t first_block = first_read_block(P, it, pmin);
   const int64_t last_block = it.cascade_blocks > 0 ? it.cascade_blocks - 1 : pmax / bs;
   if (last_block >= it.table_len) {
