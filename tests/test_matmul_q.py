@@ -16,7 +16,7 @@ import onnx
 import pytest
 
 from kernel_reference import kernel_session as session
-from kernel_reference import matmul_q_model, matmul_q_reference
+from kernel_reference import forced_isa_outputs, matmul_q_model, matmul_q_reference
 from omforge.passes import gemm_pack, quant
 from omforge.runtime.ort import kernels
 
@@ -90,6 +90,24 @@ def test_layout_reads_back_exactly() -> None:
 
 
 CPU_HAS = {"avxvnni": "avx_vnni", "avx2": "avx2", "generic": ""}
+
+
+def test_a_long_k_gives_the_portable_bits(tmp_path: Path) -> None:
+    """K of a 1B–8B down projection's order (4,520: the vector path's row tiles run the whole K, its activation rows
+    no longer fit L1 beside the panels), a partial block; pairs of panels and a single one (N 40), row tiles and a
+    remainder (M 13): the portable path's bits exactly, and the reference."""
+    rng = np.random.default_rng(21)
+    k = 2 * 2048 + 3 * 128 + 40
+    ws = [gemm_pack.pack(quant.quantize(rng.standard_normal((40, k)).astype(np.float32), bits, 128, symmetric=False))
+          for bits in (4, 8)]
+    x = rng.standard_normal((13, k)).astype(np.float32)
+    for i, w in enumerate(ws):
+        (tmp_path / f"m{i}.onnx").write_bytes(matmul_q_model(w).SerializeToString())
+    np.save(tmp_path / "x.npy", x)
+    portable = forced_isa_outputs(tmp_path, "generic", "gemm", "generic", len(ws))
+    for i, w in enumerate(ws):
+        assert np.array_equal(portable[i], session(matmul_q_model(w)).run(None, {"x": x})[0]), i
+    check(quant.quantize(rng.standard_normal((40, k)).astype(np.float32), 4, 32, True), rows=(1, 5, 64))
 
 
 @pytest.mark.parametrize("isa", ["avxvnni", "avx2", "generic"])
