@@ -15,8 +15,8 @@ import numpy as np
 import onnx
 import pytest
 
-from kernel_reference import kernel_session as session
 from kernel_reference import forced_isa_outputs, matmul_q_model, matmul_q_reference
+from kernel_reference import kernel_session as session
 from omforge.passes import gemm_pack, quant
 from omforge.runtime.ort import kernels
 
