@@ -27,6 +27,7 @@
 #   prefill16kv  as prefill16, omforge's bf16kv bundle (bfloat16 weights and KV pools, as vLLM's bfloat16 keeps
 #           its KV; build_large_peers.py builds it at 1B, at 135M models/smollm2-135m.yaml with compile.weights and
 #           compile.kv_cache_dtype: bfloat16) beside its bf16 one, at 135M and 1B (PREFILL16_SHAPES)
+#   chat16kv short-chat 64 in bfloat16: OpenVINO (bf16 hint), omforge bf16kv and bf16
 #   serve135 item 5 at 135M: as serve, on smollm2-135m-omforge-{fp32,int4} (int4: `omforge compile` of
 #           models/smollm2-135m.yaml with compile.weights: int4) and vLLM fp32 on smollm2-135m-hf, step traces written
 #   limits8b, pairs8b  the 8B shape (Llama-3-8B's config): machine_limits at its size, then single stream int4
@@ -140,6 +141,10 @@ chat)
   chat "$OMPY" omforge "$M/$N-omforge-bf16" bf16 "omforge bf16"
   chat "$OVPY" openvino "$M/$N-ov-int4" int4 "OpenVINO int4 g64"
   chat "$OMPY" omforge "$M/$N-omforge-int4-q4_0" int4 "omforge int4 from the Q4_0 GGUF" ;;
+chat16kv)  # short-chat 64 in bfloat16: OpenVINO's bf16 hint, omforge bf16 weights with bfloat16 KV pools and with float32
+  chat "$OVPY" openvino "$M/$N-ov-fp32" bf16 "OpenVINO fp32 IR, bf16 hint" --ov-props "$BF16_OV"
+  chat "$OMPY" omforge "$M/$N-omforge-bf16kv" bf16 "omforge bf16kv"
+  chat "$OMPY" omforge "$M/$N-omforge-bf16" bf16 "omforge bf16" ;;
 serve)
   for b in fp32 int4-q4_0; do
     served "omforge $b" 8100 "$HERE/.venv/bin/omforge" serve "$M/$N-omforge-$b" --host 127.0.0.1 --port 8100
