@@ -16,7 +16,8 @@ enough, loadable, the same kernel ABI version) and why not; compile then falls b
 a bundle that needs the library fails to load with one clear line (:func:`check_bundle`). :func:`register` adds it
 to a session's options. ``OMFORGE_KERNELS=0`` disables the library (tests of the fallback); ``OMFORGE_KERNELS_ISA``
 (``avx512``, ``avx2``, ``generic``) forces a slower code path than the CPU allows (``avx512``: the bfloat16 ops on
-``vdpbf16ps`` rather than the AMX tile unit).
+``vdpbf16ps`` rather than the AMX tile unit, and PagedAttention over bfloat16 pools in float32 FMAs rather than
+``vdpbf16ps``: the ``avx512bf16`` attention path).
 """
 
 from __future__ import annotations
