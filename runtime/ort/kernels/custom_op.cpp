@@ -67,8 +67,7 @@ Isa choose_isa() {
   const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");  // pa_avx512: BW for the int8 dots
   const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (has512 && __builtin_cpu_supports("avx512bf16") && (w.empty() || w == "avx512bf16"))
-    return {"avx512bf16", &avx512bf16::attend, &avx512bf16::swiglu, &avx512bf16::quantize_kv_int8,
-            &avx512bf16::add_rms_norm};
+    return {"avx512bf16", &avx512bf16::attend, &avx512::swiglu, &avx512::quantize_kv_int8, &avx512::add_rms_norm};
   if (has512 && (w.empty() || w == "avx512bf16" || w == "avx512"))
     return {"avx512", &avx512::attend, &avx512::swiglu, &avx512::quantize_kv_int8, &avx512::add_rms_norm};
   if (has2 && (w.empty() || w == "avx512bf16" || w == "avx512" || w == "avx2"))

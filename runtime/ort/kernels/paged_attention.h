@@ -83,12 +83,9 @@ void quantize_kv_int8(const float* x, int64_t D, int8_t* out);
 void add_rms_norm(const float* a, const float* b, const float* w, float eps, float* y, float* sum, int64_t rows,
                   int64_t H);
 }  // namespace avx512
-namespace avx512bf16 {  // the AVX-512 kernel with bfloat16 dot products on bfloat16 pools' tile path
+namespace avx512bf16 {  // the AVX-512 attention with bfloat16 dot products on bfloat16 pools' tile path (its other
+                        // ops are avx512's)
 bool attend(const PagedProblem&, size_t item, const char** error);
-void swiglu(const float* in, float* out, int64_t rows, int64_t F);
-void quantize_kv_int8(const float* x, int64_t D, int8_t* out);
-void add_rms_norm(const float* a, const float* b, const float* w, float eps, float* y, float* sum, int64_t rows,
-                  int64_t H);
 }  // namespace avx512bf16
 namespace avx2 {
 bool attend(const PagedProblem&, size_t item, const char** error);

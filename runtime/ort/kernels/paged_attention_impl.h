@@ -624,12 +624,13 @@ static inline void pair_queries_bf16(const float* QT, uint32_t* QT2, int64_t ld,
       }
 }
 
-// One block of KV head g (krow / vrow: its first key / value row in the pool, row_stride apart) for every tile of the
-// item's rows: the values paired by key (VP, in S.v2), then block_lanes_bf16 per tile.
+// One block of a KV head (krow / vrow: its first key / value row in the pool, row_stride apart; QT2, OT, m, l: its
+// state in lanes) for every tile of the item's rows: the values paired by key (VP, in S.v2), then block_lanes_bf16
+// per tile.
 template <int D, typename X>
-static inline void block_bf16(Scratch& S, int g, int64_t ld, int nrv, int per_tile, const uint16_t* krow,
-                              const uint16_t* vrow, int64_t row_stride, int64_t n, int64_t j0, bool masked,
-                              int64_t window) {
+static inline void block_bf16(Scratch& S, const uint32_t* QT2, float* OT, float* m, float* l, int64_t ld, int nrv,
+                              int per_tile, const uint16_t* krow, const uint16_t* vrow, int64_t row_stride, int64_t n,
+                              int64_t j0, bool masked, int64_t window) {
   static_assert(D % X::W == 0, "the value pairs are written W at a time");
   uint32_t* VP = S.v2.data();
   for (int64_t jp = 0; jp < (n + 1) / 2; ++jp) {
@@ -637,10 +638,6 @@ static inline void block_bf16(Scratch& S, int g, int64_t ld, int nrv, int per_ti
     const uint16_t* b = 2 * jp + 1 < n ? a + row_stride : nullptr;
     for (int d = 0; d < D; d += X::W) X::store_row_pairs(VP + jp * D + d, a + d, b == nullptr ? nullptr : b + d);
   }
-  const uint32_t* QT2 = &S.q2[static_cast<size_t>(g) * (D / 2) * ld];
-  float* OT = &S.acc[static_cast<size_t>(g) * D * ld];
-  float* m = &S.m[static_cast<size_t>(g) * ld];
-  float* l = &S.l[static_cast<size_t>(g) * ld];
   for_lane_tiles(nrv, per_tile, [&](int rv0, auto c) {
     block_lanes_bf16<D, decltype(c)::value, X>(QT2, OT, m, l, S.posf.data(), ld, rv0, krow, row_stride, VP, n, j0,
                                                masked, window, S.s.data(), S.p2.data());
@@ -712,8 +709,12 @@ static bool attend_lanes(const omf::PagedProblem& P, const omf::WorkItem& it, in
     for (int g = g_lo; g < g_hi; ++g) {
       const KV* krow = kpool + base * row_stride + g * HE;
       const KV* vrow = vpool + base * row_stride + g * HE;
+      float* OT = &S.acc[static_cast<size_t>(g) * D * ld];
+      float* m = &S.m[static_cast<size_t>(g) * ld];
+      float* l = &S.l[static_cast<size_t>(g) * ld];
       if constexpr (dot16) {
-        block_bf16<D, Vec>(S, g, ld, nrv, per_tile, krow, vrow, row_stride, n, j0, masked, P.window);
+        block_bf16<D, Vec>(S, &S.q2[static_cast<size_t>(g) * (D / 2) * ld], OT, m, l, ld, nrv, per_tile, krow, vrow,
+                           row_stride, n, j0, masked, P.window);
         continue;
       }
       const float *K, *Vv;
@@ -739,9 +740,6 @@ static bool attend_lanes(const omf::PagedProblem& P, const omf::WorkItem& it, in
         K = kf, Vv = vf, kstride = D;
       }
       float* QT = &S.q[static_cast<size_t>(g) * D * ld];
-      float* OT = &S.acc[static_cast<size_t>(g) * D * ld];
-      float* m = &S.m[static_cast<size_t>(g) * ld];
-      float* l = &S.l[static_cast<size_t>(g) * ld];
       for_lane_tiles(nrv, per_tile, [&](int rv0, auto c) {
         block_lanes<D, decltype(c)::value>(QT, OT, m, l, S.posf.data(), ld, rv0, K, Vv, kstride, n, j0, ksc, vsc,
                                            masked, P.window, S.s.data());
