@@ -156,7 +156,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     try:
         result = compile_recipe(recipe, out, target=args.target)
     except OmforgeError as e:
-        from omforge.compile.atc import AtcMissing
+        from omforge.compile.ascend.atc import AtcMissing
 
         if not isinstance(e, AtcMissing):
             raise
@@ -176,8 +176,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     manifest = load_manifest(Path(args.bundle), verify=not args.no_verify)
     conformance, rows, outside = None, [], []
     if manifest.target == "ascend":  # CANN's rules over the ATC step's inputs, checked without CANN
-        from omforge.compile.atc_conformance import check_bundle
-        from omforge.compile.cann_matrix import bundle_rows
+        from omforge.compile.ascend.atc_conformance import check_bundle
+        from omforge.compile.ascend.cann_matrix import bundle_rows
 
         conformance = check_bundle(Path(args.bundle))
         rows, outside = bundle_rows(Path(args.bundle))
@@ -193,6 +193,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
     else:
         print(describe(manifest))
+        if manifest.ascend is not None and manifest.kv is not None:  # what its attention reads per decode step
+            from omforge.runtime.ascend.attention_bytes import inspect_line
+
+            print(inspect_line(manifest, args.batch, args.context))
         for out, results in (conformance or {}).items():
             print(f"  ATC conformance of --output={out} (CANN's rules, checked here without CANN; passing them is "
                   "necessary, not sufficient: nothing of this has run on an NPU)")
@@ -310,11 +314,23 @@ def _compile_parser(sub: _Subparsers) -> None:
     p.set_defaults(func=cmd_compile)
 
 
+def _positive(text: str) -> int:
+    """An argparse type: a positive integer (argparse reports anything else in one line)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
 def _inspect_parser(sub: _Subparsers) -> None:
     p = sub.add_parser("inspect", help="print a bundle's manifest readably (checks its version and file hashes)")
     p.add_argument("bundle")
     p.add_argument("--json", action="store_true", help="the whole manifest as JSON")
     p.add_argument("--no-verify", action="store_true", help="skip re-hashing the files (sizes are still checked)")
+    p.add_argument("--batch", type=_positive, default=32,
+                   help="ascend: the decode batch the attention bytes are counted at (default 32)")
+    p.add_argument("--context", type=_positive, default=4096,
+                   help="ascend: the context per sequence the attention bytes are counted at (default 4096)")
     p.set_defaults(func=cmd_inspect)
 
 

@@ -2,7 +2,8 @@
 
 Looks without changing anything and without importing heavy packages (versions come from package metadata; torch
 is not imported): Python, the packages omforge uses, onnxruntime's execution providers, the CANN toolkit (``atc``
-on PATH and the toolkit version, ``ASCEND_OPP_PATH``, whether ``set_env.sh`` was sourced), pyACL, visible NPUs,
+on PATH and the toolkit version, said in one line when older than the CANN release omforge targets,
+``ASCEND_OPP_PATH``, whether ``set_env.sh`` was sourced), pyACL, visible NPUs,
 torch / torch_npu. Always exits 0: it reports, it does not judge the machine.
 """
 
@@ -18,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from omforge.contract.ascend import CANN_RELEASE
+
 PACKAGES = ("omforge", "numpy", "onnx", "onnxruntime", "onnxscript", "onnx-ir", "onnxsim", "tokenizers", "jinja2",
             "pydantic", "fastapi", "uvicorn", "prometheus-client", "torch", "torch-npu", "transformers", "gguf",
             "safetensors")
@@ -32,19 +35,60 @@ def _version(dist: str) -> str | None:
 
 
 def _cann_version(env: dict[str, str]) -> str | None:
-    """The toolkit version from its version files (the toolkit root is what set_env.sh exports).
-    [unverified: file names differ across CANN releases; both seen layouts are tried]"""
+    """The installed toolkit's version. First the ``version=`` line of ``<toolkit>/<arch>-linux/
+    ascend_toolkit_install.info`` (what CANN's docs read: hicann/ge ``docs/en/build.md:11-14``), then ``Version=`` of
+    the compiler package's ``share/info/ge-compiler/version.info`` (``cmake/package.cmake:63-66``, read by
+    ``scripts/install.sh:43-55``), then older layouts' ``version.cfg`` / ``*/version.info`` [unverified: seen in
+    releases before the open sources]. The toolkit root is what set_env.sh exports."""
     roots = ([env.get(k) for k in ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")]
-             + ["/usr/local/Ascend/ascend-toolkit/latest"])
+             + ["/usr/local/Ascend/cann", "/usr/local/Ascend/ascend-toolkit/latest"])
     for root in filter(None, roots):
-        for name in ("version.cfg", "compiler/version.info", "runtime/version.info"):
-            path = Path(root) / name
+        home = Path(root)
+        files = [home / f"{platform.machine()}-linux" / "ascend_toolkit_install.info",
+                 *sorted(home.glob("*-linux/ascend_toolkit_install.info")),
+                 home / "share" / "info" / "ge-compiler" / "version.info",
+                 home / "version.cfg", home / "compiler" / "version.info", home / "runtime" / "version.info"]
+        for path in files:
             if path.is_file():
                 for line in path.read_text(errors="replace").splitlines():
                     key, _, value = line.partition("=")
                     if key.strip().lower() in ("version", "runtime_running_version") and value.strip():
                         return value.strip().strip("[]").split(":")[-1]
     return None
+
+
+def release_key(version: str) -> tuple[int, int, int, int] | None:
+    """A comparable key for a CANN version: (major, minor, stage, n) with stage 0 for an alpha/beta, 1 for ``RCn``
+    (n its number), 2 for a release (n its patch): ``8.0.RC3`` < ``8.5.0.alpha001`` < ``8.5.0`` < ``9.1.0``. None
+    when it does not start with ``major.minor``. build.sh's ``release_key`` computes the same."""
+    parts = version.strip().split(".")
+    if len(parts) < 2 or not (parts[0].isdigit() and parts[1].isdigit()):
+        return None
+    third = parts[2] if len(parts) > 2 else ""
+    stage, n = 2, 0
+    if third.upper().startswith("RC") and third[2:].isdigit():
+        stage, n = 1, int(third[2:])
+    elif third.isdigit():
+        n = int(third)
+    elif third:
+        stage = 0
+    if (len(parts) > 3 and any(c.isalpha() for c in parts[3])) or any(f"-{w}" in version for w in ("alpha", "beta",
+                                                                                                   "rc")):
+        stage = 0
+    return int(parts[0]), int(parts[1]), stage, n
+
+
+def release_line(installed: str | None) -> str:
+    """One line: the targeted CANN release, and whether ``installed`` is older."""
+    if installed is None:
+        return f"omforge targets CANN {CANN_RELEASE}; the installed version is unknown"
+    have, want = release_key(installed), release_key(CANN_RELEASE)
+    if have is None:
+        return f"omforge targets CANN {CANN_RELEASE}; cannot compare the installed {installed!r}"
+    if have < want:
+        return (f"CANN {installed} is older than {CANN_RELEASE}, the release omforge's Ascend path targets: ops, ONNX "
+                "plugins and options it relies on may be missing")
+    return f"CANN {installed}: not older than {CANN_RELEASE}, the release omforge's Ascend path targets"
 
 
 def _acl() -> tuple[bool, str, int | None]:
@@ -74,6 +118,7 @@ def gather(env: dict[str, str] | None = None) -> dict[str, Any]:
     except Exception as e:
         providers = [f"(onnxruntime unusable: {e})"]
     atc = shutil.which("atc", path=env.get("PATH"))
+    cann_version = _cann_version(env)
     acl_ok, acl_note, acl_devices = _acl()
     davinci = sorted(p for p in glob.glob("/dev/davinci*") if p.removeprefix("/dev/davinci").isdigit())
     npus = acl_devices if acl_devices is not None else len(davinci)
@@ -115,8 +160,10 @@ def gather(env: dict[str, str] | None = None) -> dict[str, Any]:
         "platform": platform.platform(),
         "packages": packages,
         "onnxruntime_providers": providers,
-        "cann": {"atc": atc, "version": _cann_version(env), "ASCEND_OPP_PATH": env.get("ASCEND_OPP_PATH"),
-                 "set_env_sourced": sourced},
+        "cann": {"atc": atc, "version": cann_version, "ASCEND_OPP_PATH": env.get("ASCEND_OPP_PATH"),
+                 "set_env_sourced": sourced, "targets": CANN_RELEASE,
+                 "older": None if cann_version is None or release_key(cann_version) is None
+                 else release_key(cann_version) < release_key(CANN_RELEASE), "release": release_line(cann_version)},
         "pyacl": {"importable": acl_ok, "note": acl_note},
         "npus": {"count": npus, "devices": davinci, "npu_smi": shutil.which("npu-smi", path=env.get("PATH"))},
         "kernels": kernel_report,
@@ -131,6 +178,7 @@ def render(report: dict[str, Any]) -> str:
     rows.append(("onnxruntime providers", ", ".join(report["onnxruntime_providers"])))
     c = report["cann"]
     rows += [("CANN atc", c["atc"] or "not on PATH"), ("CANN version", c["version"] or "-"),
+             ("CANN release", c["release"]),
              ("ASCEND_OPP_PATH", c["ASCEND_OPP_PATH"] or "not set"),
              ("set_env.sh sourced", "yes" if c["set_env_sourced"] else "no"),
              ("pyACL (import acl)", report["pyacl"]["note"]),

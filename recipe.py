@@ -102,7 +102,7 @@ class QuantizationSection(_Section):
     """How ``compile.weights: int8 | int4`` quantizes (weight-only, round to nearest, per group along K).
 
     ``group_size`` 0 is per channel (one scale per output column): ascend int8 only, and its default there
-    (``passes/ascend_w8a16.py``: the form of WeightQuantBatchMatmulV2 every CANN accepts). ``activations`` (ort):
+    (``passes/ascend/w8a16.py``: the form of WeightQuantBatchMatmulV2 every CANN accepts). ``activations`` (ort):
     what the weight MatMuls multiply the codes by — int8 (omforge's MatMulQ; ≡ ``accuracy_level`` 4, the
     default), bfloat16 (MatMulQBF16) or float32 (MatMulNBits at level 0, exact; ≡ ``accuracy_level`` 0); unset,
     ``accuracy_level`` decides (docs/weights.md)."""
@@ -177,6 +177,9 @@ class CompileSection(_Section):
     float_gemm: Literal["auto", "MatMulF32", "MatMul"] = "auto"
     lora: LoraSection | None = None
     soc_version: str = "Ascend910B3"
+    # ascend only: the step graph's paged attention (passes/ascend/kernels.py paged_attention_mode; auto: inplace
+    # where the SoC ships ScatterPaKvCache and FusedInferAttentionScore and the graph is float16, else gather)
+    paged_attention: Literal["auto", "inplace", "readonly", "gather"] = "auto"
     precision_mode: Literal[
         "force_fp16", "force_fp32", "cube_fp16in_fp32out", "allow_fp32_to_fp16",
         "must_keep_origin_dtype", "allow_mix_precision", "allow_mix_precision_bf16", "allow_fp32_to_bf16",
@@ -206,7 +209,7 @@ class CompileSection(_Section):
     @classmethod
     def _w8a16_group(cls, data: Any) -> Any:
         """Ascend int8 (W8A16) is per channel unless quantization.group_size says otherwise: the form every CANN
-        version's WeightQuantBatchMatmulV2 accepts (passes/ascend_w8a16.py)."""
+        version's WeightQuantBatchMatmulV2 accepts (passes/ascend/w8a16.py)."""
         if isinstance(data, dict) and data.get("target") == "ascend" and data.get("weights") == "int8":
             q = data.get("quantization", {})
             if isinstance(q, dict) and "group_size" not in q:
@@ -250,10 +253,20 @@ class CompileSection(_Section):
                             f"weights (WeightQuantBatchMatmulV2); {self.weights} on {self.target} quantizes per "
                             "block of 32, 64 or 128")
         if self.weights == "int8" and self.target == "ascend":
-            from omforge.passes.ascend_w8a16 import soc_refusal
+            from omforge.passes.ascend.w8a16 import soc_refusal
 
             if (why := soc_refusal(self.soc_version)) is not None:
                 raise _KeyError("weights", why)
+        if self.paged_attention != "auto" and self.target != "ascend":
+            raise _KeyError("paged_attention", f"{self.paged_attention} is for the ascend target; target "
+                            f"{self.target} takes auto (its paged attention is its own)")
+        if self.paged_attention == "readonly":
+            raise _KeyError("paged_attention", "readonly is not built yet; use auto, inplace or gather")
+        if self.paged_attention == "inplace" and self.kv_block_size is not None:
+            from omforge.passes.ascend.kernels import paged_block_size_problem
+
+            if (why := paged_block_size_problem(self.kv_block_size)) is not None:
+                raise _KeyError("kv_block_size", f"{why}; paged_attention inplace needs one")
         if self.target == "ascend" and self.weights != "float32":
             if self.precision_mode != "must_keep_origin_dtype":  # the default is set by _ascend_defaults
                 raise _KeyError("precision_mode", f"{self.precision_mode} with {self.weights} weights: an fp16 graph "

@@ -23,6 +23,7 @@ import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from kernel_reference import ENCODE, kernel_model, kernel_session
+from omforge.contract import cdiv
 from omforge.runtime.ort import kernels
 from omforge.runtime.step import SeqWork, build_step
 
@@ -42,11 +43,11 @@ def run(batch: int, context: int, kv: str, reps: int, q_heads: int = 9, kv_heads
         lengths = rng.integers(max(1, context // 2), max(2, context * 3 // 2), batch)
     if shared:
         lengths = np.maximum(lengths, shared)
-    num_blocks = int(sum(-(-(n + 1) // block_size) for n in lengths)) + 8
+    num_blocks = int(sum(cdiv(n + 1, block_size) for n in lengths)) + 8
     free = list(rng.permutation(num_blocks))
     common = [int(free.pop()) for _ in range(shared // block_size)]
     work = [SeqWork([5] * chunk if chunk else [5], context if chunk else int(n),
-                    common + [int(free.pop()) for _ in range(-(-(int(n) + 1) // block_size) - len(common))])
+                    common + [int(free.pop()) for _ in range(cdiv(int(n) + 1, block_size) - len(common))])
             for n in lengths]
     step = build_step(work, block_size, split_decodes=True)
     T = step["input_ids"].shape[1]

@@ -24,6 +24,7 @@ import numpy as np
 from bench_passes import interleaved_ms
 
 from omforge.compile.ort import build
+from omforge.contract import cdiv
 from omforge.runtime.ort.ort_executor import OrtExecutor
 from omforge.runtime.step import SeqWork, build_step
 
@@ -52,7 +53,7 @@ def steps(block_size: int, num_blocks: int) -> dict[str, dict[str, np.ndarray]]:
         free = list(rng.permutation(num_blocks))
         work = []
         for length, new in seqs:  # a sequence of `length` tokens whose last `new` are this step's
-            table = [int(free.pop()) for _ in range(-(-length // block_size))]
+            table = [int(free.pop()) for _ in range(cdiv(length, block_size))]
             work.append(SeqWork(rng.integers(3, 1000, new).tolist(), length - new, table))
         out[name] = build_step(work, block_size, split_decodes=True)
     return out

@@ -24,6 +24,7 @@ import numpy as np
 import onnx_ir as ir
 
 from omforge.compile.ort import build
+from omforge.contract import cdiv
 from omforge.passes.decompose import paged_attention
 from omforge.passes.lower_ort import LowerPagedAttention
 from omforge.passes.pipeline import InsertPagedKV, Pipeline
@@ -51,7 +52,7 @@ def interleaved_ms(cases: dict[str, tuple[OrtExecutor, dict[str, np.ndarray]]], 
 
 def decode_step(batch: int, context: int, block_size: int, num_blocks: int, contiguous: bool = False) -> dict:
     """``batch`` sequences each decoding one token at position ``context - 1``; tables spread over the pool."""
-    per_seq = -(-context // block_size)
+    per_seq = cdiv(context, block_size)
     rng = np.random.default_rng(0)
     if contiguous:
         tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
@@ -150,7 +151,7 @@ def cmd_paged(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         batch, context = 16, args.context
         for bs in args.block_sizes:
-            per_seq = -(-context // bs)
+            per_seq = cdiv(context, bs)
             report = build(args.export, Path(tmp) / f"p{bs}" / "model.onnx", block_size=bs)
             layout = build_contiguous(args.export, Path(tmp) / f"c{bs}" / "model.onnx", bs)
             ms = interleaved_ms({

@@ -17,6 +17,8 @@ import time
 import numpy as np
 import onnxruntime as ort
 
+from omforge.contract import cdiv
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -43,11 +45,11 @@ def main() -> None:
     ex, bs = engine.executor, engine.block_size
     rng = np.random.default_rng(0)
     seqs, tokens = (int(x) for x in a.prefill.split("x"))
-    per = -(-tokens // bs)
+    per = cdiv(tokens, bs)
     prefill = [SeqWork(rng.integers(100, 40000, tokens).tolist(), 0, list(range(i * per, (i + 1) * per)))
                for i in range(seqs)]
-    per = -(-(a.context + 1) // bs)
-    base = seqs * -(-tokens // bs)
+    per = cdiv(a.context + 1, bs)
+    base = seqs * cdiv(tokens, bs)
     decode = [SeqWork([5], a.context, list(range(base + i * per, base + (i + 1) * per))) for i in range(a.decode)]
     walls = {}
     for name, work in (("prefill", prefill), ("decode", decode)):

@@ -51,6 +51,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 # the plan's types live in the contract (the runtime's side); the planner builds them
+from omforge.contract import cdiv
 from omforge.contract.buckets import (
     MAX_GEARS,
     MIN_GEARS,
@@ -101,7 +102,7 @@ def plan(compile_section: CompileSection, *, target: str, block_size: int, pooli
         return BucketPlan(**base, profiles=(pooling_profile(c),))
 
     def blocks(lens: Sequence[int]) -> list[int]:  # context lengths → whole blocks, rounded up
-        return sorted({-(-n // bs) for n in lens})
+        return sorted({cdiv(n, bs) for n in lens})
 
     ctx = _Axis("context_lens", blocks(b.context_lens or _powers(512, c.max_seq_len)), not b.context_lens,
                 f"planned from compile.max_seq_len {c.max_seq_len}", scale=bs)
@@ -120,7 +121,7 @@ def plan(compile_section: CompileSection, *, target: str, block_size: int, pooli
         a, m = _thin_pair(first, ctx)
         gears = list(itertools.product(a, m))
         if name == "prefill":  # drop gears no chunk can reach (module docstring)
-            gears = [(x, y) for x, y in gears if -(-(_below(a, x) + 1) // bs) <= y]
+            gears = [(x, y) for x, y in gears if cdiv(_below(a, x) + 1, bs) <= y]
         n, full = len(gears), len(a) * len(m)
         lists = (f"{first.describe(a)} × {ctx.describe(m)}"
                  + (f"; {full - n} gears no chunk can use dropped" if n < full else ""))

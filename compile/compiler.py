@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from omforge.compile import bucket_plan as bucket_planner
-from omforge.compile.atc import AtcMissing
+from omforge.compile.ascend.atc import AtcMissing
 from omforge.compile.bundle import file_entries, write_manifest
 from omforge.compile.cache import Stage, cache_root, copy_into, stage_key
 from omforge.compile.ort import lora_kernel
-from omforge.contract import DEFAULT_BLOCK_SIZE, PagedLayout
+from omforge.contract import DEFAULT_BLOCK_SIZE, PagedLayout, kernel_library
+from omforge.contract.kernel_abi import ABI_VERSION
 from omforge.contract.manifest import (
     AscendSection,
     ExportRef,
@@ -45,7 +46,6 @@ from omforge.contract.manifest import (
 )
 from omforge.errors import OmforgeError
 from omforge.recipe import FUSIONS, Recipe, retarget
-from omforge.runtime.ort import kernels
 
 TOOLS = ("onnx", "onnxruntime", "onnxscript", "onnx-ir", "onnxsim", "torch")
 
@@ -70,16 +70,15 @@ _ROOT = Path(__file__).resolve().parent.parent
 def stage_sources(target: str) -> list[Path]:
     """The Python sources the passes stage of ``target`` runs: its output is stale when any of them changes.
     ort: the passes (fusions, paged KV, lowering, pipeline), the contract and compile/ort.py; ascend: the passes,
-    the contract and compile/ascend.py with what it imports of compile/ (ATC command lines, plugin templates'
-    renderer, buckets). Whether the kernel library is usable is part of the stage key itself."""
+    the contract, compile/ascend/ (ATC command lines, plugin templates and their renderer) and the bucket
+    planner. Whether the kernel library is usable is part of the stage key itself."""
     files = sorted((_ROOT / "passes").rglob("*.py"))
     files += sorted((_ROOT / "contract").glob("*.py"))
     if target == "ort":
         files.append(_ROOT / "compile" / "ort.py")
     if target == "ascend":
-        files += [_ROOT / "compile" / name for name in ("ascend.py", "atc.py", "atc_plugins.py", "bucket_plan.py",
-                                                             "atc_forms.py")]
-        files += sorted((_ROOT / "compile" / "templates").glob("*"))
+        files += sorted((_ROOT / "compile" / "ascend").glob("*.py")) + [_ROOT / "compile" / "bucket_plan.py"]
+        files += sorted((_ROOT / "compile" / "ascend" / "templates").glob("*"))
     return files
 
 
@@ -136,7 +135,7 @@ class _Job:
 def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: bool = False) -> CompileResult:
     """Compile ``recipe`` into the bundle ``out`` (replaced). Raises OmforgeError subclasses on user errors;
     on the ascend target without ``atc`` the bundle is complete up to the ATC step and
-    :class:`omforge.compile.atc.AtcMissing` is raised after it is written."""
+    :class:`omforge.compile.ascend.atc.AtcMissing` is raised after it is written."""
     from omforge.export.onnx_export import recipe_digest  # the export extras, needed before any check
 
     target = target or recipe.compile.target
@@ -172,7 +171,7 @@ def _job(recipe: Recipe, out: Path, target: str, quiet: bool) -> _Job:
                            "(allowed: float32)")
     if kv_dtype != "float32" and not kernel:
         raise OmforgeError(f"{recipe.path}: compile.kv_cache_dtype: {kv_dtype} needs omforge's CPU kernel library, "
-                           f"unavailable here ({kernels.status().reason}); use float32")
+                           f"unavailable here ({kernel_library.status().reason}); use float32")
     if out.exists() and not (out / "manifest.json").is_file() and any(out.iterdir()):
         raise OmforgeError(f"-o {out}: exists and is not a bundle; refusing to overwrite it")
     return _Job(recipe, out, target, block_size, kernel, quiet, cache_root(), Progress(quiet))
@@ -195,10 +194,10 @@ def _passes_stage(job: _Job, export_dir: Path, digest: str) -> Stage:
     kv_dtype, weights = recipe.compile.kv_cache_dtype, recipe.compile.weights
     passes_key = stage_key("passes", {
         "export": digest, "fusions": recipe.compile.fusions, "block_size": block_size, "target": target,
-        "paged_attention": f"kernel-abi{kernels.ABI_VERSION}" if job.kernel else "plain", "kv_cache_dtype": kv_dtype,
+        "paged_attention": f"kernel-abi{ABI_VERSION}" if job.kernel else "plain", "kv_cache_dtype": kv_dtype,
         "weights": weights, "quantization": recipe.compile.quantization.model_dump() if weights != "float32" else None,
         # float32: the recipe's choice and the library path that "auto" decides by
-        "float_gemm": [recipe.compile.float_gemm, kernels.status().f32] if weights == "float32" else None,
+        "float_gemm": [recipe.compile.float_gemm, kernel_library.status().f32] if weights == "float32" else None,
         "passes_source": _source_digest(stage_sources(target)),
         "tools": tool_versions(),
         "num_slots": _static_slots(recipe, target, block_size),
@@ -244,7 +243,7 @@ def _ascend_stage(job: _Job, plan: bucket_planner.BucketPlan, report: dict[str, 
                   files: list[Path]) -> AtcMissing | None:
     """ATC over the step graph (its files appended to ``files``); without ``atc`` everything else is written and
     the AtcMissing returned, to be raised once the manifest is."""
-    from omforge.compile import ascend
+    from omforge.compile.ascend import stages as ascend
 
     with job.progress.stage("ascend toolchain (ATC)"):
         try:
@@ -269,10 +268,11 @@ def _manifest(job: _Job, digest: str, export_dir: Path, export_meta: dict[str, A
         tokenizer=replace(tokenizer, file="tokenizer.json" if tokenizer.file else None),
         target=target,
         abi=StepAbi.from_dict(report["abi"], "abi"),
-        paged_attention=report.get("paged_attention") or "plain",
-        kernels=kernels.status().manifest_entry(weight_layout=(weights or {}).get("gemm") in _OUR_GEMMS)
+        paged_attention=(report.get("paged_attention") if target == "ort" else None) or "plain",  # ascend: its own
+        kernels=kernel_library.status().manifest_entry(weight_layout=(weights or {}).get("gemm") in _OUR_GEMMS)
         if report.get("paged_attention") == "kernel" or (weights or {}).get("gemm") in _OUR_GEMMS else None,
-        kv=KvSection.of(PagedLayout(**layout), write=_KV_WRITE[target]) if job.pooling is None else None,
+        kv=KvSection.of(PagedLayout(**layout), write=_kv_write(recipe, target, plan.block_size))
+        if job.pooling is None else None,
         pooling=pooling_section(recipe, job.pooling, report["pooled_width"], cfg) if job.pooling is not None else None,
         lora=LoraSection.from_dict(report["lora"], "lora") if report.get("lora") else None,
         limits=Limits(recipe.compile.max_seq_len, recipe.compile.max_batch_size, recipe.compile.max_num_tokens),
@@ -297,13 +297,29 @@ _KV_WRITE = {
               "kv_new [num_tokens, num_layers, 2, kv_heads, head_dim]; the runtime copies each run of consecutive "
               "slots with one device copy",
 }
-"""The manifest's ``kv.write`` by target: how the step graph writes the new KV rows."""
+"""The manifest's ``kv.write`` by target: how the step graph writes the new KV rows (ascend: its gather mode)."""
+_KV_WRITE_INPLACE = ("in place inside the OM: per-layer pools key_cache.N / value_cache.N [num_blocks, block_size, "
+                     "kv_heads, head_dim] are RefData inputs bound to the runtime's buffers; each layer's "
+                     "ScatterPaKvCache writes the step's rows at slot_mapping and FusedInferAttentionScore reads them; "
+                     "no kv_new output, the executor copies no rows")
+"""``kv.write`` of an ascend bundle built with ``compile.paged_attention`` resolved to ``inplace``."""
+
+
+def _kv_write(recipe: Recipe, target: str, block_size: int) -> str:
+    """The manifest's ``kv.write``: :data:`_KV_WRITE` by target, the in-place text for an in-place ascend bundle."""
+    if target == "ascend":
+        from omforge.compile.ascend import stages as ascend
+
+        if ascend.paged_attention(recipe, block_size)[0] == "inplace":
+            return _KV_WRITE_INPLACE
+    return _KV_WRITE[target]
 
 
 def ascend_section(recipe: Recipe, plan: bucket_planner.BucketPlan, built: bool, bundle: Path,
                    layout: dict[str, Any], config: dict[str, Any]) -> AscendSection:
     """What the ACL executor needs beyond the ABI (:class:`AscendSection`), from the ascend step graph."""
-    from omforge.compile import ascend
+    from omforge.compile.ascend import stages as ascend
+    from omforge.contract.ascend import CANN_RELEASE
 
     spec = ascend.step_spec(bundle / "ascend" / "step.onnx", plan)
     return AscendSection(
@@ -313,14 +329,29 @@ def ascend_section(recipe: Recipe, plan: bucket_planner.BucketPlan, built: bool,
         soc_version=recipe.compile.soc_version,
         precision_mode=recipe.compile.precision_mode, atc="done" if built else "left",
         fusions={name: recipe.compile.fusions.get(name, True) for name in FUSIONS},
-        memory=ascend.memory_plan(recipe, plan, bundle / "ascend", layout, config))
+        memory=ascend.memory_plan(recipe, plan, bundle / "ascend", layout, config), cann_release=CANN_RELEASE,
+        **_paged_fields(recipe, plan.block_size, layout))
+
+
+def _paged_fields(recipe: Recipe, block_size: int, layout: dict[str, Any] | None) -> dict[str, Any]:
+    """AscendSection's paged-attention fields: the mode and why, the RefData pool inputs, the scratch blocks."""
+    from omforge.compile.ascend import stages as ascend
+    from omforge.contract.ascend import key_cache, value_cache
+
+    if layout is None:  # a pooling bundle: no pool
+        return {}
+    mode, note = ascend.paged_attention(recipe, block_size)
+    refs = tuple(name for n in range(layout["num_layers"]) for name in (key_cache(n), value_cache(n))) \
+        if mode == "inplace" else ()
+    return {"paged_attention": mode, "paged_attention_note": note, "ref_inputs": refs,
+            "scratch_blocks": ascend.scratch_blocks(recipe, block_size)}
 
 
 def _static_slots(recipe: Recipe, target: str, block_size: int) -> int | None:
     """The pool's slot count where the step graph holds it statically (ascend), else None."""
     if target != "ascend":
         return None
-    from omforge.compile import ascend
+    from omforge.compile.ascend import stages as ascend
 
     return ascend.num_slots(recipe, block_size)
 
@@ -334,7 +365,7 @@ def kernel_lowering(target: str, quiet: bool = False) -> bool:
     usable in this process; otherwise the plain-op lowering, said once per process."""
     if target != "ort":
         return False
-    status = kernels.status()
+    status = kernel_library.status()
     if not status.available and not quiet:
         _say_fallback(status.reason)
     return status.available
@@ -413,7 +444,7 @@ def _run_passes(export_dir: Path, stage: Stage, recipe: Recipe, target: str, blo
                       "paged_attention": report.extra["paged_attention"], "weights": report.extra["weights"],
                       "pooled_width": report.extra.get("pooled_width"), "lora": report.extra.get("lora")})
         return
-    from omforge.compile import ascend
+    from omforge.compile.ascend import stages as ascend
 
     info = ascend.lower_step_graph(export_dir, out, recipe, block_size, pooling=pooling)
     layout = info["layout"]

@@ -13,12 +13,11 @@ from typing import Any
 
 import onnx_ir as ir
 
-from omforge.contract import PagedLayout
+from omforge.contract import PagedLayout, kernel_library
 from omforge.errors import OmforgeError
 from omforge.passes.lora import insert_options
 from omforge.passes.pipeline import Pipeline, histogram, interface
 from omforge.recipe import ACTIVATION_LEVELS, activations_of
-from omforge.runtime.ort import kernels
 
 
 @dataclass
@@ -57,24 +56,24 @@ def gemm_lowering(weights: str, quantization: Mapping[str, Any] | None, kernel: 
     default) and the kernel library here has the GEMM, else ORT's MatMulNBits ("nbits"; float32 activations,
     accuracy level 0, are exact and slow); ``MatMulQ`` — the kernel or an error naming why it cannot be;
     ``MatMulNBits`` — always ORT's op."""
-    why = kernels.status().reason or "paged attention is not lowered to it"
+    why = kernel_library.status().reason or "paged attention is not lowered to it"
     if weights == "float32":
-        if float_gemm == "MatMulF32" and paged and not (kernel and kernels.status().f32):
+        if float_gemm == "MatMulF32" and paged and not (kernel and kernel_library.status().f32):
             raise OmforgeError("compile.float_gemm: MatMulF32 needs omforge's kernel library, unavailable here "
                                f"({why}); use auto or MatMul")
         if float_gemm == "MatMul" or not (kernel and paged):
             return None
-        return "kernel" if float_gemm == "MatMulF32" or kernels.status().f32 == "avx512f" else None
+        return "kernel" if float_gemm == "MatMulF32" or kernel_library.status().f32 == "avx512f" else None
     if weights == "bfloat16":
-        if not (kernel and kernels.status().bf16):
+        if not (kernel and kernel_library.status().bf16):
             raise OmforgeError("compile.weights: bfloat16 needs omforge's kernel library (its MatMulBF16), "
                                f"unavailable here ({why}); use float32")
         return "kernel"
     q = quantization or {}
     choice, act = q.get("gemm", "auto"), _activations(q)
-    usable = kernel and kernels.status().weight_layout is not None
+    usable = kernel and kernel_library.status().weight_layout is not None
     if act == "bfloat16":
-        if not (usable and kernels.status().qbf16):
+        if not (usable and kernel_library.status().qbf16):
             raise OmforgeError("compile.quantization.activations: bfloat16 needs omforge's kernel library with its "
                                f"MatMulQBF16, unavailable here ({why if not usable else 'the library predates it'})")
         return "kernel_bf16"
@@ -116,7 +115,7 @@ def quantize_options(weights: str, quantization: Mapping[str, Any] | None,
 def lora_kernel() -> bool:
     """Whether the kernel library here has ``LoraAdd`` (its info reports a ``lora`` path); else the ort lowering
     writes the LoRA terms as plain ops."""
-    return kernels.status().lora is not None
+    return kernel_library.status().lora is not None
 
 
 def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | None = None,
@@ -139,10 +138,10 @@ def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | Non
     LoRA pool inputs and terms (passes/lora.py; the term through the kernel library's LoraAdd where it has one,
     :func:`lora_kernel`); the report's ``lora`` is the manifest section."""
     if target != "ort":
-        raise ValueError(f"target '{target}' is built by compile/ascend.py, not here")
+        raise ValueError(f"target '{target}' is built by compile/ascend/stages.py, not here")
     model = ir.load(export_dir / "model.onnx")
     if kernel is None:
-        kernel = kv_write == "graph" and kernels.status().available
+        kernel = kv_write == "graph" and kernel_library.status().available
     gemm = gemm_lowering(weights, quantization, kernel, paged=block_size is not None or pooling is not None,
                          float_gemm=float_gemm)
     lowering: dict[str, Any] = {"kv_write": kv_write, "kernel": kernel, "kv_cache_dtype": kv_cache_dtype}

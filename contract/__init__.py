@@ -5,7 +5,7 @@ and the speculative decoding configuration (:mod:`omforge.contract.speculative`)
 
 Dependency-free (stdlib and omforge.errors only), so that serving a bundle never imports the graph tooling
 (onnx_ir, onnxscript, torch) that produces it. ``passes/paged_kv.py`` builds graphs with this ABI (its docstring
-has the full table of inputs and outputs; the README has it too); ``runtime/`` packs steps for it and allocates
+has the full table of inputs and outputs; docs/compile.md has it too); ``runtime/`` packs steps for it and allocates
 pools by it.
 """
 
@@ -33,6 +33,14 @@ KV_DTYPES = ("float32", "bfloat16", "int8")
 (An ascend bundle built with ``compile.weights: float16`` or ``int8`` has float16 pools: its graph is float16.)
 int8 is symmetric per token and KV head (MindIE's C8): each head's row holds ``head_dim`` int8 values followed
 by its float32 scale (4 bytes), so the pool's last dimension is ``head_dim + 4``."""
+KV_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
+"""Bytes of one pool element by KV dtype (bfloat16 pools are uint16 arrays; float16: an ascend float16 graph's)."""
+
+
+def cdiv(a: int, b: int) -> int:
+    """``a / b`` rounded up, for non-negative ``a`` and positive ``b`` (blocks for ``a`` tokens, panels for ``a``
+    columns, …)."""
+    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -54,8 +62,7 @@ class PagedLayout:
     @property
     def bytes_per_token(self) -> int:
         """KV bytes one token takes in every layer's K and V pools together."""
-        itemsize = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}[self.kv_dtype]
-        return 2 * self.num_layers * self.kv_heads * self.row_elems * itemsize
+        return 2 * self.num_layers * self.kv_heads * self.row_elems * KV_ITEMSIZE[self.kv_dtype]
 
 
 def row_elems(head_dim: int, kv_dtype: str) -> int:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from omforge.contract import cdiv
 from omforge.errors import OmforgeError
 
 STEP_DIMS = ("num_tokens", "num_seqs", "max_query_len", "num_logits", "max_blocks")
@@ -238,7 +239,7 @@ def pick(plan: BucketPlan, *, num_tokens: int, num_seqs: int, max_query_len: int
     bs = plan.block_size
     for value, limit, key in ((num_tokens, plan.max_num_tokens, "max_num_tokens"),
                               (num_seqs, plan.max_batch_size, "max_batch_size"),
-                              (max_blocks, -(-plan.max_seq_len // bs), "max_seq_len")):
+                              (max_blocks, cdiv(plan.max_seq_len, bs), "max_seq_len")):
         if value > limit:
             what = f"{value} blocks of {bs} (> {limit})" if key == "max_seq_len" else f"{value} (> {limit})"
             raise BucketError(f"step ({_describe(step)}) exceeds the build-time maximum compile.{key} "

@@ -353,7 +353,7 @@ with ``acl.mdl.load_from_file`` instead, GE reserves every input and output agai
 
 @dataclass(frozen=True)
 class DeviceMemoryPlan(Section):
-    """What an ascend bundle needs of the device, in bytes (compile/ascend.py ``memory_plan``): the weights once,
+    """What an ascend bundle needs of the device, in bytes (compile/ascend/stages.py ``memory_plan``): the weights once,
     the KV pool once, the step's buffers at the largest gear, an estimate of the OM's own workspace (without its
     inputs and outputs), their total — on the load path ``load`` (:data:`ACL_LOAD_PATH`; bundles from before it
     was recorded were planned by the same sum)."""
@@ -387,6 +387,17 @@ class AscendSection(Section):
     atc: str
     fusions: dict[str, bool]
     memory: DeviceMemoryPlan
+    paged_attention: str = "gather"
+    """``inplace`` | ``readonly`` | ``gather`` (:data:`omforge.contract.ascend.PAGED_ATTENTION_MODES`); bundles from
+    before the modes were gather bundles."""
+    paged_attention_note: str = ""
+    """Why this mode: the recipe chose it, or the SoC's kernels decided (a fallback names the missing kernel)."""
+    ref_inputs: tuple[str, ...] = ()
+    """The inputs the OM declares ``RefData``: its ref ops update the caller's buffer in place (the in-place pools)."""
+    scratch_blocks: int = 0
+    """The pool's last blocks, where a gear's padding rows are written: never handed to the block pool."""
+    cann_release: str = ""
+    """The CANN release the ascend path targets: the one whose open sources docs/ascend-conformance.md cites."""
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ section into the manifest), ``omforge serve``'s flags (cli.py adds one per optio
 ``max_num_seqs``) and the engine's overrides (runtime/engine_config.py takes these names, and a key a bundle's serve
 section lacks — a bundle compiled before the option existed — means this default).
 
-Names are vLLM's where it has the knob (SGLang's for the tiers below the pool); the README maps them to MindIE's.
+Names are vLLM's where it has the knob (SGLang's for the tiers below the pool); docs/recipes.md maps them to MindIE's.
 A default of None means "resolved by the engine" (``num_kv_blocks`` from ``kv_cache_space_gb``, …) as the help
 says. Dependency-free: the recipe, the command line and the runtime import it without the compiler.
 """

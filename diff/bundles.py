@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from omforge.contract import cdiv
 from omforge.contract.manifest import MANIFEST, Weights, load_manifest
 from omforge.diff.types import BundleDiff, PromptDrift
 from omforge.errors import OmforgeError
@@ -65,7 +66,7 @@ def diff_bundles(a: Path, b: Path, prompts: list[str] | None = None, max_tokens:
     bs = llms[0].engine.block_size
     result = []
     for prompt, p_ids, out_a, out_b in zip(prompts, ids, *outs):
-        table = list(range(-(-(len(p_ids) + max_tokens) // bs)))
+        table = list(range(cdiv(len(p_ids) + max_tokens, bs)))
         logits = []
         for llm in llms:  # teacher-forced: A's tokens through both step graphs
             ex = llm.engine.executor

@@ -40,7 +40,9 @@ def causal_attention(op, q, k, v, scale: float, q_heads: int, kv_heads: int, hea
         axis = op.Constant(value_ints=[2])
         k = op.Reshape(op.Expand(op.Unsqueeze(k, axis), rep), shape)
         v = op.Reshape(op.Expand(op.Unsqueeze(v, axis), rep), shape)
-    scores = op.Mul(op.MatMul(q, op.Transpose(k, perm=[0, 1, 3, 2])), op.Constant(value_float=scale))
+    # q is scaled BEFORE q·kᵀ: in a float16 graph MatMul(q, kᵀ) of large activations overflows before a Mul after
+    # it could bring the scores back (reference/ascend.md §5.3, "fp16 scores"); the same numbers in float32
+    scores = op.MatMul(op.Mul(q, op.Constant(value_float=scale)), op.Transpose(k, perm=[0, 1, 3, 2]))
     if mask is None:
         seq = op.Gather(op.Shape(q), op.Constant(value_int=2), axis=0)
         r = op.Range(op.Constant(value_int=0), seq, op.Constant(value_int=1))
@@ -146,7 +148,8 @@ def paged_attention(op, q, k, v, key_cache, value_cache, slot_mapping, block_tab
 
 def paged_attention_new_rows(op, q, k, v, key_cache, value_cache, block_tables, query_index, token_index,  # noqa: ANN001, ANN201
                              position_ids: ir.Value, *, scale: float, q_heads: int, kv_heads: int, block_size: int,
-                             attend: Callable | None = None, window: int = 0, gather: Callable | None = None):
+                             attend: Callable | None = None, window: int = 0, gather: Callable | None = None,
+                             concat: bool = False):
     """The step ABI's paged attention without writing the pools: returns ``(o, key_new, value_new)``.
 
     Each sequence's blocks are gathered from the pool as it was before this step into ``[B, M * bs, kv * D]``
@@ -155,7 +158,16 @@ def paged_attention_new_rows(op, q, k, v, key_cache, value_cache, block_tables, 
     context at (sequence, position) — token t belongs to sequence ``token_index[t] // Q`` — so attention sees
     them although the pool does not hold them yet. Queries, the mask by position and the attention are
     :func:`paged_attention`'s (``attend`` as there).
+
+    ``concat=True`` (the ascend target: ONNX ScatterND has no AI Core kernel there, and an int64 Div is avoided):
+    :func:`_attend_new_rows_concat` instead — no scatter, no division.
     """
+    if concat:
+        if window:
+            raise ValueError("the concat form of paged attention has no sliding window")
+        return _attend_new_rows_concat(op, q, k, v, key_cache, value_cache, block_tables, query_index, token_index,
+                                       position_ids, scale=scale, q_heads=q_heads, kv_heads=kv_heads,
+                                       block_size=block_size, attend=attend, gather=gather)
     head_dim = q.shape[-1]
     one = op.Constant(value_ints=[1])
     k_new, v_new = token_major(op, k), token_major(op, v)
@@ -172,6 +184,59 @@ def paged_attention_new_rows(op, q, k, v, key_cache, value_cache, block_tables, 
                                token_index, position_ids, scale=scale, q_heads=q_heads, kv_heads=kv_heads,
                                head_dim=head_dim, attend=attend, window=window)
     return out, k_new, v_new
+
+
+def _attend_new_rows_concat(op, q, k, v, key_cache, value_cache, block_tables, query_index, token_index,  # noqa: ANN001, ANN202
+                            position_ids: ir.Value, *, scale: float, q_heads: int, kv_heads: int, block_size: int,
+                            attend: Callable | None, gather: Callable | None):
+    """:func:`paged_attention_new_rows` with Gather / Concat / Where only: the keys are the context gathered from
+    the pool as it was ``[B, C, kv·D]`` followed by the step's own rows of each sequence in query order
+    ``[B, Q, kv·D]`` (gathered by ``query_index``). A context key j is hidden when ``j >= `` the sequence's first
+    position this step (its slot is written by this step, so the pool holds a stale row there); a new key i' is
+    hidden when its position is after the query's, or when it is a padding row of ``query_index`` (a row that
+    repeats the row before it: build_step pads with the sequence's last token)."""
+    head_dim = q.shape[-1]
+    zero, one = op.Constant(value_ints=[0]), op.Constant(value_ints=[1])
+    pos = op.Squeeze(position_ids, zero)
+    q_pos = op.Gather(pos, query_index, axis=0)  # [B, Q]
+
+    def keys(pool, new):  # noqa: ANN001, ANN202
+        ctx = gather(op, pool, block_tables) if gather is not None else _gather_blocks(
+            op, pool, block_tables, block_size=block_size, kv_heads=kv_heads, head_dim=head_dim)
+        rows = op.Gather(op.Reshape(new, op.Constant(value_ints=[0, -1])), query_index, axis=0)  # [B, Q, kv*D]
+        return op.Concat(ctx, rows, axis=1), ctx
+
+    k_new, v_new = token_major(op, k), token_major(op, v)
+    k_all, k_ctx = keys(key_cache, k_new)
+    v_all, _ = keys(value_cache, v_new)
+    ctx_len = op.Gather(op.Shape(k_ctx), op.Constant(value_int=1), axis=0)
+    ctx_pos = op.Unsqueeze(op.Range(op.Constant(value_int=0), ctx_len, op.Constant(value_int=1)),
+                           op.Constant(value_ints=[0, 1, 2]))  # [1, 1, 1, C]
+    first = op.Unsqueeze(op.Gather(q_pos, op.Constant(value_int=0), axis=1), op.Constant(value_ints=[1, 2, 3]))
+    hide_ctx = op.GreaterOrEqual(ctx_pos, first)  # [B, 1, 1, C]
+    q_len = op.Squeeze(op.Gather(op.Shape(query_index), one, axis=0), zero)
+    before = op.Concat(op.Slice(query_index, zero, one, one), op.Slice(query_index, zero, op.Constant(value_ints=[-1]),
+                                                                        one, one), axis=1)  # row i - 1 (row 0: itself)
+    not_first = op.Greater(op.Range(op.Constant(value_int=0), q_len, op.Constant(value_int=1)),
+                           op.Constant(value_int=0))  # [Q]
+    is_pad = op.And(op.Equal(query_index, before), not_first)  # [B, Q]: a repeat of the row before it
+    key_q_pos = op.Unsqueeze(q_pos, op.Constant(value_ints=[1, 2]))  # [B, 1, 1, Q]
+    query_pos = op.Unsqueeze(q_pos, op.Constant(value_ints=[1, 3]))  # [B, 1, Q, 1]
+    hide_new = op.Or(op.Greater(key_q_pos, query_pos), op.Unsqueeze(is_pad, op.Constant(value_ints=[1, 2])))
+    hide = op.Concat(op.Expand(hide_ctx, op.Concat(op.Shape(hide_new, end=3), op.Unsqueeze(ctx_len, zero), axis=0)),
+                     hide_new, axis=3)  # [B, 1, Q, C + Q]
+    q_pad = op.Gather(op.Reshape(token_major(op, q), op.Constant(value_ints=[0, -1])), query_index, axis=0)
+    if attend is None:
+        def heads(x, n):  # noqa: ANN001, ANN202 - [B, S, n*D] -> [B, n, S, D]
+            return op.Transpose(op.Reshape(x, op.Constant(value_ints=[0, 0, n, head_dim])), perm=[0, 2, 1, 3])
+
+        o4 = causal_attention(op, heads(q_pad, q_heads), heads(k_all, kv_heads), heads(v_all, kv_heads), scale,
+                              q_heads, kv_heads, head_dim, mask=hide)
+        o_pad = op.Transpose(o4, perm=[0, 2, 1, 3])
+    else:
+        o_pad = attend(op, q_pad, k_all, v_all, hide)
+    rows = op.Reshape(o_pad, op.Constant(value_ints=[-1, q_heads, head_dim]))
+    return _rows_to_tokens(op, rows, token_index), k_new, v_new
 
 
 class DecomposeRMSNorm(pattern.RewriteRuleClassBase):

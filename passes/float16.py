@@ -26,7 +26,8 @@ from omforge.passes.util import read_weight
 
 F32, F16 = ir.DataType.FLOAT, ir.DataType.FLOAT16
 ISLAND_TAG = "omforge.precision"  # metadata on the nodes of a float32 island
-_CHAIN = ("Add", "Sqrt", "Reciprocal", "Div")  # what follows RMSNorm's ReduceMean up to 1/rms
+# what follows RMSNorm's ReduceMean up to 1/rms (Pow: the ascend form without Sqrt, passes/ascend/lower.py)
+_CHAIN = ("Add", "Sqrt", "Pow", "Reciprocal", "Div")
 
 
 def _rms_island(mean: ir.Node) -> list[ir.Node] | None:

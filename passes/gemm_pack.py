@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from omforge.contract import cdiv
 from omforge.contract.kernel_abi import WEIGHT_LAYOUT as LAYOUT  # noqa: F401 - the version this module writes
 from omforge.passes import quant
 
@@ -42,7 +43,7 @@ def pack(p: quant.Packed) -> PanelWeights:
     if p.block not in BLOCKS or p.bits not in (4, 8):
         raise ValueError(f"MatMulQ takes 4- or 8-bit blocks of {BLOCKS}, got {p.bits}-bit blocks of {p.block}")
     kb, zero = p.k_blocks, 1 << (p.bits - 1)
-    panels = -(-p.n // PANEL)
+    panels = cdiv(p.n, PANEL)
     np_ = panels * PANEL
     codes = np.full((np_, kb * p.block), zero, np.uint8)
     codes[:p.n] = quant.unpacked_codes(p).reshape(p.n, -1)
@@ -99,7 +100,7 @@ def pack_bf16(w: np.ndarray) -> np.ndarray:
     """``W [N, K]`` (float) in MatMulBF16's layout (runtime/ort/kernels/bgemm.cpp): uint16 ``[P, Kp/2, 32]``,
     element ``[p, i, 2c + e] = bf16(W[16p + c, 2i + e])``; N padded to whole panels and K to even, with zeros."""
     n, k = w.shape
-    panels, kp = -(-n // PANEL), k + (k % 2)
+    panels, kp = cdiv(n, PANEL), k + (k % 2)
     padded = np.zeros((panels * PANEL, kp), np.float32)
     padded[:n, :k] = w
     b = to_bf16(padded).reshape(panels, PANEL, kp // 2, 2).transpose(0, 2, 1, 3)  # [P, pair, col, e]
@@ -110,7 +111,7 @@ def pack_f32(w: np.ndarray) -> np.ndarray:
     """``W [N, K]`` (float) in MatMulF32's layout (runtime/ort/kernels/fgemm_generic.cpp): float32 ``[P, K, 16]``,
     element ``[p, k, c] = W[16p + c, k]``; N padded to whole panels with zero columns. Values unchanged."""
     n, k = w.shape
-    panels = -(-n // PANEL)
+    panels = cdiv(n, PANEL)
     padded = np.zeros((panels * PANEL, k), np.float32)
     padded[:n] = w
     return np.ascontiguousarray(padded.reshape(panels, PANEL, k).transpose(0, 2, 1))

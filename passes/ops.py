@@ -15,7 +15,7 @@ Each op is a contract: its semantics below, a plain-op decomposition in :mod:`om
   PagedAttention(q, k, v, key_cache, value_cache, slot_mapping, block_tables, query_index, token_index,
                  position_ids; scale, q_heads, kv_heads, block_size, fused_attention[, window])
                  -> (o, key_cache_out, value_cache_out)
-                                  see :mod:`omforge.passes.paged_kv` and the step ABI in the README
+                                  see :mod:`omforge.passes.paged_kv` and the step ABI in docs/compile.md
   LoraAdd(y, x, lora_a, lora_b, lora_slots) -> y'
                                   y [..., out], x [..., in], lora_a [S, P·R, in], lora_b [S, out, P·R], lora_slots
                                   [1, T] int64: y'[t] = y[t] + lora_b[slot_t] · (lora_a[slot_t] · x[t]); see

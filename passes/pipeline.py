@@ -7,7 +7,7 @@
   [LoRA insertion]: with ``lora`` (``compile.lora``, passes/lora.py): ``omforge.LoraAdd`` on each targeted projection
 
 :class:`Pipeline` is the one description that the ort build (``compile/ort.py``), the ascend stage
-(``compile/ascend.py``) and ``omforge diff``'s replay run; they decide its options (which lowering, which
+(``compile/ascend/stages.py``) and ``omforge diff``'s replay run; they decide its options (which lowering, which
 weights) and hand them in. Every pass is an ``onnx_ir`` in-place pass; its
 ``requires`` / ``ensures`` hooks state the contract between them (the paged-KV insertion needs fused or
 fusible attention and leaves the step ABI's inputs; a lowering leaves no neutral op).
@@ -25,8 +25,9 @@ import onnx_ir as ir
 from omforge.contract import STEP_INPUTS, PagedLayout
 from omforge.contract.manifest import LoraSection
 from omforge.contract.pooling import POOLING_INPUTS
-from omforge.passes import lower_ascend, lower_ort, manager, ops
-from omforge.passes.ascend_w8a16 import QuantizeW8A16
+from omforge.passes import lower_ort, manager, ops
+from omforge.passes.ascend import lower as lower_ascend
+from omforge.passes.ascend.w8a16 import QuantizeW8A16
 from omforge.passes.float16 import CastToFloat16
 from omforge.passes.lora import InsertLora, LoraTargetMissing
 from omforge.passes.paged_kv import insert_paged_kv

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from omforge.contract import cdiv
+
 GGUF_BLOCKS = {"Q4_0": (4, 18), "Q4_1": (4, 20), "Q8_0": (8, 34)}  # GGUF type -> (bits, bytes per 32 weights)
 GGUF_BLOCK = 32
 
@@ -42,7 +44,7 @@ class Packed:
 
     @property
     def k_blocks(self) -> int:
-        return -(-self.k // self.block)
+        return cdiv(self.k, self.block)
 
     @property
     def nbytes(self) -> int:
@@ -79,7 +81,7 @@ def quantize(w: np.ndarray, bits: int, block: int, symmetric: bool = True) -> Pa
 
 def _quantize_rows(w: np.ndarray, bits: int, block: int, symmetric: bool) -> Packed:
     n, k = w.shape
-    kb = -(-k // block)
+    kb = cdiv(k, block)
     g = np.zeros((n, kb * block), np.float32)
     g[:, :k] = w
     g = g.reshape(n, kb, block)

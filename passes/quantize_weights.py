@@ -32,6 +32,7 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
+from omforge.contract import cdiv
 from omforge.contract.kernel_abi import DOMAIN as KERNEL_DOMAIN
 from omforge.contract.kernel_abi import WEIGHT_LAYOUT
 from omforge.passes import gemm_pack, quant
@@ -312,7 +313,7 @@ class QuantizeWeights(ir.passes.InPlacePass):
         _, k = self._float[table.name]
         panels = graph.initializers[f"{table.name}.{f.tag}.panel{WEIGHT_LAYOUT}"]
         pairs = 2 if self.bits == 16 else 1  # k values per panel column entry: bf16 pairs, f32 single
-        steps = -(-k // pairs)  # [P, steps, 16 * pairs]
+        steps = cdiv(k, pairs)  # [P, steps, 16 * pairs]
         b = _Replacement(self, graph, node, f"{node.name}_panels_", f"{table.name}.{f.tag}.panel_gather")
         panel, column = _panel_of(b, ids)
         rows = _panel_column(b, panels, panel, column, (steps, None, pairs), "columns")

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from omforge.contract import cdiv
 from omforge.contract.manifest import Manifest, ModelConfig
 from omforge.contract.serve_options import SERVE_OPTIONS
 from omforge.errors import OmforgeError
@@ -115,7 +116,7 @@ class EngineConfig:
         space = pick("kv_cache_space_gb")
         budget = int(space * (1 << 30)) if space is not None else DEFAULT_KV_CACHE_BYTES
         blocks = pick("num_kv_blocks") or max(2, min(budget // bytes_per_block,
-                                                     max_num_seqs * -(-max_model_len // block_size)))
+                                                     max_num_seqs * cdiv(max_model_len, block_size)))
         blocks = blocks if kv is not None else 0
         mode = pick("preemption_mode")
         if mode not in PREEMPTION_MODES:

@@ -2,13 +2,14 @@
 
 An executor owns the device side of the KV cache (the pools, the host swap tier) and runs steps; it decides
 nothing. The scheduler's plan is handed over whole by :func:`run_plan`, which fixes the order: the plan's block
-moves (swap out, swap in, copy-on-write copies) always happen — the KV cache manager has already recorded them,
-also in a step that schedules no work — and only then the step's work runs.
+moves (swap out, swap in, copy-on-write copies) and adapter loads (LoRA slots) always happen — the KV cache
+manager and the LoRA registry have already recorded them, also in a step that schedules no work — and only then
+the step's work runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -44,6 +45,8 @@ class ExecutorCapabilities:
     ``supports_prompt_logits``: a work item with ``all_logits`` gets a logits row per token (prompt logprobs).
     ``host_kv``: the KV pools, when they are host memory (the storage tier reads and writes blocks in place, NIXL
     registers them for PD); None when they are device memory (the host tier copies through the plan instead).
+    ``lora_pools``: a graph with LoRA inputs (docs/lora.md): every adapter pool by input name, host memory the
+    plan's :class:`~omforge.runtime.lora.slots.LoraLoad` moves write in place; None when the executor binds none.
     """
 
     supports_mixed_batches: bool
@@ -51,6 +54,7 @@ class ExecutorCapabilities:
     num_blocks: int | None = None
     supports_prompt_logits: bool = False
     host_kv: HostKVPools | None = None
+    lora_pools: Mapping[str, np.ndarray] | None = None
 
 
 @runtime_checkable
@@ -74,9 +78,17 @@ class Executor(Protocol):
 
 
 def run_plan(executor: Executor, plan: SchedulerOutput) -> np.ndarray | None:
-    """Carry out one scheduler plan: its block moves in order, then its work. Returns the logits rows of the
-    work items that sample (:attr:`SchedulerOutput.work` order), or None when the plan schedules no work."""
+    """Carry out one scheduler plan: its block moves in order, its adapter loads, then its work. Returns the logits
+    rows of the work items that sample (:attr:`SchedulerOutput.work` order), or None when the plan schedules no
+    work."""
     executor.swap_out(plan.swap_out)
     executor.swap_in(plan.swap_in)
     executor.copy_blocks(plan.block_copies)
+    if plan.lora_loads:
+        pools = executor.capabilities.lora_pools
+        if pools is None:
+            raise RuntimeError(f"the plan loads LoRA adapters but the executor ({type(executor).__name__}) binds "
+                               "no adapter pools")
+        for load in plan.lora_loads:
+            load.apply(pools)
     return executor.execute(plan.work) if plan.work else None

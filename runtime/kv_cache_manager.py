@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from omforge.contract import cdiv
 from omforge.runtime.block_pool import BlockPool, PoolEvent
 
 BlockHash = bytes
@@ -144,7 +145,7 @@ class KVCacheManager:
         if num_new_tokens < 0 or not committed <= num_computed_tokens <= len(table) * bs:
             raise ValueError(f"request {req_id!r}: cannot compute {num_new_tokens} tokens after {num_computed_tokens} "
                              f"(its table holds {len(table) * bs} slots, {committed} committed)")
-        first, end = num_computed_tokens // bs, -(-(num_computed_tokens + num_new_tokens) // bs)
+        first, end = num_computed_tokens // bs, cdiv(num_computed_tokens + num_new_tokens, bs)
         shared = [i for i in range(first, min(end, len(table))) if self.pool.ref_count(table[i]) > 1]
         grow = max(0, end - len(table))
         if len(shared) + grow > self.pool.num_free():
@@ -302,7 +303,7 @@ class KVCacheManager:
         (:meth:`allocate_slots` has the last word)."""
         host = sum(h != NO_BLOCK for h in self._host_tables.get(req_id, ()))
         held = len(self._host_tables.get(req_id, ())) or len(self._tables.get(req_id, ()))
-        return host + max(0, -(-num_tokens // self.block_size) - held)
+        return host + max(0, cdiv(num_tokens, self.block_size) - held)
 
     def stats(self) -> KVCacheStats:
         pool, free = self.pool, self.pool.num_free()

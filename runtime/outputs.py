@@ -12,6 +12,7 @@ import numpy as np
 from omforge.runtime.hicache.controller import HiCacheStats
 from omforge.runtime.kv_cache_manager import KVCacheStats
 from omforge.runtime.kv_transfer.connector import PDStats
+from omforge.runtime.lora.registry import LoraState
 from omforge.runtime.sampler import LogprobEntry
 from omforge.runtime.spec_decode import Verified
 
@@ -49,8 +50,8 @@ class EngineSnapshot:
     """The engine after a step (:meth:`LLMEngine.snapshot <omforge.runtime.engine.LLMEngine.snapshot>`): the
     scheduler's queue lengths (``num_waiting`` counts requests waiting for their KV to load, and the requests
     submitted but not yet handed to the engine), the KV cache, the running totals of :class:`EngineStats`
-    (``last_step_time``: seconds of the latest step, None before the first), the tier below the pool and PD's
-    counters (None when off)."""
+    (``last_step_time``: seconds of the latest step, None before the first), the tier below the pool, PD's
+    counters and the LoRA adapters (None when off)."""
 
     num_running: int
     num_waiting: int
@@ -68,6 +69,7 @@ class EngineSnapshot:
     spec_accepted_per_position: dict[int, int]
     hicache: HiCacheStats | None = None  # the tier below the pool (runtime/hicache), None when off
     pd: PDStats | None = None  # prefill/decode disaggregation (runtime/kv_transfer), None when off
+    lora: LoraState | None = None  # the adapters running and waiting (runtime/lora), None without LoRA
 
 
 @dataclass

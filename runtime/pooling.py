@@ -12,7 +12,8 @@ request's ``dimensions`` (matryoshka bundles only), L2-normalized when the bundl
 softmax of the last position's ``[no, yes]`` logits, as a one-element vector.
 
 :class:`PoolingEngine` has the surface the server's engine thread drives (serve/async_engine.py): ``add_request``,
-``abort``, ``expire_waiting``, ``has_unfinished``, ``step``, ``snapshot``, ``check_request``.
+``check_request`` (into a ``CheckedRequest``), ``add``, ``abort``, ``expire_waiting``, ``has_unfinished``, ``step``,
+``snapshot``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from omforge.contract.manifest import PoolingSection, load_manifest
 from omforge.errors import OmforgeError
 from omforge.runtime.engine import LLMEngine, RequestRejected
 from omforge.runtime.engine_config import EngineConfig
+from omforge.runtime.input_processor import CheckedRequest
 from omforge.runtime.kv_cache_manager import KVCacheStats
 from omforge.runtime.outputs import EngineSnapshot, EngineStats, RequestOutput
 from omforge.runtime.pooling_prompts import instruction_of, pair_ids, query_text
@@ -123,30 +125,37 @@ class PoolingEngine:
     reasoning = None  # what the server asks of every engine: pooling reasons about nothing
     block_size = 1  # no KV blocks: /v1/loads counts tokens
 
-    def __init__(self, bundle: str | Path, config: EngineConfig | None = None, **overrides: Any):
+    def __init__(self, bundle: str | Path, config: EngineConfig | None = None, *, acl_module: object = None,
+                 **overrides: Any):
         bundle = Path(bundle)
         self.manifest = m = load_manifest(bundle)
         if m.pooling is None:
             raise OmforgeError(f"{bundle}: a generate bundle (task generate); load it with LLMEngine")
-        if m.target != "ort":
-            raise OmforgeError(f"{bundle}: pooling bundles run on the ort target; this one is {m.target} (its OM "
-                               "is built, the ACL executor for pooling graphs is not written yet)")
         self.pooling: PoolingSection = m.pooling
         self.engine_config = cfg = config or EngineConfig.resolve(m, **overrides)
         self.config = m.model.config
         self.max_model_len = cfg.max_model_len
         # whole sequences only: a step must hold the longest admitted one
         self.token_budget = max(cfg.max_num_batched_tokens, cfg.max_model_len)
-        from omforge.runtime.ort import kernels
-        from omforge.runtime.ort.pooling_executor import PoolingExecutor
-
-        kernels.check_bundle(bundle, m.kernels, m.passes.op_histogram)  # its MatMulF32 needs the library here
-        self.executor = PoolingExecutor(bundle / m.graphs.step, m.pooling.output, threads=cfg.threads)
+        self.executor = self._executor(bundle, m, cfg, acl_module)
         self.tokenizer = TextTokenizer(bundle / m.tokenizer.file, m.tokenizer) if m.tokenizer.file else None
         self.waiting: deque[PoolingRequest] = deque()
         self.stats = EngineStats()
         self.closed = False
         self._ids = itertools.count()
+
+    @staticmethod
+    def _executor(bundle: Path, m: Any, cfg: EngineConfig, acl_module: object) -> Any:
+        """The OM through AscendCL for an ascend bundle (``acl_module``: a pyACL stand-in, tests), else ORT."""
+        if m.target == "ascend":
+            from omforge.runtime.ascend.acl_pooling import AclPoolingExecutor
+
+            return AclPoolingExecutor(bundle, m, acl=acl_module)
+        from omforge.runtime.ort import kernels
+        from omforge.runtime.ort.pooling_executor import PoolingExecutor
+
+        kernels.check_bundle(bundle, m.kernels, m.passes.op_histogram)  # its MatMulF32 needs the library here
+        return PoolingExecutor(bundle / m.graphs.step, m.pooling.output, threads=cfg.threads)
 
     @property
     def task(self) -> str:
@@ -154,17 +163,13 @@ class PoolingEngine:
 
     lora = None  # a pooling bundle has no LoRA slots (compile.lora is refused for task embed | score)
 
-    def lora_names(self) -> list[str]:
-        """No adapters: :class:`~omforge.runtime.engine.LLMEngine`'s, for the server's one start-up path."""
-        return []
-
     # --- requests -----------------------------------------------------------------------------------------
 
     def check_request(self, prompt_token_ids: Sequence[int], params: PoolingParams,
-                      lora: str | None = None) -> PoolingParams:
+                      lora: str | None = None) -> CheckedRequest:
         """The admission check, pure: :class:`RequestRejected` naming the limit (an empty or too long input, ids
         outside the vocabulary, a LoRA adapter: a pooling bundle has none), :class:`SamplingParamsError` for
-        ``dimensions``; returns ``params``."""
+        ``dimensions``; returns the checked request."""
         if lora is not None:
             raise RequestRejected(f"this pooling model serves no LoRA adapter ('{lora}')", param="model")
         if not prompt_token_ids:
@@ -183,7 +188,7 @@ class PoolingEngine:
                                           "pooling.matryoshka)")
             if not 1 <= d <= self.pooling.size:
                 raise SamplingParamsError("dimensions", f"dimensions must be in [1, {self.pooling.size}], got {d}")
-        return params
+        return CheckedRequest(tuple(prompt_token_ids), params)
 
     def add_request(self, prompt: str | Sequence[int], params: PoolingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
@@ -193,7 +198,12 @@ class PoolingEngine:
         :class:`SamplingParamsError`."""
         params = params or PoolingParams()
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.check_request(ids, params, lora)
+        return self.add(self.check_request(ids, params, lora), request_id, arrival_time)
+
+    def add(self, checked: CheckedRequest, request_id: str | None = None,
+            arrival_time: float | None = None) -> list[PoolingRequest]:
+        """Queue a checked input (:meth:`check_request`); :class:`RequestRejected` for a request id in use."""
+        ids, params = list(checked.prompt_token_ids), checked.params
         rid = request_id or f"pool-{next(self._ids)}"
         if any(r.request_id == rid for r in self.waiting):
             raise RequestRejected(f"request id '{rid}' is already in use")
@@ -228,6 +238,8 @@ class PoolingEngine:
         return bool(self.waiting)
 
     def close(self) -> None:
+        if not self.closed and hasattr(self.executor, "close"):  # the ACL executor holds the device
+            self.executor.close()
         self.closed = True
 
     def reset_prefix_cache(self) -> bool:

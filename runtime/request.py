@@ -6,7 +6,7 @@ loading into (runtime/kv_connector.py: a tier below the pool or a prefill replic
 ``loading``; a finished one holds none, unless its blocks wait for a load that cannot be stopped to end (still in
 ``loading``) or for a remote reader (a PD prefill leg, in the scheduler's ``held``) — always under its own id.
 A request with a LoRA adapter (``lora``, docs/lora.md) pins its adapter's slot while it is RUNNING, SWAPPED or
-WAITING_FOR_REMOTE_KV (the scheduler's ``LoraSlots``); a WAITING or finished one pins none.
+WAITING_FOR_REMOTE_KV (the engine's ``LoraRegistry``); a WAITING or finished one pins none.
 """
 
 from __future__ import annotations
@@ -18,8 +18,18 @@ from typing import Any
 
 import numpy as np
 
+from omforge.errors import OmforgeError
 from omforge.runtime.sampler import LogprobEntry
 from omforge.runtime.sampling_params import SamplingParams
+
+
+class RequestRejected(OmforgeError):
+    """A request that can never run (too long for the context or the KV pool, or prompt token ids outside the
+    vocabulary); the message says which limit. ``param``: the request field at fault when it is not a length."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class Status(enum.Enum):

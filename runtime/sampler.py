@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from omforge.contract import cdiv
 from omforge.runtime.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 GROUPS = 1024  # strided token groups for finding a row's best values without sorting it (see _Groups)
@@ -292,7 +293,7 @@ class _Groups:
         S, V = x.shape
         self.vocab = V
         self.n_groups = min(GROUPS, V)
-        self.width = -(-V // self.n_groups)
+        self.width = cdiv(V, self.n_groups)
         if self.width * self.n_groups != V:
             padded = np.full((S, self.width * self.n_groups), -np.inf, dtype=np.float32)
             padded[:, :V] = x
@@ -348,7 +349,7 @@ def _blocked_inverse_cdf(weights: np.ndarray, uniform: np.ndarray) -> np.ndarray
     """:func:`_inverse_cdf` over a whole vocabulary in two levels (blocks, then within one block): a running
     sum over all of ``[S, V]`` would cost more than the exp that made the weights."""
     S, V = weights.shape
-    n_blocks = -(-V // CDF_BLOCK)
+    n_blocks = cdiv(V, CDF_BLOCK)
     if n_blocks * CDF_BLOCK != V:
         weights = np.pad(weights, ((0, 0), (0, n_blocks * CDF_BLOCK - V)))
     blocks = weights.reshape(S, n_blocks, CDF_BLOCK)

@@ -1,58 +1,20 @@
 """The scheduler: which requests run this step and how many tokens each brings (continuous batching).
 
-Policy only; allocation is the KV cache manager's. Every step:
-  1. RUNNING requests, oldest first: a decode brings 1 token, a request still prefilling brings its next chunk;
-     all within the step budget ``max_num_batched_tokens``. When blocks run out, the newest running request is
-     preempted — swapped to the host tier (``preemption_mode: swap``, if the tier has room) or freed to be
-     recomputed later — until the older one fits. Preempted requests keep their output and resume unchanged.
-  2. SWAPPED requests come back (oldest first) when no one was preempted this step and blocks allow.
-  3. WAITING requests are admitted first-come-first-served, when no one was preempted this step, while the
-     budget, ``max_num_seqs`` and the blocks allow; a long prompt takes the budget that is left and continues in
-     later steps (chunked prefill, interleaved with the running decodes). Prefix-cache hits skip the cached part
-     of the prompt. Past the local hit, the KV connectors (runtime/kv_connector.py: a PD decode leg's read, the
-     storage tier, the host tier — the first that offers) may supply more tokens, through one admission path:
-     an asynchronous hit takes its seat and its blocks and waits in ``loading`` (WAITING_FOR_REMOTE_KV) while
-     other requests keep stepping, then joins RUNNING with its loaded blocks computed (the rest to prefill) in the
-     first plan after its load ends — or fails (a PD read; its unforked n > 1 followers with it) or goes back to
-     WAITING to be prefilled here; a synchronous hit (the host tier) is copied in by the admitting plan
-     (``swap_in``), and evictions are written back by the plan (``swap_out``, before anything rewrites them).
-  4. A request that finishes frees its blocks — unless a connector holds them for a remote reader (a PD prefill
-     leg, in ``held`` under its own id until the reader is done), or its load is in flight (in ``loading``
-     until the load ends).
-LoRA (``lora``: the engine's ``LoraSlots``, docs/lora.md): a WAITING request with an adapter is admitted only when
-its adapter holds a slot (``acquire``: resident already, or written into a free or least recently used unpinned
-slot); one whose adapter cannot get a slot (every slot pinned by other adapters) stays WAITING and the requests
-behind it may go first. The pin lasts while the request is RUNNING, SWAPPED or loading, and ends when it finishes,
-is aborted or is preempted back to WAITING; ``n > 1`` followers pin their leader's adapter when they fork. Each
-work item carries its adapter's slot (``SeqWork.lora_slot``; 0: the base model), and a request's prefix-cache hash
-chain starts from its adapter's digest, so adapters never share KV with each other or with the base model.
-With ``mixed_batches`` (executors that support them, ``ExecutorCapabilities.supports_mixed_batches``: the ORT step
-graph's decode group, ``contract.DECODE_GROUP_INPUTS``) every step carries the running decodes and fills the rest of
-the budget with prefill chunks, vLLM's chunked prefill: the decodes are attended apart from the chunks and cost
-their own work only. A step that carries running decodes is bounded (Sarathi-Serve's stall-free batching), so
-that arrivals cannot stall the running streams behind a full-budget chunk: by ``decode_step_token_budget`` — the
-step's tokens in all, decodes first, the prefill chunks the rest but never fewer than
-``MIN_PREFILL_WITH_DECODES`` (the server's default rule, 128 tokens: benchmarks/RESULTS.md "decode-step token
-budget"; for float32 weights the default is a fixed cap within the time rule, runtime/engine_config.py) —
-or by ``max_prefill_tokens_with_decodes``, a fixed number of prefill tokens; and further by time
-(``mixed_step_time_ratio``, runtime/step_cost.py: the step lasts no more than about that many times its decodes
-alone, from step costs fitted on the running engine); steps without decodes take the whole budget.
-Without mixed batches (graphs that pad every sequence's queries to the step's longest: the runtime-write ORT graph)
-a step carries either decodes or prefill work, and the two kinds alternate while both are pending. Measured:
-benchmarks/RESULTS.md ("mixed steps"; "the decode-step prefill cap"; "the time rule").
+Policy only; allocation is the KV cache manager's. Each step takes RUNNING requests first (oldest first; when
+blocks run out the newest is preempted, by swap or recompute), then SWAPPED ones back, then WAITING ones
+first-come-first-served (chunked prefill; prefix-cache and KV-connector hits; LoRA slots), within the step budget.
+:meth:`Scheduler.schedule` returns the plan — the work and the ordered block moves the executor carries out — and
+:meth:`Scheduler.update_from_output` finishes the step with the sampled tokens. The whole order, LoRA pinning, the
+bounds of a step that mixes decodes and prefill, and why: docs/step-lifecycle.md, "The scheduler's step".
+
 Invariants: the scheduled tokens of a step never exceed the budget, nor its prefill tokens the decode-step cap
 (with the token budget: the larger of ``MIN_PREFILL_WITH_DECODES`` and the budget less the step's decodes; with the
 time rule also its prediction, at least ``MIN_TIMED_PREFILL``);
 at most ``max_num_seqs`` requests are RUNNING or loading, counting the ``n > 1`` followers a leader will fork; a
 request is in exactly one of waiting / running / swapped / loading until it finishes; blocks are held only under
 the id of the request that owns them; every RUNNING, SWAPPED or loading request with an adapter pins it once (so a
-step carries at most ``max_loras`` adapters), and no other request does.
-The step's lifecycle is the scheduler's (vLLM v1's shape): :meth:`Scheduler.schedule` returns the plan — the work
-and the ordered block moves the executor carries out (``executor.run_plan``) — and
-:meth:`Scheduler.update_from_output` finishes the step with the sampled tokens: tokens computed, full blocks
-committed to the prefix cache, blocks out of a sliding window released, ``n > 1`` followers forked from their
-leader, token-level stops (stop token ids, EOS, ``max_tokens``, the context) applied and finished requests freed.
-The engine keeps sampling, detokenising (stop strings end a request through :meth:`Scheduler.finish`) and outputs.
+step carries at most ``max_loras`` adapters), and no other request does; an adapter a step's work reads is written
+into its slot by that step's plan (``lora_loads``) or an earlier one.
 """
 
 from __future__ import annotations
@@ -69,7 +31,8 @@ from omforge.runtime.step import SeqWork
 from omforge.runtime.step_cost import StepCost
 
 if TYPE_CHECKING:
-    from omforge.runtime.lora.slots import LoraSlots
+    from omforge.runtime.lora.registry import LoraRegistry
+    from omforge.runtime.lora.slots import LoraLoad
 
 PREEMPTION_MODES = ("recompute", "swap")
 MIN_PREFILL_WITH_DECODES = 32  # prefill tokens a step with decodes may always carry (the token budget's floor)
@@ -130,14 +93,15 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    """One step's plan. The executor performs ``swap_out``, ``swap_in``, ``block_copies`` in that order, then
-    runs ``work`` (one item per ``scheduled`` entry, same order); ``sample_rows`` pairs every request that
+    """One step's plan. The executor performs ``swap_out``, ``swap_in``, ``block_copies``, ``lora_loads`` in that
+    order, then runs ``work`` (one item per ``scheduled`` entry, same order); ``sample_rows`` pairs every request that
     samples this step with its logits row (``n > 1`` followers share their leader's row)."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the step
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host), before the step
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device), before the step
+    lora_loads: list[LoraLoad] = field(default_factory=list)  # adapters written into their slots, before the step
     preempted: list[Request] = field(default_factory=list)
     work: list[SeqWork] = field(default_factory=list)
     sample_rows: list[tuple[Request, int]] = field(default_factory=list)
@@ -169,10 +133,9 @@ class _StepBudget:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig, connectors: Sequence[KVConnector] = (),
-                 lora: LoraSlots | None = None):
+                 lora: LoraRegistry | None = None):
         self.kv = kv
-        self.lora = lora  # the adapter slots (None: the bundle has no LoRA, every request is the base model's)
-        self._lora_pins: dict[str, str] = {}  # request id → the adapter it pins (RUNNING, SWAPPED or loading)
+        self.lora = lora  # the engine's adapter registry (None: the bundle has no LoRA, every request is the base's)
         self.connectors = list(connectors)
         self.config = config
         self.max_num_seqs = config.max_num_seqs
@@ -209,8 +172,8 @@ class Scheduler:
         """n > 1: ``follower`` starts RUNNING on a fork of ``leader``'s blocks, as far as the leader has computed
         (its prompt). Seats were reserved when the leader was admitted (:meth:`_seats`)."""
         self.kv.fork(leader.request_id, follower.request_id)
-        if follower.lora is not None:  # its leader pins the adapter: the slot is resident
-            self._pin(follower)
+        if follower.lora is not None:  # its leader pins the adapter: the slot is resident, nothing to load
+            self._pin(follower, None)
         follower.num_computed_tokens = leader.num_computed_tokens
         follower.num_cached_tokens = leader.num_cached_tokens
         follower.status = Status.RUNNING
@@ -227,32 +190,32 @@ class Scheduler:
 
     # --- LoRA adapter slots (docs/lora.md) -------------------------------------------------------------------
 
-    def _pin(self, req: Request) -> bool:
-        """Pin ``req``'s adapter's slot (acquiring it: resident, or written into a free or unpinned one); False
-        when every slot is pinned by other adapters. A request without an adapter, or already pinning, is True."""
-        if req.lora is None or req.request_id in self._lora_pins:
+    def _pin(self, req: Request, out: SchedulerOutput | None) -> bool:
+        """Pin ``req``'s adapter's slot (resident, or assigned a free or unpinned one: the load that writes it there
+        goes into ``out``, the plan); False when every slot is pinned by other adapters. A request without an
+        adapter, or already pinning, is True."""
+        if req.lora is None:
             return True
         if self.lora is None:
             raise ValueError(f"request {req.request_id!r} names LoRA adapter {req.lora!r} but the scheduler has "
                              "no adapter slots")
-        if self.lora.acquire(req.lora) is None:
+        pinned = self.lora.acquire(req.request_id, req.lora)
+        if pinned is None:
             return False
-        self._lora_pins[req.request_id] = req.lora
+        if pinned.load is not None:
+            if out is None:
+                raise RuntimeError(f"request {req.request_id!r}: adapter {req.lora!r} must be resident here")
+            out.lora_loads.append(pinned.load)
         return True
 
     def _lora_waits(self, req: Request) -> bool:
         """Whether ``req``'s adapter could not get a slot now: not resident, and every slot holds a pinned one."""
-        lora = self.lora
-        if req.lora is None or lora is None or lora.slot_of(req.lora) is not None:
-            return False
-        resident = [n for n in lora.names() if lora.slot_of(n) is not None]
-        return len(resident) >= lora.max_loras and all(lora.pinned(n) for n in resident)
+        return req.lora is not None and self.lora is not None and self.lora.would_wait(req.lora)
 
     def _unpin(self, req: Request) -> None:
         """Release ``req``'s pin on its adapter's slot, if it holds one (idempotent)."""
-        name = self._lora_pins.pop(req.request_id, None)
-        if name is not None and self.lora is not None:
-            self.lora.release(name)
+        if self.lora is not None:
+            self.lora.release(req.request_id)
 
     def lora_slot(self, req: Request) -> int:
         """The slot of ``req``'s adapter (it pins it while it runs); 0 for the base model."""
@@ -271,7 +234,7 @@ class Scheduler:
 
     def lora_pins(self) -> dict[str, str]:
         """Request id → the adapter it pins (RUNNING, SWAPPED or loading requests with an adapter)."""
-        return dict(self._lora_pins)
+        return self.lora.pins() if self.lora is not None else {}
 
     def has_unfinished(self) -> bool:
         """Requests in any queue, a load in flight (an aborted one holds blocks until it ends) or blocks held for a
@@ -583,7 +546,7 @@ class Scheduler:
             rid = req.request_id
             if self._occupied() + self._seats(req) > self.max_num_seqs:
                 break  # an n > 1 request waits until all its sequences can run
-            if not self._pin(req):
+            if not self._pin(req, out):
                 i += 1  # every adapter slot is pinned by other adapters: it waits, the ones behind it may go
                 continue
             hit, source = None, None

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from omforge.contract import cdiv
+
 
 @dataclass(frozen=True)
 class SeqWork:
@@ -41,7 +43,7 @@ def build_step(work: Sequence[SeqWork], block_size: int, max_blocks: int | None 
     lens = np.array([len(w.token_ids) for w in work], dtype=np.int64)
     if (lens < 1).any():
         raise ValueError("every sequence in a step brings at least one token")
-    need_blocks = [-(-(w.start + n) // block_size) for w, n in zip(work, lens)]
+    need_blocks = [cdiv(w.start + n, block_size) for w, n in zip(work, lens)]
     for w, need in zip(work, need_blocks):
         if len(w.block_table) < need:
             raise ValueError(f"block table of {len(w.block_table)} blocks cannot hold "

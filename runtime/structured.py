@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from omforge.contract import cdiv
 from omforge.errors import OmforgeError
 
 
@@ -104,7 +105,7 @@ class GrammarBackend:
         # a tokenizer wider than the logits (added tokens the model cannot produce): masked over its own width,
         # read over the model's (allowed() cuts the rest)
         self.tokenizer = tokenizer
-        self.words = -(-tokenizer.vocab_size // 32)
+        self.words = cdiv(tokenizer.vocab_size, 32)
 
     def matcher(self, grammar_text: str) -> Any:
         """A fresh matcher (one per sequence: it holds that sequence's position in the grammar)."""

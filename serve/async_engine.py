@@ -6,8 +6,10 @@ command queue of typed messages (:class:`AddRequest`, :class:`Abort`, :class:`Sh
 each request's outputs back on an ``asyncio.Queue``, fed once per step with ``loop.call_soon_threadsafe``.
 
 Invariants:
-- Only the engine thread touches the ``LLMEngine`` after :meth:`AsyncEngine.start` (``check_request`` aside,
-  which reads limits fixed at load); only the event loop touches the streams and the in-flight count.
+- Only the engine thread touches the ``LLMEngine`` after :meth:`AsyncEngine.start`, but for its intake
+  (``check_request``, which reads limits fixed at load) and its LoRA registry (thread-safe); only the event loop
+  touches the streams and the in-flight count. A request enters the engine twice: checked once on a worker thread
+  (a :class:`~omforge.runtime.input_processor.CheckedRequest`), added once on the engine thread.
 - ``num_in_flight`` counts sequences submitted and not yet finished or aborted; a submission the
   :class:`~omforge.serve.admission.QueueBudget` refuses (more waiting than the measured service rate starts
   within the queue-time bound, or past the configured depth) is refused with :class:`Overloaded` (429), never
@@ -16,34 +18,36 @@ Invariants:
   before its next step.
 - No request waits longer than ``max_queue_time_s`` (checked before every step): one that has not started by then
   is aborted and its group ends with :class:`QueueTimeout`, counted as ``request_rejected{queue_timeout}``.
-- LoRA adapters (docs/lora.md): ``loras`` (name → path, event loop only) is what the server serves; an adapter is
-  parsed on a worker thread and registered (:class:`AddLora`) or forgotten (:class:`RemoveLora`) on the engine
-  thread between steps. An adapter with sequences in flight is never unloaded (``LoraInUse``), and one being
-  unloaded takes no new request (``UnknownLora`` at submission), so no request reaches the engine for an adapter
-  it no longer holds.
+- LoRA adapters (docs/lora.md): the engine's registry (``model.lora``) is what the server serves; an adapter is
+  parsed on a worker thread and registered in it. A request holds its adapter from parsing to submission
+  (:meth:`AsyncEngine.holding`: ``LoraRegistry.use``, the one check that it is served, ``UnknownLora``); its
+  submission counts its sequences as the adapter's users (``LoraRegistry.join``), which the engine thread ends with
+  each sequence (or a refused add). An adapter with users is never unregistered (``LoraInUse``), so no request
+  reaches the engine for an adapter it no longer holds.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import itertools
 import logging
 import threading
 import time
 import traceback
-from collections import Counter, deque
+from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from omforge.contract.manifest import PoolingSection
 from omforge.errors import OmforgeError
-from omforge.runtime.engine import LLMEngine, LoraInUse, RequestOutput, UnknownLora
-from omforge.runtime.lora.adapter import LoraAdapter, LoraNameTaken
+from omforge.runtime.engine import LLMEngine, RequestOutput, UnknownLora
+from omforge.runtime.input_processor import CheckedRequest
+from omforge.runtime.lora.adapter import LoraError, LoraNameTaken
+from omforge.runtime.lora.registry import LoraRegistry
 from omforge.runtime.reasoning import ReasoningParser
 from omforge.runtime.request import seq_ids
-from omforge.runtime.sampling_params import SamplingParams
 from omforge.runtime.tokenizer import TextTokenizer
 from omforge.serve.admission import QueueBudget, ServiceRate
 from omforge.serve.metrics import EngineSnapshot, ServerMetrics
@@ -72,29 +76,11 @@ class KVTransferFailed(EngineUnavailable):
 
 @dataclass(frozen=True)
 class AddRequest:
-    """Add one checked prompt (``n`` sequences) to the engine."""
+    """Add one checked prompt (``n`` sequences) to the engine; its adapter's users are counted (submission)."""
 
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    checked: CheckedRequest
     request_id: str
     arrival_time: float
-    lora: str | None = None  # the LoRA adapter's name (None: the base model)
-
-
-@dataclass(frozen=True)
-class AddLora:
-    """Register a read and checked adapter (``LLMEngine.add_lora``); ``done`` gets None or the error."""
-
-    adapter: LoraAdapter
-    done: concurrent.futures.Future
-
-
-@dataclass(frozen=True)
-class RemoveLora:
-    """Forget an adapter (``LLMEngine.unload_lora``); ``done`` gets None or the error."""
-
-    name: str
-    done: concurrent.futures.Future
 
 
 @dataclass(frozen=True)
@@ -109,7 +95,7 @@ class Shutdown:
     """Stop the engine thread before its next step; whatever is still running is dropped."""
 
 
-Command = AddRequest | Abort | Shutdown | AddLora | RemoveLora
+Command = AddRequest | Abort | Shutdown
 
 
 @dataclass
@@ -125,6 +111,30 @@ class RequestGroup:
     lora: str | None = None  # the adapter every sequence of the group runs with
 
 
+@dataclass(frozen=True)
+class ServedModel:
+    """What the server reads of the engine, fixed at load (safe from the event loop): the tokenizer (None: token
+    ids only), the reasoning parser (``--reasoning-parser``), a pooling bundle's settings (None: generate), the
+    limits, and the LoRA registry (None: no adapter slots; ``max_loras`` resident at once)."""
+
+    tokenizer: TextTokenizer | None
+    reasoning: ReasoningParser | None
+    pooling: PoolingSection | None
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    block_size: int  # tokens per KV block
+    lora: LoraRegistry | None
+    max_loras: int | None
+
+    @classmethod
+    def of(cls, engine: Any) -> ServedModel:
+        """The facts of an ``LLMEngine`` or a ``PoolingEngine``."""
+        cfg = engine.engine_config
+        return cls(engine.tokenizer, engine.reasoning, engine.manifest.pooling, engine.config.vocab_size,
+                   engine.max_model_len, cfg.max_num_seqs, engine.block_size, engine.lora, cfg.max_loras)
+
+
 class AsyncEngine:
     """``group = engine.submit(...)``; ``async for outputs in engine.outputs(group): …`` — one list of
     :class:`RequestOutput` per step.
@@ -137,6 +147,7 @@ class AsyncEngine:
                  metrics: ServerMetrics | None = None, max_queue_time_s: float | None = None,
                  explicit_waiting: bool = True):
         self._engine = engine
+        self.model = ServedModel.of(engine)
         self.max_queue_time_s = max_queue_time_s
         self.service_rate = ServiceRate()
         self.budget = QueueBudget(engine.engine_config.max_num_seqs, max_waiting_requests, explicit_waiting,
@@ -155,9 +166,6 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        # LoRA adapters served (name → path) and sequences in flight per adapter (event loop only)
-        self.loras: dict[str, str] = {n: str(engine.lora.get(n).path) for n in engine.lora_names()}
-        self._lora_users: Counter[str] = Counter()
 
     # --- lifecycle ----------------------------------------------------------------------------------------
 
@@ -182,41 +190,6 @@ class AsyncEngine:
     def healthy(self) -> bool:
         return self.failure is None and self._thread is not None and self._thread.is_alive()
 
-    # --- what the server reads of the engine (fixed at load, so safe from the event loop) ------------------
-
-    @property
-    def tokenizer(self) -> TextTokenizer | None:
-        """The bundle's tokenizer, or None when the bundle ships none (token ids only)."""
-        return self._engine.tokenizer
-
-    @property
-    def reasoning(self) -> ReasoningParser | None:
-        """The server's reasoning parser (``--reasoning-parser``), or None."""
-        return self._engine.reasoning
-
-    @property
-    def pooling(self) -> PoolingSection | None:
-        """A pooling bundle's settings (task embed | score: runtime/pooling.py's engine); None for generate."""
-        return self._engine.manifest.pooling
-
-    @property
-    def vocab_size(self) -> int:
-        return self._engine.config.vocab_size
-
-    @property
-    def max_model_len(self) -> int:
-        """The longest sequence (prompt + output) the server admits."""
-        return self._engine.max_model_len
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self._engine.engine_config.max_num_seqs
-
-    @property
-    def block_size(self) -> int:
-        """Tokens per KV block."""
-        return self._engine.block_size
-
     def snapshot(self, pending_adds: int = 0) -> EngineSnapshot:
         """The engine's gauges and running totals now, for ``/metrics`` (``LLMEngine.snapshot``). Call it on the
         engine thread, or before :meth:`start`; ``pending_adds`` requests submitted but not yet applied count as
@@ -228,75 +201,78 @@ class AsyncEngine:
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    def check(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-              lora: str | None = None) -> SamplingParams:
-        """The engine's admission check (raises RequestRejected / SamplingParamsError); see LLMEngine."""
+    def check(self, prompt_token_ids: Sequence[int], params: Any, lora: str | None = None) -> CheckedRequest:
+        """The engine's admission check, once per prompt (raises RequestRejected / SamplingParamsError); see
+        ``InputProcessor.check``. Any thread."""
         return self._engine.check_request(prompt_token_ids, params, lora)
 
-    @property
-    def max_loras(self) -> int | None:
-        """Adapters resident at once (None: the bundle has no LoRA slots)."""
-        return self._engine.engine_config.max_loras
-
-    def submit(self, prompts: list[tuple[list[int], SamplingParams]], request_id: str,
-               arrival_time: float | None = None, lora: str | None = None) -> RequestGroup:
-        """Queue one request per (prompt token ids, checked params) as a group, all or none, with adapter ``lora``
-        (None: the base model). Raises :class:`UnknownLora` for an adapter not served (or being unloaded),
-        :class:`Overloaded` when the group would exceed the capacity, :class:`EngineUnavailable` when draining or
-        failed. Consume the group with :meth:`outputs` (which aborts what is left if the consumer stops)."""
+    def submit(self, prompts: Sequence[CheckedRequest], request_id: str,
+               arrival_time: float | None = None) -> RequestGroup:
+        """Queue one request per checked prompt as a group, all or none, with their adapter (one for the group;
+        None: the base model), which the caller holds (:meth:`holding`). Raises :class:`Overloaded` when the group
+        would exceed the capacity, :class:`EngineUnavailable` when draining or failed. Consume the group with
+        :meth:`outputs` (which aborts what is left if the consumer stops)."""
         self._require_running()
-        if lora is not None and lora not in self.loras:
-            raise UnknownLora(f"the LoRA adapter '{lora}' is not loaded")
-        num_seqs = sum(p.n for _, p in prompts)
+        lora = prompts[0].lora
+        num_seqs = sum(p.n for p in prompts)
         refused = self.budget.refusal(self.num_in_flight, num_seqs)
         if refused is not None:
             if self.metrics is not None:
                 self.metrics.rejected("queue_full")
             raise Overloaded(f"the server is at capacity ({refused}); retry later")
+        if lora is not None:  # its users until each sequence ends (the engine thread); held: served
+            self.model.lora.join(lora, num_seqs)  # type: ignore[union-attr]
         group = RequestGroup({}, set(), lora=lora)
         arrival = arrival_time or time.monotonic()
-        for i, (ids, params) in enumerate(prompts):
+        for i, checked in enumerate(prompts):
             rid = f"{request_id}-p{i}" if len(prompts) > 1 else request_id
-            for sid in seq_ids(rid, params.n):
+            for sid in seq_ids(rid, checked.n):
                 group.prompt_of[sid] = i
                 group.unfinished.add(sid)
                 self._groups[sid] = group
-            self._send(AddRequest(ids, params, rid, arrival, lora))
+            self._send(AddRequest(checked, rid, arrival))
         self.num_in_flight += num_seqs
-        if lora is not None:
-            self._lora_users[lora] += num_seqs
         if self.metrics is not None:
             self.metrics.lora_request(lora, len(prompts))
         return group
 
     # --- LoRA adapters (event loop) -----------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def holding(self, lora: str | None) -> Iterator[None]:
+        """Hold adapter ``lora`` (None: the base model, nothing to hold) while a request is parsed, tokenized,
+        checked and submitted: the one check that it is served (:class:`UnknownLora`), and it stays served (an
+        unload meanwhile is a ``LoraInUse``) until the sequences :meth:`submit` counts end."""
+        if lora is None:
+            yield
+            return
+        if self.model.lora is None:
+            raise UnknownLora(f"the LoRA adapter '{lora}' is not loaded")
+        self.model.lora.use(lora, 1)
+        try:
+            yield
+        finally:
+            self.model.lora.done(lora, 1)
+
     async def load_lora(self, name: str, path: str) -> None:
-        """Read and check adapter ``name`` from ``path`` on a worker thread, then register it on the engine thread
-        (between steps). Raises ``LoraError`` (unreadable, does not fit the bundle, name taken),
-        :class:`EngineUnavailable` when the engine is not running."""
+        """Read and check adapter ``name`` from ``path`` on a worker thread, then register it (the registry is
+        thread-safe; a step in flight is unaffected). Raises ``LoraError`` (unreadable, does not fit the bundle,
+        name taken), :class:`EngineUnavailable` when the engine is not running."""
         self._require_running()
-        if name in self.loras:
+        registry = self.model.lora
+        if registry is None:
+            raise LoraError(f"adapter '{name}': this bundle was compiled without compile.lora (no adapter slots)")
+        if name in registry:
             raise LoraNameTaken(f"adapter '{name}' is already loaded; unload it first to replace it")
-        adapter = await asyncio.to_thread(self._engine.read_lora, name, path)
-        await self._on_engine_thread(AddLora(adapter, concurrent.futures.Future()))
-        self.loras[name] = str(path)
+        registry.register(await asyncio.to_thread(registry.read, name, path))
 
     async def unload_lora(self, name: str) -> None:
-        """Forget adapter ``name`` (on the engine thread, between steps). Raises :class:`UnknownLora` if it is not
-        served, :class:`LoraInUse` while sequences of it are in flight."""
+        """Forget adapter ``name``. Raises :class:`UnknownLora` if it is not served, ``LoraInUse`` while sequences
+        of it are in flight (submitted and not ended)."""
         self._require_running()
-        if name not in self.loras:
+        if self.model.lora is None:
             raise UnknownLora(f"the LoRA adapter '{name}' is not loaded")
-        if self._lora_users[name]:
-            raise LoraInUse(f"the LoRA adapter '{name}' is in use by {self._lora_users[name]} sequence(s); unload "
-                            "it once they end")
-        path = self.loras.pop(name)  # no new request for it from now on
-        try:
-            await self._on_engine_thread(RemoveLora(name, concurrent.futures.Future()))
-        except BaseException:
-            self.loras[name] = path
-            raise
+        self.model.lora.unregister(name)
 
     def _require_running(self) -> None:
         """:class:`EngineUnavailable` unless the engine thread runs and the server is not draining."""
@@ -304,11 +280,6 @@ class AsyncEngine:
             raise EngineUnavailable(f"the engine is not running: {self.failure or 'stopped'}")
         if self.draining:
             raise EngineUnavailable("the server is shutting down")
-
-    async def _on_engine_thread(self, cmd: AddLora | RemoveLora) -> None:
-        """Send ``cmd`` to the engine thread and wait for it to be applied (its error raised here)."""
-        self._send(cmd)
-        await asyncio.wrap_future(cmd.done)
 
     async def outputs(self, group: RequestGroup) -> AsyncIterator[list[RequestOutput]]:
         """Yield the group's outputs, one list per engine step, until every sequence finished. Leaving early
@@ -336,10 +307,6 @@ class AsyncEngine:
             if group is not None:
                 self.num_in_flight -= 1
                 group.unfinished.discard(sid)
-                if group.lora is not None:
-                    self._lora_users[group.lora] -= 1
-                    if not self._lora_users[group.lora]:
-                        del self._lora_users[group.lora]
 
     def _send(self, cmd: Command) -> None:
         with self._cv:
@@ -401,33 +368,18 @@ class AsyncEngine:
                     aborted = sum(self._engine.abort(sid) for sid in ids)
                     if self.metrics is not None and aborted:
                         self.metrics.aborted(aborted)
-                case AddRequest(prompt_token_ids=ids, params=params, request_id=rid, arrival_time=arrival, lora=lora):
+                case AddRequest(checked=checked, request_id=rid, arrival_time=arrival):
                     try:
-                        self._engine.add_request(ids, params, rid, arrival_time=arrival, lora=lora)
+                        self._engine.add(checked, rid, arrival_time=arrival)
                         added = True
                     except Exception as exc:
-                        self._call_soon(self._fail, seq_ids(rid, params.n), exc)
-                case AddLora(adapter=adapter, done=done):
-                    self._settle(done, self._engine.add_lora, adapter)
-                case RemoveLora(name=name, done=done):
-                    self._settle(done, self._engine.unload_lora, name)
+                        if checked.lora is not None:  # never added: its sequences end here
+                            self.model.lora.done(checked.lora, checked.n)  # type: ignore[union-attr]
+                        self._call_soon(self._fail, seq_ids(rid, checked.n), exc)
                 case Shutdown():
                     self._stopped = True
-                    for later in cmds[cmds.index(cmd) + 1:]:  # a LoRA command's waiter must not wait forever
-                        if isinstance(later, AddLora | RemoveLora):
-                            later.done.set_exception(EngineUnavailable("the server is shutting down"))
                     return added
         return added
-
-    @staticmethod
-    def _settle(done: concurrent.futures.Future, fn, *args) -> None:  # noqa: ANN001
-        """Run ``fn(*args)`` (engine thread) and put its outcome in ``done`` (awaited on the event loop)."""
-        try:
-            fn(*args)
-        except Exception as exc:
-            done.set_exception(exc)
-        else:
-            done.set_result(None)
 
     def _call_soon(self, fn, *args) -> None:  # noqa: ANN001
         assert self._loop is not None
@@ -448,23 +400,20 @@ class AsyncEngine:
                     return
                 if self.max_queue_time_s is not None and (expired := engine.expire_waiting(self.max_queue_time_s)):
                     self._call_soon(self._time_out, expired)
-                saturated = self.num_in_flight >= self.max_num_seqs  # a waiting sequence gets the next free slot
+                saturated = self.num_in_flight >= self.model.max_num_seqs  # a waiting sequence gets the next free slot
                 started = time.perf_counter()
                 outputs = engine.step() if engine.has_unfinished() else []
                 self.service_rate.step(time.perf_counter() - started, sum(o.finished for o in outputs), saturated)
                 if self.metrics is not None:  # before delivery: a client that has its answer sees it counted
                     pending = sum(isinstance(c, AddRequest) for c in list(self._cmds))
-                    self.metrics.after_step(self.snapshot(pending), outputs)
-                    if engine.lora is not None:
-                        self.metrics.lora_state(engine.lora_state())
+                    snap = self.snapshot(pending)
+                    self.metrics.after_step(snap, outputs)
+                    self.metrics.lora_state(snap.lora)
                 if outputs:
                     self._call_soon(self._deliver, outputs)
         except BaseException as exc:
             self.failure = exc
             log.error("engine thread failed:\n%s", traceback.format_exc())
-            for cmd in self._take_commands(block=False):  # a LoRA command's waiter must not wait forever
-                if isinstance(cmd, AddLora | RemoveLora) and not cmd.done.done():
-                    cmd.done.set_exception(EngineUnavailable(f"the engine failed: {type(exc).__name__}: {exc}"))
             self._call_soon(self._fail_all, EngineUnavailable(f"the engine failed: {type(exc).__name__}: {exc}"))
 
     def _fill_batch(self) -> None:

@@ -5,12 +5,16 @@ OpenAI's status and body. Every function takes the :class:`ServerState` it needs
 from __future__ import annotations
 
 import secrets
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import ExitStack, asynccontextmanager, contextmanager
 from typing import TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from omforge.runtime.engine import RequestRejected, UnknownLora
+from omforge.runtime.input_processor import CheckedRequest
 from omforge.runtime.sampling_params import SamplingParams, SamplingParamsError
 from omforge.runtime.tokenizer import ChatTemplateError
 from omforge.serve.async_engine import EngineUnavailable, Overloaded, RequestGroup
@@ -27,7 +31,8 @@ from omforge.serve.protocol import (
 from omforge.serve.state import ServerState
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait; the queue moves every engine step
-B = TypeVar("B", CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+G = TypeVar("G", CompletionRequest, ChatCompletionRequest)
+B = TypeVar("B", TokenizeRequest, DetokenizeRequest)
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -43,20 +48,49 @@ def authorize(state: ServerState, request: Request) -> None:
         raise APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)", code="invalid_api_key")
 
 
+@asynccontextmanager
+async def arriving(state: ServerState, request: Request, schema: type[G]) -> AsyncIterator[tuple[G, float]]:
+    """A completion or chat request from its arrival to its answer: its arrival time, its authorized body, its
+    adapter held (:func:`holding`), its options supported — all the while counted as arriving so the engine's
+    batch-fill wait knows it is coming. A pooling model (task embed | score) answers no completion or chat request
+    (400 naming its task)."""
+    with state.engine.arriving():
+        arrival = time.monotonic()
+        authorize(state, request)
+        pooling = state.engine.model.pooling
+        if pooling is not None:
+            raise APIError(400, f"{request.url.path}: the model '{state.model_name}' is for task "
+                           f"{pooling.task} (a pooling bundle: /v1/embeddings, /v1/rerank, /v1/score); "
+                           "completions and chat need a bundle compiled with task: generate", param="model",
+                           code="wrong_model_task")
+        body = await read_body(state, request, schema)
+        with holding(state, body.model):
+            body.check_supported()
+            yield body, arrival
+
+
 async def parse(state: ServerState, request: Request, schema: type[B]) -> B:
-    """The authorized request's body as ``schema``, for this server's model, with only supported options. A
-    pooling model (task embed | score) answers no completion or chat request (400 naming its task)."""
+    """The authorized request's body as ``schema``, for this server's model (the base or a served adapter), with
+    only supported options: the routes that run no generation (a completion or chat request: :func:`arriving`)."""
     authorize(state, request)
-    if schema in (CompletionRequest, ChatCompletionRequest) and state.engine.pooling is not None:
-        raise APIError(400, f"{request.url.path}: the model '{state.model_name}' is for task "
-                       f"{state.engine.pooling.task} (a pooling bundle: /v1/embeddings, /v1/rerank, /v1/score); "
-                       "completions and chat need a bundle compiled with task: generate", param="model",
-                       code="wrong_model_task")
     body = await read_body(state, request, schema)
-    if body.model is not None and body.model != state.model_name and body.model not in state.engine.loras:
+    lora = state.engine.model.lora
+    if body.model is not None and body.model != state.model_name and (lora is None or body.model not in lora):
         raise model_not_found(state, body.model)
     body.check_supported()
     return body
+
+
+@contextmanager
+def holding(state: ServerState, model: str | None) -> Iterator[None]:
+    """The adapter ``model`` selects held until the request is submitted (:meth:`AsyncEngine.holding`: the one
+    check that it is served); a model that is neither the base nor a served adapter is a 404."""
+    with ExitStack() as held:
+        try:
+            held.enter_context(state.engine.holding(state.lora_of(model)))
+        except UnknownLora:
+            raise model_not_found(state, str(model)) from None
+        yield
 
 
 async def read_body(state: ServerState, request: Request, schema: type[M]) -> M:
@@ -74,8 +108,8 @@ async def read_body(state: ServerState, request: Request, schema: type[M]) -> M:
 
 def model_not_found(state: ServerState, model: str) -> APIError:
     """404 ``model_not_found`` (vLLM's words) naming what this server serves: the base model and its adapters."""
-    adapters = f" and the LoRA adapter(s) {', '.join(repr(n) for n in state.engine.loras)}" \
-        if state.engine.loras else ""
+    names = state.engine.model.lora.names() if state.engine.model.lora is not None else ()
+    adapters = f" and the LoRA adapter(s) {', '.join(repr(n) for n in names)}" if names else ""
     return APIError(404, f"The model `{model}` does not exist; this server serves '{state.model_name}'{adapters}",
                     param="model", code="model_not_found")
 
@@ -116,38 +150,33 @@ def check_characters(state: ServerState, text: str, param: str) -> None:
 
 
 def check(state: ServerState, ids: list[int], params: SamplingParams, length_param: str,
-          lora: str | None = None) -> SamplingParams:
-    """The engine's admission check as a 400 (``length_param`` names the field of a too-long request); ``lora``:
-    the adapter the request's model selects."""
+          lora: str | None = None) -> CheckedRequest:
+    """The engine's admission check as a 400 (``length_param`` names the field of a too-long request), once per
+    prompt, on a tokenizer worker; ``lora``: the adapter the request's model selects."""
     try:
         checked = state.engine.check(ids, params, lora)
-    except UnknownLora:
-        raise model_not_found(state, str(lora)) from None
     except SamplingParamsError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
     except RequestRejected as exc:
         if exc.param is not None:  # not a length: e.g. prompt token ids outside the vocabulary
             raise APIError(400, str(exc), param=exc.param) from None
         raise APIError(400, str(exc), param=length_param, code="context_length_exceeded") from None
-    if checked.structured is not None:
-        check_satisfiable(checked.structured)
+    if checked.params.structured is not None:
+        check_satisfiable(checked.params.structured)
     return checked
 
 
-def submit(state: ServerState, prompts: list[tuple[list[int], SamplingParams]], request_id: str,
-           arrival: float, lora: str | None = None) -> RequestGroup:
-    """Queue the checked prompts as one group with adapter ``lora``: 400 if they could never fit, 404 for an
-    adapter unloaded meanwhile, 429 when full, 503 when stopping."""
-    num_seqs = sum(p.n for _, p in prompts)
+def submit(state: ServerState, prompts: list[CheckedRequest], request_id: str, arrival: float) -> RequestGroup:
+    """Queue the checked prompts as one group (one adapter, held: :func:`holding`): 400 if they could never fit,
+    429 when full, 503 when stopping."""
+    num_seqs = sum(p.n for p in prompts)
     capacity = state.engine.capacity
     if num_seqs > capacity:  # never admissible: a 429 would have the client retry forever
         raise APIError(400, f"prompt: {len(prompts)} prompt(s) × n make {num_seqs} sequences, more than this "
                        f"server ever holds ({capacity}: max_num_seqs + max_waiting_requests); "
                        "send fewer per request", param="prompt")
     try:
-        return state.engine.submit(prompts, request_id, arrival, lora)
-    except UnknownLora:
-        raise model_not_found(state, str(lora)) from None
+        return state.engine.submit(prompts, request_id, arrival)
     except Overloaded as exc:
         raise APIError(429, str(exc), type="server_overloaded", code="queue_full",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None

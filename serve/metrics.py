@@ -15,9 +15,10 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from omforge.runtime.engine import LoraState, RequestOutput
+from omforge.runtime.engine import RequestOutput
 from omforge.runtime.hicache.controller import HiCacheStats
 from omforge.runtime.kv_transfer.connector import PDStats
+from omforge.runtime.lora.registry import LoraState
 from omforge.runtime.outputs import EngineSnapshot
 
 PREFIX = "omforge:"
@@ -262,7 +263,7 @@ class ServerMetrics:
             self.lora_requests.labels(self.model, lora).inc(num_prompts)
 
     def lora_state(self, state: LoraState | None) -> None:
-        """The adapters after a step (``LLMEngine.lora_state``; None: no LoRA): one series of
+        """The adapters after a step (``EngineSnapshot.lora``; None: no LoRA): one series of
         ``lora_requests_info``, replaced when the adapters running or waiting change; the slot counters."""
         if state is None:
             return

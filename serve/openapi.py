@@ -10,18 +10,18 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import Response
 
-from omforge.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from omforge.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    LoadLoraAdapterRequest,
+    TokenizeRequest,
+    UnloadLoraAdapterRequest,
+)
 from omforge.serve.protocol_pooling import EmbeddingRequest, RerankRequest, ScoreRequest
 
 BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, EmbeddingRequest,
-          RerankRequest, ScoreRequest)
-
-
-def _bodies() -> tuple[type, ...]:
-    """:data:`BODIES` and the LoRA routes' (imported late: serve/routes_lora.py imports this module)."""
-    from omforge.serve.routes_lora import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
-
-    return (*BODIES, LoadLoraAdapterRequest, UnloadLoraAdapterRequest)
+          RerankRequest, ScoreRequest, LoadLoraAdapterRequest, UnloadLoraAdapterRequest)
 
 ERROR_SCHEMA: dict[str, Any] = {
     "title": "ErrorResponse", "type": "object", "required": ["error"],
@@ -107,7 +107,7 @@ def describe_bodies(app: FastAPI) -> None:
             from fastapi.openapi.utils import get_openapi
 
             doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            _, defs = models_json_schema([(m, "validation") for m in _bodies()],
+            _, defs = models_json_schema([(m, "validation") for m in BODIES],
                                          ref_template="#/components/schemas/{model}")
             schemas = doc.setdefault("components", {}).setdefault("schemas", {})
             schemas.update(defs["$defs"])

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from omforge.contract import cdiv
 from omforge.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
 from omforge.runtime.structured import StructuredOutput, compiled_grammar
 from omforge.serve.tools import ToolError, choice_mode, functions
@@ -89,7 +90,7 @@ def check_satisfiable(spec: StructuredOutput) -> None:
 
     tokenizer = _byte_tokenizer()
     matcher = llguidance.LLMatcher(tokenizer, compiled_grammar(spec))
-    llguidance.numpy.fill_next_token_bitmask(matcher, np.zeros((1, -(-tokenizer.vocab_size // 32)), np.int32), 0)
+    llguidance.numpy.fill_next_token_bitmask(matcher, np.zeros((1, cdiv(tokenizer.vocab_size, 32)), np.int32), 0)
     if matcher.is_error():
         what = ("no JSON value matches this schema (e.g. a $ref that only refers to itself)"
                 if spec.kind in ("json", "json_object") else f"no text matches this {spec.kind}")
@@ -413,3 +414,21 @@ class DetokenizeRequest(BaseModel):
 
     def check_supported(self) -> None:
         pass
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's): serve the adapter at ``lora_path`` (a PEFT directory or a GGUF LoRA
+    file, on the server's file system) as model ``lora_name``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's): stop serving adapter ``lora_name`` (``lora_int_id`` is vLLM's and
+    ignored)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None

@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from omforge.runtime.engine import RequestOutput
-from omforge.runtime.sampling_params import SamplingParams
+from omforge.runtime.input_processor import CheckedRequest
 from omforge.serve.async_engine import AsyncEngine, EngineUnavailable, KVTransferFailed, QueueTimeout, RequestGroup
 from omforge.serve.intake import RETRY_AFTER_S, submit
 from omforge.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -24,7 +24,7 @@ from omforge.serve.tools import ToolPlan
 
 
 async def respond(state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest, kind: str,
-                  prompts: list[tuple[list[int], SamplingParams]], echo: list[str], want_logprobs: bool,
+                  prompts: list[CheckedRequest], echo: list[str], want_logprobs: bool,
                   arrival: float, scoring_only: bool = False, tools: ToolPlan | None = None) -> Response:
     """Submit the checked prompts and answer: an SSE stream, or the whole body once done (or the client gone)."""
     if await request.is_disconnected():  # gone while its prompt was tokenized: never queue it
@@ -32,8 +32,8 @@ async def respond(state: ServerState, request: Request, body: CompletionRequest 
     engine = state.engine
     rid = engine.new_request_id("chatcmpl" if kind == "chat" else "cmpl")
     builder = ResponseBuilder(kind, rid, state.response_model(body.model), state.token_text, want_logprobs, tools)
-    run = Run(submit(state, prompts, rid, arrival, state.lora_of(body.model)), [len(ids) for ids, _ in prompts],
-              prompts[0][1].n, echo, scoring_only)
+    run = Run(submit(state, prompts, rid, arrival), [len(p.prompt_token_ids) for p in prompts], prompts[0].n, echo,
+              scoring_only)
     cancel = functools.partial(engine.cancel, run.group)
     if body.stream:
         return EngineStream(stream(engine, run, builder, body.include_usage), cancel)

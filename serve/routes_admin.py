@@ -38,8 +38,9 @@ async def models(request: Request, state: AppState) -> Response:
     authorize(state, request)
     base = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "omforge",
             "max_model_len": state.max_model_len}
+    lora = state.engine.model.lora
     adapters = [{**base, "id": name, "root": path, "parent": state.model_name}  # LoRA adapters, vLLM's shape
-                for name, path in state.engine.loras.items()]
+                for name, path in (lora.served() if lora is not None else {}).items()]
     return JSONResponse({"object": "list", "data": [base, *adapters]})
 
 
@@ -47,7 +48,7 @@ async def models(request: Request, state: AppState) -> Response:
 async def loads(request: Request, state: AppState) -> Response:
     """The engine's state after its latest step: queue lengths, KV blocks in use, the prefix-cache hit rate."""
     authorize(state, request)
-    return JSONResponse(state.metrics.loads(state.engine.block_size, state.engine.max_num_seqs))
+    return JSONResponse(state.metrics.loads(state.engine.model.block_size, state.engine.model.max_num_seqs))
 
 
 @router.get("/version", responses=VERSION)
@@ -76,7 +77,7 @@ async def detokenize(request: Request, state: AppState) -> Response:
     body = await parse(state, request, DetokenizeRequest)
     if state.tokenizer is None:
         raise APIError(400, "this model has no tokenizer", param="tokens")
-    vocab = state.engine.vocab_size
+    vocab = state.engine.model.vocab_size
     if any(not 0 <= t < vocab for t in body.tokens):
         raise APIError(400, f"tokens must be token ids in [0, {vocab})", param="tokens")
     return JSONResponse({"prompt": await state.offload(state.tokenizer.decode, body.tokens, False)})

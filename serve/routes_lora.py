@@ -2,14 +2,13 @@
 ``{"lora_name", "lora_path"}`` and ``POST /v1/unload_lora_adapter`` ``{"lora_name"}``, behind the API key. A 200
 answers vLLM's plain-text ``Success: …`` line; 400 an adapter that cannot be read or does not fit the bundle, a name
 already served (or the base model's), a bundle without LoRA slots; 404 unloading an adapter not loaded; 409
-unloading one that requests still use. The adapter is parsed on a worker thread and registered on the engine
-thread between steps (serve/async_engine.py)."""
+unloading one that requests still use. The adapter is parsed on a worker thread and registered in the engine's
+registry, which is thread-safe (serve/async_engine.py)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
 
 from omforge.runtime.engine import LoraInUse, UnknownLora
 from omforge.runtime.lora.adapter import LoraError, LoraNameTaken
@@ -17,28 +16,10 @@ from omforge.serve.async_engine import EngineUnavailable
 from omforge.serve.intake import M, authorize, read_body
 from omforge.serve.openapi import CLIENT_ERRORS, errors
 from omforge.serve.openapi import body as openapi_body
-from omforge.serve.protocol import APIError
+from omforge.serve.protocol import APIError, LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from omforge.serve.state import AppState, ServerState
 
 router = APIRouter()
-
-
-class LoadLoraAdapterRequest(BaseModel):
-    """``POST /v1/load_lora_adapter`` (vLLM's): serve the adapter at ``lora_path`` (a PEFT directory or a GGUF LoRA
-    file, on the server's file system) as model ``lora_name``."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    lora_name: str = Field(min_length=1)
-    lora_path: str = Field(min_length=1)
-
-
-class UnloadLoraAdapterRequest(BaseModel):
-    """``POST /v1/unload_lora_adapter`` (vLLM's): stop serving adapter ``lora_name`` (``lora_int_id`` is vLLM's and
-    ignored)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    lora_name: str = Field(min_length=1)
-    lora_int_id: int | None = None
 
 
 LORA_ERRORS = (*CLIENT_ERRORS, 409, 503)
@@ -57,7 +38,7 @@ async def load_lora_adapter(request: Request, state: AppState) -> Response:
     name = body.lora_name
     if name == state.model_name:
         raise APIError(400, f"lora_name: '{name}' is the base model's name; pick another", param="lora_name")
-    if state.engine.max_loras is None:
+    if state.engine.model.lora is None:
         raise APIError(400, "this bundle was compiled without compile.lora (no adapter slots): it serves no LoRA "
                        "adapters", param="lora_path")
     try:

@@ -101,7 +101,7 @@ async def score(request: Request, state: AppState) -> Response:
 
 def _pooling(state: ServerState, route: str, tasks: tuple[str, ...]) -> PoolingSection:
     """The bundle's pooling section, or a 400 naming the model's task when ``route`` needs another."""
-    pooling = state.engine.pooling
+    pooling = state.engine.model.pooling
     task = pooling.task if pooling is not None else "generate"
     if task not in tasks:
         need = " or ".join(f"task: {t}" for t in tasks)
@@ -124,21 +124,22 @@ async def _run(state: ServerState, request: Request, kind: str, seqs: list[list[
     room in the queue than one batch) and return their results in order, or leave the engine at once when the client
     goes."""
     engine = state.engine
+    checked = []
     for ids in seqs:
         try:
-            engine.check(ids, params)  # type: ignore[arg-type]
+            checked.append(engine.check(ids, params))
         except SamplingParamsError as exc:
             raise APIError(400, str(exc), param=exc.param) from None
         except RequestRejected as exc:
             code = None if exc.param is not None else "context_length_exceeded"
             raise APIError(400, f"{param}: {exc}", param=param, code=code) from None
     results: list[np.ndarray] = []
-    step = max(1, engine.max_num_seqs)
+    step = max(1, engine.model.max_num_seqs)
     for at in range(0, len(seqs), step):
         if await request.is_disconnected():
             raise APIError(499, "the client closed the connection", code="client_disconnected")
-        part = seqs[at:at + step]
-        group = submit(state, [(ids, params) for ids in part], engine.new_request_id(kind), arrival)  # type: ignore[misc]
+        part = checked[at:at + step]
+        group = submit(state, part, engine.new_request_id(kind), arrival)
         results += await until_done_or_disconnect(request, _collect(engine, group, len(part)),
                                                   functools.partial(engine.cancel, group))
     return results

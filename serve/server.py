@@ -120,7 +120,7 @@ def _serve(bundle: str | Path, options: ServeOptions, sock: socket.socket, t0: f
     engine = open_engine(bundle, prefault_kv=True, serving=True, **engine_options)
     cfg = engine.engine_config
     name = options.served_model_name or engine.manifest.model.name
-    if name in engine.lora_names():
+    if engine.lora is not None and name in engine.lora.names():
         engine.close()
         raise ServeStartError(f"--lora-modules: the adapter name '{name}' is the base model's (its served name); "
                               "pick another")
@@ -157,7 +157,7 @@ def _serve(bundle: str | Path, options: ServeOptions, sock: socket.socket, t0: f
           f"{engine.engine_config.max_num_seqs}, context {engine.max_model_len}, loaded in "
           f"{time.perf_counter() - t0:.1f}s", flush=True)
     if engine.lora is not None:
-        adapters = ", ".join(engine.lora_names()) or "none yet (POST /v1/load_lora_adapter)"
+        adapters = ", ".join(engine.lora.names()) or "none yet (POST /v1/load_lora_adapter)"
         print(f"omforge serve: LoRA: {cfg.max_loras} of {engine.manifest.lora.max_loras} adapter slot(s) resident "
               f"at once, rank <= {engine.manifest.lora.max_rank}; adapters: {adapters}", flush=True)
     if st.hicache is not None:

@@ -41,13 +41,13 @@ class ServerState:
     workers: ThreadPoolExecutor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.tokenizer = self.engine.tokenizer
+        self.tokenizer = self.engine.model.tokenizer
         self.token_text = token_text_fn(self.tokenizer) if self.tokenizer is not None else str
         self.workers = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="omforge-tokenize")
 
     def lora_of(self, model: str | None) -> str | None:
         """The LoRA adapter a request's ``model`` selects: None for the base model (its name, or no model), else
-        the adapter's name (:func:`omforge.serve.intake.parse` has refused a model that is neither)."""
+        the adapter's name (whether it is served: :func:`omforge.serve.intake.holding`, or ``parse``)."""
         return None if model is None or model == self.model_name else model
 
     def response_model(self, model: str | None) -> str:

@@ -65,8 +65,9 @@ def tiny_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def tiny_ascend_step(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
-    """The tiny recipe's ascend step graph lowered with every own plugin (the paged plugin on the step graph, PFA
-    on the full graph), both through the ascend pipeline; the lowering record as a cached stage stores it."""
+    """The tiny recipe's ascend step graph lowered with every own plugin (the in-place paged attention on the
+    float16 step graph, PFA on the full graph), both through the ascend pipeline; the lowering record as a cached
+    stage stores it."""
     import json
 
     import onnx_ir as ir
@@ -78,8 +79,8 @@ def tiny_ascend_step(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Pa
     root = tmp_path_factory.mktemp("atc-tiny")
     export_recipe(load_recipe(TINY_RECIPE), root / "export", quiet=True)
     step = ir.load(root / "export" / "model.onnx")
-    paged = Pipeline("ascend", block_size=16, lowering={"paged_attention": "plugin", "num_slots": 4096}).run(
-        step).lowering.result
+    paged = Pipeline("ascend", block_size=16, lowering={"paged_attention": "inplace", "num_slots": 4096},
+                     float16=True).run(step).lowering.result
     ir.save(step, root / "step.onnx", external_data="step.onnx.data")
     full = ir.load(root / "export" / "model.onnx")
     pfa = Pipeline("ascend", lowering={"attention": "pfa"}).run(full).lowering.result

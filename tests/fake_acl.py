@@ -25,20 +25,52 @@ documented behaviour, each with its source:
   InitFeatureMapAndP2PMem) unless ``ACL_MDL_WORKSPACE_MEM_OPTIMIZE`` (13) is 1, when the inputs and outputs are left
   out ("the work memory no longer contains the model's input/output memory", ``aclmdlConfigAttr.md``; reference
   §5.2); ``load_with_config`` needs the load type (1, from file) and the path set (aclmdlConfigAttr);
-- it offers nothing but the calls of ``runtime/ascend/acl_calls.py`` (each from its doc page): any other call, or an
-  argument of another type, raises :class:`NotInCallTable` — a defect in omforge, not an ACL error.
+- it offers nothing but the calls of ``contract/acl_calls.py`` (each from its doc page): any other call, or an
+  argument of another type, raises :class:`NotInCallTable` — a defect in omforge, not an ACL error;
+- ``set_config_opt``'s ``size_t`` attributes (1 load type, 13 workspace optimize) are refused unless their value
+  reaches the C layer as a ``size_t`` in range (hicann/ge ffdcbc9 ``api/acl/acl_model/model/model_config_om2.cpp:
+  101-124, 294-316``: ``valueSize != sizeof(size_t)`` → ACL_ERROR_INVALID_PARAM); pyACL documents the value as an
+  int (aclpythondevg_01_0137) and its marshalling is not documented, so ``FakeAcl(attr13_value_size=4)`` models a
+  pyACL that passes attribute 13 as a 4-byte int: the C check refuses it; ``load_from_file`` reserves the inputs
+  and outputs in the work memory like a load without attribute 13;
+- in-place OMs (the FAKE OM lists ``ref_inputs``: the inputs its build route declared ``RefData``): twin outputs
+  named ``<input>`` + ``REF_SUFFIX`` (contract/ascend.py) are what a ref op wrote into that input; they are not
+  outputs of the OM (hidden from the description). After execute each is written into the caller's buffer of that
+  input when the input is ``RefData`` — its address is always the user's, "cannot disable zero copy" (hicann/ge
+  ``runtime/v1/graph/load/model_manager/davinci_model.cc:2190-2200``) — and DROPPED when it is a plain ``Data``:
+  GE's ``InnerIdentityAddPass`` puts an Identity copy before a ref op unless its input traces back to a var-like
+  node (``compiler/graph/passes/feature/inner_identity_add_pass.cc:30-60, 95-104``; var-like = Variable,
+  VariableV2, RefData, ``graph_metadef/graph/utils/op_type_utils.cc:91-93``), so the write lands in a copy that
+  is lost. :attr:`FakeAcl.lost_writes` counts the dropped writes per input;
+- no output of the OM may alias a ref input (the input itself, or the value a ref op wrote into it): GE inserts a
+  copy for a ref output that reaches NetOutput (``compiler/graph/optimize/mem_layout_conflict_optimize/
+  mem_layout_conflict_util.cc:1246-1251``): such an OM is refused at load;
+- on a paged OM (inputs ``slot_mapping`` and ``key_cache.N``), what the executor feeds must meet the kernels'
+  runtime rules, checked at every execute: ScatterPaKvCache's slots in ``[0, num_blocks·block_size−1]`` and UNIQUE
+  (ops-transformer 2025-12 mirror ``attention/scatter_pa_kv_cache/op_host/scatter_pa_kv_cache_def.cpp:115-176``
+  and its README; reference §5.3); FIA/IFA paged mode: ``block_table`` int32 and 2-D, every entry a block of the
+  pool, ``actual_seq_lengths`` and ``actual_seq_lengths_kv`` present, each kv length within the sequence's table
+  (``aclnnIncreFlashAttentionV4.md:465-473``; FIA V4 doc :912, :1936) — checked at load for the types, at execute
+  for the values;
+- it counts the bytes every copy moves, by kind (:attr:`FakeAcl.copied`: ``H2D``, ``D2H``, ``D2D``), so a test can
+  assert what a step copies; a FAKE OM flag ``zero_copy_lost`` (input names) makes the load reserve a copy of those
+  inputs, as GE does for a ``Data`` input whose block is not zero-copyable (``davinci_model.cc:2282-2290``,
+  decided at build time in ``block_mem_zero_copy.cc:38-55, 217-242``).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from omforge.runtime.ascend.acl_calls import BY_NAME, argument_errors
+from omforge.contract.acl_calls import BY_NAME, argument_errors
+from omforge.contract.ascend import REF_SUFFIX, SEQ_LENS_KV, SEQ_LENS_Q, SLOT_MAPPING
 
 ERR_PARAM = 100000
 ERR_MEMORY = 207001  # ACL_ERROR_RT_MEMORY_ALLOCATION
@@ -48,13 +80,17 @@ ALIGN = 64  # memcpy_async addresses (aclpythondevg_01_0125)
 WORKSPACE = 64 << 20  # the FAKE OM's own work memory beside its inputs and outputs
 LOAD_TYPE, PATH, WORKSPACE_MEM_OPTIMIZE = 1, 2, 13  # aclmdlConfigAttr
 LOAD_FROM_FILE = 1
+SIZE_T = 8  # sizeof(size_t) on the aarch64 / x86_64 hosts CANN ships for
+SIZET_RANGE = {LOAD_TYPE: (1, 6), WORKSPACE_MEM_OPTIMIZE: (0, 1)}  # model_config_om2.cpp:112-113, 305
+COPY_KINDS = {1: "H2D", 2: "D2H", 3: "D2D"}
 SPACE = 1 << 40  # each allocation owns [base, base + SPACE)
 _ACL_OF_NP = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.int32): 3, np.dtype(np.int64): 9}
+_POOL = re.compile(r"(key|value)_cache\.\d+")
 _NP_OF_ONNX = {1: np.float32, 10: np.float16, 6: np.int32, 7: np.int64}
 
 
 class NotInCallTable(Exception):
-    """omforge called a pyACL function, or passed an argument type, that runtime/ascend/acl_calls.py does not list."""
+    """omforge called a pyACL function, or passed an argument type, that contract/acl_calls.py does not list."""
 
 
 class _Checked:
@@ -79,10 +115,14 @@ class _Checked:
 
 class FakeAcl:
     """``hbm_free`` / ``hbm_total``: what ``acl.rt.get_mem_info(ACL_HBM_MEM)`` reports before anything is allocated
-    (default 64 GiB free); allocations and loaded models come off it."""
+    (default 64 GiB free); allocations and loaded models come off it. ``attr13_value_size``: the ``valueSize`` this
+    "pyACL" hands the C layer for ``ACL_MDL_WORKSPACE_MEM_OPTIMIZE`` (see the module docstring)."""
 
-    def __init__(self, hbm_free: int = 64 << 30, hbm_total: int = 64 << 30) -> None:
+    def __init__(self, hbm_free: int = 64 << 30, hbm_total: int = 64 << 30, attr13_value_size: int = SIZE_T) -> None:
         self.hbm = (hbm_free, hbm_total)
+        self.attr13_value_size = attr13_value_size  # the valueSize this "pyACL" passes for attribute 13
+        self.copied: Counter[str] = Counter()  # bytes moved by every copy, by kind (H2D, D2H, D2D)
+        self.lost_writes: Counter[str] = Counter()  # ref writes dropped: the input was a plain Data
         self.pending: dict[Any, list[tuple[int, int, Any]]] = {}  # stream -> queued (dst, count, run)
         self.calls: list[str] = []
         self.mem: dict[int, tuple[bytearray, str]] = {}  # base -> (buffer, "device" | "host" | "host-bytes")
@@ -317,6 +357,7 @@ class _Rt:
         if want is None or (skind.split("-")[0], dkind) != want:
             raise _Fail(f"memcpy kind {kind} from {skind} to {dkind} memory")
         dbuf[doff:doff + count] = sbuf[soff:soff + count]
+        self.acl.copied[COPY_KINDS[kind]] += count
         if skind == "host-bytes":
             del self.acl.mem[src - src % SPACE]  # the staging copy of a bytes object, used once
 
@@ -348,7 +389,12 @@ class _Model:
         listed = [(name, list(dims)) for name, dims in spec["input_shape"]]
         self.inputs = [(v.name, _NP_OF_ONNX[v.type.tensor_type.elem_type], v) for v in graph.input
                        if v.name not in weights]
-        self.outputs = [(v.name, _NP_OF_ONNX[v.type.tensor_type.elem_type], v) for v in graph.output]
+        all_outputs = [(v.name, _NP_OF_ONNX[v.type.tensor_type.elem_type], v) for v in graph.output]
+        self.outputs = [o for o in all_outputs if not o[0].endswith(REF_SUFFIX)]  # the OM's outputs
+        self.ref_outputs = [(o[0], o[0][:-len(REF_SUFFIX)]) for o in all_outputs if o[0].endswith(REF_SUFFIX)]
+        self.ref_inputs = set(spec.get("ref_inputs", ()))  # declared RefData by the build route
+        self.zero_copy_lost = list(spec.get("zero_copy_lost", ()))
+        _check_refs(graph, self)
         producer = {o: (n.name, i) for n in graph.node for i, o in enumerate(n.output)}
         self.output_names = [f"{producer[n][0]}:{producer[n][1]}:{n}" for n, _, _ in self.outputs]
         by_name = {n: v for n, _, v in self.inputs}
@@ -373,6 +419,9 @@ class _Model:
         self.compiled = {n: dims_of(v, None) for n, _, v in self.inputs + self.outputs}
         self.dtypes = {n: np.dtype(t) for n, t, _ in self.inputs + self.outputs}
         self.busy = False
+        self.paged = SLOT_MAPPING in self.dtypes and any(_POOL.fullmatch(n) for n in self.dtypes)
+        if self.paged:
+            _check_paged_types(self)
 
     def size(self, name: str, dims_per_gear: dict[str, list[list[int]]]) -> int:
         return max(int(np.prod(d)) for d in dims_per_gear[name]) * self.dtypes[name].itemsize
@@ -388,6 +437,11 @@ class _Model:
             sum(self.size(n, self.out_dims) for n, _, _ in self.outputs)
 
     @property
+    def copied_inputs_bytes(self) -> int:
+        """What the load reserves for the inputs GE copies in (``zero_copy_lost``)."""
+        return sum(self.size(n, self.in_dims) for n in self.zero_copy_lost)
+
+    @property
     def weight_bytes(self) -> int:
         return sum(f.stat().st_size for f in Path(self.path).parent.glob(Path(self.path).name + "*"))
 
@@ -396,6 +450,67 @@ class _Model:
         import onnxruntime as ort
 
         return ort.InferenceSession(self.path, providers=["CPUExecutionProvider"])
+
+
+def _check_refs(graph: Any, model: _Model) -> None:
+    """Refuse (:class:`_Fail`) an OM whose ref outputs name no input of its, or one of whose outputs aliases a ref
+    input: the input itself, or the value written into it, through Identity copies (a pool alias reaching NetOutput
+    gets a copy inserted: hicann/ge ``mem_layout_conflict_util.cc:1246-1251``)."""
+    names = {n for n, _, _ in model.inputs}
+    for out, target in model.ref_outputs:
+        if target not in names:
+            raise _Fail(f"twin output {out} names no input {target}")
+    unknown = model.ref_inputs - names
+    if unknown:
+        raise _Fail(f"ref_inputs {sorted(unknown)} are not inputs of the model")
+    source = {o: n.input[0] for n in graph.node if n.op_type == "Identity" for o in n.output}
+
+    def root(t: str) -> str:
+        while t in source:
+            t = source[t]
+        return t
+
+    written = {root(out): target for out, target in model.ref_outputs}
+    for name, _, _ in model.outputs:
+        r = root(name)
+        aliased = r if r in model.ref_inputs else written.get(r)
+        if aliased is not None and aliased in model.ref_inputs:
+            raise _Fail(f"output {name} aliases ref input {aliased}: GE copies a ref output that reaches NetOutput "
+                        "(mem_layout_conflict_util.cc:1246-1251)")
+
+
+def _check_paged_types(model: _Model) -> None:
+    """FIA/IFA paged mode at load: ``block_tables`` int32 and 2-D, both actual-length inputs present
+    (aclnnIncreFlashAttentionV4.md:465-473; reference §5.3); ScatterPaKvCache's ``slot_mapping`` 1-D."""
+    for name in ("block_tables", SEQ_LENS_Q, SEQ_LENS_KV):
+        if name not in model.dtypes:
+            raise _Fail(f"paged OM without the input {name} (FIA/IFA require it)")
+    if model.dtypes["block_tables"] != np.int32 or len(model.compiled["block_tables"]) != 2:
+        raise _Fail(f"block_tables must be int32 2-D for FIA/IFA, got {model.dtypes['block_tables']} "
+                    f"{model.compiled['block_tables']}")
+    if len(model.compiled[SLOT_MAPPING]) != 1:
+        raise _Fail(f"slot_mapping must be 1-D, got {model.compiled[SLOT_MAPPING]}")
+
+
+def _check_paged_feeds(model: _Model, feeds: dict[str, np.ndarray]) -> None:
+    """The values the kernels take at run time (see the module docstring), on what the executor fed."""
+    pool = next(n for n in model.dtypes if _POOL.fullmatch(n))
+    num_blocks, block_size = model.compiled[pool][:2]
+    slots = feeds[SLOT_MAPPING].astype(np.int64)
+    if slots.size and (slots.min() < 0 or slots.max() > num_blocks * block_size - 1):
+        raise _Fail(f"ScatterPaKvCache: slot_mapping outside [0, {num_blocks * block_size - 1}] "
+                    f"(min {slots.min()}, max {slots.max()})")
+    if np.unique(slots).size != slots.size:
+        raise _Fail("ScatterPaKvCache: slot_mapping holds repeated slots (they must be unique)")
+    tables = feeds["block_tables"]
+    if tables.size and (tables.min() < 0 or tables.max() >= num_blocks):
+        raise _Fail(f"block_tables entries outside [0, {num_blocks - 1}] (min {tables.min()}, max {tables.max()})")
+    q, kv = feeds[SEQ_LENS_Q].astype(np.int64), feeds[SEQ_LENS_KV].astype(np.int64)
+    if q.shape != (tables.shape[0],) or kv.shape != (tables.shape[0],):
+        raise _Fail(f"actual_seq_lengths {q.shape} / _kv {kv.shape} for {tables.shape[0]} sequences")
+    if (kv < 1).any() or (kv > tables.shape[1] * block_size).any() or (q < 1).any() or (q > kv).any():
+        raise _Fail(f"actual lengths q {q.tolist()} kv {kv.tolist()} outside [1, kv] / [1, "
+                    f"{tables.shape[1] * block_size}] (the block table's capacity)")
 
 
 class _Desc:
@@ -412,6 +527,18 @@ class _Mdl:
 
     @_guard
     def set_config_opt(self, handle: dict, attr: int, value: int | str) -> int:
+        """The C layer's checks (model_config_om2.cpp): a size_t attribute needs ``valueSize == sizeof(size_t)``
+        and a value in range; the path a string."""
+        if attr in SIZET_RANGE:
+            size = self.acl.attr13_value_size if attr == WORKSPACE_MEM_OPTIMIZE else SIZE_T
+            low, high = SIZET_RANGE[attr]
+            if not isinstance(value, int) or size != SIZE_T:
+                raise _Fail(f"attr {attr}: valueSize {size if isinstance(value, int) else '?'} is invalid, it should "
+                            f"be {SIZE_T} (a size_t)")
+            if not low <= value <= high:
+                raise _Fail(f"attr {attr}: value {value} is invalid, it should be in [{low}, {high}]")
+        elif attr == PATH and not isinstance(value, str):
+            raise _Fail("attr 2 (ACL_MDL_PATH_PTR) takes the path")
         handle["config"][attr] = value
         return 0
 
@@ -426,16 +553,24 @@ class _Mdl:
         config = handle["config"]
         if config.get(LOAD_TYPE) != LOAD_FROM_FILE or not isinstance(config.get(PATH), str):
             raise _Fail(f"load_with_config needs ACL_MDL_LOAD_TYPE_SIZET = {LOAD_FROM_FILE} and ACL_MDL_PATH_PTR")
-        model = _read_om(config[PATH])
+        return self._load(config[PATH], config.get(WORKSPACE_MEM_OPTIMIZE) == 1)
+
+    @_guard
+    def load_from_file(self, path: str) -> tuple[int, int]:
+        """aclmdlLoadFromFile: GE manages the memory, the model's inputs and outputs in its work memory."""
+        return self._load(path, False)
+
+    def _load(self, path: str, optimized: bool) -> tuple[int, int]:
+        model = _read_om(path)
         if model is None:
-            raise _Fail(f"{config[PATH]} is not a (FAKE) OM")  # the real call fails with a parameter error too
-        work = WORKSPACE + (0 if config.get(WORKSPACE_MEM_OPTIMIZE) == 1 else model.io_bytes)
+            raise _Fail(f"{path} is not a (FAKE) OM")  # the real call fails with a parameter error too
+        work = WORKSPACE + (0 if optimized else model.io_bytes) + model.copied_inputs_bytes
         if model.weight_bytes + work > self.acl.device_free:
             raise _OutOfMemory(f"load needs {model.weight_bytes + work} bytes, {self.acl.device_free} free")
         model.reserved = model.weight_bytes + work
         model_id = len(self.models) + 1
         self.models[model_id] = model
-        self.acl.calls.append(f"load {Path(config[PATH]).name}")
+        self.acl.calls.append(f"load {Path(path).name}")
         return model_id, 0
 
     @_guard
@@ -564,11 +699,25 @@ class _Mdl:
             self.acl.check_not_pending(ptr, count, f"execute's input {name}")
             buf, off, _ = self.acl.resolve(ptr, count)
             feeds[name] = np.frombuffer(buf, dtype, int(np.prod(dims)), off).reshape(dims)
+        if model.paged:
+            _check_paged_feeds(model, feeds)
         model.busy = True
         try:
-            results = model.session.run([n for n, _, _ in model.outputs], feeds)
+            results = model.session.run([n for n, _, _ in model.outputs] + [o for o, _ in model.ref_outputs], feeds)
         finally:
             model.busy = False
+        written = results[len(model.outputs):]
+        results = results[:len(model.outputs)]
+        ptr_of = {name: ptr for (name, _, _), (_, ptr, _) in zip(model.inputs, inputs["buffers"])}
+        for (out, target), value in zip(model.ref_outputs, written):
+            if target not in model.ref_inputs:  # a plain Data: the ref op wrote GE's Identity copy
+                self.acl.lost_writes[target] += 1
+                continue
+            data = np.ascontiguousarray(value, model.dtypes[target]).tobytes()
+            if list(value.shape) != model.in_dims[target][gear]:
+                raise _Fail(f"{out} has shape {value.shape}, input {target} {model.in_dims[target][gear]}")
+            buf, off, _ = self.acl.resolve(ptr_of[target], len(data))
+            buf[off:off + len(data)] = data  # in place: the caller's own buffer (RefData)
         for (name, _, _), (_, ptr, size), value in zip(model.outputs, outputs["buffers"], results):
             if list(value.shape) != model.out_dims[name][gear]:
                 raise _Fail(f"output {name} has shape {value.shape}, the gear says {model.out_dims[name][gear]}")

@@ -246,7 +246,7 @@ def compile_bundle(recipe: Path, out: Path, cache: Path, target: str | None = No
     can use it). For ascend without ``atc`` the bundle is complete up to the OM step, as compile leaves it."""
     import os
 
-    from omforge.compile.atc import AtcMissing
+    from omforge.compile.ascend.atc import AtcMissing
     from omforge.compile.compiler import compile_recipe
     from omforge.recipe import load_recipe
 
@@ -266,17 +266,18 @@ def compile_bundle(recipe: Path, out: Path, cache: Path, target: str | None = No
 
 def lowering_dict(opset: int = 18) -> dict:
     """AscendLowering.to_dict()'s custom_ops for every op type with a plugin, as :func:`lower_ascend.lower` records
-    them (PFA needs our plugin at opset 17/18 only; rotary is CANN's)."""
-    from omforge.passes.lower_ascend import SPECS, CustomOp
+    them (PFA needs our plugin at opset 17/18 only)."""
+    from omforge.passes.ascend.lower import SPECS, CustomOp
 
     attributes = {
         "OmRmsNorm": {"epsilon": [1e-5]}, "OmAddRmsNorm": {"epsilon": [1e-5]}, "SwiGlu": {"dim": [-1]},
-        "NPURotaryPositionEmbedding": {"mode": [0]},
+        "OmRotaryPositionEmbedding": {"mode": [0]}, "OmScatterPaKvCache": {"cache_mode": ["Norm"]},
         "NPUPromptFlashAttention": {"input_layout": ["BNSD"], "num_heads": [9], "num_key_value_heads": [3],
                                     "scale_value": [0.125], "pre_tokens": [2**31 - 1], "next_tokens": [0],
                                     "sparse_mode": [0], "inner_precise": [0]},
-        "PagedAttention": {"scale_value": [0.125], "num_heads": [9], "num_key_value_heads": [3], "block_size": [128],
-                           "layer": [0, 1], "num_layers": [2]},
+        "OmFusedInferAttentionScore": {"num_heads": [9], "num_key_value_heads": [3], "scale": [0.125],
+                                       "input_layout": ["BSH"], "sparse_mode": [3], "block_size": [128],
+                                       "inner_precise": [0]},
     }
     ops = {}
     for op_type, attrs in attributes.items():

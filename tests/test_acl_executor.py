@@ -30,7 +30,7 @@ HAS_ACL = importlib.util.find_spec("acl") is not None
 def plain_twin(bundle: Path, out: Path, recipe_path: Path = TINY_RECIPE) -> Path:
     """The ascend step graph with every op lowered to standard ONNX (``lower_step_graph(plain=True)``, our RMSNorm
     epsilon): what the fake's "OM" runs."""
-    from omforge.compile.ascend import lower_step_graph
+    from omforge.compile.ascend.stages import lower_step_graph
     from omforge.recipe import load_recipe, retarget
 
     manifest = load_manifest(bundle, verify=False)
@@ -182,7 +182,7 @@ def test_a_gear_model_over_128_dims_fails_to_describe(tmp_path: Path) -> None:
     rt = AclRuntime(fake)
     rt.init()
     rt.set_device(0)
-    desc = rt.create_desc(rt.load_model(str(om)))
+    desc = rt.create_desc(rt.load_model(str(om))[0])
     with pytest.raises(AclInternalError, match="get_input_dynamic_dims"):
         rt.describe(desc)
 
@@ -359,12 +359,14 @@ def test_the_fake_reserves_the_models_inputs_and_outputs_unless_told_not_to(bund
 
 
 def test_the_fake_refuses_calls_and_argument_types_outside_the_call_table() -> None:
-    """Issue 44 item 4: the FAKE pyACL offers only runtime/ascend/acl_calls.py's rows, with their argument types."""
+    """Issue 44 item 4: the FAKE pyACL offers only contract/acl_calls.py's rows, with their argument types."""
     from fake_acl import NotInCallTable
 
     fake = FakeAcl()
-    with pytest.raises(NotInCallTable, match="acl.mdl.load_from_file is not in"):
-        fake.mdl.load_from_file("x.om")  # the old load: reserves the pool a second time (reference §5.2)
+    with pytest.raises(NotInCallTable, match="acl.mdl.load_from_memory is not in"):
+        fake.mdl.load_from_memory("x.om")
+    with pytest.raises(NotInCallTable, match="acl.mdl.load_from_file: model_path must be str, got int"):
+        fake.mdl.load_from_file(7)
     with pytest.raises(NotInCallTable, match="acl.rt.get_version"):
         fake.rt.get_version()
     fake.init()
@@ -394,8 +396,8 @@ def test_every_pyacl_call_of_acl_api_is_a_row_of_the_table() -> None:
     left after its call went, fails here."""
     import re
 
+    from omforge.contract.acl_calls import BY_NAME
     from omforge.runtime.ascend import acl_api
-    from omforge.runtime.ascend.acl_calls import BY_NAME
 
     src = Path(acl_api.__file__).read_text()
     used = {f"acl.{ns}.{fn}" for ns, fn in re.findall(r"acl\.(rt|mdl|util)\.(\w+)(?![\w{])", src)}

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from helpers import SMOLLM2_RECIPE
 from omforge.compile.bucket_plan import plan
+from omforge.contract import cdiv
 from omforge.contract.ascend import DYNAMIC_INPUT
 from omforge.contract.buckets import BucketError, om_gear, om_gears
 from omforge.recipe import load_recipe
@@ -44,7 +45,7 @@ OUTPUTS = ["logits", "kv_new"]
 
 def table_for(rng: np.random.Generator, tokens: int) -> list[int]:
     """A random block table (distinct blocks in random order) long enough for ``tokens``."""
-    return [int(b) for b in rng.permutation(NUM_SLOTS // BS)[: -(-tokens // BS)]]
+    return [int(b) for b in rng.permutation(NUM_SLOTS // BS)[: cdiv(tokens, BS)]]
 
 
 @st.composite
@@ -81,7 +82,7 @@ def test_every_scheduler_step_splits_into_compiled_gears(work: list[SeqWork]) ->
             assert p.count <= c.num_tokens and p.start + c.num_tokens <= min(c.max_blocks * BS, MAX_LEN)
         else:
             assert len(run.pieces) <= c.num_seqs
-            assert all(p.count == 1 and -(-(p.start + 1) // BS) <= c.max_blocks for p in run.pieces)
+            assert all(p.count == 1 and cdiv(p.start + 1, BS) <= c.max_blocks for p in run.pieces)
         for p in run.pieces:
             covered.setdefault(p.item, []).append((p.start, p.count))
     for i, w in enumerate(work):  # every token once, pieces of one item in order
@@ -162,10 +163,11 @@ def _desc(**changes: object) -> ModelDesc:
 
 
 def test_check_desc_accepts_the_matching_model_and_names_each_mismatch() -> None:
-    check_desc(_desc(), INPUTS, OUTPUTS, INPUT_SHAPE, om_gears(PLAN), ("kv_cache", POOL_BYTES))
+    check_desc(_desc(), INPUTS, OUTPUTS, INPUT_SHAPE, om_gears(PLAN), [("kv_cache", POOL_BYTES)])
     good = _desc()
     cases = {
-        "inputs": good.__class__(good.inputs[1:], good.outputs, good.gears, good.dynamic_index),
+        "input 0 is 'position_ids', the executor binds 'input_ids'": good.__class__(
+            good.inputs[1:], good.outputs, good.gears, good.dynamic_index - 1),
         "no ascend_mbatch_shape_data": _desc(dynamic_index=None),
         "1 outputs": _desc(outputs=good.outputs[:-1]),
         "output 1 is 'node_1:0:kv'": _desc(outputs=(good.outputs[0], TensorDesc("node_1:0:kv", 64, (), 0))),
@@ -176,7 +178,7 @@ def test_check_desc_accepts_the_matching_model_and_names_each_mismatch() -> None
     }
     for message, desc in cases.items():
         with pytest.raises(AclModelMismatch, match=message):
-            check_desc(desc, INPUTS, OUTPUTS, INPUT_SHAPE, om_gears(PLAN), ("kv_cache", POOL_BYTES))
+            check_desc(desc, INPUTS, OUTPUTS, INPUT_SHAPE, om_gears(PLAN), [("kv_cache", POOL_BYTES)])
 
 
 def test_bare_output_names_still_match_and_cann_names_are_cut_at_the_last_colon() -> None:
@@ -185,13 +187,13 @@ def test_bare_output_names_still_match_and_cann_names_are_cut_at_the_last_colon(
 
     assert output_name("logits_f32:0:logits") == "logits" and output_name("logits") == "logits"
     bare = _desc(outputs=tuple(TensorDesc(n, 64, (), 0) for n in OUTPUTS))
-    check_desc(bare, INPUTS, OUTPUTS, INPUT_SHAPE, om_gears(PLAN), ("kv_cache", POOL_BYTES))
+    check_desc(bare, INPUTS, OUTPUTS, INPUT_SHAPE, om_gears(PLAN), [("kv_cache", POOL_BYTES)])
 
 
 def test_gear_dims_agree_with_the_atc_command() -> None:
     """The dims set at run time carry, at ATC's -1 positions, exactly the values of ATC's --dynamic_dims, and the
     list stays far below ACL's 128 (only the step inputs are listed)."""
-    from omforge.compile.atc import AtcModelSpec
+    from omforge.compile.ascend.atc import AtcModelSpec
     from omforge.contract.buckets import STEP_DIMS
 
     spec = AtcModelSpec("step", Path("step.onnx"), dict(INPUT_SHAPE), list(om_gears(PLAN)), list(STEP_DIMS))
@@ -217,10 +219,10 @@ def test_a_pool_described_up_to_64_bytes_larger_is_accepted() -> None:
     reference §5.2), so the pool's described size may exceed its bytes a little (equality was required before)."""
     for extra in (0, 32, 64):
         check_desc(_pool_desc(POOL_BYTES + extra), INPUTS, OUTPUTS, INPUT_SHAPE, om_gears(PLAN),
-                   ("kv_cache", POOL_BYTES))
+                   [("kv_cache", POOL_BYTES)])
     for size in (POOL_BYTES - 1, POOL_BYTES + 65):
         with pytest.raises(AclModelMismatch, match="pool needs"):
-            check_desc(_pool_desc(size), INPUTS, OUTPUTS, INPUT_SHAPE, om_gears(PLAN), ("kv_cache", POOL_BYTES))
+            check_desc(_pool_desc(size), INPUTS, OUTPUTS, INPUT_SHAPE, om_gears(PLAN), [("kv_cache", POOL_BYTES)])
 
 
 def test_pool_slots_must_be_64_byte_aligned_for_memcpy_async() -> None:
@@ -243,3 +245,89 @@ def test_device_need_counts_the_pool_once() -> None:
     assert need.measured and need.total == weights + own + pool + io
     estimate = device_need(weights, own, io, pool, queried=None)
     assert not estimate.measured and estimate.total == weights + own + pool + io
+
+
+def test_device_need_on_the_fallback_load_counts_the_pool_twice() -> None:
+    """Issue 60 item 6: when ACL refuses ACL_MDL_WORKSPACE_MEM_OPTIMIZE the executor loads with load_from_file, and
+    GE reserves the inputs and outputs in its work memory again: the plan counts the pool (and I/O) twice."""
+    from omforge.runtime.ascend.acl_plan import device_need
+
+    pool, io, weights, own = 16 << 30, 1 << 28, 15 << 30, 1 << 30
+    need = device_need(weights, 123, io, pool, queried=(own + pool + io, weights), optimized=False)
+    assert not need.optimized and need.total == weights + own + 2 * (pool + io)
+    estimate = device_need(weights, own, io, pool, queried=None, optimized=False)
+    assert estimate.total == weights + own + 2 * (pool + io)
+
+
+# --- in place: slot mapping with scratch slots, actual lengths, and the prefill rule without padded context ------
+
+SCRATCH_BLOCKS = cdiv(max(g[0] for g in om_gears(PLAN)) - 1, BS)  # every gear's padding rows, distinct
+TOTAL_BLOCKS = NUM_SLOTS // BS + SCRATCH_BLOCKS  # the blocks steps() draws from, then the scratch ones
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps())
+def test_in_place_runs_write_distinct_in_range_slots_and_read_within_their_tables(work: list[SeqWork]) -> None:
+    """Every in-place run feeds what ScatterPaKvCache and FIA/IFA take (reference §5.3): slots unique and in range,
+    real rows at their sequence's slots, padding rows in the scratch blocks only; block-table entries valid blocks;
+    lengths q ≤ kv ≤ the table's capacity, padding sequences 1/1 over a scratch block."""
+    from omforge.runtime.ascend.acl_plan import Scratch
+
+    scratch = Scratch(TOTAL_BLOCKS - SCRATCH_BLOCKS, SCRATCH_BLOCKS, BS)
+    for run in plan_runs(work, PLAN, inplace=True):
+        c = run.choice
+        packed = pack_run(run, work, BS, scratch)
+        slots, tables = packed.inputs["slot_mapping"], packed.inputs["block_tables"]
+        q, kv = packed.inputs["actual_seq_lengths"], packed.inputs["actual_seq_lengths_kv"]
+        n = len(packed.slots)  # the real rows' slots are the scheduler's (unique in its steps; random here)
+        assert slots.shape == (c.num_tokens,) and len(set(slots[n:].tolist()) | set(slots[:n].tolist())) == \
+            len(set(slots[:n].tolist())) + c.num_tokens - n
+        assert 0 <= slots.min() and slots.max() < TOTAL_BLOCKS * BS
+        assert (slots[:n] == packed.slots).all() and (slots[:n] < scratch.first * BS).all()
+        assert (slots[n:] >= scratch.first * BS).all()
+        assert 0 <= tables.min() and tables.max() < TOTAL_BLOCKS
+        assert q.shape == kv.shape == (c.num_seqs,) and (1 <= q).all() and (q <= kv).all()
+        assert (kv <= c.max_blocks * BS).all()
+        for b, p in enumerate(run.pieces):
+            assert (q[b], kv[b]) == (p.count, p.start + p.count)
+        for b in range(len(run.pieces), c.num_seqs):  # padding sequences
+            assert (q[b], kv[b]) == (1, 1) and (tables[b] == scratch.first).all()
+        assert packed.inputs["position_ids"].max() < PLAN.max_seq_len  # padding stays inside the context
+
+
+def test_in_place_prefill_needs_no_room_for_its_padding() -> None:
+    """Gather: a last piece pads past its end inside the context, so prompts stop at max_seq_len − g0 + 1. In place
+    the padding rows go to scratch slots: a prompt of max_seq_len tokens takes the gears whose blocks it fills."""
+    assert max_prompt_len(PLAN, inplace=True) == MAX_LEN > MAX_PROMPT
+    tail = [SeqWork([5, 6], MAX_LEN - 2, list(range(MAX_LEN // BS)))]  # a 2-token chunk ending the context
+    with pytest.raises(BucketError, match="would end past the context"):
+        plan_runs(tail, PLAN)
+    (run,) = plan_runs(tail, PLAN, inplace=True)
+    assert run.choice.max_blocks * BS == MAX_LEN and run.choice.num_tokens > 2
+    work = [SeqWork(list(range(MAX_LEN)), 0, list(range(MAX_LEN // BS)))]
+    runs = plan_runs(work, PLAN, inplace=True)
+    assert sum(r.pieces[0].count for r in runs) == MAX_LEN
+    assert all(r.choice.max_blocks * BS >= r.pieces[0].start + r.pieces[0].count for r in runs)
+
+
+def test_scratch_slots_run_out_in_one_line() -> None:
+    from omforge.runtime.ascend.acl_plan import Scratch
+
+    assert Scratch(10, 1, 16).slots(3).tolist() == [160, 161, 162]
+    with pytest.raises(ValueError, match="17 padding rows, the 1 scratch block"):
+        Scratch(10, 1, 16).slots(17)
+
+
+def test_check_desc_checks_every_pool_of_an_in_place_om() -> None:
+    """In place the OM binds 2 × layers pool inputs (key_cache.N, value_cache.N): each is checked by size."""
+    inputs = ["input_ids", "key_cache.0", "value_cache.0"]
+    shape = [("input_ids", [1, "num_tokens"])]
+    gears = [(1, 1, 1, 1, 1), (2, 1, 2, 1, 1)]
+    desc = ModelDesc(tuple(TensorDesc(n, 4096 if "cache" in n else 64, (), 1) for n in inputs)
+                     + (TensorDesc(DYNAMIC_INPUT, 8, (1,), 9),), (TensorDesc("n:0:logits", 64, (), 0),),
+                     tuple(tuple(gear_dims(g, shape)) for g in gears), 3)
+    check_desc(desc, inputs, ["logits"], shape, gears, [("key_cache.0", 4096), ("value_cache.0", 4096)])
+    with pytest.raises(AclModelMismatch, match="'value_cache.0' holds 4096 bytes, the manifest's pool needs 8192"):
+        check_desc(desc, inputs, ["logits"], shape, gears, [("key_cache.0", 4096), ("value_cache.0", 8192)])
+    with pytest.raises(AclModelMismatch, match="input 1 is 'key_cache.0', the executor binds 'value_cache.0'"):
+        check_desc(desc, ["input_ids", "value_cache.0", "key_cache.0"], ["logits"], shape, gears, [])

@@ -1,4 +1,4 @@
-"""The CANN conformance matrix (compile/cann_matrix.py) against the ascend bundles: the tiny recipe's bundles
+"""The CANN conformance matrix (compile/ascend/cann_matrix.py) against the ascend bundles: the tiny recipe's bundles
 (compiled here, every weight form and SoC that compiles in seconds) carry nothing without a row, every row and
 every attribute form and dtype signature in it is used by some bundle (so deleting one fails), and the FAKE atc
 refuses a graph with an op, an attribute form or a dtype outside the matrix — a ``Constant(value_ints=…)`` first
@@ -14,9 +14,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from omforge.compile import cann_matrix
-from omforge.compile.conformance_doc import DOC, FAST, VARIANTS, acl_rows, collect, load_record, render
-from omforge.compile.step_usage import Use, uses
+from omforge.compile.ascend import cann_matrix
+from omforge.compile.ascend.conformance_doc import DOC, FAST, VARIANTS, acl_rows, collect, load_record, render
+from omforge.compile.ascend.step_usage import Use, uses
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_deleting_a_row_or_an_entry_the_bundles_use_fails(fast_uses: dict[str, l
 
 
 def test_the_document_is_what_its_script_writes_from_the_matrix_and_the_record() -> None:
-    """docs/ascend-conformance.md = render(compile/cann_matrix.py, docs/ascend-conformance.json, pyACL's table):
+    """docs/ascend-conformance.md = render(compile/ascend/cann_matrix.py, docs/ascend-conformance.json, pyACL's table):
     editing the matrix or the record without regenerating the document fails here."""
     record = load_record()
     assert list(record) == [v.name for v in VARIANTS]
@@ -88,7 +88,7 @@ def test_the_document_is_what_its_script_writes_from_the_matrix_and_the_record()
 
 def test_every_recorded_bundle_is_within_the_matrix() -> None:
     """Every shipped recipe's recorded ascend bundle, the 8B path (onnxsim skipped) included, has a row for all it
-    holds: before compile/atc_forms.py rewrote Shape(start, end), the 8B bundles did not."""
+    holds: before compile/ascend/atc_forms.py rewrote Shape(start, end), the 8B bundles did not."""
     assert {name: cann_matrix.violations(u) for name, u in load_record().items() if cann_matrix.violations(u)} == {}
 
 
@@ -100,7 +100,7 @@ def test_every_row_attribute_form_and_dtype_is_used_by_a_recorded_bundle() -> No
 
 def test_the_record_of_the_tiny_bundles_is_current(fast_uses: dict[str, list[Use]]) -> None:
     """The committed record holds what the tiny bundles use today (regenerate with ``python -m
-    omforge.compile.conformance_doc`` after a change to the passes)."""
+    omforge.compile.ascend.conformance_doc`` after a change to the passes)."""
     record = load_record()
     assert {name: record[name] for name in fast_uses} == fast_uses
 

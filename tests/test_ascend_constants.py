@@ -18,8 +18,8 @@ from onnx import TensorProto, helper
 
 from helpers import TINY_RECIPE
 from omforge.cli import main
-from omforge.compile import ascend
-from omforge.compile.atc_forms import constants_as_value, shape_slices_as_slice, short_form_constants
+from omforge.compile.ascend import stages as ascend
+from omforge.compile.ascend.atc_forms import constants_as_value, shape_slices_as_slice, short_form_constants
 
 
 @pytest.mark.parametrize("weights", ["float32", "float16"])
@@ -37,7 +37,7 @@ def test_ascend_step_graph_holds_only_value_constants(weights: str, onnxsim: boo
     assert short_form_constants(step.graph) == []
     assert not [n.name for n in step.graph.node if n.op_type == "Shape" and n.attribute]  # CANN reads no start/end
     if not onnxsim:  # the path that carried them: the Constants are still there, in the value form
-        assert sum(n.op_type == "Constant" for n in step.graph.node) > 10
+        assert sum(n.op_type == "Constant" for n in step.graph.node) > 5
 
 
 def test_rewrite_keeps_each_constant_exactly() -> None:

@@ -43,10 +43,11 @@ def test_retarget_names_a_key_set_for_the_other_target(tmp_path: Path) -> None:
 
 
 def test_a_pool_beyond_the_gather_bound_is_refused_in_one_line(env: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """tiny-llama: 2 layers x K/V x 2 kv heads x 16 = 128 elements a slot; 2^31 / 128 slots = 131,072 blocks of
-    128. One block more is refused before any ATC input is written."""
+    """The gather path's whole-pool Gather: tiny-llama: 2 layers x K/V x 2 kv heads x 16 = 128 elements a slot;
+    2^31 / 128 slots = 131,072 blocks of 128. One block more is refused before any ATC input is written."""
     recipe = env / "r.yaml"
-    recipe.write_text(TINY_RECIPE.read_text() + "  target: ascend\nserve:\n  num_kv_blocks: 131072\n")
+    recipe.write_text(TINY_RECIPE.read_text()
+                      + "  target: ascend\n  paged_attention: gather\nserve:\n  num_kv_blocks: 131072\n")
     assert main(["compile", str(recipe), "-o", str(env / "b")]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("omforge: error: ") and "serve.num_kv_blocks" in err and "above 2^31 - 1" in err

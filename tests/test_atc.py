@@ -1,4 +1,4 @@
-"""The ATC step (omforge.compile.atc): command lines against golden files, gear checks,
+"""The ATC step (omforge.compile.ascend.atc): command lines against golden files, gear checks,
 build.sh, and running ``atc`` — with a FAKE ``atc`` in one test only. The plugins: test_atc_plugins.py.
 
 No CANN here: goldens were reviewed by hand against reference/ascend.md §1.1–1.5. Regenerate them with
@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 
 from helpers import lowering_dict
-from omforge.compile import atc, atc_plugins
 from omforge.compile import bucket_plan as bucket_planner
-from omforge.compile.atc import AtcError, AtcMissing, AtcModelSpec
+from omforge.compile.ascend import atc, atc_plugins, build_script, refdata_build
+from omforge.compile.ascend.atc import AtcError, AtcMissing, AtcModelSpec
+from omforge.compile.ascend.atc_conformance import check_command
+from omforge.contract.ascend import KV_POOL
 from omforge.contract.buckets import STEP_DIMS, om_gears
 from omforge.recipe import CompileSection
 
@@ -160,14 +162,14 @@ def test_build_script_matches_golden(tmp_path: Path) -> None:
     compile, specs = VARIANTS["smollm2-910b3"]
     commands = [atc.atc_command(spec, compile, Path("om")) for spec in specs]
     plugins = atc_plugins.render_plugins(lowering_dict(), tmp_path / "plugins")
-    script = atc.render_build_script(commands, tmp_path / "build.sh", plugins)
+    script = build_script.render_build_script(commands, tmp_path / "build.sh", plugins)
     check_golden(GOLDEN / "smollm2-910b3.build.sh", script.read_text())
     assert os.access(script, os.X_OK)
     subprocess.run(["bash", "-n", str(script)], check=True)
-    plain = atc.render_build_script(commands, tmp_path / "plain" / "build.sh")
+    plain = build_script.render_build_script(commands, tmp_path / "plain" / "build.sh")
     text = plain.read_text()
     subprocess.run(["bash", "-n", str(plain)], check=True)
-    assert "plugins" not in text and "ASCEND_CUSTOM_OPP_PATH" not in text
+    assert "plugins/" not in text and "ASCEND_CUSTOM_OPP_PATH" not in text
     assert "\n  " + " \\\n  ".join(atc._quote(a) for a in commands[0]) + "\n" in text
 
 
@@ -228,7 +230,7 @@ def test_run_atc_with_a_fake_atc_on_path(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.delenv("FAKE_ATC_NO_OM")
 
     shutil.rmtree(bundle / "om")
-    script = atc.render_build_script(commands, bundle / "build.sh")
+    script = build_script.render_build_script(commands, bundle / "build.sh")
     run = subprocess.run(["bash", str(script)], cwd=tmp_path, capture_output=True, text=True, check=False)
     assert run.returncode == 0, run.stderr
     assert om.is_file() and f"wrote om/{om.name}" in run.stdout
@@ -257,11 +259,23 @@ def test_without_atc_the_step_is_left_and_named(tmp_path: Path, monkeypatch: pyt
 
 
 def test_input_shapes_from_the_real_step_graph(tiny_ascend_step: tuple[dict, Path]) -> None:
-    """The step graph's pool is static (issue 20 defect 2): only the step inputs have dims a gear sets."""
+    """The step graph's pools are static (issue 20 defect 2): only the step inputs have dims a gear sets; the
+    in-place pools are what the RefData builder flips, and CANN's rules over its argv hold for them."""
     _, step = tiny_ascend_step
     shapes = atc.input_shapes_from_onnx(step, {d: d for d in STEP_DIMS})
-    assert {n: d for n, d in shapes.items() if n != "kv_cache"} == STEP_INPUTS
-    assert all(isinstance(d, int) for d in shapes["kv_cache"])
+    pools = [n for n in shapes if n == KV_POOL or n.startswith(("key_cache.", "value_cache."))]
+    assert pools and all(isinstance(d, int) for n in pools for d in shapes[n])
+    listed = {n: d for n, d in shapes.items() if n not in pools}
+    assert all(any(isinstance(d, str) for d in dims) for dims in listed.values())  # each has a gear dim
+    assert {n: d for n, d in STEP_INPUTS.items() if n in listed} == {n: listed[n] for n in STEP_INPUTS if n in listed}
+    if KV_POOL not in pools:  # the in-place step graph: its pools become RefData
+        used = [d for d in STEP_DIMS if any(d in dims for dims in listed.values())]
+        gears = [tuple(v for _ in used) for v in (1, 2)]
+        argv = refdata_build.refdata_command(AtcModelSpec("step", Path(step.name), listed, gears, used),
+                                             CompileSection(target="ascend", soc_version="Ascend910B3"), Path("om"),
+                                             pools)
+        results = {r.rule: r for r in check_command(argv, step.parent)}
+        assert all(r.ok for name, r in results.items() if "ref_inputs" in name or "tiling" in name), results
     spec = AtcModelSpec("step", step, STEP_INPUTS, [(16, 1, 16, 1, 4), (1, 1, 1, 1, 8)], list(STEP_DIMS))
     argv = atc.atc_command(spec, CompileSection(target="ascend"), step.parent / "om")
     assert "--dynamic_dims=16,16,1,4,1,16,16,1;1,1,1,8,1,1,1,1" in argv

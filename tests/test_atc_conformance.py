@@ -1,4 +1,4 @@
-"""CANN's rules over what we hand ATC (compile/atc_conformance.py), the FAKE atc that enforces them
+"""CANN's rules over what we hand ATC (compile/ascend/atc_conformance.py), the FAKE atc that enforces them
 (tests/fake_atc.py), ``omforge inspect`` on an ascend bundle, and SmolLM2's ascend bundle end to end on the FAKE
 pyACL. Each of issue 20's three defects has a test here or in test_acl_executor.py that fails on the code before it:
 the fusion switch file with an ``omforge`` key, every pool listed in ``--input_shape`` (190 dims for SmolLM2), bare
@@ -22,7 +22,7 @@ from onnx import TensorProto, helper
 
 from fake_acl import FakeAcl
 from helpers import SMOLLM2_RECIPE, TINY_RECIPE, compile_bundle
-from omforge.compile.atc_conformance import RULES, check_command
+from omforge.compile.ascend.atc_conformance import RULES, check_command
 
 STEP = {"input_ids": [1, "T"], "position_ids": [1, "T"], "block_tables": ["B", "M"], "query_index": ["B", "Q"],
         "token_index": ["T"], "logits_indices": ["L"]}
@@ -87,7 +87,7 @@ def test_fusion_switch_files_take_only_switch_and_priority(tmp_path: Path) -> No
     (lambda a: [*a[:7], "--dynamic_dims=" + ";".join(f"{i},{i},1,4,1,1,{i},1" for i in range(1, 102)), *a[8:]],
      "2..100 gears, one value per -1"),
     (lambda a: [*a[:7], "--dynamic_dims=1,1,1,4,1,1,1;2,2,2,4,2,1,2", *a[8:]], "2..100 gears, one value per -1"),
-    (lambda a: [a[0], a[1], "--framework=1", *a[3:]], "--framework=5 for ONNX"),
+    (lambda a: [a[0], a[1], "--framework=1", *a[3:]], "--framework=5 for ONNX (none for the RefData builder)"),
     (lambda a: [*a[:3], "--output=om/step.om", *a[4:]], "--output is a prefix (the .om may gain _<os>_<cpu>)"),
     (lambda a: [*a, "--dynamic_batch_size=1,2"], "2..100 gears, one value per -1"),
     (lambda a: [*a[:5], "--input_format=NCHW", *a[6:]], "2..100 gears, one value per -1"),
@@ -135,7 +135,10 @@ def test_inspect_runs_the_rules_over_an_ascend_bundle(tiny: Path, tmp_path: Path
     data = json.loads(r.stdout)
     assert data["cann_matrix"]["rows"] and data["cann_matrix"]["outside"] == []
     failed = [x for x in data["atc_conformance"]["om/step"] if not x["ok"]]
-    assert [x["rule"] for x in failed] == ["fusion switch file: only Switch / Priority"]
+    # the tiny bundle is in place (float16, 910B): its command is the RefData builder's, which maps no
+    # --fusion_switch_file to an IR build option, so that rule fails beside the switch file's own
+    assert [x["rule"] for x in failed] == ["every RefData builder flag is an IR build option",
+                                           "fusion switch file: only Switch / Priority"]
 
 
 def test_the_fake_atc_refuses_a_broken_command_and_names_the_om_as_atc_may(tiny: Path, tmp_path: Path) -> None:
@@ -154,18 +157,21 @@ def test_the_fake_atc_refuses_a_broken_command_and_names_the_om_as_atc_may(tiny:
 
 def test_smollm2_ascend_bundle_conforms_and_matches_the_ort_engine_on_the_fakes(
         smollm2_cache: Path, smollm2_export: Path, smollm2_bundle: Path, tmp_path: Path) -> None:
-    """Issue 20 acceptance: SmolLM2's ascend bundle (30 layers) passes every rule (10 gear dims; before: 190),
-    loads on the FAKE pyACL (CANN-form names, the 128 cap) and generates the ORT engine's greedy tokens."""
+    """Issue 20 acceptance: SmolLM2's ascend bundle (30 layers) passes every rule (13 gear dims in place: the 10 of
+    the gather step plus slot_mapping and the two actual lengths; 190 before issue 20), loads on the FAKE pyACL
+    (CANN-form names, the 128 cap) and generates the ORT engine's greedy tokens. Issue 60 acceptance: the bundle is
+    the in-place one (float16 on Ascend910B3), its pools written through RefData on the fake."""
     from omforge import LLM, SamplingParams
-    from omforge.compile.ascend import lower_step_graph
-    from omforge.compile.atc_conformance import check_bundle
+    from omforge.compile.ascend.atc_conformance import check_bundle
+    from omforge.compile.ascend.stages import lower_step_graph
     from omforge.recipe import load_recipe, retarget
 
     asc = compile_bundle(SMOLLM2_RECIPE, tmp_path / "asc", smollm2_cache, target="ascend")
     results = check_bundle(asc)["om/step"]
     assert all(r.ok for r in results), [r.line() for r in results if not r.ok]
     manifest = json.loads((asc / "manifest.json").read_text())
-    assert sum(len(d) for _, d in manifest["ascend"]["input_shape"]) == 10
+    assert manifest["ascend"]["paged_attention"] == "inplace"
+    assert sum(len(d) for _, d in manifest["ascend"]["input_shape"]) == 13
     recipe = retarget(load_recipe(SMOLLM2_RECIPE), "ascend")
     lower_step_graph(smollm2_export, tmp_path, recipe, manifest["kv"]["block_size"], plain=True)
     fake_atc.build_bundle(asc, tmp_path / "step.onnx")
@@ -175,4 +181,48 @@ def test_smollm2_ascend_bundle_conforms_and_matches_the_ort_engine_on_the_fakes(
     on_acl = LLM(asc, acl_module=fake).generate([[int(t) for t in p] for p in prompts], params, use_tqdm=False)
     on_ort = LLM(smollm2_bundle).generate([[int(t) for t in p] for p in prompts], params, use_tqdm=False)
     assert [a.token_ids for a in on_acl] == [o.token_ids for o in on_ort]
-    assert not [c for c in fake.calls if c.startswith("FAILED")]
+    assert not [c for c in fake.calls if c.startswith("FAILED")] and not fake.lost_writes
+
+
+KERNELS_RULE = "every op's kernel ships for --soc_version"
+
+
+def _scatter_pa(path: Path) -> Path:
+    """One OmScatterPaKvCache node (our plugin → GE ScatterPaKvCache), float16 pools, int32 slots."""
+    f16 = [helper.make_tensor_value_info(n, TensorProto.FLOAT16, s) for n, s in
+           (("key", [4, 1, 16]), ("key_cache", [8, 16, 1, 16]), ("value", [4, 1, 16]), ("value_cache", [8, 16, 1, 16]))]
+    slots = helper.make_tensor_value_info("slot_mapping", TensorProto.INT32, [4])
+    node = helper.make_node("OmScatterPaKvCache", ["key", "key_cache", "slot_mapping", "value", "value_cache"],
+                            ["k_out", "v_out"], cache_mode="Norm")
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT16, None) for n in ("k_out", "v_out")]
+    model = helper.make_model(helper.make_graph([node], "g", [*f16[:2], slots, *f16[2:]], outs),
+                              opset_imports=[helper.make_opsetid("", 18)])
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.mark.parametrize(("soc", "ships"), [("Ascend910B3", True), ("Ascend910_9392", True),
+                                            ("Ascend310P3", False), ("Ascend310B1", False)])
+def test_the_kernel_rule_refuses_an_op_whose_kernel_does_not_ship_for_the_soc(tmp_path: Path, soc: str,
+                                                                             ships: bool) -> None:
+    """ScatterPaKvCache's kernel ships for ascend910b / ascend910_93 only (passes/ascend/kernels.py KERNELS, its
+    op_host def.cpp AddConfig lines): the same graph passes for 910B / 910_93 and is refused for 310P / 310B."""
+    _scatter_pa(tmp_path / "m.onnx")
+    cmd = ["atc", "--model=m.onnx", "--framework=5", "--output=om/step", f"--soc_version={soc}", "--log=error"]
+    bad = broken(check_command(cmd, tmp_path))
+    if ships:
+        assert KERNELS_RULE not in bad
+    else:
+        assert "OmScatterPaKvCache → ScatterPaKvCache: no kernel ships for " + soc in bad[KERNELS_RULE]
+
+
+def test_the_fake_atc_refuses_a_910b_bundle_built_for_a_soc_without_its_kernels(tiny: Path) -> None:
+    """The tiny 910B bundle's own command passes; the same command with --soc_version=Ascend310B1 is refused by the
+    FAKE atc: its RmsNorm / RotaryPositionEmbedding kernels do not ship for the 310B."""
+    args = shlex.split((tiny / "ascend" / "atc_commands.txt").read_text().strip())
+    assert "--soc_version=Ascend910B3" in args
+    assert KERNELS_RULE not in broken(check_command(args, tiny / "ascend"))
+    other = [("--soc_version=Ascend310B1" if a.startswith("--soc_version=") else a) for a in args]
+    with pytest.raises(fake_atc.FakeAtcError, match="no kernel ships for Ascend310B1") as e:
+        fake_atc.run(other, tiny / "ascend", tiny / "ascend" / "step.onnx")
+    assert "RmsNorm" in str(e.value)

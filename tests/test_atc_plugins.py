@@ -1,4 +1,4 @@
-"""Our ONNX parser plugins for ATC (omforge.compile.atc_plugins): the rendered project, its agreement with the
+"""Our ONNX parser plugins for ATC (omforge.compile.ascend.atc_plugins): the rendered project, its agreement with the
 lowering, the sources compiled with g++ against the STUB CANN headers in tests/stubs/ (and run through a harness
 where a real nlohmann/json.hpp exists), and the plugins a real lowering of the tiny model needs.
 """
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from helpers import lowering_dict
-from omforge.compile import atc_plugins
-from omforge.compile.atc import AtcError
+from omforge.compile.ascend import atc_plugins
+from omforge.compile.ascend.atc import AtcError
 
 TESTS = Path(__file__).resolve().parent
 STUBS = TESTS / "stubs"
@@ -33,20 +33,22 @@ def test_plugin_project_files(tmp_path: Path) -> None:
     assert project is not None
     names = sorted(p.name for p in project.files)
     assert names == ["CMakeLists.txt", "README.md", "build.sh", "npu_prompt_flash_attention_onnx_plugin.cc",
-                     "om_add_rms_norm_onnx_plugin.cc", "om_rms_norm_onnx_plugin.cc", "omforge_onnx_attrs.h",
-                     "paged_attention_onnx_plugin.cc", "swi_glu_onnx_plugin.cc"]
-    assert project.own_kernels == ["PagedAttention"]
+                     "om_add_rms_norm_onnx_plugin.cc", "om_fused_infer_attention_score_onnx_plugin.cc",
+                     "om_rms_norm_onnx_plugin.cc",
+                     "om_rotary_position_embedding_onnx_plugin.cc", "om_scatter_pa_kv_cache_onnx_plugin.cc",
+                     "omforge_onnx_attrs.h", "swi_glu_onnx_plugin.cc"]
+    assert project.own_kernels == []
     rms = (tmp_path / "plugins" / "om_rms_norm_onnx_plugin.cc").read_text()
     assert 'REGISTER_CUSTOM_OP("RmsNorm")' in rms
     assert '.OriginOpType({ge::AscendString("ai.onnx::18::OmRmsNorm")})' in rms
     assert ".ParseParamsByOperatorFn(ParseOmRmsNorm)" in rms and ".ImplyType(ImplyType::TVM);" in rms
     assert 'op_dest.SetAttr("epsilon", epsilon);' in rms and "[unverified]" in rms
-    pa = (tmp_path / "plugins" / "paged_attention_onnx_plugin.cc").read_text()
-    for attr in ("scale_value", "num_heads", "num_key_value_heads", "block_size", "layer", "num_layers"):
-        assert f'op_dest.SetAttr("{attr}", {attr});' in pa
-    readme = (tmp_path / "plugins" / "README.md").read_text()
-    assert "the GE op prototype (`REG_OP`) and the\nkernel are not provided" in readme
-    assert 'paged_attention="plain"' in readme and "needs no plugin" in readme
+    fia = (tmp_path / "plugins" / "om_fused_infer_attention_score_onnx_plugin.cc").read_text()
+    assert 'REGISTER_CUSTOM_OP("FusedInferAttentionScore")' in fia and "[unverified]" in fia
+    for attr in ("num_heads", "num_key_value_heads", "scale", "sparse_mode", "block_size", "inner_precise"):
+        assert f'op_dest.SetAttr("{attr}", {attr});' in fia
+    spkc = (tmp_path / "plugins" / "om_scatter_pa_kv_cache_onnx_plugin.cc").read_text()
+    assert 'REGISTER_CUSTOM_OP("ScatterPaKvCache")' in spkc and "cache_mode" in spkc
     cmake = (tmp_path / "plugins" / "CMakeLists.txt").read_text()
     assert all(f"  {p.name}\n" in cmake for p in project.files if p.suffix == ".cc")
     build = tmp_path / "plugins" / "build.sh"
@@ -140,12 +142,16 @@ def test_plugin_parse_functions_copy_the_onnx_attributes(tmp_path: Path) -> None
     assert status == 0 and attrs == {"epsilon": "float 9.99999997e-07"}  # a number (not "%g" text) is taken too
     status, attrs, _ = parse("ai.onnx::18::SwiGlu", pb2json(dim=-1))
     assert status == 0 and attrs == {"dim": "int -1"}
-    status, attrs, _ = parse("ai.onnx::18::PagedAttention",
-                             pb2json(scale_value=0.125, num_heads=9, num_key_value_heads=3, block_size=128, layer=1,
-                                     num_layers=30))
-    assert status == 0 and attrs == {"scale_value": "float 0.125", "num_heads": "int 9",
-                                     "num_key_value_heads": "int 3", "block_size": "int 128", "layer": "int 1",
-                                     "num_layers": "int 30"}
+    status, attrs, _ = parse("ai.onnx::18::OmFusedInferAttentionScore",
+                             pb2json(num_heads=9, num_key_value_heads=3, scale=0.125, input_layout="BSH",
+                                     sparse_mode=3, block_size=128, inner_precise=0))
+    assert status == 0 and attrs == {"num_heads": "int 9", "num_key_value_heads": "int 3", "scale": "float 0.125",
+                                     "input_layout": "string BSH", "sparse_mode": "int 3", "block_size": "int 128",
+                                     "inner_precise": "int 0"}
+    status, attrs, _ = parse("ai.onnx::18::OmScatterPaKvCache", pb2json(cache_mode="Norm"))
+    assert status == 0 and attrs == {"cache_mode": "string Norm"}
+    status, attrs, _ = parse("ai.onnx::18::OmRotaryPositionEmbedding", pb2json(mode=0))
+    assert status == 0 and attrs == {"mode": "int 0"}
     pfa = dict(num_heads=9, input_layout="BNSD", scale_value=0.125, pre_tokens=2**31 - 1, next_tokens=0,
                num_key_value_heads=3, sparse_mode=0, inner_precise=0)
     status, attrs, _ = parse("ai.onnx::18::NPUPromptFlashAttention", pb2json(**pfa))
@@ -153,7 +159,7 @@ def test_plugin_parse_functions_copy_the_onnx_attributes(tmp_path: Path) -> None
                                      "pre_tokens": "int 2147483647", "next_tokens": "int 0",
                                      "num_key_value_heads": "int 3", "sparse_mode": "int 0", "inner_precise": "int 0"}
     # a missing attribute or a malformed JSON fails the parse (ATC reports E11010) and says why
-    status, _, err = parse("ai.onnx::18::PagedAttention", pb2json(scale_value=0.125, num_heads=9))
+    status, _, err = parse("ai.onnx::18::OmFusedInferAttentionScore", pb2json(scale=0.125, num_heads=9))
     assert status == FAILED and "no int attribute 'num_key_value_heads'" in err
     status, _, err = parse("ai.onnx::18::OmRmsNorm", "{not json")
     assert status == FAILED and "not the JSON object expected" in err
@@ -166,8 +172,9 @@ def test_real_lowering_renders_plugins_that_compile(tiny_ascend_step: tuple[dict
     lowering, _ = tiny_ascend_step
     project = atc_plugins.render_plugins(lowering, tmp_path / "plugins")
     assert project is not None
-    assert [op.op_type for op in project.ops] == ["NPUPromptFlashAttention", "OmAddRmsNorm", "OmRmsNorm",
-                                                  "PagedAttention", "SwiGlu"]
+    assert [op.op_type for op in project.ops] == ["NPUPromptFlashAttention", "OmAddRmsNorm",
+                                                  "OmFusedInferAttentionScore", "OmRmsNorm",
+                                                  "OmRotaryPositionEmbedding", "OmScatterPaKvCache", "SwiGlu"]
     assert all(op.onnx_key == f"ai.onnx::18::{op.op_type}" for op in project.ops)
     if GXX is None:
         pytest.skip("g++ is not installed: rendered, not syntax-checked")

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from helpers import TINY_RECIPE
 from omforge.compile.bucket_plan import DEFAULT_GEAR_CAP, BucketWarning, plan
+from omforge.contract import cdiv
 from omforge.contract.buckets import MAX_GEARS, STEP_DIMS, BucketError, BucketPlan, Choice, om_gears, pick
 from omforge.recipe import Buckets, CompileSection, load_recipe
 
@@ -318,10 +319,10 @@ def steps(draw: st.DrawFn, p: BucketPlan) -> dict[str, int]:
     if draw(st.booleans()):  # prefill chunk: T tokens at positions start .. start + T - 1
         t = draw(st.integers(1, min(p.max_num_tokens, p.max_seq_len)))
         start = draw(st.integers(0, p.max_seq_len - t))
-        return _step(t, 1, t, draw(st.integers(0, 1)), -(-(start + t) // bs))
+        return _step(t, 1, t, draw(st.integers(0, 1)), cdiv(start + t, bs))
     b = draw(st.integers(1, min(p.max_batch_size, p.max_num_tokens)))
     longest = draw(st.integers(1, p.max_seq_len))  # the longest context among the b sequences, new token included
-    return _step(b, b, 1, draw(st.integers(0, b)), -(-longest // bs))
+    return _step(b, b, 1, draw(st.integers(0, b)), cdiv(longest, bs))
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])

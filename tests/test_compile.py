@@ -134,9 +134,12 @@ def test_ascend_target_writes_everything_up_to_atc(cache: Path, tmp_path: Path,
     assert main(["compile", str(TINY_RECIPE), "-o", str(out), "--target", "ascend"]) == 3
     err = capsys.readouterr().err
     assert "complete up to the ATC step" in err and "`atc` is not on PATH" in err
-    assert f"bash {out / 'ascend' / 'build.sh'}" in err and "atc --model=step.onnx --framework=5" in err
+    # the default ascend bundle (float16 on Ascend910B3) is in place: its OM comes from the RefData builder
+    assert f"bash {out / 'ascend' / 'build.sh'}" in err
+    assert "./refdata_build/omforge_refdata_build --model=step.onnx" in err
     m = load_manifest(out)
     assert m.target == "ascend" and m.kv.block_size == 128 and m.ascend is not None and m.ascend.atc == "left"
+    assert m.ascend.paged_attention == "inplace" and m.ascend.ref_inputs[:2] == ("key_cache.0", "value_cache.0")
     assert [p.name for p in m.buckets.profiles] == ["prefill", "decode"]
     for rel in ("ascend/build.sh", "ascend/atc_commands.txt", "ascend/step.onnx",
                 "ascend/plugins/CMakeLists.txt", "ascend/plugins/swi_glu_onnx_plugin.cc"):
@@ -145,21 +148,21 @@ def test_ascend_target_writes_everything_up_to_atc(cache: Path, tmp_path: Path,
     step = onnx.load(str(out / "ascend" / "step.onnx"), load_external_data=False)
     assert [(o.domain, o.version) for o in step.opset_import] == [("", 18)]
     assert {n.domain for n in step.graph.node} == {""}
-    assert [o.name for o in step.graph.output] == ["logits", "kv_new"]
+    assert [o.name for o in step.graph.output] == ["logits"]  # no kv_new, no pool among the outputs
     commands = (out / "ascend" / "atc_commands.txt").read_text().splitlines()
     assert len(commands) == 1 and all("--soc_version=Ascend910B3" in c and "--input_format=ND" in c for c in commands)
     assert m.ascend.model == "ascend/om/step" and m.ascend.memory.om_models == 1
 
 
 def test_stage_key_covers_every_module_the_stage_runs() -> None:
-    """Issue 12 defect 6: the ascend passes stage also runs compile/ascend.py (and what it imports of compile/);
+    """Issue 12 defect 6: the ascend passes stage also runs compile/ascend/stages.py (and what it imports of compile/);
     an edit there must not reuse a stale stage."""
     from omforge.compile.compiler import _ROOT, stage_sources
 
     ascend, ort = stage_sources("ascend"), stage_sources("ort")
-    for name in ("ascend.py", "atc.py", "bucket_plan.py"):
+    for name in ("ascend/stages.py", "ascend/atc.py", "ascend/refdata_build.py", "bucket_plan.py"):
         assert _ROOT / "compile" / name in ascend and _ROOT / "compile" / name not in ort
-    for f in (_ROOT / "passes" / "lower_ort.py", _ROOT / "passes" / "lower_ascend.py",
+    for f in (_ROOT / "passes" / "lower_ort.py", _ROOT / "passes" / "ascend" / "lower.py",
               _ROOT / "contract" / "buckets.py"):
         assert f in ascend and f in ort
     assert all(f.is_file() for f in ascend)

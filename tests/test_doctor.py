@@ -52,8 +52,13 @@ def test_doctor_reports_a_toolkit_on_path(tmp_path: Path) -> None:
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "ASCEND_TOOLKIT_HOME": str(home),
            "ASCEND_OPP_PATH": str(home / "opp")}
     report = json.loads(doctor("--json", env=env).stdout)
+    from omforge.contract.ascend import CANN_RELEASE
+
+    line = (f"CANN 8.0.RC3 is older than {CANN_RELEASE}, the release omforge's Ascend path targets: ops, ONNX plugins "
+            "and options it relies on may be missing")
     assert report["cann"] == {"atc": str(atc), "version": "8.0.RC3", "ASCEND_OPP_PATH": str(home / "opp"),
-                              "set_env_sourced": True}
+                              "set_env_sourced": True, "targets": CANN_RELEASE, "older": True, "release": line}
+    assert line in doctor(env=env).stdout  # the table says it in one line
     assert report["targets"]["ascend"]["compile"] is True
     assert report["targets"]["ascend"]["run"] is False
 
@@ -69,3 +74,26 @@ def test_doctor_advises_bf16_activations_only_where_the_tile_unit_runs_them() ->
         report["kernels"]["qbf16"] = path
         text = doc.render(report)
         assert ("compile.quantization.activations: bfloat16" in text) is advised, path
+
+
+def test_doctor_reads_the_toolkit_version_where_cann_documents_it(tmp_path: Path) -> None:
+    """``<toolkit>/<arch>-linux/ascend_toolkit_install.info``'s ``version=`` (hicann/ge docs/en/build.md:11-14), before
+    the compiler package's ``share/info/ge-compiler/version.info`` ``Version=`` (cmake/package.cmake:63-66)."""
+    import platform
+
+    from omforge import doctor as doc
+    from omforge.contract.ascend import CANN_RELEASE
+
+    home = tmp_path / "cann"
+    (home / "share" / "info" / "ge-compiler").mkdir(parents=True)
+    (home / "share" / "info" / "ge-compiler" / "version.info").write_text("Version=9.0.0\nversion_dir=9.0.0\n")
+    env = {"ASCEND_TOOLKIT_HOME": str(home), "PATH": ""}
+    assert doc.gather(env)["cann"]["version"] == "9.0.0" and doc.gather(env)["cann"]["older"] is True
+    (home / f"{platform.machine()}-linux").mkdir()
+    (home / f"{platform.machine()}-linux" / "ascend_toolkit_install.info").write_text(
+        f"package_name=Ascend-cann-toolkit\nversion={CANN_RELEASE}\narch={platform.machine()}\nos=linux\n")
+    cann = doc.gather(env)["cann"]
+    assert cann["version"] == CANN_RELEASE and cann["older"] is False and "not older" in cann["release"]
+    keys = [doc.release_key(v) for v in ("8.0.RC3", "8.5.0.alpha001", "8.5.0", "9.1.RC1", "9.1.0", "9.1.1", "9.2.0")]
+    assert keys == sorted(keys) and len(set(keys)) == len(keys)
+    assert doc.release_key("latest") is None and "cannot compare" in doc.release_line("latest")

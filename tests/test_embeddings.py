@@ -237,8 +237,8 @@ def test_tiny_pooling_recipes_compile_for_ascend_on_the_fake_atc(tmp_path: Path)
     import onnx
 
     from helpers import compile_bundle
-    from omforge.compile.atc_conformance import check_bundle
-    from omforge.compile.cann_matrix import bundle_rows
+    from omforge.compile.ascend.atc_conformance import check_bundle
+    from omforge.compile.ascend.cann_matrix import bundle_rows
 
     for name, output in (("tiny-qwen3-embed", "pooled"), ("tiny-qwen3-rerank", "logits")):
         recipe = Path(__file__).parent / "recipes" / f"{name}.yaml"

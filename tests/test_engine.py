@@ -310,3 +310,30 @@ def test_drafts_are_not_counted_as_prefill(tiny_bundle: Path) -> None:
     assert st.prefill_tokens == len(prompt)
     # each decode step computes its last token and its drafts; the accepted drafts needed no step of their own
     assert st.decode_tokens == 29 - st.spec_accepted_tokens + st.spec_draft_tokens
+
+
+def test_a_request_is_checked_once(tiny_bundle: Path) -> None:
+    """issue 61: the intake checks a request once — offline (``add_request``: check, then add) and served (a
+    worker thread checks, the engine thread adds the ``CheckedRequest`` without checking it again)."""
+    import asyncio
+
+    from omforge.serve.async_engine import AsyncEngine
+
+    engine = LLMEngine(tiny_bundle, num_kv_blocks=64)
+    engine.add_request(prompts(1)[0], replace(GREEDY, n=2))
+    assert engine.intake.num_checks == 1
+    while engine.has_unfinished():
+        engine.step()
+
+    async def serve() -> list[int]:
+        served = AsyncEngine(engine, max_waiting_requests=4, max_queue_delay_s=0)
+        served.start()
+        try:
+            checked = await asyncio.to_thread(served.check, prompts(1, seed=1)[0], GREEDY)
+            group = served.submit([checked], "r")
+            return [t for outs in [o async for o in served.outputs(group)] for out in outs for t in out.new_token_ids]
+        finally:
+            served.stop()
+
+    tokens = asyncio.run(serve())
+    assert engine.intake.num_checks == 2 and tokens == alone(tiny_bundle, prompts(1, seed=1)[0])

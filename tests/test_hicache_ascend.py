@@ -32,7 +32,9 @@ def small_pool_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     text = TINY_RECIPE.read_text().replace("compile:\n", "compile:\n  kv_block_size: 16\n")
     recipe.write_text(text + "serve:\n  num_kv_blocks: 6\n  max_num_seqs: 1\n")
     bundle = compile_bundle(recipe, root / "ascend", root / "cache", target="ascend")
-    from omforge.compile.ascend import lower_step_graph  # the plain-op twin the fake "OM" runs (test_acl_executor)
+    from omforge.compile.ascend.stages import (
+        lower_step_graph,  # the plain-op twin the fake "OM" runs (test_acl_executor)
+    )
 
     manifest = load_manifest(bundle, verify=False)
     (root / "plain").mkdir()

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_scheduler import EOS, FakeStep, make, request, step
 
+from omforge.contract import cdiv
 from omforge.runtime.hicache.connectors import HostTierConnector, StorageConnector
 from omforge.runtime.hicache.controller import HiCache
 from omforge.runtime.hicache.host_tier import HostTier
@@ -203,7 +204,7 @@ def cases(draw: st.DrawFn) -> dict:
     block_size = draw(st.sampled_from([2, 4]))
     reqs = draw(st.lists(st.tuples(st.integers(4, 24), st.integers(1, 6), st.integers(0, 60), st.integers(0, 4)),
                          min_size=1, max_size=16))
-    longest = max(-(-(p + m) // block_size) for p, m, *_ in reqs)
+    longest = max(cdiv(p + m, block_size) for p, m, *_ in reqs)
     return dict(block_size=block_size, reqs=reqs, seed=draw(st.integers(0, 2**16)),
                 blocks=draw(st.integers(longest + 1, longest + 6)), budget=draw(st.integers(4, 32)),
                 max_num_seqs=draw(st.integers(2, 6)), capacity=draw(st.integers(4, 64)),

@@ -1,6 +1,7 @@
 """The import graph (issue 24): passes/ is a graph library beside runtime/, both on top of contract/; the build
-(compile/) and the diff tool (diff/) sit above them. Checked on the sources with ``ast``, so lazy imports inside
-functions and type-only ones (under ``TYPE_CHECKING``) count as much as the rest."""
+(compile/, which imports nothing of runtime/: issue 61) and the diff tool (diff/) sit above them. Checked on the
+sources with ``ast``, so lazy imports inside functions and type-only ones (under ``TYPE_CHECKING``) count as much
+as the rest."""
 
 from __future__ import annotations
 
@@ -85,14 +86,25 @@ def test_no_import_circle_among_packages() -> None:
     assert "omforge.passes" in graph and "omforge.diff" in graph  # the walk saw the packages it is about
 
 
-def test_no_import_circle_among_runtime_modules() -> None:
-    """Module by module inside runtime/ (issue 45: the scheduler and its admission mixin imported each other):
+def test_compile_imports_nothing_of_runtime() -> None:
+    """The build reads the kernel library's status and ABI from contract/ (issue 61), never the runtime."""
+    mods = modules()
+    found = [f"{path.relative_to(ROOT)}: {i}" for name, path in mods.items() if package(name) == "omforge.compile"
+             for i in imports(name, path) if i.startswith("omforge.runtime")]
+    assert not found, found
+    assert "omforge.compile.compiler" in mods and "omforge.compile.ort" in mods
+
+
+def test_no_import_circle_among_modules_of_any_package() -> None:
+    """Module by module inside each package (issue 45: the scheduler and its admission mixin imported each other):
     every import counts, type-only and lazy ones included."""
-    mods = {m: p for m, p in modules().items() if m.startswith("omforge.runtime")}
-    graph = {m: {i for i in imports(m, p) if i in mods and i != m} for m, p in mods.items()}
-    circles = import_circles(graph)
+    mods = modules()
+    circles = []
+    for pkg in sorted({package(m) for m in mods}):
+        inside = {m: p for m, p in mods.items() if package(m) == pkg}
+        circles += import_circles({m: {i for i in imports(m, p) if i in inside and i != m} for m, p in inside.items()})
     assert not circles, circles
-    assert "omforge.runtime.scheduler" in graph and "omforge.runtime.kv_connector" in graph
+    assert "omforge.runtime.kv_connector" in mods and "omforge.compile.compiler" in mods
 
 
 def test_every_runtime_module_imports_first() -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from kernel_reference import ENCODE, INPUTS, kernel_model, paged_attention_reference, rotate_half
 from kernel_reference import kernel_session as session
+from omforge.contract import cdiv
 from omforge.runtime.ort import kernels
 from omforge.runtime.step import SeqWork, build_step
 
@@ -24,7 +25,7 @@ def make_step(rng: np.random.Generator, seqs: list[tuple[int, int]], block_size:
     shared = [int(free.pop()) for _ in range(shared_prefix_blocks)]
     work = []
     for start, n in seqs:
-        need = -(-(start + n) // block_size)
+        need = cdiv(start + n, block_size)
         assert start >= shared_prefix_blocks * block_size
         table = shared + [int(free.pop()) for _ in range(need - len(shared))]
         work.append(SeqWork(list(rng.integers(0, 100, n)), start, table))

@@ -13,6 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from omforge.contract import cdiv
 from omforge.runtime.block_pool import BlockPool
 from omforge.runtime.kv_cache_manager import NO_BLOCK, KVCacheManager, hash_block_tokens
 
@@ -443,7 +444,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         bs = self.bs
         for req_id, req in self.running.items():
             table = np.asarray(self.kv.block_table(req_id), dtype=np.int64)
-            assert len(table) == -(-req.computed // bs)
+            assert len(table) == cdiv(req.computed, bs)
             pos = np.arange(req.computed)
             assert (self.dev[table[pos // bs], pos % bs] == req.tokens[:req.computed]).all(), f"{req_id}: wrong KV"
         for req_id, (req, host_table) in self.swapped.items():

@@ -30,7 +30,7 @@ from fake_nixl import Fabric, FakeAgent
 from test_hicache_scheduler import SlowTier
 from test_scheduler import EOS, FakeStep, make
 
-from omforge.contract import PagedLayout
+from omforge.contract import PagedLayout, cdiv
 from omforge.runtime.executor import run_plan
 from omforge.runtime.hicache.connectors import HostTierConnector, StorageConnector
 from omforge.runtime.hicache.host_tier import HostTier
@@ -185,7 +185,7 @@ def run_seed(seed: int) -> dict[str, int]:
         fam = families[rng.randrange(4)]
         tokens = fam[:rng.randint(3, 20)] + [rng.randrange(3, VOCAB) for _ in range(rng.randint(0, 4))]
         max_tokens = rng.randint(1, 10)
-        if -(-(len(tokens) + max_tokens) // bs) + 1 > blocks:
+        if cdiv(len(tokens) + max_tokens, bs) + 1 > blocks:
             continue
         arrivals.append((rng.randint(0, 40), str(i), tokens, max_tokens, rng.choice([1, 1, 1, 2, 3]),
                          rng.random() < 0.35))

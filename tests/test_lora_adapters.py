@@ -14,7 +14,16 @@ import pytest
 from helpers import make_tiny_hf_dir
 from omforge.contract.lora import PROJECTIONS, TARGET_MODULES, pool_a, pool_b
 from omforge.contract.manifest import LoraPart, LoraProjection, LoraSection, ModelConfig
-from omforge.runtime.lora import LoraAdapter, LoraError, LoraSlots, load_adapter, validate, write_slot
+from omforge.runtime.lora import (
+    LoraAdapter,
+    LoraError,
+    LoraInUse,
+    LoraRegistry,
+    UnknownLora,
+    load_adapter,
+    validate,
+    write_slot,
+)
 from omforge.runtime.lora.adapter import make_adapter
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 128, 2, 4, 2, 16  # helpers.make_tiny_hf_dir's sizes
@@ -390,29 +399,41 @@ def test_write_slot_layout(fused: bool) -> None:
             write_slot(pools, spec, slot, adapter)
 
 
+def acquire(slots: LoraRegistry, pools: dict[str, np.ndarray], rid: str, name: str) -> int | None:
+    """Pin ``name`` for ``rid`` and carry out the load it needs (what the scheduler's plan and run_plan do)."""
+    pinned = slots.acquire(rid, name)
+    if pinned is None:
+        return None
+    if pinned.load is not None:
+        pinned.load.apply(pools)
+    return pinned.slot
+
+
 def test_slots_acquire_release_lru() -> None:
     spec = lora_section(max_loras=3)
     pools = zero_pools(spec)
-    slots = LoraSlots(spec, CONFIG, pools, max_loras=2)
+    slots = LoraRegistry(spec, CONFIG, max_loras=2)
     for i, name in enumerate("abc"):
         slots.register(random_adapter(name, i))
     assert slots.names() == ("a", "b", "c") and slots.get("b").name == "b"
     q0 = pool_a(0, "qkv")
-    assert slots.acquire("a") == 1 and slots.acquire("b") == 2 and slots.acquire("a") == 1
+    assert acquire(slots, pools, "r1", "a") == 1 and acquire(slots, pools, "r2", "b") == 2
+    assert acquire(slots, pools, "r3", "a") == 1
     assert slots.pinned("a") == 2 and slots.loads == 2
     np.testing.assert_array_equal(pools[q0][1, :4], slots.get("a").weights[(0, "q_proj")][0])
-    assert slots.acquire("c") is None and slots.slot_of("c") is None  # every slot pinned by others
-    slots.release("a")
-    assert slots.acquire("c") is None  # a still pinned once
-    slots.release("a")
-    assert slots.acquire("c") == 1 and slots.evictions == 1 and slots.slot_of("a") is None  # a was unpinned
+    assert slots.acquire("r4", "c") is None and slots.slot_of("c") is None  # every slot pinned by others
+    slots.release("r1")
+    assert slots.acquire("r4", "c") is None  # a still pinned once
+    slots.release("r3")
+    assert acquire(slots, pools, "r4", "c") == 1 and slots.evictions == 1 and slots.slot_of("a") is None
     np.testing.assert_array_equal(pools[q0][1, :4], slots.get("c").weights[(0, "q_proj")][0])
     assert not pools[q0][3].any()  # the bundle's third slot is beyond --max-loras 2: never used
-    slots.release("b"), slots.release("c")
-    assert slots.acquire("b") == 2  # resident: no load
-    slots.release("b")
+    slots.release("r2"), slots.release("r4")
+    pinned = slots.acquire("r5", "b")
+    assert pinned is not None and pinned.slot == 2 and pinned.load is None  # resident: no load
+    slots.release("r5")
     assert slots.loads == 3
-    assert slots.acquire("a") == 1  # c (acquired before the last acquire of b) is the least recently used
+    assert acquire(slots, pools, "r6", "a") == 1  # c (acquired before the last acquire of b) is the least recently used
     assert slots.slot_of("c") is None and slots.slot_of("b") == 2 and slots.evictions == 2
     assert not pools[q0][0].any()  # slot 0 never written
 
@@ -421,24 +442,25 @@ def test_slots_register_unregister_errors() -> None:
     spec = lora_section(max_loras=2, max_rank=8)
     pools = zero_pools(spec)
     with pytest.raises(LoraError, match="--max-loras 3: the bundle has 2 adapter slots"):
-        LoraSlots(spec, CONFIG, pools, max_loras=3)
-    slots = LoraSlots(spec, CONFIG, pools)
+        LoraRegistry(spec, CONFIG, max_loras=3)
+    slots = LoraRegistry(spec, CONFIG)
     slots.register(random_adapter("a", 0))
     with pytest.raises(LoraError, match="adapter 'a' is already loaded"):
         slots.register(random_adapter("a", 1))
     with pytest.raises(LoraError, match="r = 16 exceeds the bundle's max_rank 8"):
         slots.register(random_adapter("big", 0, rank=16))
-    with pytest.raises(LoraError, match=r"adapter 'zz' is not loaded \(loaded: a\)"):
-        slots.acquire("zz")
-    with pytest.raises(LoraError, match="adapter 'a' is not pinned"):
-        slots.release("a")
-    slot = slots.acquire("a")
-    with pytest.raises(LoraError) as e:
+    with pytest.raises(UnknownLora, match=r"the LoRA adapter 'zz' is not loaded \(loaded: a\)"):
+        slots.use("zz", 1)
+    slots.release("nobody")  # idempotent: no pin, nothing to drop
+    slot = acquire(slots, pools, "r1", "a")
+    with pytest.raises(LoraInUse) as e:
         slots.unregister("a")
-    assert str(e.value) == "adapter 'a' is in use by 1 running requests"
-    slots.release("a")
+    assert str(e.value) == "the LoRA adapter 'a' is in use by 1 sequence(s); unload it once they end"
+    slots.release("r1")
+    slots.use("a", 2)
+    with pytest.raises(LoraInUse, match="in use by 2 sequence"):
+        slots.unregister("a")
+    slots.done("a", 2)
     assert pools[pool_b(1, "down")][slot].any()
     slots.unregister("a")
-    assert slots.names() == () and not any(p.any() for p in pools.values())
-    with pytest.raises(LoraError, match="adapter 'a' is not loaded"):
-        slots.unregister("a")
+    assert slots.names() == () and slots.slot_of("a") is None  # the slot is free (its weights stay until reused)

@@ -75,22 +75,22 @@ def test_adapters_come_and_go_between_steps(llm: LLM, root: Path) -> None:
     with pytest.raises(UnknownLora, match="the LoRA adapter 'nope' is not loaded"):
         engine.add_request(PROMPTS[0], GREEDY, lora="nope")
     with pytest.raises(LoraNameTaken, match="adapter 'a' is already loaded"):
-        engine.load_lora("a", root / "b")
+        engine.lora.load("a", root / "b")
     with pytest.raises(LoraError, match="adapter 'x': .* does not exist"):
-        engine.load_lora("x", root / "missing")
+        engine.lora.load("x", root / "missing")
     with pytest.raises(UnknownLora):
-        engine.unload_lora("nope")
-    engine.load_lora("a2", root / "a")
-    assert engine.lora_names() == ["a", "b", "c", "a2"]
+        engine.lora.unregister("nope")
+    engine.lora.load("a2", root / "a")
+    assert engine.lora.names() == ("a", "b", "c", "a2")
     assert llm.generate([PROMPTS[1]], GREEDY, lora="a2")[0].token_ids == \
         llm.generate([PROMPTS[1]], GREEDY, lora="a")[0].token_ids
     engine.add_request(PROMPTS[1], GREEDY, lora="a2")  # waiting: a2 is in use
     with pytest.raises(LoraInUse, match="'a2' is in use by 1 sequence"):
-        engine.unload_lora("a2")
+        engine.lora.unregister("a2")
     while engine.has_unfinished():
         engine.step()
-    engine.unload_lora("a2")
-    assert engine.lora_names() == ["a", "b", "c"]
+    engine.lora.unregister("a2")
+    assert engine.lora.names() == ("a", "b", "c")
     with pytest.raises(UnknownLora):
         llm.generate([PROMPTS[1]], GREEDY, lora="a2")
     with pytest.raises(SamplingParamsError, match="LoRA adapters are not supported with kv_transfer_params"):
@@ -128,3 +128,47 @@ def test_the_storage_tier_keys_blocks_by_adapter(root: Path, bundle: Path, tmp_p
         assert hits() == 0
         assert second.generate([prompt], GREEDY, lora="a")[0].token_ids == want
         assert hits() == 3
+
+
+def test_an_adapter_is_checked_once(root: Path, bundle: Path) -> None:
+    """issue 61: whether a request's adapter is served is checked once — offline (``add_request``: the registry's
+    ``use``) and served (held from parsing to submission; the submission and the engine do not look again), and a
+    model neither the base nor an adapter is still a 404."""
+    import contextlib
+
+    from fastapi.testclient import TestClient
+
+    from omforge.runtime.engine import LLMEngine
+    from omforge.serve.api import build_app
+    from omforge.serve.async_engine import AsyncEngine
+    from omforge.serve.metrics import ServerMetrics
+    from omforge.serve.state import ServerState
+
+    engine = LLMEngine(bundle, lora_modules={"a": str(root / "a")}, max_loras=1, num_kv_blocks=64)
+    registry = engine.lora
+    assert registry is not None
+    engine.add_request(PROMPTS[0], replace(GREEDY, n=2), lora="a")
+    assert registry.num_checks == 1
+    while engine.has_unfinished():
+        engine.step()
+    assert registry.users("a") == 0
+
+    served = AsyncEngine(engine, max_waiting_requests=4, max_queue_delay_s=0)
+    app = build_app(ServerState(served, ServerMetrics("base"), "base", None, engine.max_model_len, 0))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: object):  # noqa: ANN202
+        served.start()
+        yield
+        served.stop()
+
+    app.router.lifespan_context = lifespan
+    body = {"model": "a", "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0.0, "n": 2}
+    with TestClient(app) as client:
+        answer = client.post("/v1/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        assert registry.num_checks == 2 and registry.users("a") == 0
+        missing = client.post("/v1/completions", json={**body, "model": "nope"})
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    engine.close()
+    assert len(answer.json()["choices"]) == 2

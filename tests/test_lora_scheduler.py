@@ -1,5 +1,6 @@
-"""LoRA in the scheduler (docs/lora.md), with the real :class:`~omforge.runtime.lora.slots.LoraSlots` over small
-pools: a waiting request is admitted only when its adapter gets a slot, the ones behind it go first meanwhile,
+"""LoRA in the scheduler (docs/lora.md), with the real :class:`~omforge.runtime.lora.registry.LoraRegistry` and
+small pools the plans' ``lora_loads`` are written into (as ``run_plan`` does): a waiting request is admitted only
+when its adapter gets a slot, the ones behind it go first meanwhile,
 least-recently-used replacement of an unpinned slot, pins released on finish, abort and preemption (kept while
 swapped), ``n > 1`` followers pinning their leader's adapter, each work item carrying its adapter's slot, and the
 prefix cache keyed by the adapter's digest. No bundle, no model: the plans are finished with a fixed token.
@@ -17,7 +18,7 @@ from omforge.contract.lora import pool_a, pool_b
 from omforge.contract.manifest import LoraPart, LoraProjection, LoraSection, ModelConfig
 from omforge.runtime.kv_cache_manager import KVCacheManager
 from omforge.runtime.lora.adapter import LoraAdapter, make_adapter
-from omforge.runtime.lora.slots import LoraSlots
+from omforge.runtime.lora.registry import LoraRegistry
 from omforge.runtime.request import Request, Status
 from omforge.runtime.sampling_params import SamplingParams
 from omforge.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -39,12 +40,18 @@ def adapter(name: str, seed: int) -> LoraAdapter:
     return make_adapter(name, Path(f"/adapters/{name}"), {(0, "q_proj"): (a, b)})
 
 
+class Slots(LoraRegistry):
+    """The registry with the pools its loads go to (the executor's, in the engine)."""
+
+    pools: dict[str, np.ndarray]
+
+
 def make(max_loras: int = 2, adapters: tuple[str, ...] = ("x", "y", "z"), *, blocks: int = 64, caching: bool = False,
-         host: int = 0, **config: object) -> tuple[Scheduler, LoraSlots]:
+         host: int = 0, **config: object) -> tuple[Scheduler, Slots]:
     lora = spec(max_loras)
-    pools = {pool_a(0, "q"): np.zeros((max_loras + 1, RANK, HIDDEN), np.float32),
-             pool_b(0, "q"): np.zeros((max_loras + 1, HIDDEN, RANK), np.float32)}
-    slots = LoraSlots(lora, CONFIG, pools)
+    slots = Slots(lora, CONFIG)
+    slots.pools = {pool_a(0, "q"): np.zeros((max_loras + 1, RANK, HIDDEN), np.float32),
+                   pool_b(0, "q"): np.zeros((max_loras + 1, HIDDEN, RANK), np.float32)}
     for i, name in enumerate(adapters):
         slots.register(adapter(name, i))
     config.setdefault("max_num_seqs", 16)
@@ -61,9 +68,11 @@ def request(rid: str, lora: str | None, n_prompt: int = 6, max_tokens: int = 50,
 
 
 def step(s: Scheduler) -> SchedulerOutput:
-    """Plan a step and finish it with token 7 for every sampling row; every work item's slot is checked against
-    its request's adapter (resident and pinned while it runs)."""
+    """Plan a step, carry out its adapter loads and finish it with token 7 for every sampling row; every work
+    item's slot is checked against its request's adapter (resident and pinned while it runs)."""
     plan = s.schedule()
+    for load in plan.lora_loads:
+        load.apply(s.lora.pools)
     for sch, work in zip(plan.scheduled, plan.work):
         req = sch.request
         if req.lora is None:
@@ -88,7 +97,7 @@ def ids(plan: SchedulerOutput) -> list[str]:
     return [x.request.request_id for x in plan.scheduled]
 
 
-def slot_weights(slots: LoraSlots, slot: int) -> np.ndarray:
+def slot_weights(slots: Slots, slot: int) -> np.ndarray:
     return slots.pools[pool_a(0, "q")][slot]
 
 

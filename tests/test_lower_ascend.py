@@ -14,8 +14,9 @@ import pytest
 from helpers import TINY_RECIPE
 from omforge.compile.ort import build
 from omforge.export.onnx_export import export_recipe
-from omforge.passes import lower_ascend, lower_ort, manager
-from omforge.passes.lower_ascend import AscendLowering
+from omforge.passes import lower_ort, manager
+from omforge.passes.ascend import lower as lower_ascend
+from omforge.passes.ascend.lower import AscendLowering
 from omforge.passes.paged_kv import insert_paged_kv
 from omforge.recipe import load_recipe
 from omforge.runtime.ort.ort_executor import OrtExecutor
@@ -90,7 +91,7 @@ def test_default_lowering_emits_plugin_nodes(export_dir: Path) -> None:
     add_norms = nodes(model, "OmAddRmsNorm")  # (y, rstd, x1 + x2): y, and the residual sum but after the last
     assert all(len(n.inputs) == 3 and len(n.outputs) == 3 and n.outputs[0].uses() for n in add_norms)
     assert sum(bool(n.outputs[2].uses()) for n in add_norms) == 3
-    rotary = nodes(model, "NPURotaryPositionEmbedding")
+    rotary = nodes(model, "OmRotaryPositionEmbedding")
     assert len(rotary) == 4 and all(attrs(n) == {"mode": 0} for n in rotary)
     for node in rotary:  # x [B, H, S, D] with cos/sin [B, 1, S, D] (BNSD), as the neutral op had them
         x, cos, sin = node.inputs
@@ -99,11 +100,12 @@ def test_default_lowering_emits_plugin_nodes(export_dir: Path) -> None:
     assert len(swiglu) == 2 and all(attrs(n) == {"dim": -1} for n in swiglu)
     assert swiglu[0].inputs[0].producer().op_type == "MatMul"  # the merged [gate | up] projection
     assert not nodes(model, "NPUPromptFlashAttention")  # attention stays plain: PFA's plugin skips opset 18
-    assert set(result.custom_ops) == {"OmRmsNorm", "OmAddRmsNorm", "NPURotaryPositionEmbedding", "SwiGlu"}
-    assert result.own_plugins == ["OmAddRmsNorm", "OmRmsNorm", "SwiGlu"] and result.own_kernels == []
-    rope = result.custom_ops["NPURotaryPositionEmbedding"]
+    assert set(result.custom_ops) == {"OmRmsNorm", "OmAddRmsNorm", "OmRotaryPositionEmbedding", "SwiGlu"}
+    assert result.own_plugins == ["OmAddRmsNorm", "OmRmsNorm", "OmRotaryPositionEmbedding", "SwiGlu"]
+    assert result.own_kernels == []
+    rope = result.custom_ops["OmRotaryPositionEmbedding"]  # CANN's NPURotaryPositionEmbedding plugin: mirrors only
     assert (rope.onnx_key, rope.ge_type, rope.count, rope.own_plugin) == (
-        "ai.onnx::18::NPURotaryPositionEmbedding", "RotaryPositionEmbedding", 4, False)
+        "ai.onnx::18::OmRotaryPositionEmbedding", "RotaryPositionEmbedding", 4, True)
     assert result.custom_ops["OmAddRmsNorm"].ge_type == "AddRmsNorm"
     json.dumps(result.to_dict())  # the compile stage writes it into the bundle
 
@@ -115,7 +117,7 @@ def test_cann_rmsnorm_records_the_epsilon_mismatch(export_dir: Path) -> None:
     assert not nodes(model, "OmRmsNorm") and not nodes(model, "OmAddRmsNorm")
     add_norms = nodes(model, "NPUAddRmsNorm")
     assert all(len(n.outputs) == 3 for n in add_norms) and sum(bool(n.outputs[2].uses()) for n in add_norms) == 3
-    assert result.own_plugins == ["SwiGlu"]
+    assert result.own_plugins == ["OmRotaryPositionEmbedding", "SwiGlu"]
     assert result.custom_ops["NPURmsNorm"].onnx_key == "ai.onnx::18::NPURmsNorm"
     assert "1e-06" in result.epsilon_note and "1e-05" in result.epsilon_note
 
@@ -132,6 +134,10 @@ def test_prompt_flash_attention_option(export_dir: Path) -> None:
         q, k, v, pse, mask = node.inputs
         assert pse is None and mask.producer().op_type == "Greater"  # full causal mask, True = masked
         assert q.shape[1] == HEADS and k.shape[1] == KV_HEADS and v.shape[1] == KV_HEADS
+    # what ATC reads: pse_shift kept as an empty input at index 3 (the rewriter's builder drops None inputs of
+    # FIA, lower._fia_inputs_at_ir_indices; PFA's interior None survives), atten_mask at IR index 4
+    written = [list(n.input) for n in ir.to_proto(model).graph.node if n.op_type == "NPUPromptFlashAttention"]
+    assert len(written) == LAYERS and all(len(i) == 5 and i[3] == "" and all(i[:3] + i[4:]) for i in written)
     op = result.custom_ops["NPUPromptFlashAttention"]
     assert op.own_plugin and not op.own_kernel  # CANN registers ai.onnx 11-16 and 19 only: 18 needs ours
 
@@ -155,9 +161,9 @@ def test_plain_graph_matches_the_ort_lowering(export_dir: Path, tmp_path: Path, 
 
 
 def test_step_graph_returns_new_rows_and_drops_pool_outputs(export_dir: Path) -> None:
-    """One pool ``kv_cache [num_slots, L, 2, kv, D]`` in, the step's new rows of every layer ``kv_new`` out
-    (slot-major in both: one device copy per run of slots, issue 20)."""
-    model, result = lowered(export_dir, paged=True, paged_attention="plugin")
+    """The gather mode: one pool ``kv_cache [num_slots, L, 2, kv, D]`` in, the step's new rows of every layer
+    ``kv_new`` out (slot-major in both: one device copy per run of slots, issue 20), plain ops only."""
+    model, result = lowered(export_dir, paged=True, paged_attention="gather")
     assert_atc_parsable(model)
     assert [o.name for o in model.graph.outputs] == ["logits", "kv_new"]
     pools = [f"{k}_cache.{i}" for i in range(LAYERS) for k in ("key", "value")]
@@ -168,23 +174,13 @@ def test_step_graph_returns_new_rows_and_drops_pool_outputs(export_dir: Path) ->
     out = model.graph.outputs[1]
     assert list(out.shape) == [ir.SymbolicDim("num_tokens"), LAYERS, 2, KV_HEADS, HEAD_DIM]
     assert out.dtype == ir.DataType.FLOAT
-    paged = nodes(model, "PagedAttention")
-    assert len(paged) == LAYERS
-    for layer, node in enumerate(paged):
-        assert attrs(node) == {"scale_value": pytest.approx(HEAD_DIM ** -0.5), "num_heads": HEADS,
-                               "num_key_value_heads": KV_HEADS, "block_size": BLOCK, "layer": layer,
-                               "num_layers": LAYERS}
-        names = [v.name for v in node.inputs]
-        assert names[3:] == ["kv_cache", "block_tables", "query_index", "token_index", "position_ids"]
-        assert len(node.outputs) == 1
-    op = result.custom_ops["PagedAttention"]
-    assert op.own_plugin and op.own_kernel and op.inputs[3] == "kv_cache"
-    assert result.own_kernels == ["PagedAttention"]
+    assert not any(op.startswith("Om") and "Attention" in op for op in result.custom_ops)
+    assert result.own_kernels == []
 
 
 def test_static_slot_count_leaves_only_step_inputs_dynamic(export_dir: Path) -> None:
     """Issue 20 defect 2: ``num_slots`` given, the pool is static, so ATC's --input_shape need not list it."""
-    model, _ = lowered(export_dir, paged=True, paged_attention="plain", num_slots=32 * BLOCK)
+    model, _ = lowered(export_dir, paged=True, paged_attention="gather", num_slots=32 * BLOCK)
     dynamic = [i.name for i in model.graph.inputs if any(not isinstance(d, int) for d in i.shape)]
     assert dynamic == ["input_ids", "position_ids", "block_tables", "query_index", "token_index", "logits_indices"]
     pool = next(i for i in model.graph.inputs if i.name == "kv_cache")
@@ -197,10 +193,12 @@ def test_plain_step_graph_with_host_copies_matches_the_ort_executor(export_dir: 
     report = build(export_dir, tmp_path / "ort" / "model.onnx", block_size=BLOCK)
     num_blocks = 32
     ref = OrtExecutor(tmp_path / "ort" / "model.onnx", report.layout, num_blocks=num_blocks, threads=2)
-    model, result = lowered(export_dir, paged=True, paged_attention="plain", plain=True, num_slots=num_blocks * BLOCK)
+    model, result = lowered(export_dir, paged=True, paged_attention="gather", plain=True,
+                            num_slots=num_blocks * BLOCK)
     assert_atc_parsable(model)
     assert not result.custom_ops and "slot_mapping" in result.removed_inputs
-    assert {n.op_type for n in model.graph} >= {"ScatterND", "Gather"}
+    assert {n.op_type for n in model.graph} >= {"Concat", "Gather"} and "ScatterND" not in {
+        n.op_type for n in model.graph}  # the step's rows are appended to the context, not scattered
     sess = session(model, tmp_path / "ascend.onnx")
     feeds = {i.name for i in sess.get_inputs()}
     outputs = [o.name for o in sess.get_outputs()]
@@ -238,7 +236,7 @@ def test_plain_step_graph_with_host_copies_matches_the_ort_executor(export_dir: 
 def test_rejects_bad_options_and_opsets(export_dir: Path) -> None:
     with pytest.raises(ValueError, match="rmsnorm_plugin='npu' is not one of 'cann', 'omforge'"):
         lower_ascend.lower(fused(export_dir), rmsnorm_plugin="npu")
-    with pytest.raises(ValueError, match="paged_attention='atb' is not one of 'plain', 'plugin'"):
+    with pytest.raises(ValueError, match="paged_attention='atb' is not one of 'inplace', 'gather'"):
         lower_ascend.lower(fused(export_dir), paged_attention="atb")
     model = fused(export_dir)
     model.opset_imports[""] = 23
@@ -263,7 +261,9 @@ def test_smollm2_cann_epsilon_drift_within_documented_tolerance(smollm2_export: 
         logits[plugin] = full_logits(session(model, tmp_path / f"{plugin}.onnx"), ids)[0]
         del model
     unfused = full_logits(open_session(smollm2_export / "model.onnx"), ids)[0]
-    np.testing.assert_allclose(logits["omforge"], unfused, atol=1e-5, rtol=0)
+    # Pow(·, 0.5) stands for Sqrt (GE's Sqrt prototype is complex128 only, passes/ascend/lower.py plain_rms_norm):
+    # it rounds differently by an ulp or so (measured max 3e-5 on logits of magnitude ~5)
+    np.testing.assert_allclose(logits["omforge"], unfused, atol=1e-4, rtol=0)
     drift = float(np.abs(logits["cann"] - logits["omforge"]).max())
     assert 1e-3 < drift <= 0.02, drift  # measured 0.0122: non-negligible, hence the "omforge" default
     assert (logits["cann"].argmax(-1) == logits["omforge"].argmax(-1)).all()

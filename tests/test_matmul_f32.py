@@ -18,6 +18,7 @@ import pytest
 from helpers import TINY_RECIPE, compile_bundle
 from kernel_reference import kernel_session as session
 from kernel_reference import matmul_f32_model
+from omforge.contract import cdiv
 from omforge.passes import gemm_pack
 from omforge.runtime.ort import kernels
 
@@ -37,7 +38,7 @@ def check(n: int, k: int, rows: tuple[int, ...], seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((n, k)).astype(np.float32)
     panels = gemm_pack.pack_f32(w)
-    assert panels.shape == (-(-n // 16), k, 16) and np.array_equal(gemm_pack.unpack_f32(panels, n, k), w)
+    assert panels.shape == (cdiv(n, 16), k, 16) and np.array_equal(gemm_pack.unpack_f32(panels, n, k), w)
     s = session(matmul_f32_model(panels, n, k))
     for m in rows:
         x = rng.standard_normal((m, k)).astype(np.float32)

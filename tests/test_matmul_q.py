@@ -17,6 +17,7 @@ import pytest
 
 from kernel_reference import forced_isa_outputs, matmul_q_model, matmul_q_reference
 from kernel_reference import kernel_session as session
+from omforge.contract import cdiv
 from omforge.passes import gemm_pack, quant
 from omforge.runtime.ort import kernels
 
@@ -85,7 +86,7 @@ def test_layout_reads_back_exactly() -> None:
     for bits, block, n, k in [(4, 32, 1, 32), (4, 64, 17, 100), (8, 128, 33, 129), (4, 128, 16, 256)]:
         packed = quant.quantize(rng.standard_normal((n, k)).astype(np.float32), bits, block, symmetric=bits == 8)
         w = gemm_pack.pack(packed)
-        assert w.codes.shape == (-(-n // 16), packed.k_blocks * block // 32, 16 * 32 * bits // 8)
+        assert w.codes.shape == (cdiv(n, 16), packed.k_blocks * block // 32, 16 * 32 * bits // 8)
         assert np.array_equal(gemm_pack.unpack(w), quant.dequantize(packed))
 
 

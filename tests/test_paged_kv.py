@@ -10,7 +10,7 @@ import pytest
 
 from helpers import TINY_RECIPE
 from omforge.compile.ort import build
-from omforge.contract import DECODE_GROUP_INPUTS, STEP_INPUTS
+from omforge.contract import DECODE_GROUP_INPUTS, STEP_INPUTS, cdiv
 from omforge.export.onnx_export import export_recipe
 from omforge.recipe import load_recipe
 from omforge.runtime.full_recompute import ExportedModel
@@ -99,11 +99,11 @@ def test_decode_group_of_several_decodes_beside_a_chunk(tiny) -> None:  # noqa: 
     rng = np.random.default_rng(3)
     seqs = [[int(t) for t in rng.integers(3, 256, n)] for n in (3, 40, 9, 70)]
     ids = iter(range(1, 64))
-    tables = [[next(ids) for _ in range(-(-len(s) // BLOCK))] for s in seqs]
+    tables = [[next(ids) for _ in range(cdiv(len(s), BLOCK))] for s in seqs]
     ex.run(build_step([SeqWork(s[:-1], 0, t) for s, t in zip(seqs, tables)], BLOCK))
     chunk = [int(t) for t in rng.integers(3, 256, 20)]
     work = [SeqWork(s[-1:], len(s) - 1, t) for s, t in zip(seqs, tables)] + [
-        SeqWork(chunk, 0, [next(ids) for _ in range(-(-20 // BLOCK))])]
+        SeqWork(chunk, 0, [next(ids) for _ in range(cdiv(20, BLOCK))])]
     step = build_step(work[:2] + work[4:] + work[2:4], BLOCK, split_decodes=True)  # the chunk between decodes
     assert step["decode_query_index"].shape == (4, 1) and step["query_index"].shape == (1, 20)
     logits = ex.run(step)

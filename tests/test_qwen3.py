@@ -29,6 +29,7 @@ from helpers import (
     write_recipe,
 )
 from omforge.compile.ort import build
+from omforge.contract import cdiv
 from omforge.export.onnx_export import cached_export, export_recipe
 from omforge.recipe import load_recipe
 from omforge.runtime.full_recompute import ExportedModel
@@ -127,7 +128,7 @@ def greedy_full(model: ir.Model, prompt: list[int]) -> list[int]:
 def greedy_paged(path: Path, layout, prompt: list[int]) -> list[int]:  # noqa: ANN001 - PagedLayout
     """Greedy decoding through a paged step graph: the prompt in one step, then one decode step per token."""
     ex = OrtExecutor(path, layout, num_blocks=32)
-    table = list(range(31, 31 - -(-(len(prompt) + NEW) // BLOCK), -1))  # scattered, out of order
+    table = list(range(31, 31 - cdiv(len(prompt) + NEW, BLOCK), -1))  # scattered, out of order
     ids = list(prompt)
     logits = ex.run(build_step([SeqWork(ids, 0, table)], BLOCK))
     for _ in range(NEW):
@@ -308,9 +309,9 @@ def test_ascend_lowering_conforms_and_generates_the_ort_tokens_on_the_fakes(qwen
     import fake_atc
 
     from fake_acl import FakeAcl
-    from omforge.compile.ascend import lower_step_graph
-    from omforge.compile.atc_conformance import check_bundle
-    from omforge.compile.cann_matrix import bundle_rows
+    from omforge.compile.ascend.atc_conformance import check_bundle
+    from omforge.compile.ascend.cann_matrix import bundle_rows
+    from omforge.compile.ascend.stages import lower_step_graph
     from omforge.recipe import retarget
 
     recipe = tmp_path / "asc.yaml"

@@ -29,7 +29,8 @@ MODEL = "model:\n  name: t\n  source: random\n  config: {vocab_size: 8}\n"
 TOP_KEYS = "model, compile, serve, task, pooling"
 MODEL_KEYS = "name, source, path, package, file, seed, family, config, tokenizer"
 COMPILE_KEYS = ("target, dtype, opset, kv_block_size, kv_cache_dtype, max_batch_size, max_seq_len, max_num_tokens, "
-                "buckets, fusions, weights, quantization, float_gemm, lora, soc_version, precision_mode")
+                "buckets, fusions, weights, quantization, float_gemm, lora, soc_version, paged_attention, "
+                "precision_mode")
 BUCKET_KEYS = "prefill_seq_lens, decode_batch_sizes, context_lens"
 SERVE_KEYS = ("max_num_seqs, max_num_batched_tokens, max_prefill_tokens_with_decodes, mixed_step_time_ratio, "
               "max_model_len, "
@@ -205,6 +206,20 @@ BAD = [
     ("activations-on-ascend",
      MODEL + "compile:\n  target: ascend\n  weights: int8\n  quantization:\n    activations: int8\n",
      "compile.quantization: activations is the ort target's choice; ascend computes in float16 (W8A16)"),
+    # compile.paged_attention (issue 60): ascend only; readonly not built yet; an in-place block size within FIA's
+    # paged rule (non-zero multiple of 16 up to 512 in float16/bfloat16, aclnnFusedInferAttentionScoreV4.md:912, :1936)
+    ("paged-attention-unknown", MODEL + "compile:\n  target: ascend\n  paged_attention: paged\n",
+     "compile.paged_attention: 'paged' is not allowed; expected 'auto', 'inplace', 'readonly' or 'gather'"),
+    ("paged-attention-readonly", MODEL + "compile:\n  target: ascend\n  paged_attention: readonly\n",
+     "compile.paged_attention: readonly is not built yet; use auto, inplace or gather"),
+    *((f"paged-attention-{mode}-on-ort", MODEL + f"compile:\n  paged_attention: {mode}\n",
+       f"compile.paged_attention: {mode} is for the ascend target; target ort takes auto (its paged attention is "
+       "its own)") for mode in ("inplace", "gather")),
+    *((f"paged-attention-inplace-block-{bs}",
+       MODEL + f"compile:\n  target: ascend\n  weights: float16\n  paged_attention: inplace\n  kv_block_size: {bs}\n",
+       f"compile.kv_block_size: block size {bs}: FusedInferAttentionScore's paged mode takes a non-zero multiple of 16 "
+       "up to 512 in float16/bfloat16 (aclnnFusedInferAttentionScoreV4.md:912, :1936); paged_attention inplace needs "
+       "one") for bs in (8, 1024)),
     # compile.lora (issue 49): ranges, known and distinct target modules, generate bundles only.
     ("lora-max-loras-zero", MODEL + "compile:\n  lora:\n    max_loras: 0\n",
      "compile.lora.max_loras: Input should be greater than or equal to 1 (got 0)"),
@@ -400,6 +415,19 @@ def test_partial_fusions_and_limits_at_the_edges(tmp_path: Path) -> None:
     assert (r.compile.opset, r.compile.kv_block_size) == (14, 1024)
     assert r.serve.max_model_len == r.model_len == 512  # equal to the build-time maximum is allowed
     assert r.serve.swap_space_gb == 2.0
+
+
+@pytest.mark.parametrize(("mode", "block"), [("auto", None), ("inplace", None), ("inplace", 128), ("inplace", 512),
+                                           ("gather", 8)])
+def test_paged_attention_modes_load_on_ascend(tmp_path: Path, mode: str, block: int | None) -> None:
+    """auto (the default), inplace and gather load for the ascend target; gather takes any block size (its
+    gathered context has no kernel rule), inplace one within FIA's paged rule."""
+    extra = f"  kv_block_size: {block}\n" if block is not None else ""
+    text = MODEL + f"compile:\n  target: ascend\n  weights: float16\n  paged_attention: {mode}\n{extra}"
+    c = load_recipe(_write(tmp_path, text, "ok.yaml")).compile
+    assert (c.paged_attention, c.kv_block_size) == (mode, block)
+    assert load_recipe(_write(tmp_path, MODEL + "compile:\n  target: ascend\n", "d.yaml")).compile.paged_attention \
+        == "auto"
 
 
 def test_recipe_is_frozen() -> None:

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from omforge.contract import cdiv
 from omforge.runtime.executor import Executor, ExecutorCapabilities, run_plan
 from omforge.runtime.kv_cache_manager import NO_BLOCK, KVCacheManager
 from omforge.runtime.request import Request, Status
@@ -354,7 +355,7 @@ def lifecycles(draw: st.DrawFn) -> dict:
     block_size = draw(st.sampled_from([2, 4, 8]))
     reqs = draw(st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(1, 3),
                                    st.integers(0, 40), st.booleans()), min_size=1, max_size=10))
-    longest = max(-(-(p + m) // block_size) for p, m, *_ in reqs)
+    longest = max(cdiv(p + m, block_size) for p, m, *_ in reqs)
     return dict(block_size=block_size, reqs=reqs, seed=draw(st.integers(0, 2**16)),
                 blocks=draw(st.integers(longest + 1, longest + 24)),
                 budget=draw(st.integers(4, 48)), max_num_seqs=draw(st.integers(3, 8)),

@@ -11,7 +11,9 @@ import pytest
 
 from helpers import NUM_LAYERS, TINY_HF_CONFIGS, compile_bundle, export_tiny, load_export, write_recipe
 from omforge.compile.ort import build
-from omforge.passes import lower_ascend, manager, ops
+from omforge.contract import cdiv
+from omforge.passes import manager, ops
+from omforge.passes.ascend import lower as lower_ascend
 from omforge.runtime.full_recompute import ExportedModel
 from omforge.runtime.kv_cache_manager import NO_BLOCK
 from omforge.runtime.llm import LLM
@@ -90,7 +92,7 @@ def test_engine_frees_blocks_behind_the_window(mistral: Path, mistral_bundle: Pa
             peak = max(peak, sum(b != NO_BLOCK for b in engine.kv.block_table(req.request_id)))
         engine.kv.check_invariants()
     assert engine.stats.preemptions > 0  # 20 blocks: the three windows (8 blocks each at most) do not fit at once
-    per_seq = -(-WINDOW // BLOCK) + 2  # the window's blocks, the partial one at each end
-    assert peak <= per_seq < -(-(30 + 40) // BLOCK)
+    per_seq = cdiv(WINDOW, BLOCK) + 2  # the window's blocks, the partial one at each end
+    assert peak <= per_seq < cdiv(30 + 40, BLOCK)
     for i, p in enumerate(prompts):
         assert outs[str(i)] == ref.greedy(p, 40, ignore_eos=True).token_ids

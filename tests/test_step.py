@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from omforge.contract import cdiv
 from omforge.runtime.step import SeqWork, build_step
 
 
@@ -17,7 +18,7 @@ def work_items(draw):  # noqa: ANN001, ANN201
     for _ in range(draw(st.integers(1, 6))):
         start = draw(st.integers(0, 40))
         n = draw(st.integers(1, 12))
-        need = -(-(start + n) // block)
+        need = cdiv(start + n, block)
         table = draw(st.lists(st.integers(0, 500), min_size=need, max_size=need + 3, unique=True))
         items.append(SeqWork([draw(st.integers(0, 99)) for _ in range(n)], start, table, draw(st.booleans())))
     return block, items
@@ -44,7 +45,7 @@ def test_packing_invariants(case) -> None:  # noqa: ANN001
         padded = s["query_index"][b, lens[b]:]
         assert (padded == t - 1).all()  # padding points at the sequence's own last token
         row = s["block_tables"][b]
-        need = -(-(w.start + lens[b]) // block)
+        need = cdiv(w.start + lens[b], block)
         assert row[:need].tolist() == list(w.block_table[:need]) and (row[need:] == w.block_table[0]).all()
     starts = np.cumsum([0] + lens)
     assert s["logits_indices"].tolist() == [int(starts[b + 1] - 1) for b, w in enumerate(work) if w.needs_logits]

@@ -1,7 +1,7 @@
 """Every ``acl.*`` (pyACL) call omforge makes, in one thin module: each call checked, each failure a named exception
 with the ACL code and the call. Nothing here decides anything (that is :mod:`omforge.runtime.ascend.acl_plan` and the
 executor); the calls and constants are those of reference/ascend.md §3, and each call is a row of
-:mod:`omforge.runtime.ascend.acl_calls` (its argument types, its return shape, its documentation page).
+:mod:`omforge.contract.acl_calls` (its argument types, its return shape, its documentation page).
 
 NOT RUN ON HARDWARE: no Ascend device or CANN install was available where this was written; the calls follow the
 cited pyACL documentation and are exercised here only against ``tests/fake_acl.py`` (a fake, named so).
@@ -178,24 +178,57 @@ class AclRuntime:
         return (int(work), int(weight)) if ret == ACL_SUCCESS else None
 
     # --- models (§3.3, §3.4) ---
-    def load_model(self, path: str) -> int:
-        """Load the OM at ``path`` as the manifest's ``ACL_LOAD_PATH`` says: without
+    def open_load_config(self, path: str) -> tuple[Any, int | None]:
+        """A config handle that loads the OM at ``path`` from file as the manifest's ``ACL_LOAD_PATH`` says: without
         ``ACL_MDL_WORKSPACE_MEM_OPTIMIZE`` GE reserves work memory for every input and output, the KV pool included
         (hicann/ge ``davinci_model.cc`` InitFeatureMapAndP2PMem; reference §5.2), and a pool of N bytes costs 2N.
-        [unverified on hardware: pyACL takes the attribute's value as int per the CANN 8.0 set_config_opt page]"""
+        The load type and the option are ``size_t`` attributes: the C layer refuses either unless ``valueSize ==
+        sizeof(size_t)`` (hicann/ge ``model_config_om2.cpp:101-124, 294-316``); pyACL documents ``attrValue`` as an
+        int and sizes it itself (aclpythondevg_01_0137), so a Python ``int`` is passed [unverified on hardware].
+        Returns ``(handle, None)``, or ``(None, code)`` when ACL refuses the option (the handle is destroyed: the
+        caller falls back to :meth:`load_from_file`); any other refusal raises."""
         mdl = self.acl.mdl
         handle = mdl.create_config_handle()
         if not handle:  # the documented failure: a zero handle, no code
             raise AclResourceError("acl.mdl.create_config_handle", 0)
         try:
-            for attr, value in ((MDL_LOAD_TYPE_SIZET, MDL_LOAD_FROM_FILE), (MDL_PATH_PTR, path),
-                                (MDL_WORKSPACE_MEM_OPTIMIZE, WORKSPACE_MEM_OPTIMIZE_INPUTOUTPUT)):
+            for attr, value in ((MDL_LOAD_TYPE_SIZET, MDL_LOAD_FROM_FILE), (MDL_PATH_PTR, path)):
                 self._ok(mdl.set_config_opt(handle, attr, value), f"acl.mdl.set_config_opt({attr}, {value!r})")
-            model_id = self._value(mdl.load_with_config(handle), f"acl.mdl.load_with_config({path})")
+            refused = mdl.set_config_opt(handle, MDL_WORKSPACE_MEM_OPTIMIZE, WORKSPACE_MEM_OPTIMIZE_INPUTOUTPUT)
+        except BaseException:
+            mdl.destroy_config_handle(handle)
+            raise
+        if refused == ACL_SUCCESS:
+            return handle, None
+        self.destroy_config(handle)
+        return None, refused
+
+    def load_with_config(self, handle: Any, path: str) -> int:
+        return self._value(self.acl.mdl.load_with_config(handle), f"acl.mdl.load_with_config({path})")
+
+    def destroy_config(self, handle: Any, check: bool = True) -> None:
+        """``check=False``: on the way out of a failure (that failure is the one raised)."""
+        ret = self.acl.mdl.destroy_config_handle(handle)
+        if check:
+            self._ok(ret, "acl.mdl.destroy_config_handle")
+
+    def load_from_file(self, path: str) -> int:
+        """The fallback load (``aclmdlLoadFromFile``): GE reserves the model's inputs and outputs in its own work
+        memory, so the pool counts twice (reference §5.2)."""
+        return self._value(self.acl.mdl.load_from_file(path), f"acl.mdl.load_from_file({path})")
+
+    def load_model(self, path: str) -> tuple[int, int | None]:
+        """Load ``path`` (:meth:`open_load_config`, else :meth:`load_from_file`); returns the model id and the ACL code
+        that refused ``ACL_MDL_WORKSPACE_MEM_OPTIMIZE`` (None when the optimized load was used)."""
+        handle, refused = self.open_load_config(path)
+        if handle is None:
+            return self.load_from_file(path), refused
+        try:
+            model_id = self.load_with_config(handle, path)
         finally:
-            ret = mdl.destroy_config_handle(handle)  # also after a failed load; that failure is the one raised
+            ret = self.acl.mdl.destroy_config_handle(handle)  # also after a failed load; that failure is the one raised
         self._ok(ret, "acl.mdl.destroy_config_handle")
-        return model_id
+        return model_id, None
 
     def unload_model(self, model_id: int) -> None:
         self._ok(self.acl.mdl.unload(model_id), "acl.mdl.unload")

@@ -1,21 +1,42 @@
 """The AscendCL executor: runs an ascend bundle's OM as an :class:`~omforge.runtime.executor.Executor`
 (``execute(work) -> logits``, ``copy_blocks``, ``swap_out``, ``swap_in``, ``close``, ``capabilities``).
 
-Set-up (reference/ascend.md §3.2–3.4): ``acl.init``, device, context, stream; the device memory need
+Set-up (reference/ascend.md §3.2–3.4): ``acl.init``, device, context, stream; the load configured (the config-handle
+load with ``ACL_MDL_WORKSPACE_MEM_OPTIMIZE``, manifest ``ACL_LOAD_PATH``: GE keeps no copy of the inputs and outputs,
+so the KV pool is on the device once, reference §5.2; when ACL refuses the option the executor says so in one line
+and falls back to ``load_from_file``, whose plan counts the pool twice); the device memory need
 (:func:`acl_plan.device_need`) checked against the device's free HBM (``acl.rt.get_mem_info``; a need that does not
 fit is refused in one line); the bundle's ONE OM loaded (its gears cover prefill and decode, so the weights are on
-the device once) through the config-handle load with ``ACL_MDL_WORKSPACE_MEM_OPTIMIZE`` (manifest ``ACL_LOAD_PATH``:
-GE keeps no copy of the inputs and outputs, so the KV pool is on the device once, reference §5.2), its
-description read and checked against the manifest (:func:`acl_plan.check_desc`: outputs by index, ACL's
-``op:edge:name`` form); the KV pool ``[num_slots, num_layers, 2, kv_heads, head_dim]`` allocated once in device
-memory (zeroed) and put, as the same buffer, into the input dataset — it stays resident and is never copied whole;
-one device buffer per step input and output, sized for the largest gear; one pinned host buffer for logits. Each
-run of a step (:func:`acl_plan.plan_runs`): the padded step inputs go host → device, the gear is selected through
-the dynamic-dims input, the model executes, the logits rows that are needed come device → host, and the new rows
-of every layer (``kv_new``, slot-major like the pool) are queued device → device into the pool with ONE
-``memcpy_async`` per run of consecutive slots on the executor's stream, then one ``synchronize_stream`` — a decode
-step of B sequences makes B copies (was 2 × layers × B synchronous ones). Teardown runs in reverse order of
-set-up, also when set-up fails half way, and goes on past a failing release (the first error is raised at the end).
+the device once), what the load reserved compared with the plan (an input GE copies in — zero copy lost — is named
+in one line), its description read and checked against what the executor binds (:func:`acl_plan.check_desc`:
+inputs in order, outputs by index in ACL's ``op:edge:name`` form, gears, pool sizes); the KV pools allocated once
+in device memory (zeroed) and put, as the same buffers, into the input dataset — resident, never copied whole; one
+device buffer per step input and output, sized for the largest gear; one pinned host buffer for logits.
+
+Two pool layouts, by manifest ``ascend.paged_attention``:
+
+- ``gather``: one pool ``kv_cache [num_slots, num_layers, 2, kv_heads, head_dim]``. Each run of a step
+  (:func:`acl_plan.plan_runs`): the padded step inputs go host → device, the gear is selected through the
+  dynamic-dims input, the model executes, the logits rows that are needed come device → host, and the new rows of
+  every layer (``kv_new``, slot-major like the pool) are queued device → device into the pool with ONE
+  ``memcpy_async`` per run of consecutive slots, then one ``synchronize_stream``.
+- ``inplace``: per-layer pools ``key_cache.N`` / ``value_cache.N`` ``[num_blocks, block_size, kv_heads·head_dim]``,
+  carved from one device allocation (each sub-buffer 64-byte aligned) and bound as the OM's RefData inputs: the
+  graph writes the step's rows into them (ScatterPaKvCache / ScatterNdUpdate) and its paged kernel reads them. A run
+  copies its step inputs in (``slot_mapping`` with the padding rows at distinct scratch slots, the actual lengths)
+  and its logits out — nothing else: no ``kv_new``, no row copies. The pool's last ``ascend.scratch_blocks`` blocks
+  are scratch and never handed to the scheduler. A block is ``2 × num_layers`` pieces (one per pool) for
+  copy-on-write and swapping.
+
+LoRA (a bundle compiled with ``compile.lora``, docs/lora.md): the adapter pools ``lora_a.*`` / ``lora_b.*`` (static
+shapes, the graph's float type) are device buffers allocated and zeroed once and bound as the OM's inputs like the KV
+pools; their host mirrors are the ``lora_pools`` capability, which the plan's adapter loads write
+(runtime/executor.py ``run_plan``); before the next execute the executor copies the slots written since (one
+host-to-device copy per slot) — never a whole pool per step. Each run's ``lora_slots [1, num_tokens]`` holds every
+real token's adapter slot and 0 (the base model) for the padding rows.
+
+Teardown runs in reverse order of set-up, also when set-up fails half way, and goes on past a failing release (the
+first error is raised at the end).
 
 NOT RUN ON HARDWARE: written from the reference; tested against ``tests/fake_acl.py`` only (a fake ``acl`` that
 runs the plain-op twin of the step graph on onnxruntime and enforces CANN's documented rules). What needs an NPU
@@ -24,38 +45,49 @@ to confirm is marked [unverified].
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from omforge.contract.ascend import KV_NEW, KV_POOL, OmNameClash, find_om
+from omforge.contract import cdiv
+from omforge.contract.ascend import KV_NEW, KV_POOL, OmNameClash, find_om, key_cache, value_cache
 from omforge.contract.buckets import om_gear
+from omforge.contract.lora import SLOTS_INPUT
 from omforge.contract.manifest import BundleError, Manifest
 from omforge.errors import OmforgeError
 from omforge.runtime.ascend.acl_api import AclRuntime, AclUnavailable, import_acl
 from omforge.runtime.ascend.acl_plan import (
     ACL_DTYPES,
+    COPY_ALIGN,
     DESC_SIZE_SLACK,
+    INPLACE_STEP_INPUTS,
     STEP_GRAPH_INPUTS,
     AclModelMismatch,
     ModelDesc,
+    Scratch,
+    SlotPool,
     as_dtype,
     check_desc,
     check_slot_alignment,
     device_need,
     gear_dims,
     max_prompt_len,
+    pack_lora_slots,
     pack_run,
     plan_runs,
     slot_copy_plan,
 )
 from omforge.runtime.executor import ExecutorCapabilities
 from omforge.runtime.step import SeqWork
+
+LORA_POOL_PREFIXES = ("lora_a.", "lora_b.")
+"""The adapter pool inputs' names (contract/lora.py ``pool_a`` / ``pool_b``)."""
 
 
 class OmModelsMissing(OmforgeError):
@@ -80,13 +112,9 @@ class _Model:
 
 def check_bundle(bundle: Path, manifest: Manifest) -> Path:
     """The OM of an ascend bundle (``<prefix>.om`` or ``<prefix>_<os>_<cpu>.om``); :class:`OmModelsMissing` (one
-    line) when it was not built; a BundleError for a bundle with LoRA pools (not fed here yet). (A bundle from before
-    the one-OM layout is refused when its manifest is read.)"""
+    line) when it was not built. (A bundle from before the one-OM layout is refused when its manifest is read.)"""
     if manifest.ascend is None:
         raise BundleError(f"{bundle}: not an ascend bundle (target {manifest.target})")
-    if manifest.lora is not None:
-        raise BundleError(f"{bundle}: compiled with compile.lora, and the ACL executor does not feed LoRA pools yet; "
-                          "compile it without compile.lora, or for the ort target")
     prefix = manifest.ascend.model
     try:
         om = find_om(bundle / prefix)
@@ -103,7 +131,8 @@ def _gib(n: int) -> str:
 
 
 class AclExecutor:
-    """One ascend bundle on one NPU. ``acl``: the pyACL module (default ``import acl``; tests pass a fake)."""
+    """One ascend bundle on one NPU. ``acl``: the pyACL module (default ``import acl``; tests pass a fake).
+    ``notes``: the one-line notices set-up printed (a refused load option, an input GE copies)."""
 
     def __init__(self, bundle: Path, manifest: Manifest, *, device: int = 0, acl: Any = None,
                  num_host_blocks: int = 0):
@@ -123,9 +152,17 @@ class AclExecutor:
         assert asc is not None  # check_bundle refused a manifest without it
         self.layout = manifest.kv.paged_layout
         self.plan = manifest.buckets
+        self.mode = asc.paged_attention
+        if self.mode not in ("gather", "inplace"):
+            raise BundleError(f"{bundle}: ascend.paged_attention '{self.mode}' is not built yet (this executor runs "
+                              "'inplace' and 'gather' bundles); recompile with compile.paged_attention: auto")
+        self.inplace = self.mode == "inplace"
         self.num_slots = asc.num_slots
-        self.num_blocks = self.num_slots // self.layout.block_size
-        self.max_prompt_len = max_prompt_len(self.plan)
+        bs = self.layout.block_size
+        total_blocks = self.num_slots // bs
+        self.scratch = Scratch(total_blocks - asc.scratch_blocks, asc.scratch_blocks, bs) if self.inplace else None
+        self.num_blocks = total_blocks - (asc.scratch_blocks if self.inplace else 0)  # what the scheduler may use
+        self.max_prompt_len = max_prompt_len(self.plan, self.inplace)
         # plan_runs splits a step into decode-gear and prefill-gear executions anyway: no mixed batches, the
         # scheduler alternates decode and prefill steps; the pool size is compiled into the OM models
         self.capabilities = ExecutorCapabilities(supports_mixed_batches=False, max_prompt_len=self.max_prompt_len,
@@ -133,10 +170,25 @@ class AclExecutor:
         self.vocab = manifest.model.config.vocab_size
         self.inputs = [t.name for t in manifest.abi.inputs]
         self.outputs = [t.name for t in manifest.abi.outputs]
+        self.pool_names = ([n for i in range(self.layout.num_layers) for n in (key_cache(i), value_cache(i))]
+                           if self.inplace else [KV_POOL])
+        self.lora_inputs = [n for n in self.inputs if n.startswith(LORA_POOL_PREFIXES)]  # adapter pools: resident
+        self.step_inputs = [n for n in self.inputs if n not in self.pool_names and n not in self.lora_inputs]
+        made = (*(INPLACE_STEP_INPUTS if self.inplace else STEP_GRAPH_INPUTS),
+                *((SLOTS_INPUT,) if self.lora_inputs else ()))
+        if set(self.step_inputs) - set(made) or (self.inplace and KV_NEW in self.outputs):
+            raise BundleError(f"{bundle}: the step graph's inputs {self.step_inputs} / outputs {self.outputs} are "
+                              f"not those of a '{self.mode}' bundle this executor feeds ({list(made)})")
         self.input_shape = asc.input_shape  # what ATC's --input_shape listed
         self.om_gears = asc.gears
+        if self.scratch is not None:
+            most = max(g[0] for g in self.om_gears) - 1  # num_tokens less one real row
+            if most > self.scratch.blocks * bs:
+                raise BundleError(f"{bundle}: a gear pads up to {most} rows and ascend.scratch_blocks "
+                                  f"({self.scratch.blocks}) holds {self.scratch.blocks * bs} distinct scratch slots")
         self.memory = asc.memory
         self.device = device
+        self.notes: list[str] = []
         self._undo: list[tuple[str, Callable[[], None]]] = []
         self._lock = threading.Lock()  # a model must not execute on two threads at once (§3.3)
         try:
@@ -144,12 +196,18 @@ class AclExecutor:
         except BaseException:
             self.close()
             raise
+        if self.lora_pools:
+            self.capabilities = replace(self.capabilities, lora_pools=self.lora_pools)
         self.allocate_host(num_host_blocks)
 
     # --- set-up and teardown ------------------------------------------------------------------------------
 
     def _push(self, what: str, release: Callable[[], None]) -> None:
         self._undo.append((what, release))
+
+    def _say(self, line: str) -> None:
+        self.notes.append(line)
+        print(f"omforge: {line}", file=sys.stderr)
 
     def _open(self) -> None:
         rt = self.rt
@@ -164,34 +222,67 @@ class AclExecutor:
         lay = self.layout
         self.pool_dtype = np.dtype(lay.kv_dtype)  # float32, or float16 for an fp16 graph; checked against the OM
         self.slot_bytes = lay.num_layers * 2 * lay.kv_heads * lay.head_dim * self.pool_dtype.itemsize
-        check_slot_alignment(self.slot_bytes)  # slots and kv_new rows are memcpy_async addresses
-        self.pool_bytes = self.num_slots * self.slot_bytes
-        self._check_memory()
-        self.pool = self._malloc(self.pool_bytes + DESC_SIZE_SLACK)  # the OM may describe it a little larger
-        rt.memset(self.pool, self.pool_bytes)  # masked slots must not be NaN
-        self.model = self._load(self.om)
+        if self.inplace:
+            self.piece_bytes = lay.block_size * lay.kv_heads * lay.head_dim * self.pool_dtype.itemsize
+            check_slot_alignment(self.piece_bytes)  # one block of one pool: a memcpy_async address
+            self.one_pool_bytes = self.num_slots // lay.block_size * self.piece_bytes
+        else:
+            check_slot_alignment(self.slot_bytes)  # slots and kv_new rows are memcpy_async addresses
+        self.pool_bytes = self.num_slots * self.slot_bytes  # every pool together
+        handle, refused = rt.open_load_config(str(self.om))
+        if handle is None:
+            self._say(f"{self.om}: ACL refused ACL_MDL_WORKSPACE_MEM_OPTIMIZE (code {refused}); loading with "
+                      "acl.mdl.load_from_file instead: GE reserves the model's inputs and outputs again, so the KV "
+                      "pool counts twice in the memory plan")
+        try:
+            self._check_memory(optimized=handle is not None)
+            self._allocate_pools()
+            self.model = self._load(self.om, handle)
+        except BaseException:
+            if handle is not None:
+                rt.destroy_config(handle, check=False)  # the first failure is the one raised
+            raise
+        if handle is not None:  # once the model is loaded (aclpythondevg_01_0162's call order)
+            rt.destroy_config(handle)
         self.host_logits_size = self.model.out_size["logits"]
         self.host_logits = rt.malloc_host(self.host_logits_size)
         self._push("acl.rt.free_host", lambda: rt.free_host(self.host_logits))
-        self.block_bytes = lay.block_size * self.slot_bytes
-        self.host_block = rt.malloc_host(self.block_bytes)
+        self.block_bytes = lay.block_size * self.slot_bytes  # every pool's share of one block
+        staging = self.piece_bytes if self.inplace else self.block_bytes
+        self.host_block = rt.malloc_host(staging)
         self._push("acl.rt.free_host", lambda: rt.free_host(self.host_block))
 
-    def _check_memory(self) -> None:
+    def _allocate_pools(self) -> None:
+        """The pools in one device allocation, zeroed (masked slots must not be NaN). In place: one sub-buffer per
+        pool, each starting at a multiple of :data:`COPY_ALIGN` and with room for the OM's described size."""
+        if not self.inplace:
+            self.pool = self._malloc(self.pool_bytes + DESC_SIZE_SLACK)  # the OM may describe it a little larger
+            self.rt.memset(self.pool, self.pool_bytes)
+            self.pool_ptr = {KV_POOL: self.pool}
+            return
+        stride = cdiv(self.one_pool_bytes + DESC_SIZE_SLACK, COPY_ALIGN) * COPY_ALIGN
+        self.pool = self._malloc(stride * len(self.pool_names))
+        self.rt.memset(self.pool, stride * len(self.pool_names))
+        self.pool_ptr = {name: self.pool + i * stride for i, name in enumerate(self.pool_names)}
+
+    def _check_memory(self, optimized: bool) -> None:
         """Refuse, in one line, a device memory need above the NPU's free HBM (:func:`acl_plan.device_need`, on
-        the load path of manifest ``ACL_LOAD_PATH``: the pool and step buffers counted once). ATC's own figures for
-        the OM (``aclmdlQuerySize``) replace the compile-time estimate when ACL gives them. Keeps the need and the
-        free memory it saw (``need``, ``free_at_open``) for ``omforge verify``."""
+        the load path used: with ``ACL_LOAD_PATH`` the pool and step buffers counted once, on the fallback twice).
+        ATC's own figures for the OM (``aclmdlQuerySize``) replace the compile-time estimate when ACL gives them.
+        Keeps the need and the free memory it saw (``need``, ``free_at_open``) for ``omforge verify``."""
         plan = self.memory
+        self.queried = self.rt.query_size(str(self.om))
         need = device_need(plan.weights_bytes, plan.workspace_bytes_estimate, plan.io_bytes, self.pool_bytes,
-                           self.rt.query_size(str(self.om)))
+                           self.queried, optimized)
         free, total = self.rt.free_device_memory()
         self.need, self.free_at_open = need, free
         if need.total > free:
+            load = ("loaded with ACL_MDL_WORKSPACE_MEM_OPTIMIZE" if optimized else
+                    "loaded with load_from_file: the pool and step buffers counted twice")
             raise DeviceMemoryTooSmall(
                 f"{self.om}: the bundle needs {_gib(need.total)} of device memory (weights {_gib(need.weights)}, KV "
-                f"pool {_gib(need.pool)} once, step buffers {_gib(need.io)}, workspace {_gib(need.work)}"
-                f"{'' if need.measured else ' estimated'}; loaded with ACL_MDL_WORKSPACE_MEM_OPTIMIZE) and NPU "
+                f"pool {_gib(need.pool)}, step buffers {_gib(need.io)}, workspace {_gib(need.work)}"
+                f"{'' if need.measured else ' estimated'}; {load}) and NPU "
                 f"{self.device} has {_gib(free)} free of {_gib(total)}: compile with a smaller serve.num_kv_blocks "
                 "(or max_batch_size / max_seq_len)")
 
@@ -200,30 +291,88 @@ class AclExecutor:
         self._push("acl.rt.free", lambda: self.rt.free(ptr))
         return ptr
 
-    def _load(self, path: Path) -> _Model:
+    def _load(self, path: Path, handle: Any) -> _Model:
         rt = self.rt
-        model_id = rt.load_model(str(path))
+        free_before = rt.free_device_memory()[0]
+        model_id = rt.load_with_config(handle, str(path)) if handle is not None else rt.load_from_file(str(path))
         self._push("acl.mdl.unload", lambda: rt.unload_model(model_id))
         desc_handle = rt.create_desc(model_id)
         self._push("acl.mdl.destroy_desc", lambda: rt.destroy_desc(desc_handle))
         desc = rt.describe(desc_handle)
-        check_desc(desc, self.inputs, self.outputs, self.input_shape, self.om_gears, (KV_POOL, self.pool_bytes))
+        pools = [(n, self.one_pool_bytes if self.inplace else self.pool_bytes) for n in self.pool_names]
+        check_desc(desc, self.inputs, self.outputs, self.input_shape, self.om_gears, pools)
+        self._check_load_reservation(desc, free_before - rt.free_device_memory()[0], handle is not None)
         m = _Model(model_id, desc)
         for t in desc.inputs:
-            if t.name == KV_POOL:
+            if t.name in self.pool_ptr:
                 if ACL_DTYPES.get(t.dtype) != self.pool_dtype:
                     raise AclModelMismatch(f"OM: pool input {t.name} is aclDataType {t.dtype}, the pool is "
                                            f"{self.pool_dtype}")
-                m.in_ptr[t.name], m.in_size[t.name] = self.pool, t.size  # check_desc: within DESC_SIZE_SLACK
+                m.in_ptr[t.name], m.in_size[t.name] = self.pool_ptr[t.name], t.size  # check_desc: within slack
             else:  # a step input, or the dynamic-dims input (allocated, never written: §3.4)
                 m.in_ptr[t.name], m.in_size[t.name] = self._malloc(t.size), t.size
         for name, t in zip(self.outputs, desc.outputs):  # outputs by index: ACL names them op:edge:name
             m.out_ptr[name], m.out_size[name] = self._malloc(t.size), t.size
+        self.lora_pools = self._lora_pools(m)
         m.in_dataset, in_bufs = rt.create_dataset([(m.in_ptr[t.name], m.in_size[t.name]) for t in desc.inputs])
         self._push("acl.mdl.destroy_dataset", lambda: rt.destroy_dataset(m.in_dataset, in_bufs))
         m.out_dataset, out_bufs = rt.create_dataset([(m.out_ptr[n], m.out_size[n]) for n in self.outputs])
         self._push("acl.mdl.destroy_dataset", lambda: rt.destroy_dataset(m.out_dataset, out_bufs))
         return m
+
+    def _lora_pools(self, m: _Model) -> dict[str, SlotPool]:
+        """The LoRA adapter pools (docs/lora.md; ``lora_a.*`` / ``lora_b.*`` inputs of static shape, the graph's
+        float type): each a device buffer, zeroed (slot 0 is the base model), bound as the OM's input once like the
+        KV pools, and a host :class:`SlotPool` of the same shape — the ``lora_pools`` capability the plan's adapter
+        loads write; :meth:`_sync_lora` copies the slots they wrote to the device before the next execute."""
+        pools = {}
+        for name in self.lora_inputs:
+            t = m.desc.input(name)
+            dtype = ACL_DTYPES.get(t.dtype)
+            if dtype is None or dtype.kind != "f" or any(d < 1 for d in t.dims) or \
+                    int(np.prod(t.dims)) * dtype.itemsize > t.size:
+                raise AclModelMismatch(f"OM: LoRA pool input {name} is aclDataType {t.dtype} dims {list(t.dims)} "
+                                       f"({t.size} bytes): expected a float tensor of static shape")
+            self.rt.memset(m.in_ptr[name], t.size)
+            pools[name] = SlotPool(t.dims, dtype)
+        return pools
+
+    def _sync_lora(self) -> None:
+        """Copy every LoRA pool slot written on the host since the last execute to the device (one host-to-device
+        copy per slot: a slot is contiguous, the pool's leading dim)."""
+        m = self.model
+        for name, pool in self.lora_pools.items():
+            slot_bytes = pool[0].nbytes
+            for s in sorted(pool.dirty):
+                off = s * slot_bytes
+                self.rt.host_to_device(m.in_ptr[name] + off, m.in_size[name] - off, np.asarray(pool[s]).tobytes())
+            pool.dirty.clear()
+
+    def _check_load_reservation(self, desc: ModelDesc, reserved: int, optimized: bool) -> None:
+        """Compare what the load took of the device with the plan: weights and work (aclmdlQuerySize, less the
+        model's inputs and outputs when ``optimized``; the manifest's estimate otherwise). An excess the size of an
+        input means GE copies that input in on every execute — zero copy lost (hicann/ge ``davinci_model.cc:2282-2290``,
+        decided at build time in ``block_mem_zero_copy.cc:38-55, 217-242``; reference §5.3): said in one line
+        naming the pool input (in place the pools are alike: how many of them). [unverified: a real load may reserve
+        other memory the plan does not know]"""
+        io = sum(t.size for t in desc.inputs) + sum(t.size for t in desc.outputs)
+        if self.queried is not None:
+            work, weights = self.queried
+            expected, how = weights + work - (io if optimized else 0), "aclmdlQuerySize"
+        else:
+            plan = self.memory
+            expected = plan.weights_bytes + plan.workspace_bytes_estimate + (0 if optimized else io)
+            how = "the manifest's estimate"
+        excess = reserved - expected
+        pools = [t for t in desc.inputs if t.name in self.pool_ptr]
+        size = min(t.size for t in pools)
+        if excess + DESC_SIZE_SLACK < size:
+            return
+        names = [t.name for t in pools]
+        which = f"input '{names[0]}'" if len(names) == 1 else \
+            f"{round(excess / size)} of the pool inputs {names[0]} … {names[-1]} ({size} bytes each)"
+        self._say(f"{self.om}: the load took {excess} bytes more than {how} plans, the size of {which}: GE copies it "
+                  "in on every execute (zero copy lost, davinci_model.cc:2282-2290) and the device holds it twice")
 
     def close(self) -> None:
         """Release everything in reverse order of acquisition; a failing release does not stop the others (the
@@ -260,19 +409,23 @@ class AclExecutor:
         row_of = {item: r for r, item in enumerate(needing)}
         out = np.empty((len(needing), self.vocab), np.float32)
         with self._on_device():
-            for run in plan_runs(work, self.plan):
-                packed = pack_run(run, work, self.layout.block_size)
+            self._sync_lora()
+            for run in plan_runs(work, self.plan, self.inplace):
+                packed = pack_run(run, work, self.layout.block_size, self.scratch)
+                if self.lora_inputs:
+                    packed.inputs[SLOTS_INPUT] = pack_lora_slots(run, work, run.choice.num_tokens)
                 self._run(om_gear(run.choice), packed.inputs)
                 if packed.logit_rows:
                     logits = self._logits(run.choice.num_logits)
                     for model_row, item in packed.logit_rows:
                         out[row_of[item]] = logits[model_row]
-                self._store_rows(packed.slots)
+                if not self.inplace:  # in place, the graph wrote the rows into the pools itself
+                    self._store_rows(packed.slots)
         return out
 
     def _run(self, gear: tuple[int, ...], inputs: dict[str, np.ndarray]) -> None:
         rt, m = self.rt, self.model
-        for name in STEP_GRAPH_INPUTS:
+        for name in self.step_inputs:
             t = m.desc.input(name)
             data = as_dtype(inputs[name], t.dtype, name).tobytes()
             rt.host_to_device(m.in_ptr[name], m.in_size[name], data)
@@ -282,10 +435,11 @@ class AclExecutor:
     def run_gear(self, gear: tuple[int, ...], inputs: dict[str, np.ndarray],
                  shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
         """Execute one compiled gear (its step dims, :func:`~omforge.contract.buckets.om_gear`) on the step graph's
-        ``inputs`` at that gear's shapes and return every output at ``shapes``, copied to the host; the pool is read,
-        nothing is written into it (``omforge verify``)."""
+        ``inputs`` at that gear's shapes and return every output at ``shapes``, copied to the host (``omforge
+        verify``). A gather pool is only read; in place, the graph also writes the run's rows at its slots."""
         out: dict[str, np.ndarray] = {}
         with self._on_device():
+            self._sync_lora()
             self._run(gear, inputs)
             for name, t in zip(self.outputs, self.model.desc.outputs):
                 dtype = ACL_DTYPES[t.dtype]
@@ -317,32 +471,40 @@ class AclExecutor:
 
     # --- block copies: copy-on-write and the host swap tier -----------------------------------------------
 
-    def _block(self, block: int) -> tuple[int, int]:
-        off = block * self.block_bytes
-        return self.pool + off, self.pool_bytes - off
+    def _pieces(self, block: int) -> list[tuple[int, int, int]]:
+        """Block ``block`` as ``(address, bytes left in its pool from there, bytes)`` per pool: one piece holding
+        every layer (gather: the block's slots are contiguous) or ``2 × num_layers`` (in place, K0 V0 K1 V1 …)."""
+        if not self.inplace:
+            off = block * self.block_bytes
+            return [(self.pool + off, self.pool_bytes - off, self.block_bytes)]
+        off = block * self.piece_bytes
+        return [(self.pool_ptr[n] + off, self.one_pool_bytes - off, self.piece_bytes) for n in self.pool_names]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks ``src → dst`` (device to device; a block holds every layer: one copy each)."""
+        """Copy whole blocks ``src → dst`` (device to device, in every layer's K and V), one sync at the end."""
         if not pairs:
             return
         with self._on_device():
             for src, dst in pairs:
-                d, d_max = self._block(dst)
-                self.rt.device_to_device_async(d, d_max, self._block(src)[0], self.block_bytes, self.stream)
+                for (d, d_max, n), (s, _, _) in zip(self._pieces(dst), self._pieces(src)):
+                    self.rt.device_to_device_async(d, d_max, s, n, self.stream)
             self.rt.synchronize(self.stream)
 
     def allocate_host(self, num_host_blocks: int) -> None:
-        """The host swap tier: ``num_host_blocks`` blocks, in host memory."""
+        """The host swap tier: ``num_host_blocks`` blocks, in host memory (a block: its pieces end to end)."""
         self.host_pool = np.zeros((num_host_blocks, self.block_bytes), np.uint8)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        """Device blocks to host blocks, ``(device, host)`` pairs (through the pinned staging block)."""
+        """Device blocks to host blocks, ``(device, host)`` pairs (through the pinned staging buffer)."""
         if not pairs:
             return
         with self._on_device():
             for dev, h in pairs:
-                raw = self.rt.device_to_host(self.host_block, self.block_bytes, self._block(dev)[0], self.block_bytes)
-                self.host_pool[h] = np.frombuffer(raw, np.uint8)
+                at = 0
+                for src, _, n in self._pieces(dev):
+                    raw = self.rt.device_to_host(self.host_block, n, src, n)
+                    self.host_pool[h, at:at + n] = np.frombuffer(raw, np.uint8)
+                    at += n
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Host blocks back to device blocks, ``(host, device)`` pairs."""
@@ -350,5 +512,7 @@ class AclExecutor:
             return
         with self._on_device():
             for h, dev in pairs:
-                d, d_max = self._block(dev)
-                self.rt.host_to_device(d, d_max, self.host_pool[h].tobytes())
+                at = 0
+                for dst, d_max, n in self._pieces(dev):
+                    self.rt.host_to_device(dst, d_max, self.host_pool[h, at:at + n].tobytes())
+                    at += n

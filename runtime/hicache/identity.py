@@ -13,6 +13,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from omforge.contract import KV_ITEMSIZE
 from omforge.contract.manifest import Manifest
 
 FORMAT_VERSION = 1  # of the stored block (block_file.py); part of the identity so a format change is a miss
@@ -63,8 +64,8 @@ class BundleIdentity:
     def of(cls, manifest: Manifest) -> BundleIdentity:
         kv = manifest.kv
         layout = kv.paged_layout
-        itemsize = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}[kv.dtype]
-        block = BlockLayout(kv.block_size, kv.num_layers, kv.kv_heads, layout.row_elems, kv.dtype, itemsize)
+        block = BlockLayout(kv.block_size, kv.num_layers, kv.kv_heads, layout.row_elems, kv.dtype,
+                            KV_ITEMSIZE[kv.dtype])
         facts = {"format": FORMAT_VERSION, "model": manifest.model.name, "config": manifest.model.config.to_dict(),
                  "target": manifest.target, "files": {p: f.sha256 for p, f in sorted(manifest.files.items())},
                  "layout": block.describe()}

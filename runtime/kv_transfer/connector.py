@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from omforge.contract import PagedLayout
+from omforge.contract import PagedLayout, cdiv
 from omforge.errors import OmforgeError, one_line
 from omforge.runtime.executor import ExecutorCapabilities
 from omforge.runtime.kv_connector import ExternalHit, Finished, FinishedLoad, KVConnector
@@ -137,7 +137,7 @@ class PDConnector(KVConnector):
         params = request.kv_transfer
         if params is None or not params.pulls_blocks or request.parent is not None or request.output_token_ids:
             return None  # an n > 1 follower forks its leader's blocks; a request with outputs is recomputed here
-        if len(params.remote_block_ids) < -(-len(request.prompt_token_ids) // self.block_size):
+        if len(params.remote_block_ids) < cdiv(len(request.prompt_token_ids), self.block_size):
             return None
         return ExternalHit(len(request.prompt_token_ids) - num_computed_tokens, load_async=True)
 
@@ -149,7 +149,7 @@ class PDConnector(KVConnector):
             return []
         params: KVTransferParams = request.kv_transfer
         request.kv_transfer = None  # read once: a leg preempted for recompute later is prefilled here
-        first = -(-len(request.prompt_token_ids) // self.block_size) - len(blocks)
+        first = cdiv(len(request.prompt_token_ids), self.block_size) - len(blocks)
         now = self.clock()
         job = RemoteJob(request.request_id, params.remote_engine_id, list(blocks), now + self.config.lease_s,
                         request.arrival_time + self.config.lease_s - STALE_MARGIN_S)
@@ -240,7 +240,7 @@ class PDConnector(KVConnector):
         params = request.kv_transfer
         if params is None or not params.is_prefill_leg or request.finish_reason not in ("stop", "length"):
             return None
-        prompt = blocks[:-(-len(request.prompt_token_ids) // self.block_size)]
+        prompt = blocks[:cdiv(len(request.prompt_token_ids), self.block_size)]
         self._held[request.request_id] = _Held(self.clock() + self.config.lease_s, len(prompt))
         self.stats.held_requests += 1
         self.stats.held_blocks += len(prompt)

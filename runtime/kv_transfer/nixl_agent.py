@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from omforge.contract import PagedLayout
+from omforge.contract import KV_ITEMSIZE, PagedLayout
 from omforge.errors import one_line
 from omforge.runtime.kv_transfer.errors import (
     ClusterExtraMissing,
@@ -56,7 +56,6 @@ from omforge.runtime.kv_transfer.params import check_layout
 NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13")
 """Where NIXL's API lives: the ``nixl`` meta-package, or the CUDA-variant wheels it picks between (``nixl-cu12``
 1.5.1 installs the module ``nixl_cu12``; its core and UCX plugin need no CUDA)."""
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}  # bfloat16 pools are uint16 arrays
 _POLL_MIN_S, _POLL_MAX_S = 20e-6, 1e-3
 PROGRESS_ACTIVE_S = 0.5e-3  # our progress thread's period while transfers may be under way
 PROGRESS_IDLE_S = 0.05  # ... and otherwise (UCX connection requests still get answered)
@@ -357,13 +356,14 @@ def _check_pools(layout: PagedLayout, pools: list[np.ndarray]) -> tuple[int, int
                                f"({2 * layout.num_layers})")
     num_blocks = pools[0].shape[0] if isinstance(pools[0], np.ndarray) and pools[0].ndim == 4 else -1
     want = (num_blocks, layout.block_size, layout.kv_heads, layout.row_elems)
+    itemsize = KV_ITEMSIZE[layout.kv_dtype]
     for i, pool in enumerate(pools):
         if not isinstance(pool, np.ndarray) or pool.shape != want or num_blocks < 1:
             raise KVLayoutMismatch(f"pool {i} has shape {getattr(pool, 'shape', None)}, the layout needs "
                                    f"[num_blocks, {', '.join(map(str, want[1:]))}]")
-        if pool.dtype.itemsize != ITEMSIZE[layout.kv_dtype] or not pool.flags.c_contiguous or not pool.flags.writeable:
+        if pool.dtype.itemsize != itemsize or not pool.flags.c_contiguous or not pool.flags.writeable:
             raise KVLayoutMismatch(f"pool {i} must be a writeable C-contiguous array of {layout.kv_dtype} "
-                                   f"({ITEMSIZE[layout.kv_dtype]}-byte elements), got {pool.dtype}")
+                                   f"({itemsize}-byte elements), got {pool.dtype}")
     return num_blocks, pools[0].nbytes // num_blocks
 
 

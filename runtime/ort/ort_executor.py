@@ -10,7 +10,8 @@ is usable; :meth:`OrtExecutor.for_bundle` checks first that the library can run 
 
 A graph with LoRA inputs (docs/lora.md) gets its adapter pools the same way: each ``lora_a.*`` / ``lora_b.*`` input
 is a zeros float32 array of its ABI shape, allocated and bound once (zero-copy), exposed as :attr:`lora_pools` (input
-name → array): writing an adapter into a slot of those arrays (runtime/lora/slots.py) is seen by the next step.
+name → array; the ``lora_pools`` capability): the plan's adapter loads (runtime/lora/slots.py ``LoraLoad``) write
+into a slot of those arrays before the step that reads it.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class OrtExecutor:
         self.capabilities = ExecutorCapabilities(supports_mixed_batches="decode_query_index" in self.input_names,
                                                  supports_prompt_logits=True, host_kv=HostKVPools(tuple(
                                                      p for layer in zip(self.key_pools, self.value_pools)
-                                                     for p in layer)))
+                                                     for p in layer)), lora_pools=self.lora_pools or None)
         outputs = [o.name for o in self.session.get_outputs()]
         self.runtime_write = "key_new.0" in outputs
         self._new_rows = [f"{kind}_new.{layer}" for layer in range(layout.num_layers) for kind in ("key", "value")]

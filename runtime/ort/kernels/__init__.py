@@ -11,98 +11,30 @@ version, head dims) lives in :mod:`omforge.contract.kernel_abi`. It receives ORT
 declares the few ABI facts it uses itself (``ort_abi.h``), so it needs no ORT headers and loads on any ORT >=
 :data:`MIN_ORT`.
 
-Nothing here is required: :func:`status` says whether the library is usable in this process (built, ORT recent
-enough, loadable, the same kernel ABI version) and why not; compile then falls back to the plain-op lowering, and
-a bundle that needs the library fails to load with one clear line (:func:`check_bundle`). :func:`register` adds it
-to a session's options. ``OMFORGE_KERNELS=0`` disables the library (tests of the fallback); ``OMFORGE_KERNELS_ISA``
-(``avx512``, ``avx2``, ``generic``) forces a slower code path than the CPU allows (``avx512``: the bfloat16 ops on
-``vdpbf16ps`` rather than the AMX tile unit, and PagedAttention over bfloat16 pools in float32 FMAs rather than
-``vdpbf16ps``: the ``avx512bf16`` attention path).
+Nothing here is required: :func:`status` (probed in :mod:`omforge.contract.kernel_library`, which compile reads
+too) says whether the library is usable in this process (built, ORT recent enough, loadable, the same kernel ABI
+version) and why not; compile then falls back to the plain-op lowering, and a bundle that needs the library fails
+to load with one clear line (:func:`check_bundle`). :func:`register` adds it to a session's options.
+``OMFORGE_KERNELS=0`` disables the library (tests of the fallback); ``OMFORGE_KERNELS_ISA`` (``avx512``, ``avx2``,
+``generic``) forces a slower code path than the CPU allows (``avx512``: the bfloat16 ops on ``vdpbf16ps`` rather
+than the AMX tile unit, and PagedAttention over bfloat16 pools in float32 FMAs rather than ``vdpbf16ps``: the
+``avx512bf16`` attention path).
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
-import os
-from dataclasses import dataclass
 from pathlib import Path
 
 from omforge.contract.kernel_abi import ABI_VERSION, DOMAIN
 from omforge.contract.kernel_abi import HEAD_DIMS as HEAD_DIMS
+from omforge.contract.kernel_library import MIN_ORT as MIN_ORT
+from omforge.contract.kernel_library import KernelStatus as KernelStatus
+from omforge.contract.kernel_library import library_path as library_path
+from omforge.contract.kernel_library import status
 from omforge.contract.manifest import BundleError, KernelLibrary
 
-MIN_ORT = (1, 17)
 log = logging.getLogger("omforge.ort")
-
-
-@dataclass(frozen=True)
-class KernelStatus:
-    """Whether the library can be used here; ``reason`` says why not when ``available`` is False."""
-
-    available: bool
-    path: str | None = None
-    abi: int | None = None
-    isa: str | None = None
-    reason: str = ""
-    gemm: str | None = None  # MatMulQ's ISA path (avx512vnni, avxvnni, avx2, generic)
-    bf16: str | None = None  # MatMulBF16's ISA path (avx512bf16, generic)
-    qbf16: str | None = None  # MatMulQBF16's ISA path (MatMulBF16's); None: a library from before the op
-    f32: str | None = None  # MatMulF32's ISA path (avx512f, generic)
-    lora: str | None = None  # LoraAdd's ISA path (avx512, avx2, generic)
-    weight_layout: int | None = None  # the packed weight layout version MatMulQ reads
-
-    def manifest_entry(self, weight_layout: bool = False) -> KernelLibrary:
-        """The manifest's ``kernels`` section: what a bundle compiled against this library needs (``weight_layout``:
-        the bundle's weight MatMuls are this library's ``MatMulQ``, so its packed layout version is recorded)."""
-        return KernelLibrary(Path(self.path).name.split(".")[0] if self.path else None, DOMAIN, self.abi, self.isa,
-                             self.weight_layout if weight_layout else None)
-
-
-def library_path() -> Path | None:
-    """The built library: ``$OMFORGE_KERNELS_LIBRARY`` or the ``_omforge_kernels*.so`` beside this file."""
-    override = os.environ.get("OMFORGE_KERNELS_LIBRARY")
-    if override:
-        return Path(override) if Path(override).is_file() else None
-    found = sorted(Path(__file__).parent.glob("_omforge_kernels*.so"))
-    return found[0] if found else None
-
-
-def _ort_version() -> tuple[int, int]:
-    import onnxruntime as ort
-
-    major, minor = ort.__version__.split(".")[:2]
-    return int(major), int(minor)
-
-
-@functools.cache
-def status() -> KernelStatus:
-    """Probe the library once per process (its ISA choice is fixed at load)."""
-    if os.environ.get("OMFORGE_KERNELS", "1") == "0":
-        return KernelStatus(False, reason="disabled by OMFORGE_KERNELS=0")
-    path = library_path()
-    if path is None:
-        return KernelStatus(False, reason="the kernel library was not built (no C++ compiler at install time, or "
-                                          "not an x86-64/GCC platform); reinstall omforge with g++ available")
-    if _ort_version() < MIN_ORT:
-        return KernelStatus(False, str(path), reason=f"onnxruntime {'.'.join(map(str, _ort_version()))} is older "
-                                                     f"than {'.'.join(map(str, MIN_ORT))}")
-    try:
-        lib = ctypes.CDLL(str(path))
-        lib.omforge_kernels_info.restype = ctypes.c_char_p
-        fields = dict(kv.split("=", 1) for kv in lib.omforge_kernels_info().decode().split())
-    except (OSError, AttributeError) as e:
-        return KernelStatus(False, str(path), reason=f"cannot load {path.name}: {e}")
-    abi = int(fields["abi"])
-    if abi != ABI_VERSION:
-        return KernelStatus(False, str(path), abi, fields.get("isa"),
-                            reason=f"{path.name} speaks kernel ABI {abi}, this omforge {ABI_VERSION}; "
-                                   "reinstall omforge")
-    return KernelStatus(True, str(path), abi, fields["isa"], gemm=fields.get("gemm"), bf16=fields.get("bf16"),
-                        qbf16=fields.get("qbf16"), f32=fields.get("f32"), lora=fields.get("lora"),
-                        weight_layout=int(fields["layout"]) if "layout" in fields else None)
-
 
 # the weight GEMM ops and the KernelStatus field naming the ISA path each runs on here
 GEMM_PATHS = {"MatMulQ": "gemm", "MatMulQBF16": "qbf16", "MatMulBF16": "bf16", "MatMulF32": "f32"}

@@ -1,7 +1,8 @@
 // STUB for syntax checking only, not CANN.
-// The subset of CANN's include/graph/operator.h (metadef) that omforge's generated ONNX plugins use, with the
-// same signatures. The inline bodies (a name -> value map) only let tests/stubs/plugin_harness.cc call a parse
-// function and read back what it set; they are not CANN's implementation.
+// The subset of CANN's include/graph/operator.h (metadef) that omforge's generated ONNX plugins and RefData
+// builder use, with the same signatures (IsEmpty, GetName: hicann/ge inc/graph_metadef/external/graph/operator.h:108,
+// 113; SetAttr(const char_t*, int64_t): :317). The inline bodies (a name -> value map) only let the harnesses
+// (tests/stubs/plugin_harness.cc, refdata_harness.cc) read back what was set; they are not CANN's implementation.
 #pragma once
 
 #include <cstdint>
@@ -24,6 +25,12 @@ class Operator {
   Operator() = default;
   Operator(const char_t* name, const char_t* type) : name_(name), type_(type) {}
 
+  bool IsEmpty() const { return type_.empty(); }  // stub: an Operator() made by no factory is empty
+  graphStatus GetName(AscendString& name) const {
+    name = AscendString(name_.c_str());
+    return GRAPH_SUCCESS;
+  }
+
   graphStatus GetAttr(const char_t* name, AscendString& attr_value) const {
     const auto it = attrs_.find(name);
     if (it == attrs_.end() || !std::holds_alternative<std::string>(it->second)) {
@@ -41,7 +48,8 @@ class Operator {
   }
   Operator& SetAttr(const char_t* name, const char_t* attr_value) { return Set(name, std::string(attr_value)); }
 
-  const std::map<std::string, Value>& Attrs() const { return attrs_; }  // stub only: for the harness
+  const std::map<std::string, Value>& Attrs() const { return attrs_; }  // stub only: for the harnesses
+  const std::string& StubType() const { return type_; }                   // stub only
 
  private:
   Operator& Set(const char_t* name, Value value) {
