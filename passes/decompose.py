@@ -79,16 +79,25 @@ def _attend_rows(op, q, k_ctx, v_ctx, query_index, position_ids, *, scale: float
     hide = op.Greater(key_pos, q_pos4)  # [B, 1, Q, C]
     if window:  # and keys that fell out of the sliding window: j <= p - window
         hide = op.Or(hide, op.LessOrEqual(key_pos, op.Sub(q_pos4, op.Constant(value_int=window))))
+    return attend_padded(op, q_pad, k_ctx, v_ctx, hide, scale=scale, q_heads=q_heads, kv_heads=kv_heads,
+                         head_dim=head_dim, attend=attend)
+
+
+def attend_padded(op, q_pad, k, v, hide, *, scale: float, q_heads: int, kv_heads: int, head_dim: int,  # noqa: ANN001, ANN201
+                  attend: Callable | None = None):
+    """Padded queries ``[B, Q, Hq·D]`` over keys and values ``[B, S, kv·D]`` with ``hide`` ``[B, 1, Q, S]`` (True:
+    masked): ``attend`` when given (a kernel's form), else plain ops (:func:`causal_attention`). Returns the rows
+    ``[B·Q, Hq, D]`` in (sequence, query row) order."""
     if attend is None:
         def heads(x, n):  # noqa: ANN001, ANN202 - [B, S, n*D] -> [B, n, S, D]
             return op.Transpose(op.Reshape(x, op.Constant(value_ints=[0, 0, n, head_dim])), perm=[0, 2, 1, 3])
 
-        o4 = causal_attention(op, heads(q_pad, q_heads), heads(k_ctx, kv_heads), heads(v_ctx, kv_heads), scale,
-                              q_heads, kv_heads, head_dim, mask=hide)
+        o4 = causal_attention(op, heads(q_pad, q_heads), heads(k, kv_heads), heads(v, kv_heads), scale, q_heads,
+                              kv_heads, head_dim, mask=hide)
         o_pad = op.Transpose(o4, perm=[0, 2, 1, 3])
     else:
-        o_pad = attend(op, q_pad, k_ctx, v_ctx, hide)
-    return op.Reshape(o_pad, op.Constant(value_ints=[-1, q_heads, head_dim]))  # [B*Q, Hq, D]
+        o_pad = attend(op, q_pad, k, v, hide)
+    return op.Reshape(o_pad, op.Constant(value_ints=[-1, q_heads, head_dim]))
 
 
 def _rows_to_tokens(op, rows, token_index):  # noqa: ANN001, ANN202 - [R, Hq, D] rows -> [1, Hq, T, D]
@@ -226,16 +235,8 @@ def _attend_new_rows_concat(op, q, k, v, key_cache, value_cache, block_tables, q
     hide = op.Concat(op.Expand(hide_ctx, op.Concat(op.Shape(hide_new, end=3), op.Unsqueeze(ctx_len, zero), axis=0)),
                      hide_new, axis=3)  # [B, 1, Q, C + Q]
     q_pad = op.Gather(op.Reshape(token_major(op, q), op.Constant(value_ints=[0, -1])), query_index, axis=0)
-    if attend is None:
-        def heads(x, n):  # noqa: ANN001, ANN202 - [B, S, n*D] -> [B, n, S, D]
-            return op.Transpose(op.Reshape(x, op.Constant(value_ints=[0, 0, n, head_dim])), perm=[0, 2, 1, 3])
-
-        o4 = causal_attention(op, heads(q_pad, q_heads), heads(k_all, kv_heads), heads(v_all, kv_heads), scale,
-                              q_heads, kv_heads, head_dim, mask=hide)
-        o_pad = op.Transpose(o4, perm=[0, 2, 1, 3])
-    else:
-        o_pad = attend(op, q_pad, k_all, v_all, hide)
-    rows = op.Reshape(o_pad, op.Constant(value_ints=[-1, q_heads, head_dim]))
+    rows = attend_padded(op, q_pad, k_all, v_all, hide, scale=scale, q_heads=q_heads, kv_heads=kv_heads,
+                         head_dim=head_dim, attend=attend)
     return _rows_to_tokens(op, rows, token_index), k_new, v_new
 
 
