@@ -260,13 +260,11 @@ class CompileSection(_Section):
         if self.paged_attention != "auto" and self.target != "ascend":
             raise _KeyError("paged_attention", f"{self.paged_attention} is for the ascend target; target "
                             f"{self.target} takes auto (its paged attention is its own)")
-        if self.paged_attention == "readonly":
-            raise _KeyError("paged_attention", "readonly is not built yet; use auto, inplace or gather")
-        if self.paged_attention == "inplace" and self.kv_block_size is not None:
+        if self.paged_attention in ("inplace", "readonly") and self.kv_block_size is not None:
             from omforge.passes.ascend.kernels import paged_block_size_problem
 
             if (why := paged_block_size_problem(self.kv_block_size)) is not None:
-                raise _KeyError("kv_block_size", f"{why}; paged_attention inplace needs one")
+                raise _KeyError("kv_block_size", f"{why}; paged_attention {self.paged_attention} needs one")
         if self.target == "ascend" and self.weights != "float32":
             if self.precision_mode != "must_keep_origin_dtype":  # the default is set by _ascend_defaults
                 raise _KeyError("precision_mode", f"{self.precision_mode} with {self.weights} weights: an fp16 graph "

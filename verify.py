@@ -11,6 +11,8 @@ standard ONNX with the lowering's numerics (what the tests' FAKE pyACL runs). Pe
 - ``inplace``: the same steps with the in-place inputs (``slot_mapping``, the actual lengths); the ``logits``, and
   the pool rows at the step's slots read back from the device pools (through the executor's block swap-out)
   against what the twin's ref ops wrote there (its ``<pool>`` + ``REF_SUFFIX`` outputs).
+- ``readonly``: per-layer pools as plain inputs, the read-only inputs (the context before the step); the
+  ``logits`` and ``kv_new`` (layer-major) against the twin's.
 - a pooling bundle (task embed | score, no KV pool): every gear filled with seeded sequences; its one output.
 
 Each gear's line gives the largest relative difference per output and the wall time of the gear's run (inputs in,
@@ -211,7 +213,7 @@ def _verify_generate(bundle: Path, manifest: Manifest, twin: Any, device: int, a
         for gear in manifest.ascend.gears:
             run, work = gear_step(gear, profiles[gear], ex.num_blocks, bs, rng)
             _fill_blocks(ex, pools, sorted({b for w in work for b in w.block_table}), rng)
-            packed = pack_run(run, work, bs, ex.scratch)
+            packed = pack_run(run, work, bs, ex.scratch, readonly=ex.readonly)
             dims = dict(zip(STEP_DIMS, om_gear(run.choice)))
             shapes = {t.name: tuple(d if isinstance(d, int) else dims[d] for d in t.shape)
                       for t in manifest.abi.outputs}

@@ -202,6 +202,8 @@ def _passes_stage(job: _Job, export_dir: Path, digest: str) -> Stage:
         "tools": tool_versions(),
         "num_slots": _static_slots(recipe, target, block_size),
         "soc_version": recipe.compile.soc_version if target == "ascend" else None,  # which fused kernels ship
+        # the ascend graph's paged-attention mode (gather and readonly bundles share every other key)
+        "ascend_paged_attention": recipe.compile.paged_attention if target == "ascend" else None,
         **({"pooling": job.pooling} if job.pooling is not None else {}),
         # compile.lora, and whether the kernel library here has LoraAdd (the ort lowering of the terms)
         **({"lora": [recipe.compile.lora.model_dump(),
@@ -303,6 +305,11 @@ _KV_WRITE_INPLACE = ("in place inside the OM: per-layer pools key_cache.N / valu
                      "ScatterPaKvCache writes the step's rows at slot_mapping and FusedInferAttentionScore reads them; "
                      "no kv_new output, the executor copies no rows")
 """``kv.write`` of an ascend bundle built with ``compile.paged_attention`` resolved to ``inplace``."""
+_KV_WRITE_READONLY = ("out of place, per-layer pools key_cache.N / value_cache.N [num_blocks, block_size, kv_heads, "
+                      "head_dim] bound as plain inputs the graph only reads; the graph returns kv_new [num_layers, 2, "
+                      "num_tokens, kv_heads, head_dim]; the runtime copies each run of consecutive slots with one "
+                      "device copy per pool")
+"""``kv.write`` of an ascend bundle built with ``compile.paged_attention: readonly``."""
 
 
 def _kv_write(recipe: Recipe, target: str, block_size: int) -> str:
@@ -310,8 +317,11 @@ def _kv_write(recipe: Recipe, target: str, block_size: int) -> str:
     if target == "ascend":
         from omforge.compile.ascend import stages as ascend
 
-        if ascend.paged_attention(recipe, block_size)[0] == "inplace":
+        mode = ascend.paged_attention(recipe, block_size)[0]
+        if mode == "inplace":
             return _KV_WRITE_INPLACE
+        if mode == "readonly":
+            return _KV_WRITE_READONLY
     return _KV_WRITE[target]
 
 

@@ -28,11 +28,9 @@ def window_of(node: ir.Node) -> int:
     return int(node.attributes["window"].value) if "window" in node.attributes else 0
 
 
-def causal_attention(op, q, k, v, scale: float, q_heads: int, kv_heads: int, head_dim: int, mask=None,  # noqa: ANN001, ANN201
-                     window: int = 0):
-    """softmax(q·kᵀ·scale masked) · v with KV heads repeated for GQA. ``mask`` (bool, True = hide) defaults
-    to causal over the sequence axis (``q`` and ``k`` of one length), and with ``window`` > 0 also hides keys
-    ``window`` or more positions behind the query."""
+def repeat_kv(op, k, v, q_heads: int, kv_heads: int, head_dim: int):  # noqa: ANN001, ANN201
+    """Keys and values ``[B, kv, S, D]`` with each KV head repeated for its ``q_heads // kv_heads`` query heads
+    (GQA): ``[B, Hq, S, D]``; as they are without GQA."""
     groups = q_heads // kv_heads
     if groups > 1:
         rep = op.Constant(value_ints=[1, 1, groups, 1, 1])
@@ -40,6 +38,15 @@ def causal_attention(op, q, k, v, scale: float, q_heads: int, kv_heads: int, hea
         axis = op.Constant(value_ints=[2])
         k = op.Reshape(op.Expand(op.Unsqueeze(k, axis), rep), shape)
         v = op.Reshape(op.Expand(op.Unsqueeze(v, axis), rep), shape)
+    return k, v
+
+
+def causal_attention(op, q, k, v, scale: float, q_heads: int, kv_heads: int, head_dim: int, mask=None,  # noqa: ANN001, ANN201
+                     window: int = 0):
+    """softmax(q·kᵀ·scale masked) · v with KV heads repeated for GQA. ``mask`` (bool, True = hide) defaults
+    to causal over the sequence axis (``q`` and ``k`` of one length), and with ``window`` > 0 also hides keys
+    ``window`` or more positions behind the query."""
+    k, v = repeat_kv(op, k, v, q_heads, kv_heads, head_dim)
     # q is scaled BEFORE q·kᵀ: in a float16 graph MatMul(q, kᵀ) of large activations overflows before a Mul after
     # it could bring the scores back (reference/ascend.md §5.3, "fp16 scores"); the same numbers in float32
     scores = op.MatMul(op.Mul(q, op.Constant(value_float=scale)), op.Transpose(k, perm=[0, 1, 3, 2]))

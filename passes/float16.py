@@ -11,7 +11,11 @@ ascend.md §1.4; the LLM ports do the same). This pass makes that graph:
   of squares and in softmax): RMSNorm's ``x² → mean → + eps → sqrt → reciprocal`` chain (x² overflows float16
   from |x| = 256), every Softmax, and the rotary angles ``position · inv_freq`` up to Cos/Sin (float16 holds
   2048 only to ±1, a whole radian); a Cast to float32 enters each island and a Cast to float16 leaves it;
-- the logits stay float32 (one Cast at the output): the runtime's sampler and the step ABI read float32.
+- the logits stay float32 (one Cast at the output): the runtime's sampler and the step ABI read float32;
+- marked islands: a lowering that needs float32 math names the Casts entering it ``<ISLAND_IN>…`` and the Cast
+  leaving it ``<ISLAND_OUT>…`` (the readonly paged attention's log-sum-exp merge, passes/ascend/readonly.py): every
+  node reached forward from the entries, up to the exit, stays float32; an output a kernel produces in float32
+  whatever its inputs (:data:`F32_OUTPUTS`) keeps its type.
 
 Invariant (``ensures``): no float32 value is left outside the islands, the logits output and the Casts that
 bound them. Plugin ops (NPURmsNorm …) take float16 in and out; their internal precision is CANN's.
@@ -26,6 +30,10 @@ from omforge.passes.util import read_weight
 
 F32, F16 = ir.DataType.FLOAT, ir.DataType.FLOAT16
 ISLAND_TAG = "omforge.precision"  # metadata on the nodes of a float32 island
+ISLAND_IN, ISLAND_OUT = "f32_island_in.", "f32_island_out."  # value-name prefixes of a marked island's bounds
+F32_OUTPUTS: dict[str, tuple[int, ...]] = {"OmFusedInferAttentionScoreLse": (1,)}
+"""Outputs that are float32 whatever the graph: FIA's softmax_lse (DT_FLOAT only, hicann/ops-transformer c29bc10
+``fused_infer_attention_score_def.cpp:544``)."""
 # what follows RMSNorm's ReduceMean up to 1/rms (Pow: the ascend form without Sqrt, passes/ascend/lower.py)
 _CHAIN = ("Add", "Sqrt", "Pow", "Reciprocal", "Div")
 
@@ -82,7 +90,27 @@ def islands(graph: ir.Graph) -> list[tuple[str, list[ir.Node]]]:
     trig = [n for n in graph if n.op_type in ("Cos", "Sin")]
     if trig and (angles := _angle_island(trig)) is not None:
         found.append(("rotary", angles))
+    found.extend(("marked", chain) for chain in _marked_islands(graph))
     return found
+
+
+def _marked_islands(graph: ir.Graph) -> list[list[ir.Node]]:
+    """The marked islands (module docstring) as one node list (empty: none): the nodes reached forward from the
+    Casts whose outputs are named ``ISLAND_IN…``, not past a Cast whose output is named ``ISLAND_OUT…``."""
+    def named(node: ir.Node, prefix: str) -> bool:
+        return node.op_type == "Cast" and (node.outputs[0].name or "").startswith(prefix)
+
+    chain: list[ir.Node] = []
+    seen: set[int] = set()
+    todo = [n for n in graph if named(n, ISLAND_IN)]
+    while todo:
+        node = todo.pop()
+        if id(node) in seen or named(node, ISLAND_OUT):
+            continue
+        seen.add(id(node))
+        chain.append(node)
+        todo.extend(use.node for out in node.outputs for use in out.uses())
+    return [chain] if chain else []
 
 
 _INT_OUT = {"Shape": ir.DataType.INT64, "Size": ir.DataType.INT64, "NonZero": ir.DataType.INT64,
@@ -158,7 +186,7 @@ class CastToFloat16(ir.passes.InPlacePass):
     def __init__(self, logits: str = "logits"):
         super().__init__()
         self.logits = logits
-        self.islands_made: dict[str, int] = {"rms": 0, "softmax": 0, "rotary": 0}
+        self.islands_made: dict[str, int] = {"rms": 0, "softmax": 0, "rotary": 0, "marked": 0}
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -178,8 +206,9 @@ class CastToFloat16(ir.passes.InPlacePass):
                 node.metadata_props[ISLAND_TAG] = "float32"
                 continue
             _convert_attributes(node)
-            for out in node.outputs:
-                _retype(out, F16)
+            for i, out in enumerate(node.outputs):
+                if i not in F32_OUTPUTS.get(node.op_type, ()):
+                    _retype(out, F16)
         for value in graph.inputs:
             _retype(value, F16)
         for value in list(graph.initializers.values()):
@@ -235,7 +264,7 @@ class CastToFloat16(ir.passes.InPlacePass):
             if node.metadata_props.get(ISLAND_TAG) == "float32" or node.name in ("logits_f32",) \
                     or (node.op_type == "Cast" and node.name.endswith("_f32")):
                 continue
-            for out in node.outputs:
-                if out.dtype == F32:
+            for i, out in enumerate(node.outputs):
+                if out.dtype == F32 and i not in F32_OUTPUTS.get(node.op_type, ()):
                     raise ir.passes.PostconditionError(f"{node.op_type} {node.name!r}: float32 output {out.name!r} "
                                                        "outside a float32 island")

@@ -1,6 +1,7 @@
 """The attention bytes ``omforge inspect`` prints (runtime/ascend/attention_bytes.py), against the counts of
 docs/ascend-paged-attention.md §4 and issue 60's acceptance: an 8B-shaped 910B float16 in-place bundle reads within
-1.1× of the paged floor at batch 32 and 4k context, the gather one ~19×. Arithmetic only: nothing was measured."""
+1.1× of the paged floor at batch 32 and 4k context, readonly too, the gather one ~19×. Arithmetic only: nothing
+was measured."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_the_gather_count_is_the_docs_table() -> None:
 
 
 def test_an_8b_in_place_bundle_reads_within_1_1x_of_the_floor_and_gather_19x() -> None:
-    for mode, low, high in (("inplace", 1.0, 1.1), ("gather", 18.5, 19.5)):
+    for mode, low, high in (("inplace", 1.0, 1.1), ("readonly", 1.0, 1.1), ("gather", 18.5, 19.5)):
         m = manifest(mode)
         ratio = step_bytes(mode, AttentionShape.of(m), 32, 4096) / paged_floor(AttentionShape.of(m), 32, 4096)
         assert low <= ratio <= high, (mode, ratio)
@@ -46,6 +47,14 @@ def test_an_8b_in_place_bundle_reads_within_1_1x_of_the_floor_and_gather_19x() -
 def test_a_context_off_the_block_pays_for_the_whole_last_block() -> None:
     shape = AttentionShape.of(manifest("inplace"))
     assert step_bytes("inplace", shape, 1, 4097) > step_bytes("inplace", shape, 1, 4096) * 1.03
-    with pytest.raises(ValueError, match="'readonly' has no count"):
-        step_bytes("readonly", shape, 1, 1)
-    assert "not counted" in inspect_line(manifest("readonly"), 32, 4096)
+    with pytest.raises(ValueError, match="'paged' has no count"):
+        step_bytes("paged", shape, 1, 1)
+    assert "not counted" in inspect_line(manifest("paged"), 32, 4096)
+
+
+def test_readonly_reads_the_floor_plus_the_steps_rows_and_their_copy() -> None:
+    """Readonly = in place + the LSE (8·B·Hq) + the step's rows read, written as kv_new and copied (8 rows per
+    sequence, against in place's 4): for the 8B shape at batch 32 / 4k, 32 layers × (4·32·2 KiB + 8·32·32) more."""
+    shape = AttentionShape.of(manifest("readonly"))
+    extra = step_bytes("readonly", shape, 32, 4096) - step_bytes("inplace", shape, 32, 4096)
+    assert extra == 32 * (4 * 32 * 8 * 128 * 2 + 8 * 32 * 32)

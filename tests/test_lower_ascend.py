@@ -236,7 +236,7 @@ def test_plain_step_graph_with_host_copies_matches_the_ort_executor(export_dir: 
 def test_rejects_bad_options_and_opsets(export_dir: Path) -> None:
     with pytest.raises(ValueError, match="rmsnorm_plugin='npu' is not one of 'cann', 'omforge'"):
         lower_ascend.lower(fused(export_dir), rmsnorm_plugin="npu")
-    with pytest.raises(ValueError, match="paged_attention='atb' is not one of 'inplace', 'gather'"):
+    with pytest.raises(ValueError, match="paged_attention='atb' is not one of 'inplace', 'readonly', 'gather'"):
         lower_ascend.lower(fused(export_dir), paged_attention="atb")
     model = fused(export_dir)
     model.opset_imports[""] = 23

@@ -206,15 +206,18 @@ BAD = [
     ("activations-on-ascend",
      MODEL + "compile:\n  target: ascend\n  weights: int8\n  quantization:\n    activations: int8\n",
      "compile.quantization: activations is the ort target's choice; ascend computes in float16 (W8A16)"),
-    # compile.paged_attention (issue 60): ascend only; readonly not built yet; an in-place block size within FIA's
+    # compile.paged_attention (issue 60): ascend only; an in-place / readonly block size within FIA's
     # paged rule (non-zero multiple of 16 up to 512 in float16/bfloat16, aclnnFusedInferAttentionScoreV4.md:912, :1936)
     ("paged-attention-unknown", MODEL + "compile:\n  target: ascend\n  paged_attention: paged\n",
      "compile.paged_attention: 'paged' is not allowed; expected 'auto', 'inplace', 'readonly' or 'gather'"),
-    ("paged-attention-readonly", MODEL + "compile:\n  target: ascend\n  paged_attention: readonly\n",
-     "compile.paged_attention: readonly is not built yet; use auto, inplace or gather"),
+    ("paged-attention-readonly-block-8",
+     MODEL + "compile:\n  target: ascend\n  weights: float16\n  paged_attention: readonly\n  kv_block_size: 8\n",
+     "compile.kv_block_size: block size 8: FusedInferAttentionScore's paged mode takes a non-zero multiple of 16 up "
+     "to 512 in float16/bfloat16 (aclnnFusedInferAttentionScoreV4.md:912, :1936); paged_attention readonly needs "
+     "one"),
     *((f"paged-attention-{mode}-on-ort", MODEL + f"compile:\n  paged_attention: {mode}\n",
        f"compile.paged_attention: {mode} is for the ascend target; target ort takes auto (its paged attention is "
-       "its own)") for mode in ("inplace", "gather")),
+       "its own)") for mode in ("inplace", "readonly", "gather")),
     *((f"paged-attention-inplace-block-{bs}",
        MODEL + f"compile:\n  target: ascend\n  weights: float16\n  paged_attention: inplace\n  kv_block_size: {bs}\n",
        f"compile.kv_block_size: block size {bs}: FusedInferAttentionScore's paged mode takes a non-zero multiple of 16 "

@@ -22,9 +22,10 @@ from omforge.verify import verify
 
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """``inplace``: the tiny recipe for ascend (float16, auto → in place); ``gather``: the same with
-    ``compile.paged_attention: gather`` (its recipe under ``gather-recipe``). FAKE OMs on their plain twins."""
+    """``inplace``: the tiny recipe for ascend (float16, auto → in place); ``gather`` and ``readonly``: the same with
+    ``compile.paged_attention`` set (their recipes under ``<mode>-recipe``). FAKE OMs on their plain twins."""
     from test_acl_executor import plain_twin
+    from test_ascend_precision import plain_twin as precision_twin
     from test_ascend_precision import precision_recipe
 
     root = tmp_path_factory.mktemp("verify")
@@ -33,7 +34,11 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     recipe = precision_recipe(root, "float16", "gather", paged_attention="gather")
     gather = compile_bundle(recipe, root / "gather", root / "cache")
     fake_atc.build_bundle(gather, plain_twin(gather, root / "plain-gather", recipe))
-    return {"inplace": asc, "gather": gather, "gather-recipe": recipe}
+    readonly_recipe = precision_recipe(root, "float16", "readonly", paged_attention="readonly")
+    readonly = compile_bundle(readonly_recipe, root / "readonly", root / "cache")
+    fake_atc.build_bundle(readonly, precision_twin(readonly, readonly_recipe, root / "plain-readonly"))
+    return {"inplace": asc, "gather": gather, "gather-recipe": recipe, "readonly": readonly,
+            "readonly-recipe": readonly_recipe}
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +46,12 @@ def bundle(bundles: dict[str, Path]) -> Path:
     return bundles["inplace"]
 
 
-@pytest.mark.parametrize(("mode", "checked"), [("inplace", "pool rows"), ("gather", "kv_new")])
+@pytest.mark.parametrize(("mode", "checked"), [("inplace", "pool rows"), ("gather", "kv_new"), ("readonly", "kv_new")])
 def test_every_gear_passes_against_the_plain_twin(bundles: dict[str, Path], mode: str, checked: str) -> None:
     """The report names the mode first, then one line per gear with the logits and the mode's KV check (in place:
     the pool rows at the step's slots; gather: kv_new) and the run's time, the memory, the verdict."""
     lines: list[str] = []
-    recipe = bundles["gather-recipe"] if mode == "gather" else TINY_RECIPE
+    recipe = bundles.get(f"{mode}-recipe", TINY_RECIPE)
     assert verify(bundles[mode], recipe, acl=FakeAcl(), say=lines.append)
     gears = load_manifest(bundles[mode]).ascend.gears
     assert lines[0].startswith(f"mode: paged attention {mode}")

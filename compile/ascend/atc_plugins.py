@@ -15,7 +15,7 @@ from typing import Any, Literal
 from omforge.compile.ascend.render import PLUGIN_LIBRARY, PLUGIN_VENDOR, AtcError, PluginProject, templates, write_file
 from omforge.passes.ascend.lower import AscendLowering, CustomOp
 
-AttrKind = Literal["float", "int", "string"]
+AttrKind = Literal["float", "int", "bool", "string"]
 
 
 @dataclass(frozen=True)
@@ -88,10 +88,20 @@ PLUGINS: dict[str, PluginSpec] = {
         "DynamicInputRegister and builds the op in ParseOpToGraphFn (create_dynamic_input_key) — the form to switch",
         "to if ATC refuses this one. No kernel of ours is needed.",
     )),
+    "OmFusedInferAttentionScoreLse": PluginSpec(_attrs(
+        ("num_heads", "int"), ("num_key_value_heads", "int"), ("scale", "float"), ("input_layout", "string"),
+        ("sparse_mode", "int"), ("block_size", "int"), ("inner_precise", "int"), ("softmax_lse_flag", "bool"),
+    ), (
+        "The readonly paged attention's FusedInferAttentionScore: as OmFusedInferAttentionScore (every input at its",
+        "GE IR index: query 0, key 1, value 2, lengths 5-6, block_table 14; no mask, sparse_mode 0) plus",
+        "softmax_lse_flag, a GE Bool (fused_infer_attention_score_def.cpp:555; ONNX int -> bool), and the second",
+        "output softmax_lse, float32 [B, N, Q_S, 1] (def.cpp:544; aclnnFusedInferAttentionScoreV4.md:714).",
+        "[unverified] the same positional-mapping question as OmFusedInferAttentionScore. No kernel of ours is needed.",
+    )),
 }
 """Every op type our plugins map (attributes copied under the same names: the GE ops use the ONNX ones)."""
 
-_KINDS: dict[AttrKind, tuple[type, ...]] = {"float": (float, int), "int": (int,), "string": (str,)}
+_KINDS: dict[AttrKind, tuple[type, ...]] = {"float": (float, int), "int": (int,), "bool": (int,), "string": (str,)}
 _C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ONNX_KEY = re.compile(r"ai\.onnx::\d+::[A-Za-z_][A-Za-z0-9_]*")
 

@@ -139,6 +139,8 @@ ROWS: tuple[Row, ...] = (
         "a dynamic input (any count, one dtype; DT_BOOL at line 50: the gather path's masks)"),
     _plain("Cos", "Cos", 584, ((F32,),), at(MATH, "math/cos/op_graph/cos_proto.h", 39),
            f"UnaryDataType() ({_UNARY})"),
+    _plain("Exp", "Exp", 591, ((F32,),), at(MATH, "math/exp/op_graph/exp_proto.h", 45),
+           f"UnaryDataType() ({_UNARY}); the readonly paged attention's log-sum-exp (passes/ascend/readonly.py)"),
     _plain("Expand", "Expand", 592, ((F32, I64), (F16, I64), (B, I64)),
            at(MATH, "math/expand/op_graph/expand_proto.h", 44),
            "shape: int32 or int64 (line 45)"),
@@ -158,6 +160,8 @@ ROWS: tuple[Row, ...] = (
         "indices: IndexNumberType (line 66: int32, int64); the subgraph sets negative_index_support (line 74)"),
     _plain("Greater", "Greater", 595, ((I64, I64),), at(MATH, "math/greater/op_graph/greater_proto.h", 40),
            f"RealNumberType() ({at(METADEF, 'inc/external/graph/types.h', 371)})"),
+    _plain("Log", "Log", 599, ((F32,),), at(MATH, "math/log/op_graph/log_proto.h", 53),
+           "x: FLOAT among lines 53-55; the readonly paged attention's log-sum-exp"),
     Row("", "MatMul", (8, 18), "BatchMatMulV2", at(NN, "matmul/mat_mul_v3/framework/matmul_onnx_plugin.cpp", 64),
         (), ((F32, F32), (F16, F16)), at(NN, "common/inc/op_graph/op_nn_proto_extend.h", 727),
         "the plugin reads only transA/transB/fixed_shift_value, which we never emit"),
@@ -172,6 +176,18 @@ ROWS: tuple[Row, ...] = (
         ((F32, I64),), at(MATH, "math/reduce_mean/op_graph/reduce_mean_proto.h", 55),
         f"x: NumberType() ({at(METADEF, 'inc/external/graph/types.h', 365)}); axes as input 1 (opset 18), "
         "IndexNumberType (line 56)"),
+    Row("", "ReduceMax", (13, 18), "ReduceMax",
+        at(MATH, "math/reduce_max/framework/reduce_max_onnx_plugin.cpp", 236),
+        (Attr("keepdims", "INT", at(MATH, "math/reduce_max/framework/reduce_max_onnx_plugin.cpp", 124)),),
+        ((F32, I64),), at(MATH, "math/reduce_max/op_graph/reduce_max_proto.h", 59),
+        f"x: NumberType() ({at(METADEF, 'inc/external/graph/types.h', 365)}); axes as input 1 (opset 18), "
+        "IndexNumberType (line 60); the readonly paged attention's log-sum-exp"),
+    Row("", "ReduceSum", (13, 18), "ReduceSum",
+        at(MATH, "math/reduce_sum/framework/reduce_sum_onnx_plugin.cpp", 225),
+        (Attr("keepdims", "INT", at(MATH, "math/reduce_sum/framework/reduce_sum_onnx_plugin.cpp", 113)),),
+        ((F32, I64),), at(MATH, "math/reduce_sum/op_graph/reduce_sum_proto.h", 56),
+        f"x: NumberType() ({at(METADEF, 'inc/external/graph/types.h', 365)}); axes as input 1 (opset 18), "
+        "IndexNumberType (line 57); the readonly paged attention's log-sum-exp"),
     Row("", "Reshape", (8, 18), "Reshape", at(MATH, "conversion/reshape/framework/reshape_onnx_plugin.cpp", 41),
         (Attr("allowzero", "INT", at(MATH, "conversion/reshape/framework/reshape_onnx_plugin.cpp", 20)),),
         ((F32, I64), (F16, I64), (I64, I64)), at(MATH, "conversion/reshape/op_graph/reshape_proto.h", 44),
@@ -269,6 +285,19 @@ ROWS: tuple[Row, ...] = (
         "(def.cpp:137-146), block_table int32 (def.cpp:282); query float16/bfloat16 (def.cpp:27-48). Kernel: "
         "ascend910b / ascend910_93 only (def.cpp:570-571): a 310B or 310P bundle must not hold it. [unverified] "
         "compiled only against stub headers; the dynamic key/value inputs mapped by position"),
+    Row("", "OmFusedInferAttentionScoreLse", (11, 18), "FusedInferAttentionScore",
+        at(OURS, "compile/ascend/templates/onnx_plugin.cc.j2", 46),
+        tuple(Attr(n, f, at(OURS, "compile/ascend/templates/omforge_onnx_attrs.h.j2", 57 if f == "INT" else
+                            41 if f == "FLOAT" else 73))
+              for n, f in (("block_size", "INT"), ("inner_precise", "INT"), ("input_layout", "STRING"),
+                           ("num_heads", "INT"), ("num_key_value_heads", "INT"), ("scale", "FLOAT"),
+                           ("softmax_lse_flag", "INT"), ("sparse_mode", "INT"))),
+        ((F16, F16, F16, "", "", I64, I64, *[""] * 7, "INT32"),),
+        at(TRANSFORMER, "attention/fused_infer_attention_score/op_host/fused_infer_attention_score_def.cpp", 27),
+        "the readonly paged attention's FIA (passes/ascend/readonly.py): as OmFusedInferAttentionScore without the "
+        "mask (sparse_mode 0), plus softmax_lse_flag (a GE Bool, def.cpp:555: our plugin sets it from the ONNX int) "
+        "and the second output softmax_lse float32 (def.cpp:544). Kernel: ascend910b / ascend910_93 only "
+        "(def.cpp:570-571). [unverified] compiled only against stub headers"),
 )
 """Every row (see the module docstring); the FAKE atc refuses a graph with a use none of them covers."""
 

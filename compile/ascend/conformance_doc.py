@@ -48,15 +48,18 @@ LLAMA_8B = "models/llama-3-8b-random-ascend.yaml"
 
 @dataclass(frozen=True)
 class Variant:
-    """One ascend bundle the document covers: a recipe compiled with ``weights`` for ``soc``."""
+    """One ascend bundle the document covers: a recipe compiled with ``weights`` for ``soc`` (and a
+    ``compile.paged_attention`` other than ``auto``: the modes auto never picks)."""
 
     recipe: str  # relative to the repository
     weights: str
     soc: str
+    paged_attention: str = "auto"
 
     @property
     def name(self) -> str:
-        return f"{Path(self.recipe).stem}/{self.weights}/{self.soc}"
+        mode = "" if self.paged_attention == "auto" else f"/{self.paged_attention}"
+        return f"{Path(self.recipe).stem}/{self.weights}/{self.soc}{mode}"
 
     @property
     def twin(self) -> bool:
@@ -72,11 +75,13 @@ def _int8_allowed(soc: str) -> bool:
 VARIANTS: tuple[Variant, ...] = (
     *(Variant(TINY, w, soc) for soc in SOCS for w in ("float32", "float16", "int8")
       if w != "int8" or _int8_allowed(soc)),
+    Variant(TINY, "float16", "Ascend910B3", "readonly"),
     *(Variant(SMOLLM2, w, "Ascend910B3") for w in ("float32", "float16", "int8")),
     *(Variant(LLAMA_8B, w, "Ascend910B3") for w in ("float16", "int8")),
 )
 """Every bundle of the document: the tiny recipe on each SoC in float32, float16 and W8A16 where the SoC builds
-it; SmolLM2 and the 8B-shaped recipe (its twin) on Atlas A2, the SoC their recipes are written for."""
+it, and in float16 on Atlas A2 with the readonly paged attention (a mode auto never picks); SmolLM2 and the
+8B-shaped recipe (its twin) on Atlas A2, the SoC their recipes are written for."""
 FAST: tuple[Variant, ...] = tuple(v for v in VARIANTS if v.recipe == TINY and (
     v.soc == "Ascend910B3" or v.weights == "float16" or v.soc == "Ascend310B1"))
 """The variants tests/test_ascend_conformance_matrix.py compiles (seconds each once the tiny export is cached): the
@@ -100,7 +105,8 @@ def variant_recipe(variant: Variant, out: Path) -> Path:
         data = twin_recipe(data)
     compile_section = {k: v for k, v in data.get("compile", {}).items() if k not in ("dtype", "precision_mode")}
     data["compile"] = {**compile_section, "target": "ascend", "weights": variant.weights,
-                       "soc_version": variant.soc}
+                       "soc_version": variant.soc,
+                       **({"paged_attention": variant.paged_attention} if variant.paged_attention != "auto" else {})}
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{variant.name.replace('/', '-')}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))

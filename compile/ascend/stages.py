@@ -212,9 +212,9 @@ def memory_plan(recipe: Recipe, plan: BucketPlan, step_dir: Path, layout: dict[s
             note="a pooling bundle (no KV pool): weights once, step buffers once (see load); the workspace is an "
                  "estimate until the OM is built; not measured on hardware", load=ACL_LOAD_PATH)
     slot = layout["num_layers"] * 2 * layout["kv_heads"] * layout["head_dim"] * itemsize
-    inplace = paged_attention(recipe, plan.block_size)[0] == "inplace"  # no kv_new; two [B] int64 lengths
-    io = max(8 * (3 * t + b * m + b * q + n) + 4 * n * vocab_size + (16 * b if inplace else t * slot)
-             for t, b, q, n, m in gears)
+    mode = paged_attention(recipe, plan.block_size)[0]  # inplace: no kv_new; in/readonly: two [B] int64 lengths
+    io = max(8 * (3 * t + b * m + b * q + n) + 4 * n * vocab_size + (16 * b if mode != "gather" else 0)
+             + (t * slot if mode != "inplace" else 0) for t, b, q, n, m in gears)
     inter, heads = config["intermediate_size"], config["num_attention_heads"]
     bs = plan.block_size
     work = max(t * (4 * hidden + 2 * inter) * itemsize + 4 * b * heads * q * m * bs + 2 * b * m * bs * slot

@@ -92,6 +92,8 @@ lowering must not emit it on any SoC)."""
 
 INPLACE_KERNELS = ("ScatterPaKvCache", "FusedInferAttentionScore")
 """What ``compile.paged_attention: inplace`` emits on 910B / 910_93 (passes/ascend/lower.py)."""
+READONLY_KERNELS = ("FusedInferAttentionScore",)
+"""What ``compile.paged_attention: readonly`` emits on 910B / 910_93 (passes/ascend/readonly.py): no write op."""
 INPLACE_DTYPES = ("float16", "bfloat16")
 """The graph dtypes FIA computes in (its query: float16 / bfloat16 / int8, def.cpp:27-48)."""
 PAGED_ATTENTION_CHOICES = ("auto", "inplace", "readonly", "gather")
@@ -140,12 +142,21 @@ def paged_attention_mode(requested: str, soc_version: str, graph_dtype: str,
     """``(mode, note)``: the paged-attention mode a bundle is built with and why (one line, printed at compile and
     recorded in the manifest's ``ascend.paged_attention_note``). ``auto``: ``inplace`` where every kernel of
     :data:`INPLACE_KERNELS` ships for ``soc_version`` and the graph is float16/bfloat16, else ``gather``.
-    Raises ValueError (one line) for ``inplace`` where it cannot be built, and for ``readonly`` (not built yet)."""
+    ``readonly`` (never chosen by auto): where :data:`READONLY_KERNELS` ship and the graph is float16/bfloat16.
+    Raises ValueError (one line) for ``inplace`` / ``readonly`` where it cannot be built."""
     if requested not in PAGED_ATTENTION_CHOICES:
         raise ValueError(f"paged_attention {requested!r} is not one of {', '.join(PAGED_ATTENTION_CHOICES)}")
     if requested == "readonly":
-        raise ValueError("paged_attention 'readonly' (FIA over the pool as it was, merged by log-sum-exp) is not "
-                         "built yet; use auto, inplace or gather")
+        missing = [missing_reason(op, soc_version) for op in READONLY_KERNELS if not ships(op, soc_version)]
+        if graph_dtype not in INPLACE_DTYPES:
+            missing.append(f"FusedInferAttentionScore computes in float16/bfloat16/int8, the graph is {graph_dtype} "
+                           f"[{KERNELS['FusedInferAttentionScore'].source}]")
+        if block_size is not None and (problem := paged_block_size_problem(block_size)) is not None:
+            missing.append(problem)
+        if missing:
+            raise ValueError(f"paged_attention 'readonly' cannot be built: {missing[0]}")
+        return "readonly", (f"readonly: FusedInferAttentionScore (with its log-sum-exp) ships for {soc_version}; "
+                            "the recipe chose it: the step's rows come out as kv_new and are copied into the pools")
     if requested == "gather":
         return "gather", "gather: the recipe chose it"
     missing = [missing_reason(op, soc_version) for op in INPLACE_KERNELS if not ships(op, soc_version)]

@@ -60,6 +60,10 @@ Atlas A2/A3 only, so Atlas 300I/310P gets plain rotary, and Atlas 200I/500 A2 (3
                 FAKE pyACL runs: the same interface, the writes as ScatterND (out of place) whose results are the
                 extra outputs ``<pool>`` + REF_SUFFIX, and the attention in plain ops over the written pools with
                 the same mask semantics.
+  PagedAttention, ``paged_attention="readonly"`` (910B / 910_93, never chosen by auto): FIA with ``softmax_lse_flag``
+                over the plain (non-RefData) pools as they were before the step, the step's own rows in plain ops,
+                merged by log-sum-exp; ``kv_new [L, 2, num_tokens, kv, D]`` out, copied by the executor
+                (:mod:`omforge.passes.ascend.readonly`).
   PagedAttention, ``paged_attention="gather"`` → the step graph, out of place, over ONE pool
                 ``kv_cache [num_slots, num_layers, 2, kv_heads, head_dim]`` (slot-major: every layer's K and V
                 row of a slot side by side, §2.4 / §5.1) with a static slot count (``num_slots``), so the pool
@@ -112,6 +116,7 @@ from onnxscript.rewriter import pattern
 from omforge.contract.ascend import KV_NEW, KV_POOL, REF_SUFFIX, SEQ_LENS_KV, SEQ_LENS_Q, SLOT_MAPPING
 from omforge.passes import decompose, lora, ops
 from omforge.passes.ascend import kernels as ascend_kernels
+from omforge.passes.ascend import readonly
 
 CANN_RMSNORM_EPS = 1e-6
 """The epsilon CANN's NPURmsNorm/NPUAddRmsNorm plugins hard-code (reference/ascend.md §2.2)."""
@@ -120,7 +125,7 @@ MAX_OPSET = 18
 
 RMSNORM_PLUGINS = ("cann", "omforge")
 ATTENTION_MODES = ("plain", "pfa")
-PAGED_ATTENTION_MODES = ("inplace", "gather")
+PAGED_ATTENTION_MODES = ("inplace", "readonly", "gather")
 DEFAULT_RMSNORM_PLUGIN = "omforge"  # CANN's fixed epsilon moves SmolLM2's logits by up to 0.012 (module docstring)
 
 _NORM_OPS = {"cann": ("NPURmsNorm", "NPUAddRmsNorm"), "omforge": ("OmRmsNorm", "OmAddRmsNorm")}
@@ -162,6 +167,13 @@ SPECS: dict[str, OpSpec] = {
                                           "actual_seq_lengths_kv", "dequant_scale1", "quant_scale1", "dequant_scale2",
                                           "quant_scale2", "quant_offset2", "antiquant_scale", "antiquant_offset",
                                           "block_table"), ("attention_out",)),
+    # readonly (passes/ascend/readonly.py): the same GE op with softmax_lse_flag, its second output
+    # (fused_infer_attention_score_def.cpp:544, :555 in hicann/ops-transformer c29bc10)
+    "OmFusedInferAttentionScoreLse": OpSpec("FusedInferAttentionScore", (), False,
+                                            ("query", "key", "value", "pse_shift", "atten_mask", "actual_seq_lengths",
+                                             "actual_seq_lengths_kv", "dequant_scale1", "quant_scale1",
+                                             "dequant_scale2", "quant_scale2", "quant_offset2", "antiquant_scale",
+                                             "antiquant_offset", "block_table"), ("attention_out", "softmax_lse")),
 }
 """Every non-standard op type this lowering can emit."""
 
@@ -406,12 +418,14 @@ def _fia_inputs_at_ir_indices(graph: ir.Graph) -> None:
     """Put each FIA node's inputs at their GE IR indices, empty between (the rewriter's builder drops None inputs):
     our plugin maps ONNX inputs to IR inputs by position."""
     for node in graph:
-        if node.op_type == "OmFusedInferAttentionScore" and len(node.inputs) == len(_FIA_INPUTS_AT):
+        at = {"OmFusedInferAttentionScore": _FIA_INPUTS_AT,
+              "OmFusedInferAttentionScoreLse": readonly.FIA_LSE_INPUTS_AT}.get(node.op_type)
+        if at is not None and len(node.inputs) == len(at):
             given = list(node.inputs)
             node.resize_inputs(len(SPECS[node.op_type].inputs))
             for i in range(len(node.inputs)):
                 node.replace_input_with(i, None)
-            for value, index in zip(given, _FIA_INPUTS_AT):
+            for value, index in zip(given, at):
                 node.replace_input_with(index, value)
 
 
@@ -474,13 +488,7 @@ def _stack_new_rows(graph: ir.Graph, pool: ir.Value, num_layers: int) -> list[st
     """Replace the per-layer pool inputs by ``pool`` and the per-layer new-row outputs (left under the names
     ``key_cache_out.N`` / ``value_cache_out.N``) by one ``kv_new [num_tokens, L, 2, kv, D]``; drop the then
     unused ``slot_mapping``. Returns the inputs removed."""
-    rows: dict[tuple[int, int], ir.Value] = {}
-    for value in graph.outputs:
-        m = re.fullmatch(r"(key|value)_cache_out\.(\d+)", value.name or "")
-        if m is not None:
-            rows[int(m[2]), 0 if m[1] == "key" else 1] = value
-    if sorted(rows) != [(n, k) for n in range(num_layers) for k in (0, 1)]:
-        raise RuntimeError(f"ascend lowering: new K/V rows of {num_layers} layers expected, found {sorted(rows)}")
+    rows = readonly.new_row_outputs(graph, num_layers)
     nodes: list[ir.Node] = []
     axis1 = ir.node("Constant", [], attributes={"value_ints": [1]}, name="kv_new_axis")
     nodes.append(axis1)
@@ -520,7 +528,8 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
 
 
 def lower(model: ir.Model, *, rmsnorm_plugin: Literal["cann", "omforge"] = DEFAULT_RMSNORM_PLUGIN,
-          attention: Literal["plain", "pfa"] = "plain", paged_attention: Literal["inplace", "gather"] = "gather",
+          attention: Literal["plain", "pfa"] = "plain",
+          paged_attention: Literal["inplace", "readonly", "gather"] = "gather",
           plain: bool = False, num_slots: int | None = None,
           soc_version: str = DEFAULT_SOC_VERSION) -> AscendLowering:
     """Lower every neutral op in ``model`` in place for ATC (see the module docstring for each choice).
@@ -556,14 +565,17 @@ def lower(model: ir.Model, *, rmsnorm_plugin: Literal["cann", "omforge"] = DEFAU
     plain_eps = CANN_RMSNORM_EPS if plain and rmsnorm_plugin == "cann" else None  # emulate CANN's numerics
     pfa = attention == "pfa" and fused["Attention"]
     inplace = paged_attention == "inplace" and bool(neutral.get("PagedAttention"))
-    if inplace:
-        missing = [ascend_kernels.missing_reason(op, soc_version) for op in ascend_kernels.INPLACE_KERNELS
+    read_only = paged_attention == "readonly" and bool(neutral.get("PagedAttention"))
+    if inplace or read_only:
+        kernels = ascend_kernels.INPLACE_KERNELS if inplace else ascend_kernels.READONLY_KERNELS
+        missing = [ascend_kernels.missing_reason(op, soc_version) for op in kernels
                    if not ascend_kernels.ships(op, soc_version)]
         if missing:
-            raise ValueError(f"ascend lowering: paged_attention='inplace' on {soc_version}: {missing[0]}")
+            raise ValueError(f"ascend lowering: paged_attention={paged_attention!r} on {soc_version}: {missing[0]}")
         if any(decompose.window_of(n) for n in model.graph if n.op_type == "PagedAttention"):
-            raise ValueError("ascend lowering: paged_attention='inplace' has no sliding window")
-    pool = _pool_input(model.graph, num_slots) if neutral.get("PagedAttention") and not inplace else None
+            raise ValueError(f"ascend lowering: paged_attention={paged_attention!r} has no sliding window")
+    pool = _pool_input(model.graph, num_slots) \
+        if neutral.get("PagedAttention") and not (inplace or read_only) else None
     if pool is not None and num_slots is not None:
         _check_gather_bound(pool[0])
     paged_rules = []
@@ -574,6 +586,10 @@ def lower(model: ir.Model, *, rmsnorm_plugin: Literal["cann", "omforge"] = DEFAU
         seq_q, seq_kv = _inplace_inputs(model.graph, num_slots, block_size)
         paged_rules.append(PagedAttentionInPlace.rule(plain=plain, seq_q=seq_q, seq_kv=seq_kv,
                                                       mask=None if plain else _fia_mask(model.graph)))
+    elif read_only:
+        block_size = next(int(n.attributes["block_size"].value) for n in model.graph if n.op_type == "PagedAttention")
+        seq_q, seq_kv = _inplace_inputs(model.graph, num_slots, block_size)
+        paged_rules.append(readonly.PagedAttentionReadOnly.rule(plain=plain, seq_q=seq_q, seq_kv=seq_kv))
     rules = pattern.RewriteRuleSet([
         *paged_rules,
         AddRMSNormRule.rule(add_norm, plain_eps),
@@ -598,6 +614,12 @@ def lower(model: ir.Model, *, rmsnorm_plugin: Literal["cann", "omforge"] = DEFAU
         result.new_kv_outputs.append(KV_NEW)
     elif inplace:
         result.ref_inputs = _inplace_outputs(model.graph, plain)
+        _fia_inputs_at_ir_indices(model.graph)
+    elif read_only:
+        pools = [v for v in model.graph.inputs if re.fullmatch(r"key_cache\.\d+", v.name or "")]
+        readonly.stack_layer_major(model.graph, len(pools), pools[0])
+        result.removed_inputs.append(SLOT_MAPPING)
+        result.new_kv_outputs.append(KV_NEW)
         _fia_inputs_at_ir_indices(model.graph)
     result.custom_ops = _custom_ops(model.graph, opset)
     if rmsnorm_plugin == "cann" and any(abs(e - CANN_RMSNORM_EPS) > 1e-12 for e in epsilons):

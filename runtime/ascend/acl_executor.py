@@ -13,7 +13,7 @@ inputs in order, outputs by index in ACL's ``op:edge:name`` form, gears, pool si
 in device memory (zeroed) and put, as the same buffers, into the input dataset — resident, never copied whole; one
 device buffer per step input and output, sized for the largest gear; one pinned host buffer for logits.
 
-Two pool layouts, by manifest ``ascend.paged_attention``:
+Three modes (two pool layouts), by manifest ``ascend.paged_attention``:
 
 - ``gather``: one pool ``kv_cache [num_slots, num_layers, 2, kv_heads, head_dim]``. Each run of a step
   (:func:`acl_plan.plan_runs`): the padded step inputs go host → device, the gear is selected through the
@@ -27,6 +27,10 @@ Two pool layouts, by manifest ``ascend.paged_attention``:
   and its logits out — nothing else: no ``kv_new``, no row copies. The pool's last ``ascend.scratch_blocks`` blocks
   are scratch and never handed to the scheduler. A block is ``2 × num_layers`` pieces (one per pool) for
   copy-on-write and swapping.
+- ``readonly``: the same per-layer pools, bound as plain inputs the graph only reads (FIA over the pool as it was,
+  passes/ascend/readonly.py); the step's rows come out as ``kv_new [num_layers, 2, num_tokens, kv, D]`` (layer-major)
+  and, after each run, are queued device → device into the pools with ONE ``memcpy_async`` per run of consecutive
+  slots PER POOL (2L per run), then one ``synchronize_stream``. Padding rows are never copied: no scratch blocks.
 
 LoRA (a bundle compiled with ``compile.lora``, docs/lora.md): the adapter pools ``lora_a.*`` / ``lora_b.*`` (static
 shapes, the graph's float type) are device buffers allocated and zeroed once and bound as the OM's inputs like the KV
@@ -67,6 +71,7 @@ from omforge.runtime.ascend.acl_plan import (
     COPY_ALIGN,
     DESC_SIZE_SLACK,
     INPLACE_STEP_INPUTS,
+    READONLY_STEP_INPUTS,
     STEP_GRAPH_INPUTS,
     AclModelMismatch,
     ModelDesc,
@@ -153,16 +158,19 @@ class AclExecutor:
         self.layout = manifest.kv.paged_layout
         self.plan = manifest.buckets
         self.mode = asc.paged_attention
-        if self.mode not in ("gather", "inplace"):
+        if self.mode not in ("gather", "inplace", "readonly"):
             raise BundleError(f"{bundle}: ascend.paged_attention '{self.mode}' is not built yet (this executor runs "
-                              "'inplace' and 'gather' bundles); recompile with compile.paged_attention: auto")
+                              "'inplace', 'readonly' and 'gather' bundles); recompile with compile.paged_attention: "
+                              "auto")
         self.inplace = self.mode == "inplace"
+        self.readonly = self.mode == "readonly"
+        self.per_layer = self.mode != "gather"  # per-layer pools key_cache.N / value_cache.N
         self.num_slots = asc.num_slots
         bs = self.layout.block_size
         total_blocks = self.num_slots // bs
         self.scratch = Scratch(total_blocks - asc.scratch_blocks, asc.scratch_blocks, bs) if self.inplace else None
         self.num_blocks = total_blocks - (asc.scratch_blocks if self.inplace else 0)  # what the scheduler may use
-        self.max_prompt_len = max_prompt_len(self.plan, self.inplace)
+        self.max_prompt_len = max_prompt_len(self.plan, self.per_layer)  # padding rows never enter a context
         # plan_runs splits a step into decode-gear and prefill-gear executions anyway: no mixed batches, the
         # scheduler alternates decode and prefill steps; the pool size is compiled into the OM models
         self.capabilities = ExecutorCapabilities(supports_mixed_batches=False, max_prompt_len=self.max_prompt_len,
@@ -171,12 +179,13 @@ class AclExecutor:
         self.inputs = [t.name for t in manifest.abi.inputs]
         self.outputs = [t.name for t in manifest.abi.outputs]
         self.pool_names = ([n for i in range(self.layout.num_layers) for n in (key_cache(i), value_cache(i))]
-                           if self.inplace else [KV_POOL])
+                           if self.per_layer else [KV_POOL])
         self.lora_inputs = [n for n in self.inputs if n.startswith(LORA_POOL_PREFIXES)]  # adapter pools: resident
         self.step_inputs = [n for n in self.inputs if n not in self.pool_names and n not in self.lora_inputs]
-        made = (*(INPLACE_STEP_INPUTS if self.inplace else STEP_GRAPH_INPUTS),
-                *((SLOTS_INPUT,) if self.lora_inputs else ()))
-        if set(self.step_inputs) - set(made) or (self.inplace and KV_NEW in self.outputs):
+        made = (*(INPLACE_STEP_INPUTS if self.inplace else READONLY_STEP_INPUTS if self.readonly
+                  else STEP_GRAPH_INPUTS), *((SLOTS_INPUT,) if self.lora_inputs else ()))
+        if set(self.step_inputs) - set(made) or (self.inplace and KV_NEW in self.outputs) \
+                or (self.readonly and KV_NEW not in self.outputs):
             raise BundleError(f"{bundle}: the step graph's inputs {self.step_inputs} / outputs {self.outputs} are "
                               f"not those of a '{self.mode}' bundle this executor feeds ({list(made)})")
         self.input_shape = asc.input_shape  # what ATC's --input_shape listed
@@ -222,9 +231,10 @@ class AclExecutor:
         lay = self.layout
         self.pool_dtype = np.dtype(lay.kv_dtype)  # float32, or float16 for an fp16 graph; checked against the OM
         self.slot_bytes = lay.num_layers * 2 * lay.kv_heads * lay.head_dim * self.pool_dtype.itemsize
-        if self.inplace:
-            self.piece_bytes = lay.block_size * lay.kv_heads * lay.head_dim * self.pool_dtype.itemsize
-            check_slot_alignment(self.piece_bytes)  # one block of one pool: a memcpy_async address
+        if self.per_layer:
+            self.row_bytes = lay.kv_heads * lay.head_dim * self.pool_dtype.itemsize  # one slot of one pool
+            self.piece_bytes = lay.block_size * self.row_bytes
+            check_slot_alignment(self.row_bytes if self.readonly else self.piece_bytes)  # memcpy_async addresses
             self.one_pool_bytes = self.num_slots // lay.block_size * self.piece_bytes
         else:
             check_slot_alignment(self.slot_bytes)  # slots and kv_new rows are memcpy_async addresses
@@ -248,14 +258,14 @@ class AclExecutor:
         self.host_logits = rt.malloc_host(self.host_logits_size)
         self._push("acl.rt.free_host", lambda: rt.free_host(self.host_logits))
         self.block_bytes = lay.block_size * self.slot_bytes  # every pool's share of one block
-        staging = self.piece_bytes if self.inplace else self.block_bytes
+        staging = self.piece_bytes if self.per_layer else self.block_bytes
         self.host_block = rt.malloc_host(staging)
         self._push("acl.rt.free_host", lambda: rt.free_host(self.host_block))
 
     def _allocate_pools(self) -> None:
         """The pools in one device allocation, zeroed (masked slots must not be NaN). In place: one sub-buffer per
         pool, each starting at a multiple of :data:`COPY_ALIGN` and with room for the OM's described size."""
-        if not self.inplace:
+        if not self.per_layer:
             self.pool = self._malloc(self.pool_bytes + DESC_SIZE_SLACK)  # the OM may describe it a little larger
             self.rt.memset(self.pool, self.pool_bytes)
             self.pool_ptr = {KV_POOL: self.pool}
@@ -299,7 +309,7 @@ class AclExecutor:
         desc_handle = rt.create_desc(model_id)
         self._push("acl.mdl.destroy_desc", lambda: rt.destroy_desc(desc_handle))
         desc = rt.describe(desc_handle)
-        pools = [(n, self.one_pool_bytes if self.inplace else self.pool_bytes) for n in self.pool_names]
+        pools = [(n, self.one_pool_bytes if self.per_layer else self.pool_bytes) for n in self.pool_names]
         check_desc(desc, self.inputs, self.outputs, self.input_shape, self.om_gears, pools)
         self._check_load_reservation(desc, free_before - rt.free_device_memory()[0], handle is not None)
         m = _Model(model_id, desc)
@@ -410,8 +420,8 @@ class AclExecutor:
         out = np.empty((len(needing), self.vocab), np.float32)
         with self._on_device():
             self._sync_lora()
-            for run in plan_runs(work, self.plan, self.inplace):
-                packed = pack_run(run, work, self.layout.block_size, self.scratch)
+            for run in plan_runs(work, self.plan, self.per_layer):
+                packed = pack_run(run, work, self.layout.block_size, self.scratch, readonly=self.readonly)
                 if self.lora_inputs:
                     packed.inputs[SLOTS_INPUT] = pack_lora_slots(run, work, run.choice.num_tokens)
                 self._run(om_gear(run.choice), packed.inputs)
@@ -419,7 +429,9 @@ class AclExecutor:
                     logits = self._logits(run.choice.num_logits)
                     for model_row, item in packed.logit_rows:
                         out[row_of[item]] = logits[model_row]
-                if not self.inplace:  # in place, the graph wrote the rows into the pools itself
+                if self.readonly:
+                    self._store_pool_rows(packed.slots, run.choice.num_tokens)
+                elif not self.inplace:  # in place, the graph wrote the rows into the pools itself
                     self._store_rows(packed.slots)
         return out
 
@@ -469,12 +481,25 @@ class AclExecutor:
                                            copy.rows * sb, self.stream)
         self.rt.synchronize(self.stream)  # the next run reads the pool
 
+    def _store_pool_rows(self, slots: np.ndarray, num_tokens: int) -> None:
+        """Readonly: ``kv_new [L, 2, num_tokens, kv, D]`` (``num_tokens``: the run's gear) into the per-layer pools:
+        pool ``2N + kind`` (K0 V0 K1 V1 …) takes ``kv_new[N, kind]``, one async D2D copy per run of consecutive slots
+        per pool (2L copies per run), then one synchronize (the next run reads the pools)."""
+        rb, src = self.row_bytes, self.model.out_ptr[KV_NEW]
+        for copy in slot_copy_plan(slots):
+            dst_off = copy.dst_slot * rb
+            for i, name in enumerate(self.pool_names):
+                self.rt.device_to_device_async(self.pool_ptr[name] + dst_off, self.one_pool_bytes - dst_off,
+                                               src + (i * num_tokens + copy.src_row) * rb, copy.rows * rb,
+                                               self.stream)
+        self.rt.synchronize(self.stream)
+
     # --- block copies: copy-on-write and the host swap tier -----------------------------------------------
 
     def _pieces(self, block: int) -> list[tuple[int, int, int]]:
         """Block ``block`` as ``(address, bytes left in its pool from there, bytes)`` per pool: one piece holding
         every layer (gather: the block's slots are contiguous) or ``2 × num_layers`` (in place, K0 V0 K1 V1 …)."""
-        if not self.inplace:
+        if not self.per_layer:
             off = block * self.block_bytes
             return [(self.pool + off, self.pool_bytes - off, self.block_bytes)]
         off = block * self.piece_bytes

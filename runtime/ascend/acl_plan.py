@@ -49,6 +49,8 @@ STEP_GRAPH_INPUTS = ("input_ids", "position_ids", "block_tables", "query_index",
 """The gather step graph's step inputs (the ABI less ``slot_mapping``: the runtime places the new rows itself)."""
 INPLACE_STEP_INPUTS = (*STEP_GRAPH_INPUTS, SLOT_MAPPING, SEQ_LENS_Q, SEQ_LENS_KV)
 """What :func:`pack_run` makes for an in-place step graph (its pools are bound, never packed)."""
+READONLY_STEP_INPUTS = (*STEP_GRAPH_INPUTS, SEQ_LENS_Q, SEQ_LENS_KV)
+"""What :func:`pack_run` makes for a readonly step graph (no ``slot_mapping``: the executor places kv_new's rows)."""
 
 MAX_DIM_CNT = 128
 """ACL_MAX_DIM_CNT: a gear's dims list holds at most 128 values (hicann/ge ``model_om2.cpp``; reference §3.4)."""
@@ -292,7 +294,8 @@ class PackedRun:
     logit_rows: list[tuple[int, int]] = field(default_factory=list)  # (row in the model's logits, item)
 
 
-def pack_run(run: Run, work: Sequence[SeqWork], block_size: int, scratch: Scratch | None = None) -> PackedRun:
+def pack_run(run: Run, work: Sequence[SeqWork], block_size: int, scratch: Scratch | None = None,
+             readonly: bool = False) -> PackedRun:
     """The padded inputs of ``run``: real tokens first (model rows ``0..n-1``), padding after them.
 
     prefill: one sequence; padding tokens continue the positions after the chunk (masked from the real queries by
@@ -303,6 +306,10 @@ def pack_run(run: Run, work: Sequence[SeqWork], block_size: int, scratch: Scratc
     for the padding rows), ``actual_seq_lengths`` (query tokens per sequence) and ``actual_seq_lengths_kv`` (context
     after the write); padding tokens of a prefill piece repeat its last real position (they stay inside the
     context: no real row reads them), padding sequences read scratch block ``first`` with lengths 1 and 1.
+
+    ``readonly``: ``actual_seq_lengths`` as in place, ``actual_seq_lengths_kv`` ``max(context BEFORE the run, 1)``
+    (FIA never gets an empty context; the graph drops that part where the first query is at position 0), prefill
+    padding rows at the last real position; no ``slot_mapping`` (the executor copies ``kv_new``'s real rows).
     """
     c, bs = run.choice, block_size
     T, B, Q, M = c.num_tokens, c.num_seqs, c.max_query_len, c.max_blocks
@@ -345,6 +352,8 @@ def pack_run(run: Run, work: Sequence[SeqWork], block_size: int, scratch: Scratc
     real = np.asarray(slots, np.int64)
     if scratch is not None:
         _pack_inplace(run, inputs, real, scratch)
+    elif readonly:
+        _pack_lengths(run, inputs, before=True)
     return PackedRun(inputs, real, logit_rows)
 
 
@@ -352,14 +361,21 @@ def _pack_inplace(run: Run, inputs: dict[str, np.ndarray], real: np.ndarray, scr
     """The in-place inputs of :func:`pack_run` (see there), added to ``inputs``; the gather ones adjusted."""
     c = run.choice
     inputs[SLOT_MAPPING] = np.concatenate([real, scratch.slots(c.num_tokens - len(real))])
+    _pack_lengths(run, inputs, before=False)
+    if c.model != "prefill":
+        inputs["block_tables"][len(run.pieces):] = scratch.first
+
+
+def _pack_lengths(run: Run, inputs: dict[str, np.ndarray], before: bool) -> None:
+    """FIA's actual lengths per sequence (query tokens; the context after the run, or ``before`` it, at least 1:
+    readonly), 1/1 for padding sequences; a prefill piece's padding rows at its last real position."""
+    c = run.choice
     q_lens, kv_lens = np.ones(c.num_seqs, np.int64), np.ones(c.num_seqs, np.int64)
     for b, p in enumerate(run.pieces):
-        q_lens[b], kv_lens[b] = p.count, p.start + p.count
+        q_lens[b], kv_lens[b] = p.count, max(p.start, 1) if before else p.start + p.count
     if c.model == "prefill":
         (p,) = run.pieces
         inputs["position_ids"][0, p.count:] = p.start + p.count - 1
-    else:
-        inputs["block_tables"][len(run.pieces):] = scratch.first
     inputs[SEQ_LENS_Q], inputs[SEQ_LENS_KV] = q_lens, kv_lens
 
 

@@ -14,6 +14,10 @@ for whole blocks; at a gear it pays for the gear's ``max_blocks · block_size``,
 - ``inplace``: FusedInferAttentionScore / IncreFlashAttention read the pool through the block table: the floor over
   whole blocks (2·B·C·kv·D·s), the block table (4·B·C/block_size), and the step's new rows, read and written once
   by ScatterPaKvCache (4·B·kv·D·s). [unverified: the kernels' own extra traffic, e.g. tiling, softmax state]
+- ``readonly``: FusedInferAttentionScore reads the pool as it was through the block table (the floor over whole
+  blocks and the table, as in place) and writes its log-sum-exp (float32, ``B·Hq`` per layer, read back by the
+  merge: 8·B·Hq); the step's own rows are read by the plain-op attention (2·B·kv·D·s), written as ``kv_new``
+  (2·B·kv·D·s) and copied into the pools by the executor (read and written: 4·B·kv·D·s).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from omforge.contract import cdiv
 if TYPE_CHECKING:
     from omforge.contract.manifest import Manifest
 
-MODES = ("gather", "inplace")
+MODES = ("gather", "inplace", "readonly")
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,8 @@ def step_bytes(mode: str, shape: AttentionShape, batch: int, ctx: int) -> int:
     row = shape.kv_heads * shape.head_dim * s
     if mode == "inplace":
         per_layer = 2 * batch * c * row + 4 * batch * (c // bs) + 4 * batch * row
+    elif mode == "readonly":
+        per_layer = 2 * batch * c * row + 4 * batch * (c // bs) + 8 * batch * shape.q_heads + 8 * batch * row
     else:
         g = shape.q_heads // shape.kv_heads
         e = batch * c * row

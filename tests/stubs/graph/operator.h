@@ -1,8 +1,8 @@
 // STUB for syntax checking only, not CANN.
 // The subset of CANN's include/graph/operator.h (metadef) that omforge's generated ONNX plugins and RefData
 // builder use, with the same signatures (IsEmpty, GetName: hicann/ge inc/graph_metadef/external/graph/operator.h:108,
-// 113; SetAttr(const char_t*, int64_t): :317). The inline bodies (a name -> value map) only let the harnesses
-// (tests/stubs/plugin_harness.cc, refdata_harness.cc) read back what was set; they are not CANN's implementation.
+// 113; SetAttr(const char_t*, int64_t): :317; SetAttr(const char_t*, bool): :345). The inline bodies (a name ->
+// value map) only let the harnesses (tests/stubs/plugin_harness.cc, refdata_harness.cc) read back what was set; they are not CANN's implementation.
 #pragma once
 
 #include <cstdint>
@@ -43,6 +43,7 @@ class Operator {
   Operator& SetAttr(const char_t* name, float32_t attr_value) { return Set(name, attr_value); }
   Operator& SetAttr(const char_t* name, int64_t attr_value) { return Set(name, attr_value); }
   Operator& SetAttr(const char_t* name, int32_t attr_value) { return Set(name, static_cast<int64_t>(attr_value)); }
+  Operator& SetAttr(const char_t* name, bool attr_value) { return Set(name, static_cast<int64_t>(attr_value)); }  // :345
   Operator& SetAttr(const char_t* name, const AscendString& attr_value) {
     return Set(name, std::string(attr_value.GetString()));
   }
