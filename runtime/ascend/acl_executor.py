@@ -49,9 +49,8 @@ to confirm is marked [unverified].
 
 from __future__ import annotations
 
-import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -88,6 +87,7 @@ from omforge.runtime.ascend.acl_plan import (
     plan_runs,
     slot_copy_plan,
 )
+from omforge.runtime.ascend.acl_session import AclSession
 from omforge.runtime.executor import ExecutorCapabilities
 from omforge.runtime.step import SeqWork
 
@@ -135,7 +135,7 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-class AclExecutor:
+class AclExecutor(AclSession):
     """One ascend bundle on one NPU. ``acl``: the pyACL module (default ``import acl``; tests pass a fake).
     ``notes``: the one-line notices set-up printed (a refused load option, an input GE copies)."""
 
@@ -152,7 +152,7 @@ class AclExecutor:
                     raise AclUnavailable(f"{e}; and {missing}") from None
                 raise
         self.om = check_bundle(bundle, manifest)
-        self.rt = AclRuntime(acl)
+        self._start_session(AclRuntime(acl), device)
         asc = manifest.ascend
         assert asc is not None  # check_bundle refused a manifest without it
         self.layout = manifest.kv.paged_layout
@@ -196,9 +196,6 @@ class AclExecutor:
                 raise BundleError(f"{bundle}: a gear pads up to {most} rows and ascend.scratch_blocks "
                                   f"({self.scratch.blocks}) holds {self.scratch.blocks * bs} distinct scratch slots")
         self.memory = asc.memory
-        self.device = device
-        self.notes: list[str] = []
-        self._undo: list[tuple[str, Callable[[], None]]] = []
         self._lock = threading.Lock()  # a model must not execute on two threads at once (§3.3)
         try:
             self._open()
@@ -211,21 +208,9 @@ class AclExecutor:
 
     # --- set-up and teardown ------------------------------------------------------------------------------
 
-    def _push(self, what: str, release: Callable[[], None]) -> None:
-        self._undo.append((what, release))
-
-    def _say(self, line: str) -> None:
-        self.notes.append(line)
-        print(f"omforge: {line}", file=sys.stderr)
-
     def _open(self) -> None:
         rt = self.rt
-        rt.init()
-        self._push("acl.finalize", rt.finalize)
-        rt.set_device(self.device)
-        self._push("acl.rt.reset_device", lambda: rt.reset_device(self.device))
-        self.context = rt.create_context(self.device)
-        self._push("acl.rt.destroy_context", lambda: rt.destroy_context(self.context))
+        self._open_device()
         self.stream = rt.create_stream()
         self._push("acl.rt.destroy_stream", lambda: rt.destroy_stream(self.stream))
         lay = self.layout
@@ -295,11 +280,6 @@ class AclExecutor:
                 f"{'' if need.measured else ' estimated'}; {load}) and NPU "
                 f"{self.device} has {_gib(free)} free of {_gib(total)}: compile with a smaller serve.num_kv_blocks "
                 "(or max_batch_size / max_seq_len)")
-
-    def _malloc(self, size: int) -> int:
-        ptr = self.rt.malloc(size)
-        self._push("acl.rt.free", lambda: self.rt.free(ptr))
-        return ptr
 
     def _load(self, path: Path, handle: Any) -> _Model:
         rt = self.rt
@@ -383,25 +363,6 @@ class AclExecutor:
             f"{round(excess / size)} of the pool inputs {names[0]} … {names[-1]} ({size} bytes each)"
         self._say(f"{self.om}: the load took {excess} bytes more than {how} plans, the size of {which}: GE copies it "
                   "in on every execute (zero copy lost, davinci_model.cc:2282-2290) and the device holds it twice")
-
-    def close(self) -> None:
-        """Release everything in reverse order of acquisition; a failing release does not stop the others (the
-        first failure is raised after all ran). Idempotent."""
-        first: BaseException | None = None
-        while self._undo:
-            _, release = self._undo.pop()
-            try:
-                release()
-            except BaseException as e:
-                first = first or e
-        if first is not None:
-            raise first
-
-    def __enter__(self) -> AclExecutor:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     @contextmanager
     def _on_device(self) -> Iterator[None]:

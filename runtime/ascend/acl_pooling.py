@@ -20,9 +20,8 @@ NOT RUN ON HARDWARE: tested against ``tests/fake_acl.py`` only (its "OM" is the 
 
 from __future__ import annotations
 
-import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ from omforge.contract.pooling import POOLING_INPUTS
 from omforge.errors import OmforgeError
 from omforge.runtime.ascend.acl_api import AclRuntime, import_acl
 from omforge.runtime.ascend.acl_plan import ACL_DTYPES, as_dtype, check_desc, device_need, gear_dims
+from omforge.runtime.ascend.acl_session import AclSession
 
 
 def step_gear(gear: Sequence[int], gear_dim_names: Sequence[str]) -> tuple[int, ...]:
@@ -87,7 +87,7 @@ def pad_to_gear(inputs: dict[str, np.ndarray], rows: range, gear: tuple[int, int
             "pool_index": pool_index}
 
 
-class AclPoolingExecutor:
+class AclPoolingExecutor(AclSession):
     """One pooling bundle's OM on one NPU; ``run(inputs)`` → the output rows ``[num_seqs, width]`` float32 of one
     packed batch (runtime/pooling.py ``pack``). ``acl``: pyACL (default ``import acl``; tests pass a fake)."""
 
@@ -102,7 +102,7 @@ class AclPoolingExecutor:
         self.om = check_bundle(bundle, manifest)  # a missing OM is said before a missing pyACL
         if acl is None:
             acl = import_acl()
-        self.rt = AclRuntime(acl)
+        self._start_session(AclRuntime(acl), device)
         self.output = manifest.pooling.output
         self.inputs = [t.name for t in manifest.abi.inputs]
         self.outputs = [t.name for t in manifest.abi.outputs]
@@ -116,9 +116,6 @@ class AclPoolingExecutor:
         self.step_gears = [step_gear(g, asc.gear_dims) for g in asc.gears]
         self.input_shape = asc.input_shape
         self.memory = asc.memory
-        self.device = device
-        self.notes: list[str] = []
-        self._undo: list[Callable[[], None]] = []
         self._lock = threading.Lock()  # a model must not execute on two threads at once (§3.3)
         try:
             self._open()
@@ -128,17 +125,11 @@ class AclPoolingExecutor:
 
     def _open(self) -> None:
         rt = self.rt
-        rt.init()
-        self._undo.append(rt.finalize)
-        rt.set_device(self.device)
-        self._undo.append(lambda: rt.reset_device(self.device))
-        self.context = rt.create_context(self.device)
-        self._undo.append(lambda: rt.destroy_context(self.context))
+        self._open_device()
         handle, refused = rt.open_load_config(str(self.om))
         if handle is None:
-            self.notes.append(f"{self.om}: ACL refused ACL_MDL_WORKSPACE_MEM_OPTIMIZE (code {refused}); loading with "
-                              "acl.mdl.load_from_file instead: GE reserves the model's inputs and outputs again")
-            print(f"omforge: {self.notes[-1]}", file=sys.stderr)
+            self._say(f"{self.om}: ACL refused ACL_MDL_WORKSPACE_MEM_OPTIMIZE (code {refused}); loading with "
+                      "acl.mdl.load_from_file instead: GE reserves the model's inputs and outputs again")
         try:
             plan = self.memory
             need = device_need(plan.weights_bytes, plan.workspace_bytes_estimate, plan.io_bytes, 0,
@@ -156,42 +147,19 @@ class AclPoolingExecutor:
         finally:
             if handle is not None:
                 rt.destroy_config(handle, check=False)
-        self._undo.append(lambda: rt.unload_model(self.model_id))
+        self._push("acl.mdl.unload", lambda: rt.unload_model(self.model_id))
         desc_handle = rt.create_desc(self.model_id)
-        self._undo.append(lambda: rt.destroy_desc(desc_handle))
+        self._push("acl.mdl.destroy_desc", lambda: rt.destroy_desc(desc_handle))
         self.desc = desc = rt.describe(desc_handle)
         check_desc(desc, self.inputs, self.outputs, self.input_shape, self.step_gears, [])
         self.in_ptr = {t.name: self._malloc(t.size) for t in desc.inputs}  # the dynamic-dims input too (§3.4)
         self.out_ptr, self.out_size = self._malloc(desc.outputs[0].size), desc.outputs[0].size
         self.in_dataset, in_bufs = rt.create_dataset([(self.in_ptr[t.name], t.size) for t in desc.inputs])
-        self._undo.append(lambda: rt.destroy_dataset(self.in_dataset, in_bufs))
+        self._push("acl.mdl.destroy_dataset", lambda: rt.destroy_dataset(self.in_dataset, in_bufs))
         self.out_dataset, out_bufs = rt.create_dataset([(self.out_ptr, self.out_size)])
-        self._undo.append(lambda: rt.destroy_dataset(self.out_dataset, out_bufs))
+        self._push("acl.mdl.destroy_dataset", lambda: rt.destroy_dataset(self.out_dataset, out_bufs))
         self.host_out = rt.malloc_host(self.out_size)
-        self._undo.append(lambda: rt.free_host(self.host_out))
-
-    def _malloc(self, size: int) -> int:
-        ptr = self.rt.malloc(size)
-        self._undo.append(lambda: self.rt.free(ptr))
-        return ptr
-
-    def close(self) -> None:
-        """Release everything in reverse order; a failing release does not stop the others (the first failure is
-        raised after all ran). Idempotent."""
-        first: BaseException | None = None
-        while self._undo:
-            try:
-                self._undo.pop()()
-            except BaseException as e:
-                first = first or e
-        if first is not None:
-            raise first
-
-    def __enter__(self) -> AclPoolingExecutor:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._push("acl.rt.free_host", lambda: rt.free_host(self.host_out))
 
     def run(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
         """The output rows of the packed batch ``inputs``, in order (split into gear runs)."""
