@@ -16,11 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omforge.contract.serve_options import SERVE_OPTIONS, ServeOption
+from omforge.contract.serve_options import SERVE_GROUPS, SERVE_OPTIONS, ServeOption
 from omforge.errors import OmforgeError
 
 EXIT_USAGE = 2
 EXIT_ATC_LEFT = 3  # compile --target ascend finished everything but the ATC step (no atc on PATH)
+RUNTIME_LORA_ENV = "OMFORGE_ALLOW_RUNTIME_LORA_UPDATING"  # 1 or true: --enable-runtime-lora (vLLM's VLLM_ALLOW_…)
 
 
 def _peak_rss_mb() -> float:
@@ -231,11 +232,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            log_level=args.log_level, tool_call_parser=args.tool_call_parser,
                            body_timeout=args.body_timeout, max_request_body_bytes=args.max_request_body_bytes,
                            header_timeout=args.header_timeout)
+    if args.enable_runtime_lora is None and os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true"):
+        args.enable_runtime_lora = True
     engine_options = {}
     for o in SERVE_OPTIONS:  # None: not given, the bundle's value
         value = getattr(args, o.name) if o.cli_flag else None
         if value is not None and o.nargs:
-            value = _pairs(o, value)
+            value = _pairs(o, value) if o.kind is dict else list(value)
         elif value is not None and o.kind is dict:
             try:
                 value = json.loads(value)
@@ -290,10 +293,20 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 _Subparsers = argparse._SubParsersAction  # what add_subparsers returns
 
 
+class _ExactParser(argparse.ArgumentParser):
+    """A subcommand's parser: long options only as spelt in full (``allow_abbrev`` off)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omforge", description="Compile Llama-family LLMs to fused, paged-KV "
-                                "ONNX Runtime / Ascend OM artifacts and serve them.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+                                "ONNX Runtime / Ascend OM artifacts and serve them.", allow_abbrev=False)
+    # abbreviations off everywhere (a misspelt --max-num-seq is an error, not --max-num-seqs): every subcommand's
+    # parser is made with allow_abbrev=False too
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_ExactParser)
     _compile_parser(sub)
     _inspect_parser(sub)
     _serve_parser(sub)
@@ -338,31 +351,34 @@ def _serve_parser(sub: _Subparsers) -> None:
     p = sub.add_parser("serve", help="serve a bundle over an OpenAI-compatible HTTP API (completions, chat, "
                        "streaming, /metrics)")
     p.add_argument("bundle", help="a bundle directory (omforge compile's output)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    p.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 (default $OMFORGE_API_KEY, or none)")
-    p.add_argument("--served-model-name", help="the model id clients send (default the recipe's model name)")
-    _serve_option_flags(p)
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get to finish "
-                   "after SIGTERM (default 30)")
-    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
-    p.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
-                   help="seconds a connection gets to send a request's headers; past it the connection is closed "
-                   "(default 10)")
-    p.add_argument("--body-timeout", type=float, default=30.0,
-                   help="seconds a client gets to send a request body before a 408 (default 30)")
-    p.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
-                   help="the largest request body accepted; a larger one gets a 413 (default 8388608, 8 MiB)")
-    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "mistral"],
-                   help="the format the model writes tool calls in (default: detected from its chat template)")
+    groups = {title: p.add_argument_group(title, description) for title, description in SERVE_GROUPS}
+    _serve_option_flags(groups)
+    api, http = groups["API"], groups["HTTP"]
+    api.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 (default $OMFORGE_API_KEY, or none)")
+    api.add_argument("--served-model-name", help="the model id clients send (default the recipe's model name)")
+    api.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "mistral"],
+                     help="the format the model writes tool calls in (default: detected from its chat template)")
+    http.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    http.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    http.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                      help="seconds a connection gets to send a request's headers; past it the connection is closed "
+                      "(default 10)")
+    http.add_argument("--body-timeout", type=float, default=30.0,
+                      help="seconds a client gets to send a request body before a 408 (default 30)")
+    http.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
+                      help="the largest request body accepted; a larger one gets a 413 (default 8388608, 8 MiB)")
+    http.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get to finish "
+                      "after SIGTERM (default 30)")
+    http.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
 
-def _serve_option_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per serve option of contract/serve_options.py (default None: the bundle's value)."""
+def _serve_option_flags(groups: dict[str, Any]) -> None:
+    """One flag per serve option of contract/serve_options.py (default None: the bundle's value), in its group."""
     for o in SERVE_OPTIONS:
         if o.cli_flag is None:
             continue
+        p = groups[o.group]
         default = "" if o.default is None else f"; recipe default {o.default}"
         where = f" (overrides the bundle's serve.{o.name}{default})" if o.recipe else ""
         common = {"dest": o.name, "default": None, "help": o.help + where}

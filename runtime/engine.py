@@ -95,7 +95,7 @@ class LLMEngine:
             if m.lora is not None and caps.lora_pools is None:
                 raise EngineConfigError(f"this bundle has LoRA slots (compile.lora) but its executor "
                                         f"({type(self.executor).__name__}) binds no adapter pools")
-            self.lora = LoraRegistry.open(m.lora, self.config, cfg.max_loras, cfg.lora_modules)
+            self.lora = LoraRegistry.open(m.lora, self.config, cfg.max_loras, cfg.lora_modules, cfg.max_cpu_loras)
         except OmforgeError:  # release what was built so far
             for connector in (self.pd, self.hicache):
                 if connector is not None:

@@ -11,6 +11,7 @@ pool (an ascend bundle: the block count is compiled into the OM models) replaces
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -18,7 +19,7 @@ from omforge.contract import cdiv
 from omforge.contract.manifest import Manifest, ModelConfig
 from omforge.contract.serve_options import SERVE_OPTIONS
 from omforge.errors import OmforgeError
-from omforge.runtime.scheduler import PREEMPTION_MODES, SchedulerConfig
+from omforge.runtime.scheduler import LORA_FAIRNESS_S, PREEMPTION_MODES, SchedulerConfig
 
 SERVE_DEFAULTS = {o.name: o.default for o in SERVE_OPTIONS}
 CALLER_OPTIONS = ("prefault_kv", "serving")
@@ -40,6 +41,9 @@ DECODE_STEP_TOKEN_BUDGET = 128
 FLOAT32_PREFILL_WITH_DECODES = 64
 MIXED_STEP_TIME_RATIO = SERVE_DEFAULTS["mixed_step_time_ratio"]  # serve.mixed_step_time_ratio
 DEFAULT_HICACHE_STORAGE_GB = 16.0  # the storage tier's budget when none is given
+DEFAULT_MAX_CPU_LORAS = 16
+"""``max_cpu_loras`` when none is given: the larger of this, ``max_loras`` and the ``lora_modules`` count (adapters
+live in host memory once registered: each is its A and B in float32)."""
 HICACHE_STORAGE_BACKENDS = ("file",)
 QUEUE_BATCHES = 1
 """The default ``max_waiting_requests`` is this many full batches (``QUEUE_BATCHES * max_num_seqs``) until the
@@ -87,6 +91,9 @@ class EngineConfig:
     reasoning_budget: int | None = None  # the thinking budget of a request that sets none (None: no cap)
     lora_modules: dict[str, str] | None = None  # LoRA adapters loaded at start: name → path (docs/lora.md)
     max_loras: int | None = None  # adapters resident at once (a LoRA bundle: 1 … compile.lora.max_loras; else None)
+    max_cpu_loras: int | None = None  # adapters registered at once (a LoRA bundle: resolved; else None)
+    enable_runtime_lora: bool = False  # the server's load/unload routes answer (docs/lora.md, "Runtime loading")
+    lora_dirs: tuple[str, ...] | None = None  # where those may read adapters: real paths of existing directories
 
     @classmethod
     def resolve(cls, manifest: Manifest, **overrides: Any) -> EngineConfig:
@@ -151,7 +158,7 @@ class EngineConfig:
                    serving=bool(overrides.get("serving")), kv_transfer_config=pick("kv_transfer_config"),
                    reasoning_parser=pick("reasoning_parser"), reasoning_budget=pick("reasoning_budget"),
                    float32_weights=manifest.weights.precision == "float32", mixed_step_time_ratio=float(ratio),
-                   **_lora(manifest, pick("lora_modules"), pick("max_loras")), **tiers)
+                   **_lora(manifest, pick), **tiers)
 
     def with_num_kv_blocks(self, num_blocks: int) -> EngineConfig:
         """The same configuration on a pool the executor fixed (``ExecutorCapabilities.num_blocks``)."""
@@ -175,7 +182,16 @@ class EngineConfig:
                                max_prefill_tokens_with_decodes=cap, decode_step_token_budget=budget,
                                mixed_step_time_ratio=ratio,
                                max_model_len=self.max_model_len,
-                               eos_token_ids=model.eos_token_ids, sliding_window=model.sliding_window)
+                               eos_token_ids=model.eos_token_ids, sliding_window=model.sliding_window,
+                               lora_fairness_s=self.lora_fairness_s)
+
+    @property
+    def lora_fairness_s(self) -> float:
+        """Seconds a request is passed over for its adapter before the fairness rule holds (runtime/scheduler.py
+        ``LORA_FAIRNESS_S``), at most a quarter of ``max_queue_time_s``: it starts well before the queue bound."""
+        if self.max_queue_time_s is None:
+            return LORA_FAIRNESS_S
+        return min(LORA_FAIRNESS_S, self.max_queue_time_s / 4)
 
 
 def _hicache(pick: Any) -> dict[str, Any]:
@@ -199,16 +215,22 @@ def _hicache(pick: Any) -> dict[str, Any]:
             "hicache_storage_dir": None if where is None else str(where), "hicache_storage_size_gb": size}
 
 
-def _lora(manifest: Manifest, modules: Any, max_loras: Any) -> dict[str, Any]:
-    """``lora_modules`` (name → path) and ``max_loras`` (default: the bundle's slots), checked against the bundle's
+def _lora(manifest: Manifest, pick: Any) -> dict[str, Any]:
+    """The LoRA options — ``lora_modules`` (name → path), ``max_loras`` (default: the bundle's slots),
+    ``max_cpu_loras`` (default: :data:`DEFAULT_MAX_CPU_LORAS` or more), ``enable_runtime_lora`` (needs ``lora_dirs``)
+    and ``lora_dirs`` (existing directories, kept as real paths) — checked against each other and the bundle's
     ``lora`` section (one line naming the option at fault)."""
     spec = manifest.lora
-    if spec is None:
-        for name, value in (("lora_modules", modules), ("max_loras", max_loras)):
+    modules, max_loras, cap = pick("lora_modules"), pick("max_loras"), pick("max_cpu_loras")
+    runtime, dirs = bool(pick("enable_runtime_lora")), pick("lora_dirs")
+    if spec is None:  # enable_runtime_lora alone is a permission with nothing to permit (it may come from the env)
+        for name, value in (("lora_modules", modules), ("max_loras", max_loras), ("max_cpu_loras", cap),
+                            ("lora_dirs", dirs)):
             if value:
                 raise EngineConfigError(f"{name}: this bundle was compiled without compile.lora (no adapter slots); "
                                         "recompile it with compile.lora to serve LoRA adapters")
-        return {"lora_modules": None, "max_loras": None}
+        return {"lora_modules": None, "max_loras": None, "max_cpu_loras": None, "enable_runtime_lora": False,
+                "lora_dirs": None}
     if modules is not None and (not isinstance(modules, dict)
                                 or not all(isinstance(k, str) and k and isinstance(v, str) and v
                                            for k, v in modules.items())):
@@ -218,7 +240,32 @@ def _lora(manifest: Manifest, modules: Any, max_loras: Any) -> dict[str, Any]:
     if isinstance(max_loras, bool) or not isinstance(max_loras, int) or not 1 <= max_loras <= spec.max_loras:
         raise EngineConfigError(f"max_loras must be 1 … {spec.max_loras} (the bundle's compile.lora.max_loras), "
                                 f"got {max_loras}")
-    return {"lora_modules": dict(modules) if modules else None, "max_loras": max_loras}
+    count = len(modules or {})
+    if cap is None:
+        cap = max(DEFAULT_MAX_CPU_LORAS, max_loras, count)
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < max(1, max_loras, count):
+        raise EngineConfigError(f"max_cpu_loras must be a whole number at least max_loras ({max_loras}) and the "
+                                f"lora_modules given ({count}), got {cap!r}")
+    if runtime and not dirs:
+        raise EngineConfigError("enable_runtime_lora needs lora_dirs (--lora-dirs DIR …: the directories adapters "
+                                "may be loaded from at run time)")
+    return {"lora_modules": dict(modules) if modules else None, "max_loras": max_loras, "max_cpu_loras": cap,
+            "enable_runtime_lora": runtime, "lora_dirs": _lora_dirs(dirs)}
+
+
+def _lora_dirs(dirs: Any) -> tuple[str, ...] | None:
+    """``lora_dirs`` as the real paths of existing directories (None: not given); a word that is not one is an
+    error naming it."""
+    if not dirs:
+        return None
+    if isinstance(dirs, str) or not all(isinstance(d, str) and d for d in dirs):
+        raise EngineConfigError(f"lora_dirs must be a list of directories, got {dirs!r}")
+    real = []
+    for d in dirs:
+        if not os.path.isdir(d):
+            raise EngineConfigError(f"lora_dirs: {d} is not a directory")
+        real.append(os.path.realpath(d))
+    return tuple(dict.fromkeys(real))
 
 
 def _queue_time(value: float | None) -> float | None:

@@ -14,13 +14,17 @@ at most ``max_num_seqs`` requests are RUNNING or loading, counting the ``n > 1``
 request is in exactly one of waiting / running / swapped / loading until it finishes; blocks are held only under
 the id of the request that owns them; every RUNNING, SWAPPED or loading request with an adapter pins it once (so a
 step carries at most ``max_loras`` adapters), and no other request does; an adapter a step's work reads is written
-into its slot by that step's plan (``lora_loads``) or an earlier one.
+into its slot by that step's plan (``lora_loads``) or an earlier one. LoRA fairness: once a waiting request has been
+passed over for its adapter (every slot pinned by others) for ``lora_fairness_s``, no request that is not so passed
+over is admitted with an adapter (base-model requests still are) until it holds a slot: the pinned slots drain and
+the first such request in the queue gets the first one freed, however busy the adapters holding them are.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,6 +41,11 @@ if TYPE_CHECKING:
 PREEMPTION_MODES = ("recompute", "swap")
 MIN_PREFILL_WITH_DECODES = 32  # prefill tokens a step with decodes may always carry (the token budget's floor)
 MIN_TIMED_PREFILL = 16  # the time rule's floor: prefill progresses however slow a token is
+LORA_FAIRNESS_S = 2.0
+"""Seconds a request may be passed over for its LoRA adapter (every slot pinned by other adapters) before the
+adapters holding the slots get no new work (``SchedulerConfig.lora_fairness_s``; engine_config lowers it to a quarter
+of a shorter ``max_queue_time_s``): a slot drains within the running requests' lifetimes, well inside the queue
+bound, instead of never while those adapters keep receiving requests."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,7 @@ class SchedulerConfig:
     max_model_len: int | None = None  # a request that reaches it finishes with "length"
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None  # blocks wholly before the window go back to the pool
+    lora_fairness_s: float | None = LORA_FAIRNESS_S  # see LORA_FAIRNESS_S (None: no fairness rule)
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -65,6 +75,8 @@ class SchedulerConfig:
             raise ValueError("decode_step_token_budget must be at least 1")
         if self.mixed_step_time_ratio is not None and self.mixed_step_time_ratio <= 1:
             raise ValueError("mixed_step_time_ratio must be above 1 (the decodes alone are 1)")
+        if self.lora_fairness_s is not None and self.lora_fairness_s < 0:
+            raise ValueError("lora_fairness_s must be 0 or more seconds")
 
     def prefill_cap(self, decodes: int) -> int | None:
         """Prefill tokens a step carrying ``decodes`` decoding sequences may take (None: the budget's rest)."""
@@ -133,8 +145,9 @@ class _StepBudget:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig, connectors: Sequence[KVConnector] = (),
-                 lora: LoraRegistry | None = None):
+                 lora: LoraRegistry | None = None, clock: Callable[[], float] = time.monotonic):
         self.kv = kv
+        self.clock = clock  # the fairness rule's time (seconds)
         self.lora = lora  # the engine's adapter registry (None: the bundle has no LoRA, every request is the base's)
         self.connectors = list(connectors)
         self.config = config
@@ -149,6 +162,8 @@ class Scheduler:
         self.num_preemptions = 0
         self._last_was_decode = False
         self.step_cost = StepCost()  # the time rule's model, fed by observe_step
+        self._passed_over: dict[str, float] = {}  # waiting request id → when its adapter first found no slot
+        self._starving = False  # this step: someone was passed over past lora_fairness_s (no new pins but theirs)
 
     def observe_step(self, prefill_tokens: int, decode_tokens: int, seconds: float) -> None:
         """A finished step's shape and duration (the engine's clock), for the time rule."""
@@ -209,8 +224,35 @@ class Scheduler:
         return True
 
     def _lora_waits(self, req: Request) -> bool:
-        """Whether ``req``'s adapter could not get a slot now: not resident, and every slot holds a pinned one."""
-        return req.lora is not None and self.lora is not None and self.lora.would_wait(req.lora)
+        """Whether ``req``'s adapter keeps it waiting this step: it could not get a slot now (not resident, every
+        slot pinned by other adapters), or the fairness rule holds it back (:meth:`_held_back`)."""
+        if req.lora is None or self.lora is None:
+            return False
+        return self._held_back(req) or self.lora.would_wait(req.lora)
+
+    def _held_back(self, req: Request) -> bool:
+        """The fairness rule: while a request passed over for its adapter past ``lora_fairness_s`` waits, a request
+        with an adapter that was not is not admitted (it would re-pin the slots that must drain)."""
+        return self._starving and req.lora is not None and not self._starved(req)
+
+    def _starved(self, req: Request) -> bool:
+        """Whether ``req`` has been passed over for its adapter for ``lora_fairness_s`` or longer."""
+        since = self._passed_over.get(req.request_id)
+        bound = self.config.lora_fairness_s
+        return since is not None and bound is not None and self.clock() - since >= bound
+
+    def _update_starving(self) -> None:
+        """Whether the fairness rule holds this step: a request passed over past the bound is still waiting."""
+        bound = self.config.lora_fairness_s
+        if not self._passed_over or bound is None:
+            self._starving = False
+            return
+        now = self.clock()
+        self._starving = any(now - since >= bound for since in self._passed_over.values())
+
+    def _passed(self, req: Request) -> None:
+        """``req`` found no slot for its adapter this step (the first time starts its fairness clock)."""
+        self._passed_over.setdefault(req.request_id, self.clock())
 
     def _unpin(self, req: Request) -> None:
         """Release ``req``'s pin on its adapter's slot, if it holds one (idempotent)."""
@@ -252,6 +294,7 @@ class Scheduler:
             if request in queue:
                 queue.remove(request)
         self._unpin(request)
+        self._passed_over.pop(request.request_id, None)
         if request.request_id not in self.loading:
             self.kv.free(request.request_id)
 
@@ -422,6 +465,7 @@ class Scheduler:
             if request in queue:
                 queue.remove(request)
         self._unpin(request)  # it runs no more (blocks held for a load or a reader need no adapter)
+        self._passed_over.pop(request.request_id, None)
         rid = request.request_id
         if rid in self.loading:  # its blocks are freed when the load ends
             return
@@ -446,6 +490,7 @@ class Scheduler:
         return None, None
 
     def _fill(self, out: SchedulerOutput) -> None:
+        self._update_starving()
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         room = self._occupied() < self.max_num_seqs  # waiting/swapped work can only start with a free seat
         # a waiting request whose adapter cannot get a slot now is no prefill this step can start
@@ -546,7 +591,11 @@ class Scheduler:
             rid = req.request_id
             if self._occupied() + self._seats(req) > self.max_num_seqs:
                 break  # an n > 1 request waits until all its sequences can run
+            if self._held_back(req):
+                i += 1  # the fairness rule: a request passed over longer goes first; the ones behind may go
+                continue
             if not self._pin(req, out):
+                self._passed(req)
                 i += 1  # every adapter slot is pinned by other adapters: it waits, the ones behind it may go
                 continue
             hit, source = None, None
@@ -565,6 +614,7 @@ class Scheduler:
                     break
                 self._allocated(req, source, self.kv.block_table(rid)[cached // bs:], external)
                 del self.waiting[i]
+                self._passed_over.pop(rid, None)
                 req.status = Status.WAITING_FOR_REMOTE_KV
                 self.loading[rid] = req
                 continue
@@ -584,6 +634,7 @@ class Scheduler:
             req.num_cached_tokens = max(req.num_cached_tokens,
                                         min(req.num_computed_tokens, len(req.prompt_token_ids)))
             del self.waiting[i]
+            self._passed_over.pop(rid, None)
             req.status = Status.RUNNING
             self.running.append(req)
             self._admit(out, step, req, n, copies, prefill=True)

@@ -132,7 +132,8 @@ def _serve(bundle: str | Path, options: ServeOptions, sock: socket.socket, t0: f
     template = engine.tokenizer.chat_template if engine.tokenizer is not None else None
     tool_format = detect_format(template) if options.tool_call_parser == "auto" else options.tool_call_parser
     state = ServerState(async_engine, metrics, name, options.api_key, engine.max_model_len, int(time.time()),
-                        tool_format, options.body_timeout, options.max_request_body_bytes)
+                        tool_format, options.body_timeout, options.max_request_body_bytes,
+                        cfg.lora_dirs if cfg.enable_runtime_lora else None)
     app = build_app(state)
 
     @contextlib.asynccontextmanager
@@ -157,9 +158,15 @@ def _serve(bundle: str | Path, options: ServeOptions, sock: socket.socket, t0: f
           f"{engine.engine_config.max_num_seqs}, context {engine.max_model_len}, loaded in "
           f"{time.perf_counter() - t0:.1f}s", flush=True)
     if engine.lora is not None:
-        adapters = ", ".join(engine.lora.names()) or "none yet (POST /v1/load_lora_adapter)"
+        adapters = ", ".join(engine.lora.names()) or "none yet"
+        runtime = f"runtime loads from {', '.join(cfg.lora_dirs or ())}" if cfg.enable_runtime_lora else \
+            "runtime loading off (--enable-runtime-lora)"
         print(f"omforge serve: LoRA: {cfg.max_loras} of {engine.manifest.lora.max_loras} adapter slot(s) resident "
-              f"at once, rank <= {engine.manifest.lora.max_rank}; adapters: {adapters}", flush=True)
+              f"at once, rank <= {engine.manifest.lora.max_rank}; adapters: {adapters} (at most {cfg.max_cpu_loras}; "
+              f"{runtime})", flush=True)
+        if cfg.enable_runtime_lora and not options.api_key:
+            log.warning("runtime LoRA loading is on without --api-key: any client may load adapters from %s",
+                        ", ".join(cfg.lora_dirs or ()))
     if st.hicache is not None:
         for name, tier in st.hicache.tiers.items():
             where = f" {engine.engine_config.hicache_storage_dir}" if name == "storage" else ""

@@ -36,6 +36,7 @@ class ServerState:
     tool_format: str | None = None  # serve/tools.py FORMATS; None: tool_choice auto is refused
     body_timeout: float = 30.0  # seconds a client gets to send its whole request body (then 408)
     max_body_bytes: int = 8 << 20  # a larger request body is refused with a 413
+    lora_dirs: tuple[str, ...] | None = None  # runtime adapter loads read only inside these (None: the routes are off)
     tokenizer: TextTokenizer | None = field(init=False)
     token_text: TokenText = field(init=False)
     workers: ThreadPoolExecutor = field(init=False, repr=False)

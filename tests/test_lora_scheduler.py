@@ -233,3 +233,44 @@ def test_without_mixed_batches_a_request_waiting_for_a_slot_does_not_stall_the_d
     for _ in range(5):
         assert ids(step(s)) == ["a"]  # a decodes; b waits for x's slot
     assert s.waiting[0].request_id == "b"
+
+
+
+def test_an_adapter_passed_over_gets_a_slot_while_the_adapters_holding_them_stay_busy() -> None:
+    """issue 64 item 4: both slots pinned by adapters x and y that get a new request every step (each lives a few
+    steps); a request for a third adapter z waited until the queue-time bound ended it. Now, once z has been passed
+    over for LORA_FAIRNESS_S (the scheduler's clock: 0.1 s a step), x and y get no new work, a slot drains and z
+    gets it within a request's lifetime; a base-model request meanwhile is not held back; then everything
+    finishes and the pins are back to 0."""
+    from omforge.runtime.scheduler import LORA_FAIRNESS_S
+
+    s, slots = make(max_loras=2, max_num_seqs=24, blocks=128)
+    now = [0.0]
+    s.clock = lambda: now[0]
+    s.add(request("x-0", "x", max_tokens=3))
+    s.add(request("y-0", "y", max_tokens=3))
+    step(s)
+    z = request("z", "z", max_tokens=3)
+    s.add(z)
+    base = request("base", None, max_tokens=1)
+    started = None
+    for i in range(1, 201):  # 20 s of the clock: far past the bound, far inside the 60 s queue bound
+        now[0] += 0.1
+        s.add(request(f"x-{i}", "x", max_tokens=3, seed=i))
+        s.add(request(f"y-{i}", "y", max_tokens=3, seed=i))
+        if i == 22:  # while x and y are held back
+            s.add(base)
+        plan = step(s)
+        if i == 22:
+            assert "base" in ids(plan) and z.status is Status.WAITING
+        if z.status is not Status.WAITING:
+            started = now[0]
+            break
+    assert started is not None, "z was passed over for 20 s while x and y stayed busy: starved"
+    assert LORA_FAIRNESS_S <= started <= LORA_FAIRNESS_S + 1.0, started  # not before the bound; soon after it
+    assert slots.slot_of("z") is not None
+    for _ in range(400):  # the held-back requests resume and everything finishes (bounded)
+        if not s.has_unfinished():
+            break
+        step(s)
+    assert not s.has_unfinished() and not slots.pins() and base.finished

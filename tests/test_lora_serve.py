@@ -4,7 +4,9 @@ and adapters made with ``peft`` (random A and B, saved as PEFT directories), on 
 base and each adapter; vLLM's load/unload routes with their errors; three adapters over two slots swapped in on
 demand under concurrent requests, each answer the greedy tokens of the same request alone; the adapter's tokens are
 transformers' on PEFT's model; per-adapter metrics; a PD request with an adapter is a 400; a bundle without LoRA
-refuses ``--lora-modules``.
+refuses ``--lora-modules``. Runtime loading (issue 64 item 5) is off without ``--enable-runtime-lora``, reads only
+inside ``--lora-dirs`` (one message for every path refused), holds at most ``--max-cpu-loras`` adapters and takes
+only bounded, valid names.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ MAX_TOKENS = 8
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("lora-serve")
     hf = make_model(root)
-    for i, name in enumerate("abcd"):
+    for i, name in enumerate("abc"):
         make_peft_adapter(hf, root / name, seed=10 + i)
-    make_peft_adapter(hf, root / "too-big", seed=20, rank=16)
+    allowed = root / "allowed"  # --lora-dirs: what runtime loads may read
+    make_peft_adapter(hf, allowed / "d", seed=13)
+    make_peft_adapter(hf, allowed / "too-big", seed=20, rank=16)
     return root
 
 
@@ -44,6 +48,7 @@ def bundle(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def server(root: Path, bundle: Path):  # noqa: ANN201
     srv = ServerProcess(bundle, "--lora-modules", f"a={root / 'a'}", f"b={root / 'b'}", f"c={root / 'c'}",
+                        "--enable-runtime-lora", "--lora-dirs", str(root / "allowed"), "--max-cpu-loras", "5",
                         api_key=KEY)
     yield srv
     srv.stop()
@@ -158,18 +163,20 @@ def test_more_adapters_than_slots_under_concurrency_lose_nothing(server: ServerP
 
 def test_load_and_unload_adapters_at_run_time(server: ServerProcess, root: Path) -> None:
     client = server.client()
-    assert _post(server, "/v1/load_lora_adapter", {"lora_name": "d", "lora_path": str(root / "d")}, key=None)[0] == 401
+    allowed = root / "allowed"
+    assert _post(server, "/v1/load_lora_adapter", {"lora_name": "d", "lora_path": str(allowed / "d")},
+                 key=None)[0] == 401
     assert _post(server, "/v1/unload_lora_adapter", {"lora_name": "a"}, key="wrong")[0] == 401
-    status, text = _post(server, "/v1/load_lora_adapter", {"lora_name": "d", "lora_path": str(root / "d")})
+    status, text = _post(server, "/v1/load_lora_adapter", {"lora_name": "d", "lora_path": str(allowed / "d")})
     assert (status, text) == (200, "Success: LoRA adapter 'd' added successfully.")
     assert [m.id for m in client.models.list().data] == [BASE, "a", "b", "c", "d"]
     d_tokens = _tokens(client, "d", PROMPTS[1])
     assert d_tokens != _tokens(client, BASE, PROMPTS[1])
 
-    errors = [({"lora_name": "d", "lora_path": str(root / "d")}, 400, "already loaded"),
-              ({"lora_name": BASE, "lora_path": str(root / "d")}, 400, "the base model's name"),
-              ({"lora_name": "e", "lora_path": str(root / "missing")}, 400, "does not exist"),
-              ({"lora_name": "e", "lora_path": str(root / "too-big")}, 400, "exceeds the bundle's max_rank 8"),
+    errors = [({"lora_name": "d", "lora_path": str(allowed / "d")}, 400, "already loaded"),
+              ({"lora_name": BASE, "lora_path": str(allowed / "d")}, 400, "the base model's name"),
+              ({"lora_name": "e", "lora_path": str(allowed / "missing")}, 400, "no LoRA adapter this server may load"),
+              ({"lora_name": "e", "lora_path": str(allowed / "too-big")}, 400, "exceeds the bundle's max_rank 8"),
               ({"lora_name": "e"}, 400, "lora_path")]
     for body, want, words in errors:
         status, text = _post(server, "/v1/load_lora_adapter", body)
@@ -193,7 +200,7 @@ def test_load_and_unload_adapters_at_run_time(server: ServerProcess, root: Path)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="d", prompt=[1, 2], max_tokens=2)
     # loaded again under another name: the same tokens as before
-    assert _post(server, "/v1/load_lora_adapter", {"lora_name": "d2", "lora_path": str(root / "d")})[0] == 200
+    assert _post(server, "/v1/load_lora_adapter", {"lora_name": "d2", "lora_path": "d"})[0] == 200  # relative
     assert _tokens(client, "d2", PROMPTS[1]) == d_tokens
     assert _post(server, "/v1/unload_lora_adapter", {"lora_name": "d2"})[0] == 200
 
@@ -208,7 +215,13 @@ def test_start_up_errors_are_one_line(root: Path, bundle: Path) -> None:
     cases = [
         (plain, ["--lora-modules", f"a={root / 'a'}"], "lora_modules: this bundle was compiled without compile.lora"),
         (bundle, ["--lora-modules", f"a={root / 'missing'}"], f"adapter 'a': {root / 'missing'} does not exist"),
-        (bundle, ["--lora-modules", f"big={root / 'too-big'}"], "adapter 'big': r = 16 exceeds"),
+        (bundle, ["--lora-modules", f"big={root / 'allowed' / 'too-big'}"], "adapter 'big': r = 16 exceeds"),
+        (bundle, ["--enable-runtime-lora"], "enable_runtime_lora needs lora_dirs (--lora-dirs DIR"),
+        (bundle, ["--enable-runtime-lora", "--lora-dirs", str(root / "nowhere")], f"lora_dirs: {root / 'nowhere'} "
+         "is not a directory"),
+        (bundle, ["--lora-modules", f"a b={root / 'a'}"], "lora_name: 'a b' is not an adapter name"),
+        (bundle, ["--lora-modules", f"a={root / 'a'}", "--max-cpu-loras", "1"],
+         "max_cpu_loras must be a whole number at least max_loras (2) and the lora_modules given (1), got 1"),
         (bundle, ["--lora-modules", "a"], "--lora-modules: expected NAME=PATH, got 'a'"),
         (bundle, ["--max-loras", "3"], "max_loras must be 1 … 2 (the bundle's compile.lora.max_loras), got 3"),
     ]
@@ -226,3 +239,101 @@ def test_an_adapter_with_kv_transfer_params_is_a_400(server: ServerProcess) -> N
                                            extra_body={"kv_transfer_params": {"do_remote_decode": True}})
     assert e.value.body["param"] == "kv_transfer_params"
     assert "LoRA adapters are not supported with kv_transfer_params" in e.value.body["message"]
+
+
+def _refusal(server: ServerProcess, path: str, name: str = "e") -> str:
+    status, text = _post(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+    assert status == 400, (path, text)
+    error = json.loads(text)["error"]
+    assert error["param"] == "lora_path", (path, text)
+    return error["message"]
+
+
+def test_runtime_loads_read_only_inside_the_lora_dirs_and_say_nothing_of_the_file_system(
+        server: ServerProcess, root: Path) -> None:
+    """issue 64 item 5: a load read any path on the server and its error told whether the path existed. Every path
+    that is missing, outside ``--lora-dirs`` (absolute, ``..``, a symlink out, a PEFT file symlinked out), not an
+    adapter or unreadable now gets the same one-line 400; why is in the server's log."""
+    allowed = root / "allowed"
+    (allowed / "notes.txt").write_text("not an adapter")
+    (allowed / "empty").mkdir(exist_ok=True)
+    broken = allowed / "broken"  # a PEFT directory whose files are garbage
+    broken.mkdir(exist_ok=True)
+    (broken / "adapter_config.json").write_text("{not json")
+    (broken / "adapter_model.safetensors").write_bytes(b"\xff" * 64)
+    link = allowed / "link-out"
+    if not link.is_symlink():
+        link.symlink_to(root / "a")  # a valid adapter, outside
+    sneaky = allowed / "sneaky"  # inside, but its weights are a symlink to an adapter outside
+    sneaky.mkdir(exist_ok=True)
+    (sneaky / "adapter_config.json").write_text((root / "a" / "adapter_config.json").read_text())
+    if not (sneaky / "adapter_model.safetensors").is_symlink():
+        (sneaky / "adapter_model.safetensors").symlink_to(root / "a" / "adapter_model.safetensors")
+    paths = [str(root / "a"), str(allowed / ".." / "a"), "../a", str(link), str(sneaky), str(allowed / "missing"),
+             "/etc/passwd", "/nonexistent/x.gguf", str(allowed / "notes.txt"), str(allowed / "empty"), str(broken),
+             "a\u0000b", "x" * 5000]
+    messages = {path: _refusal(server, path) for path in paths}
+    assert len(set(messages.values())) == 1, messages
+    (message,) = set(messages.values())
+    assert message.startswith("lora_path: no LoRA adapter this server may load there")
+    assert str(root) not in message and "exist" not in message
+    assert [m.id for m in server.client().models.list().data] == [BASE, "a", "b", "c"]
+    log = server.log()
+    assert "outside --lora-dirs" in log and "does not exist" in log  # the reasons, for the operator
+
+
+def test_runtime_adapter_names_are_bounded_and_validated(server: ServerProcess, root: Path) -> None:
+    """issue 64 item 5: names had no bound (after a 1 MB name every 404 was 1 MB). A name is 1 … 64 characters of
+    letters, digits and . _ - : /; anything else is a 400 that does not repeat a long name."""
+    path = str(root / "allowed" / "d")
+    for name in ("x" * 65, "a b", "../d", "-d", "d\n", "é"):
+        status, text = _post(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        assert status == 400 and json.loads(text)["error"]["param"] == "lora_name", (name, text)
+    huge = "n" * (1 << 20)
+    for route, body in (("/v1/load_lora_adapter", {"lora_name": huge, "lora_path": path}),
+                        ("/v1/unload_lora_adapter", {"lora_name": huge})):
+        status, text = _post(server, route, body)
+        assert status == 400 and len(text) < 400, (route, len(text))
+        assert "1048576 characters; an adapter name is 1 … 64 characters" in json.loads(text)["error"]["message"]
+    longest = "org/sql-v1.2:" + "x" * 51
+    assert _post(server, "/v1/load_lora_adapter", {"lora_name": longest, "lora_path": path})[0] == 200
+    assert server.client().completions.create(model=longest, prompt=[1, 2], max_tokens=2).model == longest
+    assert _post(server, "/v1/unload_lora_adapter", {"lora_name": longest})[0] == 200
+
+
+def test_the_registry_holds_at_most_max_cpu_loras_adapters(server: ServerProcess, root: Path) -> None:
+    """issue 64 item 5: 100 loads under new names took 1.4 GB. With --max-cpu-loras 5 (a, b, c at start), two
+    more load and the next is a 400 naming the flag, answered before the file is read; an unload makes room."""
+    path = str(root / "allowed" / "d")
+    for name in ("d", "d2"):
+        assert _post(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})[0] == 200
+    for name in ("e", "f"):
+        status, text = _post(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        error = json.loads(text)["error"]
+        assert status == 400 and error["code"] == "lora_limit", text
+        assert error["message"] == ("5 LoRA adapters are loaded, the most this server holds (--max-cpu-loras 5); "
+                                    "unload one first")
+    assert _post(server, "/v1/load_lora_adapter", {"lora_name": "d", "lora_path": path})[1].find("already") > 0
+    assert _post(server, "/v1/unload_lora_adapter", {"lora_name": "d"})[0] == 200
+    assert _post(server, "/v1/load_lora_adapter", {"lora_name": "e", "lora_path": path})[0] == 200
+    for name in ("e", "d2"):
+        assert _post(server, "/v1/unload_lora_adapter", {"lora_name": name})[0] == 200
+    assert [m.id for m in server.client().models.list().data] == [BASE, "a", "b", "c"]
+
+
+def test_runtime_loading_is_off_unless_enabled(root: Path, bundle: Path) -> None:
+    """issue 64 item 5: the load route was on for anyone (no --api-key needed). Without --enable-runtime-lora both
+    routes answer a 404 saying how to turn them on, and nothing is loaded or unloaded."""
+    srv = ServerProcess(bundle, "--lora-modules", f"a={root / 'a'}")
+    try:
+        for route, body in (("/v1/load_lora_adapter", {"lora_name": "d", "lora_path": str(root / "allowed" / "d")}),
+                            ("/v1/unload_lora_adapter", {"lora_name": "a"})):
+            status, text = _post(srv, route, body, key=None)
+            error = json.loads(text)["error"]
+            assert status == 404 and error["code"] == "runtime_lora_disabled", text
+            assert "--enable-runtime-lora" in error["message"] and "OMFORGE_ALLOW_RUNTIME_LORA_UPDATING=1" in \
+                error["message"]
+        assert [m.id for m in srv.client().models.list().data] == [BASE, "a"]
+        assert "runtime loading off (--enable-runtime-lora)" in srv.log()
+    finally:
+        srv.stop()

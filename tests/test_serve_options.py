@@ -36,6 +36,8 @@ def sample(o: ServeOption) -> tuple[list[str], Any]:
         return [o.cli_flag, o.choices[-1]], o.choices[-1]
     if o.words:
         return [o.cli_flag, o.words[0]], o.words[0]
+    if o.nargs and o.kind is list:  # several words
+        return [o.cli_flag, "/p", "/q"], ["/p", "/q"]
     if o.nargs:  # NAME=VALUE words
         return [o.cli_flag, "a=/p", "b=/q"], {"a": "/p", "b": "/q"}
     if o.kind is dict:
@@ -72,6 +74,7 @@ def test_the_flags_are_the_declaration(tmp_path: Path, monkeypatch: pytest.Monke
         assert o.cli_flag in actions[o.name].option_strings and actions[o.name].default is None
         assert actions[o.name].help.startswith(o.help)
     (tmp_path / "manifest.json").write_text("{}")
+    monkeypatch.delenv("OMFORGE_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
     seen: dict[str, Any] = {}
     monkeypatch.setattr("omforge.serve.server.serve", lambda bundle, options, **engine: seen.update(engine) or 0)
     assert cli.main(["serve", str(tmp_path)]) == 0 and seen == {}
@@ -81,7 +84,8 @@ def test_the_flags_are_the_declaration(tmp_path: Path, monkeypatch: pytest.Monke
         argv += words
     assert cli.main(argv) == 0 and seen == want
     # PD needs NIXL, LoRA a bundle compiled with compile.lora (tests/test_lora_serve.py)
-    lora_or_pd = ("kv_transfer_config", "lora_modules", "max_loras")
+    lora_or_pd = ("kv_transfer_config", "lora_modules", "max_loras", "max_cpu_loras", "enable_runtime_lora",
+                  "lora_dirs")
     assert EngineConfig.resolve(manifest(), **{k: v for k, v in seen.items() if k not in lora_or_pd})
 
 
@@ -103,3 +107,27 @@ def test_the_engine_takes_every_option_and_a_missing_key_is_its_default() -> Non
             assert getattr(cfg, o.name) == o.default, o.name
     assert cfg.max_waiting_requests == cfg.max_num_seqs and not cfg.explicit_waiting
     assert cfg.hicache_storage_size_gb == 16.0
+
+
+def test_runtime_lora_is_also_turned_on_by_vllms_kind_of_variable(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``OMFORGE_ALLOW_RUNTIME_LORA_UPDATING=1`` (or true) is ``--enable-runtime-lora`` (vLLM's
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``); the flag's ``--no-`` form wins over it; anything else leaves it unset."""
+    (tmp_path / "manifest.json").write_text("{}")
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr("omforge.serve.server.serve", lambda bundle, options, **engine: seen.update(engine) or 0)
+    for value, argv, want in (("1", [], True), ("True", [], True), ("1", ["--no-enable-runtime-lora"], False),
+                              ("0", [], None), ("yes", [], None)):
+        monkeypatch.setenv("OMFORGE_ALLOW_RUNTIME_LORA_UPDATING", value)
+        seen.clear()
+        assert cli.main(["serve", str(tmp_path), *argv]) == 0
+        assert seen.get("enable_runtime_lora") == want, (value, argv)
+
+
+def test_the_lora_options_on_a_bundle_without_lora(tmp_path: Path) -> None:
+    """``enable_runtime_lora`` alone (it may come from the environment) is no error on a bundle without LoRA
+    slots, and resolves off; the options that configure adapters are refused there, in one line naming them."""
+    assert EngineConfig.resolve(manifest(), enable_runtime_lora=True).enable_runtime_lora is False
+    for name, value in (("lora_dirs", [str(tmp_path)]), ("max_cpu_loras", 4)):
+        with pytest.raises(ValueError, match=f"{name}: this bundle was compiled without compile.lora"):
+            EngineConfig.resolve(manifest(), **{name: value})

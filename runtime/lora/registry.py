@@ -11,8 +11,9 @@ Invariants: an adapter is in at most one slot and a slot holds at most one adapt
 (slot 0 is the base model's); a pinned adapter's slot is never reassigned; an adapter with users (sequences
 submitted and not yet ended, and the server's requests from parsing to submission: :meth:`use`, :meth:`join`,
 :meth:`done`) or pins is never unregistered, so a request admitted with an adapter finds it registered until its
-sequences end — the adapter's existence is checked once per request, by :meth:`use`. Thread-safe (one lock): the
-engine thread pins and releases, the server registers, unregisters and counts users.
+sequences end — the adapter's existence is checked once per request, by :meth:`use`; at most ``max_adapters``
+adapters are registered at once (``max_cpu_loras``), each under a valid name (:func:`.access.check_name`).
+Thread-safe (one lock): the engine thread pins and releases, the server registers, unregisters and counts users.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from omforge.contract.manifest import LoraSection, ModelConfig
 from omforge.errors import OmforgeError
+from omforge.runtime.lora.access import check_name
 from omforge.runtime.lora.adapter import LoraAdapter, LoraError, LoraNameTaken, load_adapter, validate
 from omforge.runtime.lora.slots import LoraLoad
 from omforge.runtime.request import Request, RequestRejected
@@ -38,6 +40,15 @@ class UnknownLora(RequestRejected):
 
 class LoraInUse(OmforgeError):
     """An adapter that cannot be unloaded now: requests (running or waiting) still use it."""
+
+
+class LoraUnreadable(LoraError):
+    """An adapter file or directory that could not be read as one (the message names the path: for the caller who
+    named it, or a server's log)."""
+
+
+class LoraLimit(LoraError):
+    """As many adapters are registered as the registry holds (``max_cpu_loras``): unload one first."""
 
 
 @dataclass(frozen=True)
@@ -67,12 +78,14 @@ class LoraRegistry:
     """The served adapters (host memory, parsed once) and the ``max_loras`` slots they are loaded into on demand,
     least-recently-used replacement of an unpinned one; pins per request id; users per adapter."""
 
-    def __init__(self, spec: LoraSection, config: ModelConfig, max_loras: int | None = None):
+    def __init__(self, spec: LoraSection, config: ModelConfig, max_loras: int | None = None,
+                 max_adapters: int | None = None):
         max_loras = spec.max_loras if max_loras is None else max_loras
         if not 1 <= max_loras <= spec.max_loras:
             raise LoraError(f"--max-loras {max_loras}: the bundle has {spec.max_loras} adapter slots "
                             "(compile.lora.max_loras); use 1 … that")
         self.spec, self.config, self.max_loras = spec, config, max_loras
+        self.max_adapters = max_adapters  # adapters registered at once (None: no cap)
         self._adapters: dict[str, LoraAdapter] = {}
         self._users: dict[str, int] = {}  # adapter → sequences submitted and not yet ended
         self._holder: dict[int, str | None] = dict.fromkeys(range(1, max_loras + 1))
@@ -90,23 +103,29 @@ class LoraRegistry:
 
     @classmethod
     def open(cls, spec: LoraSection | None, config: ModelConfig, max_loras: int | None,
-             modules: Mapping[str, str | Path] | None) -> LoraRegistry | None:
+             modules: Mapping[str, str | Path] | None, max_adapters: int | None = None) -> LoraRegistry | None:
         """The engine's registry with ``modules`` (``lora_modules``: name → path) read, checked and registered (a
-        bad one: a :class:`LoraError` naming it); None for a bundle without ``lora``."""
+        bad one: a :class:`LoraError` naming it), holding at most ``max_adapters``; None for a bundle without
+        ``lora``."""
         if spec is None:
             return None  # lora_modules / max_loras on such a bundle were refused by EngineConfig.resolve
-        registry = cls(spec, config, max_loras)
+        registry = cls(spec, config, max_loras, max_adapters)
         for name, path in (modules or {}).items():
             registry.register(load_adapter(name, path, config))
         return registry
 
     def read(self, name: str, path: str | Path) -> LoraAdapter:
-        """Adapter ``name`` read from ``path``, a PEFT directory or a GGUF LoRA file (:class:`LoraError` naming it,
-        or an empty name); whether it fits the bundle is checked by :meth:`register`. Pure apart from reading the
-        file: the server calls it on a worker thread."""
-        if not name or not name.strip():
-            raise LoraError("the adapter needs a name (lora_name)")
-        return load_adapter(name, path, self.config)
+        """Adapter ``name`` read from ``path``, a PEFT directory or a GGUF LoRA file: whatever stops the reading is
+        a :class:`LoraUnreadable` naming the adapter and the path (an invalid name: a ``LoraNameInvalid``); whether
+        it fits the bundle is checked by :meth:`register`. Pure apart from reading the file: the server calls it on
+        a worker thread."""
+        check_name(name)
+        try:
+            return load_adapter(name, path, self.config)
+        except LoraError as exc:
+            raise LoraUnreadable(str(exc)) from exc
+        except Exception as exc:  # a parser meeting bytes it does not expect, a permission, …: still one line
+            raise LoraUnreadable(f"adapter '{name}': {path} cannot be read ({type(exc).__name__}: {exc})") from exc
 
     def load(self, name: str, path: str | Path) -> LoraAdapter:
         """:meth:`read` then :meth:`register` (offline, between steps): :class:`LoraError` naming the adapter when it
@@ -118,12 +137,15 @@ class LoraRegistry:
     # --- adapters served ----------------------------------------------------------------------------------
 
     def register(self, adapter: LoraAdapter) -> None:
-        """Serve ``adapter`` (validated against the bundle; written into a slot only when a request pins it); a
-        name already served is a :class:`LoraNameTaken`."""
+        """Serve ``adapter`` (its name valid, validated against the bundle; written into a slot only when a request
+        pins it); a name already served is a :class:`LoraNameTaken`, one past ``max_adapters`` a
+        :class:`LoraLimit`."""
+        check_name(adapter.name)
         validate(adapter, self.spec, self.config)
         with self._lock:
             if adapter.name in self._adapters:
                 raise LoraNameTaken(f"adapter '{adapter.name}' is already loaded; unload it first to replace it")
+            self.check_room()
             self._adapters[adapter.name] = adapter
             self._users[adapter.name] = 0
 
@@ -141,6 +163,13 @@ class LoraRegistry:
             if slot is not None:
                 self._holder[slot] = None  # its weights stay until the next load there clears the slot
             del self._adapters[name], self._users[name]
+
+    def check_room(self) -> None:
+        """:class:`LoraLimit` when ``max_adapters`` adapters are registered (a load would be refused)."""
+        with self._lock:
+            if self.max_adapters is not None and len(self._adapters) >= self.max_adapters:
+                raise LoraLimit(f"{len(self._adapters)} LoRA adapters are loaded, the most this server holds "
+                                f"(--max-cpu-loras {self.max_adapters}); unload one first")
 
     def names(self) -> tuple[str, ...]:
         """The served adapters, in registration order."""
