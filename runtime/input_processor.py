@@ -9,7 +9,8 @@ LoRA adapter is served is not the intake's to say (adapters come and go): the re
 Invariants of a :class:`CheckedRequest`: its prompt is non-empty and inside the vocabulary; ``params.max_tokens``
 is resolved (never None) and ``prompt + max_tokens`` fits the context and the pool; ``params`` passed
 ``SamplingParams.validate``; its grammar compiled; ``kv_transfer`` is its PD leg's parsed parameters (None: not a
-PD leg); ``lora`` is None on a bundle without adapter slots.
+PD leg): a decode leg's parameters name its prompt, a leg sent with ``kv_transfer_params`` asks no prompt
+logprobs, and a request with an adapter is no leg; ``lora`` is None on a bundle without adapter slots.
 """
 
 from __future__ import annotations
@@ -88,9 +89,6 @@ class InputProcessor:
         if lora is not None and not lim.has_lora:
             raise UnknownLora(f"the LoRA adapter '{lora}' does not exist: this bundle was compiled without "
                               "compile.lora")
-        if lora is not None and params.kv_transfer_params is not None:
-            raise SamplingParamsError("kv_transfer_params", "LoRA adapters are not supported with "
-                                      "kv_transfer_params")
         ids = list(prompt_token_ids)
         if not ids:
             raise RequestRejected("the prompt is empty")
@@ -123,10 +121,22 @@ class InputProcessor:
                                       "row per sequence (the ascend OM models); use an ort bundle")
         if params.n > lim.max_num_seqs:  # its sequences are admitted together
             raise SamplingParamsError("n", f"n must be at most max_num_seqs ({lim.max_num_seqs}), got {params.n}")
-        try:  # a PD leg this replica's role, protocol or layout cannot serve
-            kv_transfer = request_params(self.pd, params.kv_transfer_params, lim.block_size)
+        if lora is not None and params.kv_transfer_params:
+            raise SamplingParamsError("kv_transfer_params", f"the LoRA adapter '{lora}': LoRA adapters are not "
+                                      "supported with kv_transfer_params (a prefill/decode disaggregation leg)")
+        try:  # a PD leg this replica's role, protocol, layout or the prompt itself cannot serve
+            kv_transfer = request_params(self.pd, params.kv_transfer_params, lim.block_size, ids)
         except ValueError as exc:
             raise SamplingParamsError("kv_transfer_params", str(exc)) from None
+        if lora is not None and kv_transfer is not None:  # a kv_producer makes every request a prefill leg
+            raise SamplingParamsError("model", f"the LoRA adapter '{lora}' cannot be served here: this "
+                                      f"{self.pd.config.kv_role} replica runs every request as a prefill/decode "
+                                      "disaggregation leg, and LoRA adapters are not supported with those")
+        if params.prompt_logprobs is not None and params.kv_transfer_params and kv_transfer is not None \
+                and (kv_transfer.is_prefill_leg or kv_transfer.pulls_blocks):
+            raise SamplingParamsError("prompt_logprobs", "prompt_logprobs (or echo with logprobs) with "
+                                      "kv_transfer_params: a decode leg reads its prompt's KV from the prefill "
+                                      "replica instead of computing it, so it has no prompt logits")
         need = cdiv(len(ids) + max_tokens, lim.block_size)
         usable = self._usable_blocks()  # less the blocks a transfer NIXL could not cancel may still write
         if need > usable:

@@ -227,6 +227,19 @@ class _Common(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
+    def check_kv_transfer(self, num_prompts: int) -> None:
+        """A PD leg sent with ``kv_transfer_params`` is one prompt (the hand-off names one prompt's blocks: a decode
+        leg of several would read the same blocks for each), and a prefill leg is answered non-streamed (its
+        hand-off is the body's top-level field)."""
+        raw = self.kv_transfer_params or {}
+        prefill, decode = raw.get("do_remote_decode") is True, raw.get("do_remote_prefill") is True
+        if (prefill or decode) and num_prompts > 1:
+            raise APIError(400, f"kv_transfer_params: a prefill/decode disaggregation leg is one prompt, got "
+                           f"{num_prompts}; send each prompt as its own request", param="kv_transfer_params")
+        if prefill and self.stream:
+            raise APIError(400, "kv_transfer_params: a prefill leg (do_remote_decode) answers its hand-off in the "
+                           "response body; send it with stream false", param="kv_transfer_params")
+
 
 class CompletionRequest(_Common):
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, token ids or a list of token-id lists."""
@@ -263,6 +276,8 @@ class CompletionRequest(_Common):
 
     def check_supported(self) -> None:
         self.check_streaming()
+        p = self.prompt
+        self.check_kv_transfer(1 if isinstance(p, str) or (p and isinstance(p[0], int)) else len(p))
         if self.suffix:
             raise APIError(400, "suffix (insertion) is not supported", param="suffix")
         if self.best_of is not None and self.best_of != _or(self.n, 1):
@@ -325,6 +340,7 @@ class ChatCompletionRequest(_Common):
 
     def check_supported(self) -> None:
         self.check_streaming()
+        self.check_kv_transfer(1)
         for i, m in enumerate(self.messages):  # OpenAI: a tool result names the call it answers
             if m.role == "tool" and not m.tool_call_id:
                 raise APIError(400, f"messages[{i}].tool_call_id: a tool message must name the tool call it "

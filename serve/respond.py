@@ -1,13 +1,14 @@
 """Submitting a request's checked prompts and answering it: an SSE stream (:class:`EngineStream`) or the whole
 body once every choice finished. Whichever way the answer ends — done, the client gone, the engine stopping —
-the request leaves the engine at once."""
+the request leaves the engine at once. A PD prefill leg is held only where its one hand-off is answered
+(:func:`held_legs`)."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
@@ -32,12 +33,27 @@ async def respond(state: ServerState, request: Request, body: CompletionRequest 
     engine = state.engine
     rid = engine.new_request_id("chatcmpl" if kind == "chat" else "cmpl")
     builder = ResponseBuilder(kind, rid, state.response_model(body.model), state.token_text, want_logprobs, tools)
+    prompts = held_legs(body, prompts)
     run = Run(submit(state, prompts, rid, arrival), [len(p.prompt_token_ids) for p in prompts], prompts[0].n, echo,
               scoring_only)
     cancel = functools.partial(engine.cancel, run.group)
     if body.stream:
         return EngineStream(stream(engine, run, builder, body.include_usage), cancel)
     return JSONResponse(await until_done_or_disconnect(request, collect(engine, run, builder), cancel))
+
+
+def held_legs(body: CompletionRequest | ChatCompletionRequest, prompts: list[CheckedRequest]) -> list[CheckedRequest]:
+    """The prompts to submit, no prefill leg among them that nobody would read. A ``kv_producer`` replica makes a
+    request without ``kv_transfer_params`` a prefill leg (SMG's prefill leg carries none); it stays one only where
+    its hand-off can be answered and read — one prompt, non-streamed, no prompt logprobs (a decode leg refuses
+    them) — and otherwise runs as a plain request: nothing held, no hand-off, so the decode side prefills itself.
+    Legs sent with ``kv_transfer_params`` were refused where they cannot be served (the protocol and the intake)."""
+    if body.kv_transfer_params or not any(p.kv_transfer is not None and p.kv_transfer.is_prefill_leg
+                                          for p in prompts):
+        return prompts
+    if len(prompts) == 1 and not body.stream and prompts[0].params.prompt_logprobs is None:
+        return prompts
+    return [replace(p, kv_transfer=None) for p in prompts]
 
 
 @dataclass

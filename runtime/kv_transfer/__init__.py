@@ -25,6 +25,7 @@ from omforge.runtime.kv_transfer.params import (
     parse_kv_transfer_params,
     parse_notif,
     prefill_response_params,
+    prompt_hash,
     release_notif,
 )
 
@@ -33,5 +34,5 @@ __all__ = [
     "KVTransferConfig", "KVTransferConfigError", "KVTransferError", "KVTransferParams", "KVTransferParamsError",
     "KVTransferTimeout", "NixlKVAgent", "PendingRead", "Peer", "ReleaseNotif", "TransferStats", "check_layout",
     "fetch_metadata", "load_nixl", "parse_kv_transfer_config", "parse_kv_transfer_params", "parse_notif",
-    "prefill_response_params", "release_notif", "side_channel_address",
+    "prefill_response_params", "prompt_hash", "release_notif", "side_channel_address",
 ]

@@ -9,18 +9,23 @@ Engine thread only (NIXL calls go through the agent's lock; the handshake listen
   sent with the READ and delivered once the data has moved: vLLM's ``"<request id>:1"``) or when the lease
   (``kv_lease_duration``, default 30 s) runs out, so a decode replica that died mid-transfer costs the blocks for
   the lease at most; a decode side's heartbeat (vLLM 0.33's ``HB:id,…``) renews the leases of the ids it names.
+  Only an n > 1 leg's first sequence is held (its followers forked its prompt blocks): one hand-off, one hold. The
+  hand-off names the prompt (``remote_num_tokens``, ``omforge_prompt_hash``) and the lease's end
+  (``remote_blocks_expiry_time``, wall-clock epoch seconds).
 - **Decode replica** (``kv_consumer``): a decode leg with blocks (``do_remote_prefill``) is offered as an
   asynchronous hit of the rest of its prompt past its local prefix hit; the scheduler allocates the blocks and
   :meth:`PDConnector.update_state_after_alloc` pulls the prefill's blocks into them (handshake once per engine id,
-  bounded). The leg is read once: a leg preempted for recompute later is prefilled here (the first read's
-  notification let the prefill side free its blocks). The prefill side frees held blocks when its lease ends,
-  whether a READ of them is in flight or not, and the lease started no later than the leg's arrival here: so a leg
-  is not read when it waited longer than the lease less ``STALE_MARGIN_S``, and a read seen finished after that
-  point is refused too (it may have copied freed blocks). A read past its deadline (the lease) is cancelled; if
-  NIXL cannot cancel it, its blocks are retired (the request's own, not its prefix hits) and come back when a
-  later try releases the handle. A failed read drops nothing but itself: the peer is forgotten (to handshake
-  again: a restarted prefill replica has new addresses) only after a transfer error, and only once no other read
-  from it is in flight.
+  bounded). Only a leg whose prompt is the one its prefill leg computed is offered (length, hash, block count:
+  ``KVTransferParams.prompt_mismatch``), and none that asks for prompt logprobs (they need the prompt's logits).
+  The leg is read once: a leg preempted for recompute later is prefilled here (the first read's notification let
+  the prefill side free its blocks). The prefill side frees held blocks when its lease ends, whether a READ of them
+  is in flight or not: so a leg is not read past that end (``remote_blocks_expiry_time``; without it, the lease
+  from the leg's arrival here, which the prefill side's started before) less ``STALE_MARGIN_S``, and a read seen
+  finished after that point is refused too (it may have copied freed blocks). A read past its deadline (the lease)
+  is cancelled; if NIXL cannot cancel it, its blocks are retired (the request's own, not its prefix hits) and come
+  back when a later try releases the handle. A failed read drops nothing but itself: the peer is forgotten (to
+  handshake again: a restarted prefill replica has new addresses) only after a transfer error, and only once no
+  other read from it is in flight.
 """
 
 from __future__ import annotations
@@ -46,13 +51,19 @@ from omforge.runtime.kv_transfer.params import (
     ReleaseNotif,
     parse_notif,
     prefill_response_params,
+    prompt_hash,
     release_notif,
 )
 from omforge.runtime.request import Request
 
 log = logging.getLogger("omforge.kv_transfer")
 HANDSHAKE_TIMEOUT_S = 5.0
-STALE_MARGIN_S = 2.0  # a decode leg older than the lease less this is not read (its blocks may be gone)
+STALE_MARGIN_S = 2.0  # a decode leg is not read later than its lease's end less this (its blocks may be gone)
+
+
+def wall_offset() -> float:
+    """Wall-clock epoch seconds less ``time.monotonic()`` now: converts a lease's end between the two clocks."""
+    return time.time() - time.monotonic()
 
 
 @dataclass
@@ -133,11 +144,16 @@ class PDConnector(KVConnector):
                                    next_hashes: Sequence[bytes]) -> ExternalHit | None:
         """A decode leg with blocks to pull: the rest of its prompt past its local hit (vLLM's decode side reads
         only past its local hit too); None for any other request — its n > 1 followers and a leg preempted for
-        recompute included — or blocks that cannot hold the prompt (it is prefilled here)."""
+        recompute included — or a leg whose blocks are not its prompt's, or that asks for prompt logprobs (it is
+        prefilled here; the intake refuses both with a 400)."""
         params = request.kv_transfer
         if params is None or not params.pulls_blocks or request.parent is not None or request.output_token_ids:
             return None  # an n > 1 follower forks its leader's blocks; a request with outputs is recomputed here
-        if len(params.remote_block_ids) < cdiv(len(request.prompt_token_ids), self.block_size):
+        if request.params.prompt_logprobs is not None:
+            return None
+        mismatch = params.prompt_mismatch(request.prompt_token_ids, self.block_size)
+        if mismatch is not None:
+            log.warning("kv transfer: %s not read (%s); prefilled here", request.request_id, mismatch)
             return None
         return ExternalHit(len(request.prompt_token_ids) - num_computed_tokens, load_async=True)
 
@@ -151,15 +167,18 @@ class PDConnector(KVConnector):
         request.kv_transfer = None  # read once: a leg preempted for recompute later is prefilled here
         first = cdiv(len(request.prompt_token_ids), self.block_size) - len(blocks)
         now = self.clock()
+        lease_end = request.arrival_time + self.config.lease_s if params.remote_blocks_expiry_time is None \
+            else params.remote_blocks_expiry_time - wall_offset()  # the prefill side's word, in our clock
         job = RemoteJob(request.request_id, params.remote_engine_id, list(blocks), now + self.config.lease_s,
-                        request.arrival_time + self.config.lease_s - STALE_MARGIN_S)
+                        lease_end - STALE_MARGIN_S)
         self._jobs.append(job)
         self.stats.read_requests += 1
-        waited = now - request.arrival_time
         if now > job.stale_at:
-            self._failed(job, KVTransferError(f"the request waited {waited:.1f} s here, past the prefill side's "
-                                              f"{self.config.lease_s:g} s lease less {STALE_MARGIN_S:g} s: its "
-                                              "blocks may be freed; not read"))
+            why = "remote_blocks_expiry_time" if params.remote_blocks_expiry_time is not None else \
+                f"a {self.config.lease_s:g} s lease from the request's arrival here"
+            self._failed(job, KVTransferError(f"{lease_end - now:.1f} s were left of the prefill side's lease on "
+                                              f"its blocks ({why}), less than {STALE_MARGIN_S:g} s: they may be "
+                                              "freed; not read"))
         else:
             try:
                 peer = self.agent.peer(params.remote_engine_id) or self.agent.add_peer(fetch_metadata(
@@ -236,18 +255,23 @@ class PDConnector(KVConnector):
 
     def request_finished(self, request: Request, blocks: Sequence[int]) -> dict | None:
         """A prefill leg that finished normally: its prompt's blocks are held; the decode leg's
-        ``kv_transfer_params``. None for any other request."""
+        ``kv_transfer_params``. None for any other request — an n > 1 leg's followers included (the leader holds
+        the prompt's blocks they forked, and its hand-off is the one answered)."""
         params = request.kv_transfer
-        if params is None or not params.is_prefill_leg or request.finish_reason not in ("stop", "length"):
+        if params is None or not params.is_prefill_leg or request.finish_reason not in ("stop", "length") \
+                or request.parent is not None:
             return None
         prompt = blocks[:cdiv(len(request.prompt_token_ids), self.block_size)]
-        self._held[request.request_id] = _Held(self.clock() + self.config.lease_s, len(prompt))
+        deadline = self.clock() + self.config.lease_s
+        self._held[request.request_id] = _Held(deadline, len(prompt))
         self.stats.held_requests += 1
         self.stats.held_blocks += len(prompt)
         self.agent.set_active(True)
         return prefill_response_params(engine_id=self.config.engine_id, request_id=request.request_id,
                                        block_ids=prompt, host=self.host, port=self.port,
-                                       num_tokens=len(request.prompt_token_ids), block_size=self.block_size)
+                                       num_tokens=len(request.prompt_token_ids), block_size=self.block_size,
+                                       expiry_time=deadline + wall_offset(),
+                                       prompt_digest=prompt_hash(request.prompt_token_ids))
 
     def _releases(self, now: float) -> list[str]:
         """The held requests to free now: released by their decode side, or past their lease."""
@@ -299,10 +323,12 @@ def build_connector(kv_transfer_config: object, manifest: object, caps: Executor
     return PDConnector.start(config, manifest.kv.paged_layout, caps.host_kv.pools, BundleIdentity.of(manifest).hex)
 
 
-def request_params(connector: PDConnector | None, raw: object, block_size: int) -> KVTransferParams | None:
-    """A request's ``kv_transfer_params`` checked against this replica's role and layout; raises ValueError with
-    one line (the server answers 400, param ``kv_transfer_params``). On a ``kv_producer`` replica a request
-    without them is a prefill leg."""
+def request_params(connector: PDConnector | None, raw: object, block_size: int,
+                   prompt_token_ids: Sequence[int]) -> KVTransferParams | None:
+    """A request's ``kv_transfer_params`` checked against this replica's role and layout, and a decode leg's
+    against its prompt (:meth:`KVTransferParams.prompt_mismatch`); raises ValueError with one line (the server
+    answers 400, param ``kv_transfer_params``). On a ``kv_producer`` replica a request without them is a prefill
+    leg."""
     from omforge.runtime.kv_transfer.params import parse_kv_transfer_params
 
     try:
@@ -324,4 +350,7 @@ def request_params(connector: PDConnector | None, raw: object, block_size: int) 
     if params.pulls_blocks and params.remote_block_size not in (None, block_size):
         raise ValueError(f"kv_transfer_params: KV layout mismatch with {params.remote_engine_id}: block_size "
                          f"{params.remote_block_size} there, {block_size} here")
+    mismatch = params.prompt_mismatch(prompt_token_ids, block_size) if params.pulls_blocks else None
+    if mismatch is not None:
+        raise ValueError(f"kv_transfer_params: {mismatch}")
     return params

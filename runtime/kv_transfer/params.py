@@ -21,21 +21,30 @@ The decode leg needs ``remote_engine_id``, ``remote_request_id``, ``remote_host`
 omforge refuses with one line); with no block ids it prefills locally. Field reads follow vLLM's
 ``nixl/metadata.py`` lines 291-346 (``tp_size`` defaults to 1). Keys omforge does not read (``dcp_size``,
 ``transfer_mode``, vLLM's private ``_p_side_truncated`` …) are kept in ``extra`` and round-trip unchanged.
+
+A decode leg's blocks are the KV of the prompt its prefill leg computed, so a decode replica reads them only for
+that prompt (:meth:`KVTransferParams.prompt_mismatch`): ``remote_num_tokens`` must be its length and omforge's own
+optional ``omforge_prompt_hash`` (:func:`prompt_hash`; vLLM's params have no such field) its token ids' hash.
+``remote_blocks_expiry_time`` is the prefill side's lease end, wall-clock epoch seconds (``time.time()``, as vLLM
+writes it).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from omforge.contract import PagedLayout
+import numpy as np
+
+from omforge.contract import PagedLayout, cdiv
 from omforge.runtime.kv_transfer.errors import KVLayoutMismatch, KVTransferParamsError
 
 WHERE = "kv_transfer_params"
 _KNOWN = ("do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_request_id", "remote_host",
           "remote_port", "remote_block_ids", "tp_size", "remote_num_tokens", "remote_blocks_expiry_time",
-          "remote_block_size")
+          "remote_block_size", "omforge_prompt_hash")
 _DECODE_NEEDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
 
@@ -55,6 +64,7 @@ class KVTransferParams:
     remote_num_tokens: int | None = None
     remote_blocks_expiry_time: float | None = None
     remote_block_size: int | None = None
+    omforge_prompt_hash: str | None = None  # omforge's own: :func:`prompt_hash` of the prompt the blocks hold
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -71,6 +81,22 @@ class KVTransferParams:
     def pulls_blocks(self) -> bool:
         """A decode leg with blocks to read (an empty list: the prefill side had none; prefill locally)."""
         return self.do_remote_prefill and bool(self.remote_block_ids)
+
+    def prompt_mismatch(self, prompt_token_ids: Sequence[int], block_size: int) -> str | None:
+        """Why this decode leg's blocks cannot hold ``prompt_token_ids``'s KV (one line naming the field), or None
+        when they can: ``remote_num_tokens`` is not the prompt's length, ``omforge_prompt_hash`` not its hash, or
+        ``remote_block_ids`` too few for it. Fields that are absent are not checked."""
+        n = len(prompt_token_ids)
+        if self.remote_num_tokens is not None and self.remote_num_tokens != n:
+            return (f"remote_num_tokens is {self.remote_num_tokens} but this prompt has {n} tokens: a decode leg "
+                    "carries the prompt its prefill leg computed")
+        if self.omforge_prompt_hash is not None and self.omforge_prompt_hash != prompt_hash(prompt_token_ids):
+            return ("omforge_prompt_hash does not match this prompt's tokens: a decode leg carries the prompt its "
+                    "prefill leg computed")
+        if len(self.remote_block_ids) < cdiv(n, block_size):
+            return (f"remote_block_ids has {len(self.remote_block_ids)} blocks but this prompt's {n} tokens fill "
+                    f"{cdiv(n, block_size)}")
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         """The wire form (block ids as a flat list, vLLM 0.11's shape; :func:`parse_kv_transfer_params` also
@@ -104,6 +130,7 @@ def parse_kv_transfer_params(raw: Any, where: str = WHERE) -> KVTransferParams |
         remote_num_tokens=_opt_int(raw, "remote_num_tokens", where, 0),
         remote_blocks_expiry_time=_opt_float(raw, "remote_blocks_expiry_time", where),
         remote_block_size=_opt_int(raw, "remote_block_size", where, 1),
+        omforge_prompt_hash=_opt_str(raw, "omforge_prompt_hash", where),
         extra={k: v for k, v in raw.items() if k not in _KNOWN})
     if params.is_decode_leg:
         _check_decode_leg(params, where)
@@ -121,17 +148,25 @@ def _check_decode_leg(params: KVTransferParams, where: str) -> None:
 
 
 def prefill_response_params(*, engine_id: str, request_id: str, block_ids: Sequence[int], host: str, port: int,
-                            num_tokens: int, block_size: int) -> dict[str, Any]:
+                            num_tokens: int, block_size: int, expiry_time: float | None = None,
+                            prompt_digest: str | None = None) -> dict[str, Any]:
     """What a prefill replica answers for a finished prefill leg: the decode leg's ``kv_transfer_params``.
 
     vLLM 0.33's keys (``nixl/pull_scheduler.py`` lines 278-293) with omforge's values: one rank (``tp_size``,
-    ``dcp_size``, ``pp_size`` 1), pull mode, no expiry time (vLLM sets it only for blocks pinned on a decode node),
-    plus ``remote_block_size`` so a decode replica of another block size refuses before it handshakes."""
+    ``dcp_size``, ``pp_size`` 1), pull mode, ``remote_blocks_expiry_time`` the held blocks' lease end
+    (``expiry_time``, wall-clock epoch seconds), plus ``remote_block_size`` so a decode replica of another block
+    size refuses before it handshakes and ``omforge_prompt_hash`` (``prompt_digest``: :func:`prompt_hash` of the
+    prompt) so it reads the blocks for that prompt only."""
     return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [int(b) for b in block_ids],
             "remote_engine_id": engine_id, "remote_request_id": request_id, "remote_host": host,
             "remote_port": int(port), "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": int(num_tokens),
-            "remote_blocks_expiry_time": None, "remote_registration_generation": 0, "transfer_mode": "pull",
-            "remote_block_size": int(block_size)}
+            "remote_blocks_expiry_time": expiry_time, "remote_registration_generation": 0, "transfer_mode": "pull",
+            "remote_block_size": int(block_size), "omforge_prompt_hash": prompt_digest}
+
+
+def prompt_hash(token_ids: Sequence[int]) -> str:
+    """A prompt's identity in ``omforge_prompt_hash``: BLAKE2b-128 of its token ids as little-endian int64, hex."""
+    return hashlib.blake2b(np.asarray(token_ids, dtype="<i8").tobytes(), digest_size=16).hexdigest()
 
 
 def check_layout(local: PagedLayout, remote: PagedLayout, remote_engine_id: str = "the peer") -> None:
