@@ -114,6 +114,17 @@ def _plain(op: str, ge: str, line: int, dtypes: tuple[tuple[str, ...], ...], dty
     return Row("", op, (8, 18), ge, at(MATH, _SIMILAR, line), (), dtypes, dtypes_at, note)
 
 
+def _reduce(op: str, folder: str, plugin_line: int, keepdims_line: int, proto_line: int, note: str = "") -> Row:
+    """A ReduceXxx of ai.onnx 13..18 through its own ONNX plugin (``keepdims`` read as INT), ``x`` a NumberType and
+    ``axes`` an input (opset 18) of IndexNumberType (the proto line after ``x``'s)."""
+    plugin = f"math/{folder}/framework/{folder}_onnx_plugin.cpp"
+    return Row("", op, (13, 18), op, at(MATH, plugin, plugin_line),
+               (Attr("keepdims", "INT", at(MATH, plugin, keepdims_line)),),
+               ((F32, I64),), at(MATH, f"math/{folder}/op_graph/{folder}_proto.h", proto_line),
+               f"x: NumberType() ({at(METADEF, 'inc/external/graph/types.h', 365)}); axes as input 1 (opset 18), "
+               f"IndexNumberType (line {proto_line + 1}){note}")
+
+
 ROWS: tuple[Row, ...] = (
     Row("", INITIALIZER, (1, 18), "Const / FileConstant", at(GE, "parser/parser/onnx/onnx_parser.cc", 359), (),
         ((F32,), (F16,), (I64,), (I8,), (B,)), at(GE, "parser/parser/onnx/onnx_util.cc", 17),
@@ -170,24 +181,9 @@ ROWS: tuple[Row, ...] = (
     _plain("Pow", "Pow", 604, ((F32, F32),), at(MATH, "math/pow/op_graph/pow_proto.h", 42)),
     _plain("Range", "Range", 626, ((I64, I64, I64),), at(MATH, "math/range/op_graph/range_proto.h", 56)),
     _plain("Reciprocal", "Reciprocal", 605, ((F32,),), at(MATH, "math/reciprocal/op_graph/reciprocal_proto.h", 38)),
-    Row("", "ReduceMean", (13, 18), "ReduceMean",
-        at(MATH, "math/reduce_mean/framework/reduce_mean_onnx_plugin.cpp", 237),
-        (Attr("keepdims", "INT", at(MATH, "math/reduce_mean/framework/reduce_mean_onnx_plugin.cpp", 121)),),
-        ((F32, I64),), at(MATH, "math/reduce_mean/op_graph/reduce_mean_proto.h", 55),
-        f"x: NumberType() ({at(METADEF, 'inc/external/graph/types.h', 365)}); axes as input 1 (opset 18), "
-        "IndexNumberType (line 56)"),
-    Row("", "ReduceMax", (13, 18), "ReduceMax",
-        at(MATH, "math/reduce_max/framework/reduce_max_onnx_plugin.cpp", 236),
-        (Attr("keepdims", "INT", at(MATH, "math/reduce_max/framework/reduce_max_onnx_plugin.cpp", 124)),),
-        ((F32, I64),), at(MATH, "math/reduce_max/op_graph/reduce_max_proto.h", 59),
-        f"x: NumberType() ({at(METADEF, 'inc/external/graph/types.h', 365)}); axes as input 1 (opset 18), "
-        "IndexNumberType (line 60); the readonly paged attention's log-sum-exp"),
-    Row("", "ReduceSum", (13, 18), "ReduceSum",
-        at(MATH, "math/reduce_sum/framework/reduce_sum_onnx_plugin.cpp", 225),
-        (Attr("keepdims", "INT", at(MATH, "math/reduce_sum/framework/reduce_sum_onnx_plugin.cpp", 113)),),
-        ((F32, I64),), at(MATH, "math/reduce_sum/op_graph/reduce_sum_proto.h", 56),
-        f"x: NumberType() ({at(METADEF, 'inc/external/graph/types.h', 365)}); axes as input 1 (opset 18), "
-        "IndexNumberType (line 57); the readonly paged attention's log-sum-exp"),
+    _reduce("ReduceMean", "reduce_mean", 237, 121, 55),
+    _reduce("ReduceMax", "reduce_max", 236, 124, 59, "; the readonly paged attention's log-sum-exp"),
+    _reduce("ReduceSum", "reduce_sum", 225, 113, 56, "; the readonly paged attention's log-sum-exp"),
     Row("", "Reshape", (8, 18), "Reshape", at(MATH, "conversion/reshape/framework/reshape_onnx_plugin.cpp", 41),
         (Attr("allowzero", "INT", at(MATH, "conversion/reshape/framework/reshape_onnx_plugin.cpp", 20)),),
         ((F32, I64), (F16, I64), (I64, I64)), at(MATH, "conversion/reshape/op_graph/reshape_proto.h", 44),

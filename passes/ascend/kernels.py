@@ -137,6 +137,18 @@ def paged_block_size_problem(block_size: int) -> str | None:
     return None
 
 
+def _unbuildable(kernels: tuple[str, ...], soc_version: str, graph_dtype: str, block_size: int | None) -> list[str]:
+    """Why a paged-attention mode needing ``kernels`` cannot be built for this SoC, dtype and block size (empty:
+    it can), each reason with its source."""
+    missing = [missing_reason(op, soc_version) for op in kernels if not ships(op, soc_version)]
+    if graph_dtype not in INPLACE_DTYPES:
+        missing.append(f"FusedInferAttentionScore computes in float16/bfloat16/int8, the graph is {graph_dtype} "
+                       f"[{KERNELS['FusedInferAttentionScore'].source}]")
+    if block_size is not None and (problem := paged_block_size_problem(block_size)) is not None:
+        missing.append(problem)
+    return missing
+
+
 def paged_attention_mode(requested: str, soc_version: str, graph_dtype: str,
                          block_size: int | None = None) -> tuple[str, str]:
     """``(mode, note)``: the paged-attention mode a bundle is built with and why (one line, printed at compile and
@@ -147,24 +159,14 @@ def paged_attention_mode(requested: str, soc_version: str, graph_dtype: str,
     if requested not in PAGED_ATTENTION_CHOICES:
         raise ValueError(f"paged_attention {requested!r} is not one of {', '.join(PAGED_ATTENTION_CHOICES)}")
     if requested == "readonly":
-        missing = [missing_reason(op, soc_version) for op in READONLY_KERNELS if not ships(op, soc_version)]
-        if graph_dtype not in INPLACE_DTYPES:
-            missing.append(f"FusedInferAttentionScore computes in float16/bfloat16/int8, the graph is {graph_dtype} "
-                           f"[{KERNELS['FusedInferAttentionScore'].source}]")
-        if block_size is not None and (problem := paged_block_size_problem(block_size)) is not None:
-            missing.append(problem)
+        missing = _unbuildable(READONLY_KERNELS, soc_version, graph_dtype, block_size)
         if missing:
             raise ValueError(f"paged_attention 'readonly' cannot be built: {missing[0]}")
         return "readonly", (f"readonly: FusedInferAttentionScore (with its log-sum-exp) ships for {soc_version}; "
                             "the recipe chose it: the step's rows come out as kv_new and are copied into the pools")
     if requested == "gather":
         return "gather", "gather: the recipe chose it"
-    missing = [missing_reason(op, soc_version) for op in INPLACE_KERNELS if not ships(op, soc_version)]
-    if graph_dtype not in INPLACE_DTYPES:
-        missing.append(f"FusedInferAttentionScore computes in float16/bfloat16/int8, the graph is {graph_dtype} "
-                       f"[{KERNELS['FusedInferAttentionScore'].source}]")
-    if block_size is not None and (problem := paged_block_size_problem(block_size)) is not None:
-        missing.append(problem)
+    missing = _unbuildable(INPLACE_KERNELS, soc_version, graph_dtype, block_size)
     if not missing:
         return "inplace", (f"inplace: ScatterPaKvCache and FusedInferAttentionScore ship for {soc_version}"
                            f"{' (the recipe chose it)' if requested == 'inplace' else ''}")

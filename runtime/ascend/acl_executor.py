@@ -197,11 +197,7 @@ class AclExecutor(AclSession):
                                   f"({self.scratch.blocks}) holds {self.scratch.blocks * bs} distinct scratch slots")
         self.memory = asc.memory
         self._lock = threading.Lock()  # a model must not execute on two threads at once (§3.3)
-        try:
-            self._open()
-        except BaseException:
-            self.close()
-            raise
+        self._open_or_close()
         if self.lora_pools:
             self.capabilities = replace(self.capabilities, lora_pools=self.lora_pools)
         self.allocate_host(num_host_blocks)

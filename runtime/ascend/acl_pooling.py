@@ -117,11 +117,7 @@ class AclPoolingExecutor(AclSession):
         self.input_shape = asc.input_shape
         self.memory = asc.memory
         self._lock = threading.Lock()  # a model must not execute on two threads at once (§3.3)
-        try:
-            self._open()
-        except BaseException:
-            self.close()
-            raise
+        self._open_or_close()
 
     def _open(self) -> None:
         rt = self.rt

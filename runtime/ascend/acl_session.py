@@ -42,6 +42,18 @@ class AclSession:
         self.context = rt.create_context(self.device)
         self._push("acl.rt.destroy_context", lambda: rt.destroy_context(self.context))
 
+    def _open(self) -> None:
+        """The executor's set-up (device, model, buffers), each acquisition with its release."""
+        raise NotImplementedError
+
+    def _open_or_close(self) -> None:
+        """Run :meth:`_open`; on any failure release what it acquired, then re-raise (nothing leaks)."""
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
     def _malloc(self, size: int) -> int:
         ptr = self.rt.malloc(size)
         self._push("acl.rt.free", lambda: self.rt.free(ptr))
