@@ -38,7 +38,7 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
-class ModelSection(_Section):
+class ModelRecipe(_Section):
     """Where the weights come from.
 
     ``source``: ``hf`` (a Hugging Face directory: config.json, *.safetensors, tokenizer.json),
@@ -60,7 +60,7 @@ class ModelSection(_Section):
     tokenizer: str | None = None
 
     @model_validator(mode="after")
-    def _source_fields(self) -> ModelSection:
+    def _source_fields(self) -> ModelRecipe:
         need = {"hf": ("path",), "gguf": ("path",), "package": ("package", "file"), "random": ("config",)}
         for key in need[self.source]:
             if getattr(self, key) is None:
@@ -138,7 +138,7 @@ class QuantizationSection(_Section):
         return v
 
 
-class LoraSection(_Section):
+class LoraRecipe(_Section):
     """``compile.lora`` (docs/lora.md): the step graph takes adapter pools as inputs. ``max_loras``: adapter slots
     (the pools hold ``max_loras + 1``, slot 0 the base model); ``max_rank``: the rank every slot is padded to;
     ``target_modules``: the projections that carry a LoRA term (contract/lora.py ``TARGET_MODULES``; default all)."""
@@ -175,7 +175,7 @@ class CompileSection(_Section):
     weights: Literal["float32", "bfloat16", "float16", "int8", "int4"] = "float32"
     quantization: QuantizationSection = Field(default_factory=QuantizationSection)
     float_gemm: Literal["auto", "MatMulF32", "MatMul"] = "auto"
-    lora: LoraSection | None = None
+    lora: LoraRecipe | None = None
     soc_version: str = "Ascend910B3"
     # ascend only: the step graph's paged attention (passes/ascend/kernels.py paged_attention_mode; auto: inplace
     # where the SoC ships ScatterPaKvCache and FusedInferAttentionScore and the graph is float16, else gather)
@@ -327,7 +327,9 @@ ServeSection = create_model("ServeSection", __base__=_ServeChecks, __module__=__
                             __doc__="Runtime limits, one field per recipe option of contract/serve_options.py (vLLM "
                                     "names; MindIE's in the README).",
                             **{o.name: _serve_field(o) for o in RECIPE_OPTIONS})
-class PoolingSection(_Section):
+
+
+class PoolingRecipe(_Section):
     """A pooling bundle's settings (``task: embed | score``; contract/pooling.py). ``normalize``: embeddings L2-
     normalized; ``matryoshka``: the model was trained so that a prefix of the vector is an embedding
     (Qwen3-Embedding's MRL), so a request's ``dimensions`` is honoured (truncate, then normalize) — otherwise
@@ -350,11 +352,11 @@ class Recipe(_Section):
     ``generate`` (default), or a pooling bundle — ``embed`` / ``score`` — with its ``pooling`` settings."""
 
     path: Path
-    model: ModelSection
+    model: ModelRecipe
     compile: CompileSection = Field(default_factory=CompileSection)
     serve: ServeSection = Field(default_factory=ServeSection)
     task: Literal["generate", "embed", "score"] = "generate"
-    pooling: PoolingSection | None = None
+    pooling: PoolingRecipe | None = None
 
     @model_validator(mode="after")
     def _pooling_for_task(self) -> Recipe:

@@ -104,18 +104,16 @@ def build_twin(bundle: Path, manifest: Manifest, recipe_path: Path, out: Path) -
 
 def plain_twin(export: Path, recipe: Any, manifest: Manifest, out: Path) -> Path:
     """``lower_step_graph(plain=True)`` of ``export`` as the bundle's compile ran it (a pooling bundle with its
-    pooling options) into ``out``; returns the graph's path. ``recipe``: the loaded recipe, retargeted."""
-    import json
-
+    pooling options, a LoRA bundle with its LoRA options) into ``out``; returns the graph's path. ``recipe``: the
+    loaded recipe, retargeted."""
     from omforge.compile.ascend.stages import lower_step_graph
-    from omforge.compile.compiler import _pooling_options
+    from omforge.compile.options import lora_options, pooling_options
 
-    pooling = None
-    if manifest.pooling is not None:
-        config = json.loads((export / "export.json").read_text())["config"]
-        pooling = _pooling_options(recipe, export, config)
+    config = manifest.model.config  # the export's, as the compile read it
+    pooling = pooling_options(recipe, export, config) if manifest.pooling is not None else None
     out.mkdir(parents=True, exist_ok=True)
-    lower_step_graph(export, out, recipe, manifest.buckets.block_size, plain=True, pooling=pooling)
+    lower_step_graph(export, out, recipe, manifest.buckets.block_size, plain=True, pooling=pooling,
+                     lora=lora_options(recipe, config))
     return out / "step.onnx"
 
 

@@ -27,6 +27,7 @@ from omforge.compile.ort import build
 from omforge.contract import cdiv
 from omforge.passes.decompose import paged_attention
 from omforge.passes.lower_ort import LowerPagedAttention
+from omforge.passes.options import OrtLoweringOptions
 from omforge.passes.pipeline import InsertPagedKV, Pipeline
 from omforge.recipe import FUSIONS
 from omforge.runtime.ort.ort_executor import OrtExecutor
@@ -83,7 +84,7 @@ def build_contiguous(export_dir: Path, out: Path, block_size: int):  # noqa: ANN
     model = ir.load(export_dir / "model.onnx")
     # the ort pipeline (plain lowering: the baseline writes its contiguous cache in the graph) with the
     # contiguous attention rewritten between the paged-KV insertion and the lowering
-    passes = Pipeline("ort", block_size=block_size, lowering={"kv_write": "graph"}).passes()
+    passes = Pipeline("ort", block_size=block_size, lowering=OrtLoweringOptions(kv_write="graph")).passes()
     at = next(i for i, p in enumerate(passes) if isinstance(p, InsertPagedKV)) + 1
     ir.passes.PassManager([*passes[:at], Contiguous(), *passes[at:]])(model)
     layout = passes[at - 1].layout

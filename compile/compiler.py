@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,9 @@ from omforge.compile import bucket_plan as bucket_planner
 from omforge.compile.ascend.atc import AtcMissing
 from omforge.compile.bundle import file_entries, write_manifest
 from omforge.compile.cache import Stage, cache_root, copy_into, stage_key
+from omforge.compile.options import lora_options, pooling_options
 from omforge.compile.ort import lora_kernel
+from omforge.compile.pass_report import PassReport
 from omforge.contract import DEFAULT_BLOCK_SIZE, PagedLayout, kernel_library
 from omforge.contract.kernel_abi import ABI_VERSION
 from omforge.contract.manifest import (
@@ -34,18 +36,15 @@ from omforge.contract.manifest import (
     Graphs,
     KvSection,
     Limits,
-    LoraSection,
     Manifest,
     ModelConfig,
     ModelSection,
-    PassCounts,
     PoolingSection,
-    StepAbi,
     TokenizerMeta,
-    Weights,
 )
 from omforge.errors import OmforgeError
-from omforge.recipe import FUSIONS, Recipe, retarget
+from omforge.passes.options import LoraOptions, PoolingOptions
+from omforge.recipe import FUSIONS, PoolingRecipe, Recipe, retarget
 
 TOOLS = ("onnx", "onnxruntime", "onnxscript", "onnx-ir", "onnxsim", "torch")
 
@@ -69,11 +68,13 @@ _ROOT = Path(__file__).resolve().parent.parent
 
 def stage_sources(target: str) -> list[Path]:
     """The Python sources the passes stage of ``target`` runs: its output is stale when any of them changes.
-    ort: the passes (fusions, paged KV, lowering, pipeline), the contract and compile/ort.py; ascend: the passes,
-    the contract, compile/ascend/ (ATC command lines, plugin templates and their renderer) and the bucket
-    planner. Whether the kernel library is usable is part of the stage key itself."""
+    Both: the passes (fusions, paged KV, lowering, pipeline, their options), the contract, the options built from
+    the recipe (compile/options.py) and the report's cached form (compile/pass_report.py); ort: compile/ort.py;
+    ascend: compile/ascend/ (ATC command lines, plugin templates and their renderer) and the bucket planner.
+    Whether the kernel library is usable is part of the stage key itself."""
     files = sorted((_ROOT / "passes").rglob("*.py"))
     files += sorted((_ROOT / "contract").glob("*.py"))
+    files += [_ROOT / "compile" / "options.py", _ROOT / "compile" / "pass_report.py"]
     if target == "ort":
         files.append(_ROOT / "compile" / "ort.py")
     if target == "ascend":
@@ -118,7 +119,8 @@ class CompileResult:
 
 @dataclass
 class _Job:
-    """One compile: the checked settings every stage reads, and what the stages record (cache hits, timings)."""
+    """One compile: the checked settings every stage reads, the passes' options built once from the recipe and the
+    export (``config``: its model config), and what the stages record (cache hits, timings)."""
 
     recipe: Recipe
     out: Path
@@ -129,7 +131,9 @@ class _Job:
     root: Path
     progress: Progress
     cached: dict[str, bool] = field(default_factory=dict)
-    pooling: dict[str, Any] | None = None  # InsertPooling's options: a pooling bundle (task embed | score)
+    config: ModelConfig | None = None
+    pooling: PoolingOptions | None = None  # a pooling bundle (task embed | score)
+    lora: LoraOptions | None = None  # compile.lora
 
 
 def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: bool = False) -> CompileResult:
@@ -145,11 +149,13 @@ def compile_recipe(recipe: Recipe, out: Path, target: str | None = None, quiet: 
     job = _job(recipe, out, target, quiet)
     digest = recipe_digest(recipe)
     export_dir, export_meta = _export_stage(job)
-    job.pooling = _pooling_options(recipe, export_dir, export_meta["config"])
+    job.config = ModelConfig.from_dict(export_meta["config"], "config")
+    job.pooling = pooling_options(recipe, export_dir, job.config)
+    job.lora = lora_options(recipe, job.config)
     plan = bucket_planner.plan(recipe.compile, target=job.target, block_size=job.block_size,
                                pooling=job.pooling is not None)
     passes = _passes_stage(job, export_dir, digest)
-    report = passes.info()
+    report = PassReport.from_dict({k: v for k, v in passes.info().items() if k not in _STAGE_FIELDS})
     files = _bundle_stage(job, export_dir, export_meta, passes)
     atc_missing = _ascend_stage(job, plan, report, files) if job.target == "ascend" else None
     manifest = _manifest(job, digest, export_dir, export_meta, plan, report, atc_missing is None, files)
@@ -204,11 +210,12 @@ def _passes_stage(job: _Job, export_dir: Path, digest: str) -> Stage:
         "soc_version": recipe.compile.soc_version if target == "ascend" else None,  # which fused kernels ship
         # the ascend graph's paged-attention mode (gather and readonly bundles share every other key)
         "ascend_paged_attention": recipe.compile.paged_attention if target == "ascend" else None,
-        **({"pooling": job.pooling} if job.pooling is not None else {}),
-        # compile.lora, and whether the kernel library here has LoraAdd (the ort lowering of the terms)
-        **({"lora": [recipe.compile.lora.model_dump(),
-                     target == "ort" and job.kernel and lora_kernel()]}
-           if recipe.compile.lora is not None else {}),
+        **({"pooling": asdict(job.pooling)} if job.pooling is not None else {}),
+        # compile.lora (its config is the export's), and whether the kernel library here has LoraAdd (the ort
+        # lowering of the terms)
+        **({"lora": [{"max_loras": job.lora.max_loras, "max_rank": job.lora.max_rank,
+                      "target_modules": job.lora.target_modules}, target == "ort" and job.kernel and lora_kernel()]}
+           if job.lora is not None else {}),
     })
     passes = Stage(f"passes-{target}", passes_key, job.root)
     job.cached["passes"] = passes.done
@@ -217,7 +224,7 @@ def _passes_stage(job: _Job, export_dir: Path, digest: str) -> Stage:
             from omforge.passes.lora import LoraTargetMissing
 
             try:
-                _run_passes(export_dir, passes, recipe, target, block_size, job.kernel, kv_dtype, job.pooling)
+                _run_passes(export_dir, passes, job)
             except LoraTargetMissing as e:
                 raise OmforgeError(f"{recipe.path}: {e}") from None
     return passes
@@ -241,7 +248,7 @@ def _bundle_stage(job: _Job, export_dir: Path, export_meta: dict[str, Any], pass
     return files
 
 
-def _ascend_stage(job: _Job, plan: bucket_planner.BucketPlan, report: dict[str, Any],
+def _ascend_stage(job: _Job, plan: bucket_planner.BucketPlan, report: PassReport,
                   files: list[Path]) -> AtcMissing | None:
     """ATC over the step graph (its files appended to ``files``); without ``atc`` everything else is written and
     the AtcMissing returned, to be raised once the manifest is."""
@@ -249,7 +256,8 @@ def _ascend_stage(job: _Job, plan: bucket_planner.BucketPlan, report: dict[str, 
 
     with job.progress.stage("ascend toolchain (ATC)"):
         try:
-            files += ascend.prepare_and_run(job.out, job.recipe, plan, report)
+            assert report.ascend is not None
+            files += ascend.prepare_and_run(job.out, job.recipe, plan, report.ascend.lowering)
         except AtcMissing as e:  # everything else is written; say what is left after the manifest
             files += [p for p in (job.out / "ascend").rglob("*") if p.is_file() and p not in files]
             return e
@@ -257,36 +265,37 @@ def _ascend_stage(job: _Job, plan: bucket_planner.BucketPlan, report: dict[str, 
 
 
 def _manifest(job: _Job, digest: str, export_dir: Path, export_meta: dict[str, Any], plan: bucket_planner.BucketPlan,
-              report: dict[str, Any], atc_built: bool, files: list[Path]) -> Manifest:
+              report: PassReport, atc_built: bool, files: list[Path]) -> Manifest:
     """The bundle's manifest.json: what the runtime needs to load it, and where each part came from."""
-    recipe, target, out = job.recipe, job.target, job.out
-    layout = report["layout"]
-    cfg = export_meta["config"]
+    recipe, target, out, config = job.recipe, job.target, job.out, job.config
+    assert config is not None
     tokenizer = TokenizerMeta.from_dict(export_meta["tokenizer"], "tokenizer")
-    weights = report.get("weights")
+    layout, weights = report.layout, report.weights
     return Manifest(
         omforge_version=_version("omforge"),
-        model=ModelSection(recipe.model.name, ModelConfig.from_dict(cfg, "config")),
+        model=ModelSection(recipe.model.name, config),
         tokenizer=replace(tokenizer, file="tokenizer.json" if tokenizer.file else None),
         target=target,
-        abi=StepAbi.from_dict(report["abi"], "abi"),
-        paged_attention=(report.get("paged_attention") if target == "ort" else None) or "plain",  # ascend: its own
-        kernels=kernel_library.status().manifest_entry(weight_layout=(weights or {}).get("gemm") in _OUR_GEMMS)
-        if report.get("paged_attention") == "kernel" or (weights or {}).get("gemm") in _OUR_GEMMS else None,
-        kv=KvSection.of(PagedLayout(**layout), write=_kv_write(recipe, target, plan.block_size))
-        if job.pooling is None else None,
-        pooling=pooling_section(recipe, job.pooling, report["pooled_width"], cfg) if job.pooling is not None else None,
-        lora=LoraSection.from_dict(report["lora"], "lora") if report.get("lora") else None,
+        abi=report.abi,
+        paged_attention=report.paged_attention or "plain",  # ascend: its own (the ascend section's)
+        kernels=kernel_library.status().manifest_entry(weight_layout=weights.gemm in _OUR_GEMMS)
+        if report.paged_attention == "kernel" or weights.gemm in _OUR_GEMMS else None,
+        kv=KvSection.of(layout, write=_kv_write(recipe, target, plan.block_size))
+        if job.pooling is None and layout is not None else None,
+        pooling=pooling_section(recipe, job.pooling, report.pooled_width, config)
+        if job.pooling is not None and report.pooled_width is not None else None,
+        lora=report.lora,
         limits=Limits(recipe.compile.max_seq_len, recipe.compile.max_batch_size, recipe.compile.max_num_tokens),
         serve=recipe.serve.model_dump(),
         buckets=plan,
-        passes=PassCounts(report["fusion_counts"], report["num_nodes"], report["op_histogram"]),
-        weights=Weights.from_dict(weights, "weights") if weights else Weights("float32", {}),
-        graphs=Graphs(f"{target}/{report['graph']}"),
+        passes=report.counts,
+        weights=weights,
+        graphs=Graphs(f"{target}/{report.graph}"),
         export=ExportRef(digest, str(export_dir), "the unfused export is not copied into the bundle (no second "
                          "copy of the weights); it lives in the stage cache, and `omforge export RECIPE -o DIR` "
                          "rebuilds it"),
-        ascend=ascend_section(recipe, plan, atc_built, out, layout, cfg) if target == "ascend" else None,
+        ascend=ascend_section(recipe, plan, atc_built, out, layout, export_meta["config"])
+        if target == "ascend" else None,
         toolchain=tool_versions(),
         timings=job.progress.timings,
         files=file_entries(out, files),
@@ -326,7 +335,7 @@ def _kv_write(recipe: Recipe, target: str, block_size: int) -> str:
 
 
 def ascend_section(recipe: Recipe, plan: bucket_planner.BucketPlan, built: bool, bundle: Path,
-                   layout: dict[str, Any], config: dict[str, Any]) -> AscendSection:
+                   layout: PagedLayout | None, config: dict[str, Any]) -> AscendSection:
     """What the ACL executor needs beyond the ABI (:class:`AscendSection`), from the ascend step graph."""
     from omforge.compile.ascend import stages as ascend
     from omforge.contract.ascend import CANN_RELEASE
@@ -339,11 +348,12 @@ def ascend_section(recipe: Recipe, plan: bucket_planner.BucketPlan, built: bool,
         soc_version=recipe.compile.soc_version,
         precision_mode=recipe.compile.precision_mode, atc="done" if built else "left",
         fusions={name: recipe.compile.fusions.get(name, True) for name in FUSIONS},
-        memory=ascend.memory_plan(recipe, plan, bundle / "ascend", layout, config), cann_release=CANN_RELEASE,
+        memory=ascend.memory_plan(recipe, plan, bundle / "ascend", asdict(layout) if layout is not None else None,
+                                  config), cann_release=CANN_RELEASE,
         **_paged_fields(recipe, plan.block_size, layout))
 
 
-def _paged_fields(recipe: Recipe, block_size: int, layout: dict[str, Any] | None) -> dict[str, Any]:
+def _paged_fields(recipe: Recipe, block_size: int, layout: PagedLayout | None) -> dict[str, Any]:
     """AscendSection's paged-attention fields: the mode and why, the RefData pool inputs, the scratch blocks."""
     from omforge.compile.ascend import stages as ascend
     from omforge.contract.ascend import key_cache, value_cache
@@ -351,7 +361,7 @@ def _paged_fields(recipe: Recipe, block_size: int, layout: dict[str, Any] | None
     if layout is None:  # a pooling bundle: no pool
         return {}
     mode, note = ascend.paged_attention(recipe, block_size)
-    refs = tuple(name for n in range(layout["num_layers"]) for name in (key_cache(n), value_cache(n))) \
+    refs = tuple(name for n in range(layout.num_layers) for name in (key_cache(n), value_cache(n))) \
         if mode == "inplace" else ()
     return {"paged_attention": mode, "paged_attention_note": note, "ref_inputs": refs,
             "scratch_blocks": ascend.scratch_blocks(recipe, block_size)}
@@ -387,75 +397,39 @@ def _say_fallback(reason: str) -> None:
           "lowering (slower)", file=sys.stderr, flush=True)
 
 
-def _pooling_options(recipe: Recipe, export_dir: Path, config: dict[str, Any]) -> dict[str, Any] | None:
-    """InsertPooling's options for a pooling recipe (None: task generate): the task and, for score, the
-    ``[no, yes]`` token ids — given as ids or as token strings of the export's tokenizer (one line naming the key
-    when a string is no token of it, or an id is outside the vocabulary)."""
-    if recipe.task == "generate":
-        return None
-    p = recipe.pooling
-    if recipe.task == "embed":
-        if p is not None and p.append_eos and not config.get("eos_token_ids"):
-            raise OmforgeError(f"{recipe.path}: pooling.append_eos: the model config names no EOS token")
-        return {"task": "embed"}
-    ids = []
-    for key in ("no_token", "yes_token"):
-        token = getattr(p, key)
-        if isinstance(token, str):
-            path = export_dir / "tokenizer.json"
-            if not path.is_file():
-                raise OmforgeError(f"{recipe.path}: pooling.{key}: '{token}' is a token string but the model has "
-                                   "no tokenizer; give the token id")
-            from tokenizers import Tokenizer
-
-            found = Tokenizer.from_file(str(path)).token_to_id(token)
-            if found is None:
-                raise OmforgeError(f"{recipe.path}: pooling.{key}: '{token}' is not a token of the tokenizer")
-            token = found
-        if not 0 <= token < config["vocab_size"]:
-            raise OmforgeError(f"{recipe.path}: pooling.{key}: {token} is outside the vocabulary "
-                               f"(0..{config['vocab_size'] - 1})")
-        ids.append(token)
-    return {"task": "score", "score_token_ids": tuple(ids)}
-
-
-def pooling_section(recipe: Recipe, options: dict[str, Any], width: int, config: dict[str, Any]) -> PoolingSection:
+def pooling_section(recipe: Recipe, options: PoolingOptions, width: int, config: ModelConfig) -> PoolingSection:
     """The manifest's ``pooling`` section of a pooling bundle: last-token pooling and the recipe's settings."""
     from omforge.contract.pooling import POOLED_OUTPUT
-    from omforge.recipe import PoolingSection as RecipePooling
 
-    p = recipe.pooling or RecipePooling()
-    task = options["task"]
+    p = recipe.pooling or PoolingRecipe()
+    task = options.task
     return PoolingSection(
         task=task, pooling="last", output=POOLED_OUTPUT[task], size=width, normalize=p.normalize and task == "embed",
         matryoshka=p.matryoshka and task == "embed",
-        append_token_id=config["eos_token_ids"][0] if p.append_eos else None,
-        score_token_ids=tuple(options["score_token_ids"]) if task == "score" else None,
-        prompt_format=p.prompt_format, instruction=p.instruction)
+        append_token_id=config.eos_token_ids[0] if p.append_eos else None,
+        score_token_ids=options.score_token_ids, prompt_format=p.prompt_format, instruction=p.instruction)
 
 
-def _run_passes(export_dir: Path, stage: Stage, recipe: Recipe, target: str, block_size: int, kernel: bool,
-                kv_dtype: str = "float32", pooling: dict[str, Any] | None = None) -> None:
-    from dataclasses import asdict
+_STAGE_FIELDS = ("kind", "key", "finished")
+"""stage.json's own fields beside the report (compile/cache.py ``Stage.finish``)."""
 
+
+def _run_passes(export_dir: Path, stage: Stage, job: _Job) -> None:
+    """The target's passes over the export into the stage folder; the stage finished with its :class:`PassReport`."""
     from omforge.compile.ort import build
 
+    recipe, c = job.recipe, job.recipe.compile
     out = stage.begin()
-    if target == "ort":
+    if job.target == "ort":
         from omforge.export.onnx_export import load_source_blocks
 
-        q = recipe.compile.quantization
-        blocks = load_source_blocks(export_dir) if recipe.compile.weights != "float32" and q.source_blocks else None
-        report = build(export_dir, out / "step.onnx", fusions=recipe.compile.fusions, block_size=block_size,
-                       kernel=kernel, kv_cache_dtype=kv_dtype, weights=recipe.compile.weights,
-                       quantization=q.model_dump(), blocks=blocks, float_gemm=recipe.compile.float_gemm,
-                       pooling=pooling, lora=recipe.compile.lora.model_dump() if recipe.compile.lora else None)
-        stage.finish({**report.to_dict(), "abi": report.extra["abi"], "graph": "step.onnx",
-                      "paged_attention": report.extra["paged_attention"], "weights": report.extra["weights"],
-                      "pooled_width": report.extra.get("pooled_width"), "lora": report.extra.get("lora")})
-        return
-    from omforge.compile.ascend import stages as ascend
+        blocks = load_source_blocks(export_dir) if c.weights != "float32" and c.quantization.source_blocks else None
+        report = build(export_dir, out / "step.onnx", fusions=c.fusions, block_size=job.block_size,
+                       kernel=job.kernel, kv_cache_dtype=c.kv_cache_dtype, weights=c.weights,
+                       quantization=c.quantization, blocks=blocks, float_gemm=c.float_gemm, pooling=job.pooling,
+                       lora=job.lora)
+    else:
+        from omforge.compile.ascend import stages as ascend
 
-    info = ascend.lower_step_graph(export_dir, out, recipe, block_size, pooling=pooling)
-    layout = info["layout"]
-    stage.finish({**info, "layout": asdict(layout) if layout is not None and not isinstance(layout, dict) else layout})
+        report = ascend.lower_step_graph(export_dir, out, recipe, job.block_size, pooling=job.pooling, lora=job.lora)
+    stage.finish(report.to_dict())

@@ -1,49 +1,33 @@
 """The ort target's passes stage: an export → the fused, paged, lowered step graph ``step.onnx`` with its weights
-beside it, and a :class:`PassReport` of what the passes did. The pass sequence is :class:`Pipeline`'s; here its
-options are decided (the kernel or the plain lowering of paged attention, the weights' quantization) and handed in.
+beside it, and a :class:`PassReport` of what the passes did (``step.json`` beside the graph: its counts, layout and
+the manifest sections, in the form bundles have always carried). The pass sequence is :class:`Pipeline`'s; here
+its lowering and quantization options are decided (the kernel or the plain lowering of paged attention, the weights'
+GEMM) from the recipe's values and handed in with the LoRA and pooling options the compile built.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import onnx_ir as ir
 
-from omforge.contract import PagedLayout, kernel_library
+from omforge.compile.pass_report import PassReport
+from omforge.contract import kernel_library
+from omforge.contract.manifest import LoraSection, StepAbi, Weights
 from omforge.errors import OmforgeError
-from omforge.passes.lora import insert_options
+from omforge.passes.options import LoraOptions, OrtLoweringOptions, PoolingOptions, QuantizeOptions
 from omforge.passes.pipeline import Pipeline, histogram, interface
-from omforge.recipe import ACTIVATION_LEVELS, activations_of
-
-
-@dataclass
-class PassReport:
-    fusion_counts: dict[str, int]
-    num_nodes: int
-    op_histogram: dict[str, int]
-    layout: PagedLayout | None = None
-    extra: dict[str, object] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, object]:
-        d = asdict(self)
-        d["layout"] = asdict(self.layout) if self.layout else None
-        return d
-
+from omforge.recipe import ACTIVATION_LEVELS, QuantizationSection
 
 WEIGHT_BITS = {"int8": 8, "int4": 4}
 _GEMM_OP = {"int8": "MatMulQ", "int4": "MatMulQ", "bfloat16": "MatMulBF16", "float32": "MatMulF32"}
 
 
-def _activations(quantization: Mapping[str, Any] | None) -> str | None:
-    q = quantization or {}
-    return activations_of(q.get("activations"), q.get("accuracy_level", 4))
-
-
-def gemm_lowering(weights: str, quantization: Mapping[str, Any] | None, kernel: bool, paged: bool = True,
+def gemm_lowering(weights: str, quantization: QuantizationSection | None, kernel: bool, paged: bool = True,
                   float_gemm: str = "auto") -> str | None:
     """Which op the weight MatMuls become, as :class:`QuantizeWeights`' ``gemm``. float32: the kernel library's
     MatMulF32 ("kernel") in a paged step graph whose attention is the kernel's, where the library's AVX-512 path
@@ -69,8 +53,8 @@ def gemm_lowering(weights: str, quantization: Mapping[str, Any] | None, kernel: 
             raise OmforgeError("compile.weights: bfloat16 needs omforge's kernel library (its MatMulBF16), "
                                f"unavailable here ({why}); use float32")
         return "kernel"
-    q = quantization or {}
-    choice, act = q.get("gemm", "auto"), _activations(q)
+    q = quantization or QuantizationSection()
+    choice, act = q.gemm, q.activation_type
     usable = kernel and kernel_library.status().weight_layout is not None
     if act == "bfloat16":
         if not (usable and kernel_library.status().qbf16):
@@ -85,31 +69,31 @@ def gemm_lowering(weights: str, quantization: Mapping[str, Any] | None, kernel: 
     return "kernel" if usable and act == "int8" else "nbits"
 
 
-def _activation_report(weights: str, quantization: Mapping[str, Any] | None) -> dict[str, Any]:
+def _activation_report(weights: str, quantization: QuantizationSection | None) -> dict[str, Any]:
     """The manifest's ``weights.accuracy_level`` (None: not quantized, or bfloat16 activations: no ORT level) and
     ``activations`` (int8 / bfloat16 / float32; absent for float weights and ORT's own levels 1–3)."""
+    q = quantization or QuantizationSection()
     if weights in ("float32", "bfloat16"):
-        return {"accuracy_level": None if weights == "float32" else (quantization or {}).get("accuracy_level", 4)}
-    act = _activations(quantization)
-    level = ACTIVATION_LEVELS.get(act or "", (quantization or {}).get("accuracy_level", 4)) \
-        if act != "bfloat16" else None
+        return {"accuracy_level": None if weights == "float32" else q.accuracy_level}
+    act = q.activation_type
+    level = ACTIVATION_LEVELS.get(act or "", q.accuracy_level) if act != "bfloat16" else None
     return {"accuracy_level": level, **({"activations": act} if act else {})}
 
 
-def quantize_options(weights: str, quantization: Mapping[str, Any] | None,
-                     blocks: Mapping[str, tuple[str, Any, int]] | None, gemm: str = "nbits") -> dict[str, Any] | None:
-    """:class:`QuantizeWeights` options for the recipe's ``weights`` and ``quantization``; None for float."""
+def quantize_options(weights: str, quantization: QuantizationSection | None,
+                     blocks: Mapping[str, tuple[str, Any, int]] | None, gemm: str = "nbits") -> QuantizeOptions | None:
+    """:class:`QuantizeWeights`' options for the recipe's ``weights`` and ``quantization``; None for float."""
     if weights == "float32":  # through MatMulF32 (its panels) when the kernel runs it, else ORT's MatMul as exported
-        return {"bits": 32, "embedding": "float", "gemm": "kernel"} if gemm == "kernel" else None
+        return QuantizeOptions(bits=32, embedding="float", gemm="kernel") if gemm == "kernel" else None
     if weights == "bfloat16":  # every weight MatMul in bfloat16 through MatMulBF16; the embedding stays float32
-        return {"bits": 16, "embedding": "float", "gemm": "kernel"}
+        return QuantizeOptions(bits=16, embedding="float", gemm="kernel")
     if weights not in WEIGHT_BITS:
         raise ValueError(f"weights {weights!r}: the ort pipeline builds float32, int8 or int4 weights")
-    q = dict(quantization or {})
-    use_blocks = q.pop("source_blocks", True)
-    q.pop("gemm", None)
-    q["accuracy_level"] = ACTIVATION_LEVELS.get(q.pop("activations", None) or "", q.get("accuracy_level", 4))
-    return {"bits": WEIGHT_BITS[weights], **q, "blocks": blocks if use_blocks else None, "gemm": gemm}
+    q = quantization or QuantizationSection()
+    return QuantizeOptions(bits=WEIGHT_BITS[weights], group_size=q.group_size, symmetric=q.symmetric,
+                           matrices=tuple(q.matrices), embedding=q.embedding,
+                           accuracy_level=ACTIVATION_LEVELS.get(q.activations or "", q.accuracy_level),
+                           blocks=blocks if q.source_blocks else None, gemm=gemm)
 
 
 def lora_kernel() -> bool:
@@ -121,9 +105,9 @@ def lora_kernel() -> bool:
 def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | None = None,
           block_size: int | None = None, target: str = "ort", kv_write: str = "graph",
           kernel: bool | None = None, kv_cache_dtype: str = "float32", weights: str = "float32",
-          quantization: Mapping[str, Any] | None = None,
+          quantization: QuantizationSection | None = None,
           blocks: Mapping[str, tuple[str, Any, int]] | None = None, float_gemm: str = "auto",
-          pooling: Mapping[str, Any] | None = None, lora: Mapping[str, Any] | None = None) -> PassReport:
+          pooling: PoolingOptions | None = None, lora: LoraOptions | None = None) -> PassReport:
     """Fuse (switches ``fusions``), page the KV cache when ``block_size`` is given, lower to ``target``,
     and save ``out_path`` with its weights in ``out_path.name + '.data'`` beside it. ``kernel``: lower paged
     attention to omforge's CPU kernel (None: when the kernel library is usable here and ``kv_write="graph"``);
@@ -131,12 +115,11 @@ def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | Non
     MatMuls of a paged graph through the kernel library's MatMulF32 where its AVX-512 path runs (``float_gemm``, the
     recipe's choice: :func:`gemm_lowering`); bfloat16: every weight
     MatMul in bfloat16 through the kernel library's MatMulBF16 (the embedding gather stays float32); int8 / int4:
-    weight-only quantization with the recipe's ``quantization`` options (``recipe.QuantizationSection``), taking
-    the export's GGUF ``blocks`` as they are where they fit (``passes/quantize_weights.py``). ``pooling``
-    (``InsertPooling``'s options): a pooling bundle's step graph instead of a paged one (its weight MatMuls take
-    the kernels a paged graph's would). ``lora`` (the recipe's ``compile.lora``: max_loras, max_rank, target_modules):
-    LoRA pool inputs and terms (passes/lora.py; the term through the kernel library's LoraAdd where it has one,
-    :func:`lora_kernel`); the report's ``lora`` is the manifest section."""
+    weight-only quantization with the recipe's ``quantization`` (None: its defaults), taking
+    the export's GGUF ``blocks`` as they are where they fit (``passes/quantize_weights.py``). ``pooling``: a pooling
+    bundle's step graph instead of a paged one (its weight MatMuls take the kernels a paged graph's would).
+    ``lora``: LoRA pool inputs and terms (passes/lora.py; the term through the kernel library's LoraAdd where it has
+    one, :func:`lora_kernel`); the report's ``lora`` is the manifest section."""
     if target != "ort":
         raise ValueError(f"target '{target}' is built by compile/ascend/stages.py, not here")
     model = ir.load(export_dir / "model.onnx")
@@ -144,26 +127,34 @@ def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | Non
         kernel = kv_write == "graph" and kernel_library.status().available
     gemm = gemm_lowering(weights, quantization, kernel, paged=block_size is not None or pooling is not None,
                          float_gemm=float_gemm)
-    lowering: dict[str, Any] = {"kv_write": kv_write, "kernel": kernel, "kv_cache_dtype": kv_cache_dtype}
-    if lora is not None:
-        lowering["lora_kernel"] = kernel and lora_kernel()
+    lowering = OrtLoweringOptions(kv_write=kv_write, kernel=kernel, kv_cache_dtype=kv_cache_dtype,
+                                  lora_kernel=kernel and lora_kernel() if lora is not None else None)
     run = Pipeline(target, fusions or {}, block_size, lowering,
                    quantize_options(weights, quantization, blocks, gemm or "nbits"), pooling=pooling,
-                   lora=insert_options(lora, export_dir)).run(model)
+                   lora=lora).run(model)
     counts, layout = run.fusion_counts, run.layout
     if layout is not None:
         layout = replace(layout, kv_dtype=kv_cache_dtype)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     ir.save(model, out_path, external_data=out_path.name + ".data")
-    report = PassReport(counts, len(list(model.graph)), histogram(model), layout,
-                        {"abi": interface(model), "kv_write": kv_write if layout else None,
-                         "pooled_width": run.pooled_width,
-                         "lora": run.lora.to_dict() if run.lora is not None else None,
-                         "paged_attention": ("kernel" if kernel else "plain") if layout else None,
-                         "weights": {"precision": weights, "quantized": run.quantized,
-                                     **_activation_report(weights, quantization),
-                                     **({"gemm": _GEMM_OP[weights] if gemm == "kernel" else
-                                         "MatMulQBF16" if gemm == "kernel_bf16" else "MatMulNBits"}
-                                        if gemm else {})}})
-    out_path.with_suffix(".json").write_text(json.dumps(report.to_dict(), indent=2))
+    abi, lora_section = interface(model), run.lora
+    weights_entry = {"precision": weights, "quantized": run.quantized, **_activation_report(weights, quantization),
+                     **({"gemm": _GEMM_OP[weights] if gemm == "kernel" else
+                         "MatMulQBF16" if gemm == "kernel_bf16" else "MatMulNBits"} if gemm else {})}
+    report = PassReport(out_path.name, counts, len(list(model.graph)), histogram(model), StepAbi.from_dict(abi, "abi"),
+                        layout, Weights.from_dict(weights_entry, "weights"),
+                        paged_attention=("kernel" if kernel else "plain") if layout else None,
+                        kv_write=kv_write if layout else None, pooled_width=run.pooled_width, lora=lora_section)
+    out_path.with_suffix(".json").write_text(json.dumps(_step_json(report, abi, lora_section, weights_entry), indent=2))
     return report
+
+
+def _step_json(report: PassReport, abi: dict[str, Any], lora: LoraSection | None,
+               weights: dict[str, Any]) -> dict[str, Any]:
+    """``step.json``, the report beside the step graph (``omforge diff`` reads its ``fusion_counts``), in the form
+    bundles have always carried: the counts and layout, the rest under ``extra``."""
+    return {"fusion_counts": report.fusion_counts, "num_nodes": report.num_nodes, "op_histogram": report.op_histogram,
+            "layout": asdict(report.layout) if report.layout else None,
+            "extra": {"abi": abi, "kv_write": report.kv_write, "pooled_width": report.pooled_width,
+                      "lora": lora.to_dict() if lora is not None else None, "paged_attention": report.paged_attention,
+                      "weights": weights}}

@@ -24,21 +24,19 @@ Postcondition: every targeted module has a part in at least one layer (else a on
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
 from omforge.contract.kernel_abi import DOMAIN as KERNEL_DOMAIN
 from omforge.contract.lora import PROJECTIONS, SLOTS_INPUT, TARGET_MODULES, pool_a, pool_b
-from omforge.contract.manifest import LoraPart, LoraProjection, LoraSection
+from omforge.contract.manifest import LoraPart, LoraProjection, LoraSection, ModelConfig
 from omforge.errors import OmforgeError
 from omforge.passes import ops
+from omforge.passes.options import LoraOptions
 from omforge.passes.util import const_array, const_shape
 
 OP = "LoraAdd"
@@ -62,7 +60,7 @@ class _Found:
     out_features: int
 
 
-def part_widths(name: str, out_features: int, config: Mapping[str, object] | None) -> list[int]:
+def part_widths(name: str, out_features: int, config: ModelConfig | None) -> list[int]:
     """The output columns of each module of projection ``name`` (``PROJECTIONS[name]`` order): from the model
     config when given, else an unfused projection's whole width and a fused one's by its known split (qkv: the
     config is needed unless q, k and v are equal; gate_up: halves)."""
@@ -70,11 +68,9 @@ def part_widths(name: str, out_features: int, config: Mapping[str, object] | Non
     if len(modules) == 1:
         return [out_features]
     if config is not None:
-        heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])  # type: ignore[arg-type]
-        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)  # type: ignore[arg-type]
-        inter = int(config["intermediate_size"])  # type: ignore[arg-type]
-        widths = {"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim, "v_proj": kv_heads * head_dim,
-                  "gate_proj": inter, "up_proj": inter}
+        q, kv, inter = (config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim,
+                        config.intermediate_size)
+        widths = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": inter, "up_proj": inter}
         return [widths[m] for m in modules]
     if out_features % len(modules):
         raise ValueError(f"LoRA insertion: {name}_proj of {out_features} columns does not split evenly; pass the "
@@ -115,7 +111,7 @@ def _input(name: str, dims: Sequence[int | str], dtype: ir.DataType) -> ir.Value
 
 
 def insert_lora(model: ir.Model, max_loras: int, max_rank: int, target_modules: Sequence[str],
-                config: Mapping[str, object] | None = None) -> LoraSection:
+                config: ModelConfig | None = None) -> LoraSection:
     """Insert ``LoraAdd`` on every targeted projection of ``model`` in place; returns the manifest section."""
     unknown = sorted(set(target_modules) - set(TARGET_MODULES))
     if unknown:
@@ -166,25 +162,13 @@ def check_targets(section: LoraSection) -> None:
                                 "(no projection MatMul with that weight); drop it from the list")
 
 
-def insert_options(lora: Mapping[str, Any] | None, export_dir: Path) -> dict[str, Any] | None:
-    """:class:`InsertLora`'s options for a compile: the recipe's ``compile.lora`` (its ``model_dump()``) and the
-    export's model config (``export.json``: the column widths of fused projections); None without LoRA."""
-    if lora is None:
-        return None
-    config = json.loads((export_dir / "export.json").read_text())["config"]
-    return {"max_loras": lora["max_loras"], "max_rank": lora["max_rank"],
-            "target_modules": tuple(lora["target_modules"]), "config": config}
-
-
 class InsertLora(ir.passes.InPlacePass):
-    """:func:`insert_lora` with the recipe's ``compile.lora`` (``max_loras``, ``max_rank``, ``target_modules``) and
-    the model ``config`` (part widths); ``section``: the :class:`LoraSection` it made, ``count``: LoraAdd nodes."""
+    """:func:`insert_lora` with its :class:`LoraOptions`; ``section``: the :class:`LoraSection` it made (the
+    manifest's ``lora``), ``count``: LoraAdd nodes."""
 
-    def __init__(self, max_loras: int, max_rank: int, target_modules: Sequence[str] = TARGET_MODULES,
-                 config: Mapping[str, object] | None = None):
+    def __init__(self, options: LoraOptions):
         super().__init__()
-        self.max_loras, self.max_rank, self.target_modules = max_loras, max_rank, tuple(target_modules)
-        self.config = config
+        self.options = options
         self.section: LoraSection | None = None
         self.count = 0
 
@@ -193,7 +177,8 @@ class InsertLora(ir.passes.InPlacePass):
             raise ir.passes.PreconditionError("LoRA insertion runs before the paged-KV insertion")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.section = insert_lora(model, self.max_loras, self.max_rank, self.target_modules, self.config)
+        o = self.options
+        self.section = insert_lora(model, o.max_loras, o.max_rank, o.target_modules, o.config)
         self.count = len(self.section.projections)
         return ir.passes.PassResult(model, modified=self.count > 0)
 

@@ -8,9 +8,9 @@
 
 :class:`Pipeline` is the one description that the ort build (``compile/ort.py``), the ascend stage
 (``compile/ascend/stages.py``) and ``omforge diff``'s replay run; they decide its options (which lowering, which
-weights) and hand them in. Every pass is an ``onnx_ir`` in-place pass; its
-``requires`` / ``ensures`` hooks state the contract between them (the paged-KV insertion needs fused or
-fusible attention and leaves the step ABI's inputs; a lowering leaves no neutral op).
+weights) and hand them in, one frozen object per concern (passes/options.py). Every pass is an ``onnx_ir``
+in-place pass; its ``requires`` / ``ensures`` hooks state the contract between them (the paged-KV insertion needs
+fused or fusible attention and leaves the step ABI's inputs; a lowering leaves no neutral op).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import onnx_ir as ir
 
@@ -30,6 +29,14 @@ from omforge.passes.ascend import lower as lower_ascend
 from omforge.passes.ascend.w8a16 import QuantizeW8A16
 from omforge.passes.float16 import CastToFloat16
 from omforge.passes.lora import InsertLora, LoraTargetMissing
+from omforge.passes.options import (
+    AscendLoweringOptions,
+    LoraOptions,
+    LoweringOptions,
+    OrtLoweringOptions,
+    PoolingOptions,
+    QuantizeOptions,
+)
 from omforge.passes.paged_kv import insert_paged_kv
 from omforge.passes.pooling import insert_pooling
 from omforge.passes.quantize_weights import QuantizeWeights
@@ -63,12 +70,12 @@ class InsertPooling(ir.passes.InPlacePass):
     """A pooling bundle's step graph (task embed | score, :mod:`omforge.passes.pooling`): no KV pool, the last
     position of each sequence pooled; ``width``: the pooled output's."""
 
-    def __init__(self, task: str, score_token_ids: tuple[int, int] | None = None):
+    def __init__(self, options: PoolingOptions):
         super().__init__()
-        self.task, self.score_token_ids, self.width = task, score_token_ids, None
+        self.options, self.width = options, None
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.width = insert_pooling(model, self.task, self.score_token_ids)
+        self.width = insert_pooling(model, self.options.task, self.options.score_token_ids)
         return ir.passes.PassResult(model, modified=True)
 
     def ensures(self, model: ir.Model) -> None:
@@ -78,14 +85,16 @@ class InsertPooling(ir.passes.InPlacePass):
 
 
 class LowerORT(ir.passes.InPlacePass):
-    """:func:`lower_ort.lower` with its options (``kv_write``, ``kernel``, ``kv_cache_dtype``)."""
+    """:func:`lower_ort.lower` with its :class:`OrtLoweringOptions`."""
 
-    def __init__(self, **options: Any):
+    def __init__(self, options: OrtLoweringOptions):
         super().__init__()
         self.options, self.count = options, 0
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.count = lower_ort.lower(model, **self.options)
+        o = self.options
+        self.count = lower_ort.lower(model, kv_write=o.kv_write, kernel=o.kernel, kv_cache_dtype=o.kv_cache_dtype,
+                                     lora_kernel=o.lora_kernel)
         return ir.passes.PassResult(model, modified=self.count > 0)
 
     def ensures(self, model: ir.Model) -> None:
@@ -93,14 +102,19 @@ class LowerORT(ir.passes.InPlacePass):
 
 
 class LowerAscend(ir.passes.InPlacePass):
-    """:func:`lower_ascend.lower` with its options; ``result``: the :class:`lower_ascend.AscendLowering` record."""
+    """:func:`lower_ascend.lower` with its :class:`AscendLoweringOptions`; ``result``: the
+    :class:`lower_ascend.AscendLowering` record."""
 
-    def __init__(self, **options: Any):
+    def __init__(self, options: AscendLoweringOptions):
         super().__init__()
         self.options, self.result = options, None
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.result = lower_ascend.lower(model, **self.options)
+        o = self.options
+        defaults = {k: v for k, v in (("rmsnorm_plugin", o.rmsnorm_plugin), ("soc_version", o.soc_version))
+                    if v is not None}  # None: the lowering's own
+        self.result = lower_ascend.lower(model, paged_attention=o.paged_attention, attention=o.attention,
+                                         plain=o.plain, num_slots=o.num_slots, **defaults)
         return ir.passes.PassResult(model, modified=True)
 
     def ensures(self, model: ir.Model) -> None:
@@ -110,30 +124,39 @@ class LowerAscend(ir.passes.InPlacePass):
 
 
 LOWERINGS: dict[str, type[ir.passes.InPlacePass]] = {"ort": LowerORT, "ascend": LowerAscend}
+LOWERING_OPTIONS: dict[str, type[LoweringOptions]] = {"ort": OrtLoweringOptions, "ascend": AscendLoweringOptions}
 
 
 @dataclass(frozen=True)
 class Pipeline:
     """A target's pass sequence: ``fusions`` (recipe switches, default all on), the paged-KV insertion when
-    ``block_size`` is given, the ``target``'s lowering with ``lowering`` options, cleanups between."""
+    ``block_size`` is given, the ``target``'s lowering with ``lowering`` options (None: that target's defaults),
+    cleanups between. Every option is a frozen object of passes/options.py (a dict is refused)."""
 
     target: str = "ort"
     fusions: Mapping[str, bool] = field(default_factory=dict)
     block_size: int | None = None
-    lowering: Mapping[str, Any] = field(default_factory=dict)
-    # weight quantization options: QuantizeWeights (ort: MatMulNBits) or QuantizeW8A16 (ascend, on the float16
-    # graph); None: float weights
-    quantize: Mapping[str, Any] | None = None
+    lowering: LoweringOptions | None = None
+    # weight quantization: QuantizeWeights (ort) or QuantizeW8A16 (ascend, on the float16 graph); None: float weights
+    quantize: QuantizeOptions | None = None
     float16: bool = False  # ascend: the lowered graph in float16 with float32 islands (passes/float16.py)
-    # a pooling bundle (task embed | score): InsertPooling's options in place of the paged-KV insertion
-    pooling: Mapping[str, Any] | None = None
-    # multi-LoRA (docs/lora.md): InsertLora's options (max_loras, max_rank, target_modules, config), after the
-    # fusions and before the paged-KV insertion; None: no LoRA input, no LoRA node
-    lora: Mapping[str, Any] | None = None
+    # a pooling bundle (task embed | score): InsertPooling in place of the paged-KV insertion
+    pooling: PoolingOptions | None = None
+    # multi-LoRA (docs/lora.md): InsertLora after the fusions and before the paged-KV insertion; None: no LoRA
+    # input, no LoRA node
+    lora: LoraOptions | None = None
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
             raise ValueError(f"target {self.target!r} is not one of {TARGETS}")
+        if self.lowering is None:
+            object.__setattr__(self, "lowering", LOWERING_OPTIONS[self.target]())
+        for name, kind in (("lowering", LOWERING_OPTIONS[self.target]), ("quantize", QuantizeOptions),
+                           ("pooling", PoolingOptions), ("lora", LoraOptions)):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                raise TypeError(f"Pipeline {name}: expected {kind.__name__} (passes/options.py) for target "
+                                f"{self.target}, got {type(value).__name__}")
         if self.float16 and self.target != "ascend":
             raise ValueError(f"a float16 graph is built for the ascend target, not {self.target}")
         if self.quantize is not None and self.target == "ascend" and not self.float16:
@@ -145,18 +168,21 @@ class Pipeline:
         """Fresh pass objects, in order (each records what it did: ``Fusion.count``, ``InsertPagedKV.layout``…)."""
         seq: list[ir.passes.PassBase] = [*manager.fusion_passes(self.fusions), manager.Cleanup()]
         if self.lora is not None:
-            seq.append(InsertLora(**self.lora))
+            seq.append(InsertLora(self.lora))
         if self.pooling is not None:
-            seq.append(InsertPooling(**self.pooling))
+            seq.append(InsertPooling(self.pooling))
         elif self.block_size:
             seq.append(InsertPagedKV(self.block_size))
-        seq.append(LOWERINGS[self.target](**self.lowering))
+        seq.append(LOWERINGS[self.target](self.lowering))
         if self.float16:
             seq.append(CastToFloat16())
-        if self.quantize is not None and self.target == "ort":
-            seq.append(QuantizeWeights(**self.quantize))
-        elif self.quantize is not None:
-            seq.append(QuantizeW8A16(**self.quantize, plain=bool(self.lowering.get("plain"))))
+        q = self.quantize
+        if q is not None and self.target == "ort":
+            seq.append(QuantizeWeights(q.bits, q.group_size, q.symmetric, q.matrices, q.embedding, q.accuracy_level,
+                                       q.blocks, q.gemm))
+        elif q is not None:
+            assert isinstance(self.lowering, AscendLoweringOptions)
+            seq.append(QuantizeW8A16(q.group_size, q.matrices, plain=self.lowering.plain))
         seq.append(manager.Cleanup())
         return seq
 

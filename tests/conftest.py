@@ -73,17 +73,18 @@ def tiny_ascend_step(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Pa
     import onnx_ir as ir
 
     from omforge.export.onnx_export import export_recipe
+    from omforge.passes.options import AscendLoweringOptions
     from omforge.passes.pipeline import Pipeline
     from omforge.recipe import load_recipe
 
     root = tmp_path_factory.mktemp("atc-tiny")
     export_recipe(load_recipe(TINY_RECIPE), root / "export", quiet=True)
     step = ir.load(root / "export" / "model.onnx")
-    paged = Pipeline("ascend", block_size=16, lowering={"paged_attention": "inplace", "num_slots": 4096},
+    paged = Pipeline("ascend", block_size=16, lowering=AscendLoweringOptions(paged_attention="inplace", num_slots=4096),
                      float16=True).run(step).lowering.result
     ir.save(step, root / "step.onnx", external_data="step.onnx.data")
     full = ir.load(root / "export" / "model.onnx")
-    pfa = Pipeline("ascend", lowering={"attention": "pfa"}).run(full).lowering.result
+    pfa = Pipeline("ascend", lowering=AscendLoweringOptions(attention="pfa")).run(full).lowering.result
     lowering = paged.to_dict()
     lowering["custom_ops"] |= pfa.to_dict()["custom_ops"]
     return json.loads(json.dumps(lowering)), root / "step.onnx"

@@ -31,13 +31,15 @@ def plain_twin(bundle: Path, out: Path, recipe_path: Path = TINY_RECIPE) -> Path
     """The ascend step graph with every op lowered to standard ONNX (``lower_step_graph(plain=True)``, our RMSNorm
     epsilon): what the fake's "OM" runs."""
     from omforge.compile.ascend.stages import lower_step_graph
+    from omforge.compile.options import lora_options
     from omforge.recipe import load_recipe, retarget
 
     manifest = load_manifest(bundle, verify=False)
     out.mkdir(parents=True, exist_ok=True)
     export = Path(manifest.export.dir)  # the stage cache's export: bundles keep no copy of it
     recipe = retarget(load_recipe(recipe_path), manifest.target)  # as compile --target read it
-    lower_step_graph(export, out, recipe, manifest.kv.block_size, plain=True)
+    lower_step_graph(export, out, recipe, manifest.kv.block_size, plain=True,
+                     lora=lora_options(recipe, manifest.model.config))
     return out / "step.onnx"
 
 

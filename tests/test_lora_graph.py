@@ -273,13 +273,13 @@ def test_missing_target_is_one_line() -> None:
     """A targeted module that no layer has is refused in one line naming the recipe key (through the pipeline too,
     whose pass manager would otherwise wrap it)."""
     from omforge.errors import OmforgeError
+    from omforge.passes.options import LoraOptions
     from omforge.passes.pipeline import Pipeline
 
     expected = ("compile.lora.target_modules: o_proj, down_proj found in no layer of the graph (no projection MatMul "
                 "with that weight); drop it from the list")
     with pytest.raises(OmforgeError) as err:
-        Pipeline("ort", lora={"max_loras": 1, "max_rank": 4,
-                              "target_modules": ("q_proj", "o_proj", "down_proj")}).run(_projection_graph(False))
+        Pipeline("ort", lora=LoraOptions(1, 4, ("q_proj", "o_proj", "down_proj"))).run(_projection_graph(False))
     assert str(err.value) == expected and isinstance(err.value, ir.passes.PostconditionError)
 
 

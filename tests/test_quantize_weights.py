@@ -14,6 +14,7 @@ import pytest
 from helpers import SMOLLM2_RECIPE, TINY_RECIPE, compile_bundle, export_feeds, load_export, run_model
 from omforge.errors import OmforgeError
 from omforge.passes import gemm_pack, manager, quant
+from omforge.passes.options import QuantizeOptions
 from omforge.passes.pipeline import Pipeline
 from omforge.passes.quantize_weights import QuantizeWeights, group_of, parts_of
 from omforge.recipe import load_recipe
@@ -52,7 +53,7 @@ def test_quantized_graph_is_the_dequantized_model(tiny_exports: dict[str, Path],
         options = {"bits": bits, "group_size": group, "symmetric": symmetric, "accuracy_level": level}
         fused, quantized = load_export(export), load_export(export)
         Pipeline("ort").run(fused)
-        run = Pipeline("ort", quantize=options).run(quantized)
+        run = Pipeline("ort", quantize=QuantizeOptions(**options)).run(quantized)
         qpass = next(p for p in run.passes if isinstance(p, QuantizeWeights))
         ops = [n.op_type for n in quantized.graph]
         assert ops.count("MatMulNBits") == 2 * 4 + 1, variant  # 2 layers x (qkv, o, gate_up, down) + lm_head
@@ -74,7 +75,7 @@ def test_kernel_gemm_graph_is_the_dequantized_model(tiny_exports: dict[str, Path
         options = {"bits": bits, "group_size": group, "symmetric": symmetric, "accuracy_level": 4, "gemm": "kernel"}
         fused, quantized = load_export(export), load_export(export)
         Pipeline("ort").run(fused)
-        run = Pipeline("ort", quantize=options).run(quantized)
+        run = Pipeline("ort", quantize=QuantizeOptions(**options)).run(quantized)
         qpass = next(p for p in run.passes if isinstance(p, QuantizeWeights))
         ops = [n.op_type for n in quantized.graph]
         assert ops.count("MatMulQ") == 2 * 4 + 1 and "MatMulNBits" not in ops, variant
@@ -150,7 +151,7 @@ def test_float32_panels_hold_a_tied_table_once(tiny_exports: dict[str, Path]) ->
     for variant, tied in (("qwen2", True), ("llama", False)):
         fused, packed = load_export(tiny_exports[variant]), load_export(tiny_exports[variant])
         Pipeline("ort").run(fused)
-        Pipeline("ort", quantize={"bits": 32, "embedding": "float", "gemm": "kernel"}).run(packed)
+        Pipeline("ort", quantize=QuantizeOptions(bits=32, embedding="float", gemm="kernel")).run(packed)
         ops = [n.op_type for n in packed.graph]
         assert ops.count("MatMulF32") == 2 * 4 + 1, variant
         assert ("model.embed_tokens.weight" in packed.graph.initializers) is not tied, variant
@@ -162,7 +163,7 @@ def test_float32_panels_hold_a_tied_table_once(tiny_exports: dict[str, Path]) ->
 
 def test_8bit_stays_float_at_accuracy_level_0(tiny_exports: dict[str, Path]) -> None:
     model = load_export(tiny_exports["llama"])
-    run = Pipeline("ort", quantize={"bits": 8, "accuracy_level": 0}).run(model)
+    run = Pipeline("ort", quantize=QuantizeOptions(bits=8, accuracy_level=0)).run(model)
     assert "MatMulNBits" not in {n.op_type for n in model.graph}
     assert all(v["bits"] == 32 and "8-bit at accuracy_level 0 is slow" in v["source"] for v in run.quantized.values())
 

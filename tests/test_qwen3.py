@@ -236,7 +236,7 @@ def test_quantized_weights_stay_near_the_float_logits(qwen3: dict, tmp_path: Pat
     """int8 / int4 weights (round to nearest, groups of 32) on the paged graph: the last position's logits of
     every prompt within ``bound`` of transformers' (logits std ≈ 0.5 here), the argmax kept for int8."""
     report = build(qwen3["export"], tmp_path / "q.onnx", block_size=BLOCK, weights=weights)
-    assert report.extra["weights"]["quantized"], report.extra["weights"]
+    assert report.weights.quantized, report.weights
     ex = OrtExecutor(tmp_path / "q.onnx", report.layout, num_blocks=64)
     tables = [list(range(16 * i, 16 * i + 16)) for i in range(len(PROMPTS))]
     logits = ex.run(build_step([SeqWork(p, 0, t) for p, t in zip(PROMPTS, tables)], BLOCK))

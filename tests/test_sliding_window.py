@@ -55,7 +55,7 @@ def test_paged_step_honours_the_window(mistral: Path, tmp_path: Path, kernel: bo
         pytest.skip(f"kernel library: {kernels.status().reason}")
     ref = ExportedModel(mistral)
     report = build(mistral, tmp_path / "step.onnx", block_size=BLOCK, kernel=kernel)
-    assert report.extra["paged_attention"] == ("kernel" if kernel else "plain")
+    assert report.paged_attention == ("kernel" if kernel else "plain")
     ex = OrtExecutor(tmp_path / "step.onnx", report.layout, num_blocks=64)
     ids = [int(t) for t in np.random.default_rng(0).integers(3, 256, 2 * WINDOW + 5)]
     table = list(range(40, 60))

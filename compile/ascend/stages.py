@@ -13,7 +13,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -34,38 +33,38 @@ from omforge.compile.ascend.atc_forms import rewrite_file
 from omforge.compile.ascend.atc_plugins import render_plugins
 from omforge.compile.ascend.build_script import render_build_script
 from omforge.compile.ascend.refdata_build import refdata_command, render_builder
+from omforge.compile.pass_report import AscendPassInfo, PassReport
 from omforge.contract import cdiv
 from omforge.contract.ascend import OM_MODEL
 from omforge.contract.buckets import STEP_DIMS, BucketPlan, om_gears
-from omforge.contract.manifest import ACL_LOAD_PATH, DeviceMemoryPlan
+from omforge.contract.manifest import ACL_LOAD_PATH, DeviceMemoryPlan, StepAbi, Weights
 from omforge.errors import OmforgeError
 from omforge.passes.ascend import kernels as ascend_kernels
 from omforge.passes.ascend.lower import PoolTooLarge
 from omforge.passes.ascend.w8a16 import lowering_note
-from omforge.passes.lora import insert_options
+from omforge.passes.options import AscendLoweringOptions, LoraOptions, PoolingOptions, QuantizeOptions
 from omforge.passes.pipeline import Pipeline, histogram, interface
 from omforge.recipe import Recipe
 
 
-def lower_step_graph(export_dir: Path, out: Path, recipe: Recipe, block_size: int,
-                     plain: bool = False, pooling: dict[str, Any] | None = None) -> dict[str, Any]:
+def lower_step_graph(export_dir: Path, out: Path, recipe: Recipe, block_size: int, plain: bool = False,
+                     pooling: PoolingOptions | None = None, lora: LoraOptions | None = None) -> PassReport:
     """``plain``: every op as standard ONNX with the lowering's numerics (``lower_ascend.lower(plain=True)``), a
     graph any ONNX runtime can run — what the tests' fake pyACL executes in place of the OMs. ``pooling``: a
-    pooling bundle's step graph (``InsertPooling``'s options; no KV pool) in place of the paged one."""
+    pooling bundle's step graph (no KV pool) in place of the paged one. ``lora``: the LoRA options the compile built
+    (compile/options.py ``lora_options``; None: no LoRA)."""
     model = ir.load(export_dir / "model.onnx")
     c = recipe.compile
-    quantize = {"group_size": c.quantization.group_size, "matrices": c.quantization.matrices} \
+    quantize = QuantizeOptions(bits=8, group_size=c.quantization.group_size, matrices=tuple(c.quantization.matrices)) \
         if c.weights == "int8" else None
     mode, note = paged_attention(recipe, block_size)
     if pooling is None and not plain:
         print(f"[compile] paged attention: {note}", file=sys.stderr)
+    lowering = AscendLoweringOptions(paged_attention=mode if pooling is None else "gather", plain=plain,
+                                     num_slots=num_slots(recipe, block_size), soc_version=c.soc_version)
     try:
-        run = Pipeline("ascend", c.fusions, block_size, {"plain": plain, "num_slots": num_slots(recipe, block_size),
-                                                         "soc_version": c.soc_version,
-                                                         "paged_attention": mode if pooling is None else "gather"},
-                       quantize=quantize,
-                       float16=c.weights != "float32", pooling=pooling,
-                       lora=insert_options(c.lora.model_dump() if c.lora else None, export_dir)).run(model)
+        run = Pipeline("ascend", c.fusions, block_size, lowering, quantize=quantize, float16=c.weights != "float32",
+                       pooling=pooling, lora=lora).run(model)
     except ir.passes.PassError as error:  # onnx-ir's pass manager wraps what a pass raises
         e = error.__cause__
         while e is not None and not isinstance(e, PoolTooLarge):
@@ -76,20 +75,20 @@ def lower_step_graph(export_dir: Path, out: Path, recipe: Recipe, block_size: in
         key = "serve.num_kv_blocks" if recipe.serve.num_kv_blocks else "compile.max_batch_size x max_seq_len"
         raise OmforgeError(f"{recipe.path}: {key}: {e} ({e.max_slots // block_size:,} blocks of {block_size})") \
             from None
-    counts, layout, lowering = run.fusion_counts, run.layout, run.lowering.result
+    counts, layout, record = run.fusion_counts, run.layout, run.lowering.result
     ir.save(model, out / "step.onnx", external_data="step.onnx.data")
     simplified = _onnxsim(out / "step.onnx")
     constants = rewrite_file(out / "step.onnx")  # after onnxsim or without it (> ONNXSIM_LIMIT): the file ATC reads
     final = ir.load(out / "step.onnx")
-    return {"fusion_counts": counts, "num_nodes": len(list(final.graph)), "op_histogram": histogram(final),
-            "paged_attention": {"mode": mode, "note": note} if pooling is None else None,
-            "abi": interface(final), "layout": asdict(layout) if layout is not None else None, "graph": "step.onnx",
-            "pooled_width": run.pooled_width, "lora": run.lora.to_dict() if run.lora is not None else None,
-            "lowering": lowering.to_dict(), "onnxsim": simplified, "constants_as_value": constants,
-            "weights": {"precision": c.weights, "quantized": run.quantized, "accuracy_level": None,
-                        "graph": "float16 (float32 islands: RMSNorm statistics, softmax, rotary angles)"
-                        if c.weights != "float32" else "float32",
-                        **({"w8a16": lowering_note(c.quantization.group_size)} if c.weights == "int8" else {})}}
+    weights = Weights(c.weights, run.quantized, None,
+                      graph="float16 (float32 islands: RMSNorm statistics, softmax, rotary angles)"
+                      if c.weights != "float32" else "float32",
+                      w8a16=lowering_note(c.quantization.group_size) if c.weights == "int8" else None)
+    info = AscendPassInfo(record.to_dict(), mode if pooling is None else None, note if pooling is None else None,
+                          simplified, constants)
+    return PassReport("step.onnx", counts, len(list(final.graph)), histogram(final),
+                      StepAbi.from_dict(interface(final), "abi"), layout, weights, pooled_width=run.pooled_width,
+                      lora=run.lora, ascend=info)
 
 
 ONNXSIM_LIMIT = 2**31 - 2**26
@@ -147,19 +146,20 @@ def num_slots(recipe: Recipe, block_size: int) -> int:
     return (blocks + scratch_blocks(recipe, block_size)) * block_size
 
 
-def prepare_and_run(bundle: Path, recipe: Recipe, plan: BucketPlan, report: dict[str, Any]) -> list[Path]:
+def prepare_and_run(bundle: Path, recipe: Recipe, plan: BucketPlan, lowering: dict[str, Any]) -> list[Path]:
     """Write the ATC step into ``bundle/ascend`` and run it when ``atc`` is on PATH; returns the files written.
+    ``lowering``: the ascend lowering's record (the passes report's ``ascend.lowering``).
 
     Raises :class:`AtcMissing` (after writing everything) when ``atc`` is not on PATH, naming ``build.sh`` and
     the commands; :class:`AtcError` when a run fails (its log is kept under ``ascend/logs``)."""
     asc = bundle / "ascend"
     spec = step_spec(asc / "step.onnx", plan)
-    ref_inputs = tuple(report["lowering"].get("ref_inputs") or ())  # the in-place pools: the RefData builder's OM
+    ref_inputs = tuple(lowering.get("ref_inputs") or ())  # the in-place pools: the RefData builder's OM
     commands = [refdata_command(spec, recipe.compile, Path("om"), ref_inputs) if ref_inputs
                 else atc_command(spec, recipe.compile, Path("om"))]
     if ref_inputs:
         render_builder(asc)
-    plugins = render_plugins(report["lowering"], asc / "plugins")
+    plugins = render_plugins(lowering, asc / "plugins")
     script = render_build_script(commands, asc / "build.sh", plugins)
     (asc / "atc_commands.txt").write_text("".join(render_command(c) + "\n" for c in commands))
     written = [p for p in asc.rglob("*") if p.is_file()]
