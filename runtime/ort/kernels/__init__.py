@@ -15,10 +15,11 @@ Nothing here is required: :func:`status` (probed in :mod:`omforge.contract.kerne
 too) says whether the library is usable in this process (built, ORT recent enough, loadable, the same kernel ABI
 version) and why not; compile then falls back to the plain-op lowering, and a bundle that needs the library fails
 to load with one clear line (:func:`check_bundle`). :func:`register` adds it to a session's options.
-``OMFORGE_KERNELS=0`` disables the library (tests of the fallback); ``OMFORGE_KERNELS_ISA`` (``avx512``, ``avx2``,
-``generic``) forces a slower code path than the CPU allows (``avx512``: the bfloat16 ops on ``vdpbf16ps`` rather
-than the AMX tile unit, and PagedAttention over bfloat16 pools in float32 FMAs rather than ``vdpbf16ps``: the
-``avx512bf16`` attention path).
+``OMFORGE_KERNELS=0`` disables the library (tests of the fallback); ``OMFORGE_KERNELS_ISA`` (``amx``, ``avx512bf16``,
+``avx512``, ``avxvnni``, ``avx2``, ``generic``) forces a slower code path than the CPU allows (``avx512``: the bfloat16
+ops on ``vdpbf16ps`` rather than the AMX tile unit, and PagedAttention over bfloat16 pools in float32 FMAs rather than
+``vdpbf16ps``: the ``avx512bf16`` attention path); ``isa.h`` reads it once, and each op's table of paths (in
+``custom_op.cpp``, ``lora_op.cpp``, ``qgemm_op.cpp``) names the values that allow each path.
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
-// What both AMX kernels (bgemm_amx.cpp, qgemm_amx.cpp) need from the platform: Linux's permission for the tile
-// data state, and palette 1's tile configuration loaded safely. Include only inside
-// `#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)`.
+// What both AMX kernels (bgemm_amx.cpp, qgemm_amx.cpp) need from the platform: palette 1's tile configuration loaded
+// safely (Linux's permission for the tile data state is asked by the chooser: isa.h tile_data_granted). Include only
+// inside `#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)`.
 #pragma once
 
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <cstdint>
 #include <cstring>
 
 namespace omf::amx {
-
-// Linux's ABI for the tile data state (arch/x86/include/uapi/asm/prctl.h; Documentation/arch/x86/xstate.rst):
-// a process must ask for it once before its first tile instruction; the grant holds for all its threads.
-inline bool request_tile_data() {
-  constexpr long kArchReqXcompPerm = 0x1023;
-  constexpr long kXfeatureXtileData = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtileData) == 0;
-}
 
 struct alignas(64) TileConfig {  // palette 1's 64-byte layout (Intel SDM, LDTILECFG)
   uint8_t palette, start_row, reserved[14];

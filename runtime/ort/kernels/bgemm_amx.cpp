@@ -19,19 +19,6 @@
 
 namespace omf::amx {
 
-namespace {
-bool ask() {
-  __builtin_cpu_init();
-  if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
-  return request_tile_data();
-}
-}  // namespace
-
-bool available() {
-  static const bool granted = ask();
-  return granted;
-}
-
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
 
@@ -144,7 +131,6 @@ void qbgemm(const QBGemmProblem& P, int64_t panel_begin, int64_t panel_end) {
 #else  // no tile unit on this platform: never chosen
 
 namespace omf::amx {
-bool available() { return false; }
 void bgemm(const BGemmProblem&, int64_t, int64_t) {}
 void bf16_panels(const Bf16Panels&, int) {}
 void qbgemm(const QBGemmProblem&, int64_t, int64_t) {}

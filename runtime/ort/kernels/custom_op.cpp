@@ -26,12 +26,15 @@
 // attends to the keys of its sequence at positions <= its own (and > position - window). A row (b, i) of the
 // main group is referenced iff token_index[query_index[b, i]] == b * Q + i; a decode-group row d iff
 // token_index[decode_query_index[d]] == B * Q + d (the ABI's padding rows are skipped).
+#include <algorithm>
 #include <atomic>
-#include <cstdlib>
+#include <iterator>
 #include <new>
 #include <string>
 #include <vector>
 
+#include "head_dims.h"
+#include "isa.h"
 #include "lora.h"
 #include "ort_abi.h"
 #include "ort_tensor.h"
@@ -47,11 +50,21 @@ constexpr int kAbiVersion = 8;  // bump when an op's inputs, outputs or attribut
                                 // 7: MatMulBF16's panels may be typed bfloat16 as well as uint16; 8: MatMulQ's and
                                 // MatMulQBF16's scales are float16)
 constexpr const char* kDomain = "omforge.kernels";
-constexpr int64_t kHeadDims[] = {16, 32, 64, 96, 128, 256};  // the instantiations in paged_attention_impl.h
+#define OMF_LIST_ITEM(d) d,
+constexpr int64_t kHeadDims[] = {OMF_HEAD_DIMS(OMF_LIST_ITEM)};  // the instantiations in paged_attention_impl.h
+#undef OMF_LIST_ITEM
+constexpr int64_t kMaxHeadDim = *std::max_element(std::begin(kHeadDims), std::end(kHeadDims));
+
+// "16, 32, …": kHeadDims for the error and "16,32,…" for omforge_kernels_info
+std::string head_dims(const char* sep) {
+  std::string s;
+  for (int64_t d : kHeadDims) s += (s.empty() ? "" : sep) + std::to_string(d);
+  return s;
+}
 
 ort::Api g_api;
 
-struct Isa {
+struct PaIsa {  // PagedAttention's path and the small ops' (SwiGLU, the int8 pool write, AddRMSNorm)
   const char* name;
   AttendFn fn;
   SwiGluFn swiglu;
@@ -59,25 +72,22 @@ struct Isa {
   AddRmsNormFn add_rms_norm;
 };
 
-Isa choose_isa() {
-  const char* want = std::getenv("OMFORGE_KERNELS_ISA");  // force a slower path (tests exercise each)
-  std::string w = want ? want : "";
-#if defined(__x86_64__) && defined(__GNUC__)
-  __builtin_cpu_init();
-  const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");  // pa_avx512: BW for the int8 dots
-  const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (has512 && __builtin_cpu_supports("avx512bf16") && (w.empty() || w == "avx512bf16"))
-    return {"avx512bf16", &avx512bf16::attend, &avx512::swiglu, &avx512::quantize_kv_int8, &avx512::add_rms_norm};
-  if (has512 && (w.empty() || w == "avx512bf16" || w == "avx512"))
-    return {"avx512", &avx512::attend, &avx512::swiglu, &avx512::quantize_kv_int8, &avx512::add_rms_norm};
-  if (has2 && (w.empty() || w == "avx512bf16" || w == "avx512" || w == "avx2"))
-    return {"avx2", &avx2::attend, &avx2::swiglu, &avx2::quantize_kv_int8, &avx2::add_rms_norm};
+// AVX-512 with bfloat16 dot products (pa_avx512bf16.cpp), AVX-512F + BW (BW for the int8 dots), AVX2 + FMA, portable;
+// chosen at the first call
+const PaIsa& pa_isa() {
+  using namespace isa;
+  static const Candidate<PaIsa> kPaths[] = {
+#if OMF_ISA_X86
+      {kAuto | kAvx512Bf16, [] { return cpu().avx512f && cpu().avx512bw && cpu().avx512bf16; },
+       {"avx512bf16", &avx512bf16::attend, &avx512::swiglu, &avx512::quantize_kv_int8, &avx512::add_rms_norm}},
+      {kAuto | kAvx512Bf16 | kAvx512, [] { return cpu().avx512f && cpu().avx512bw; },
+       {"avx512", &avx512::attend, &avx512::swiglu, &avx512::quantize_kv_int8, &avx512::add_rms_norm}},
+      {kAuto | kAvx512Bf16 | kAvx512 | kAvx2, [] { return cpu().avx2 && cpu().fma; },
+       {"avx2", &avx2::attend, &avx2::swiglu, &avx2::quantize_kv_int8, &avx2::add_rms_norm}},
 #endif
-  return {"generic", &generic::attend, &generic::swiglu, &generic::quantize_kv_int8, &generic::add_rms_norm};
-}
-
-const Isa& isa() {
-  static const Isa chosen = choose_isa();
+      {kAny, always, {"generic", &generic::attend, &generic::swiglu, &generic::quantize_kv_int8,
+                      &generic::add_rms_norm}}};
+  static const PaIsa chosen = choose(kPaths);
   return chosen;
 }
 
@@ -159,7 +169,7 @@ struct Run {
 void run_item(void* data, size_t i) {
   Run* run = static_cast<Run*>(data);
   const char* err = nullptr;
-  if (!isa().fn(*run->problem, i, &err)) run->error.store(err);
+  if (!pa_isa().fn(*run->problem, i, &err)) run->error.store(err);
 }
 
 // Per-token strides of a [1, H, T, D] or [1, T, H*D] activation; false when the shape is neither.
@@ -206,7 +216,7 @@ constexpr int64_t kRowsPerItem = 8;
 void write_rows(void* data, size_t item) {
   const RowWrite& w = *static_cast<const RowWrite*>(data);
   const int64_t D = w.D, half = D / 2, t0 = static_cast<int64_t>(item) * kRowsPerItem;
-  float krot[256];  // one rotated key row (D <= 256: kHeadDims)
+  float krot[kMaxHeadDim];  // one rotated key row
   for (int64_t t = t0; t < std::min(w.T, t0 + kRowsPerItem); ++t) {
     const float* c = w.qrot ? w.cos + t * half : nullptr;
     const float* s = w.qrot ? w.sin + t * half : nullptr;
@@ -226,8 +236,8 @@ void write_rows(void* data, size_t item) {
         uint16_t* vd = static_cast<uint16_t*>(w.value_pool) + at;
         for (int64_t d = 0; d < D; ++d) kd[d] = bf16_round(ks[d]), vd[d] = bf16_round(vs[d]);
       } else {
-        isa().quantize_kv_int8(ks, D, static_cast<int8_t*>(w.key_pool) + at);  // paged_attention_impl.h
-        isa().quantize_kv_int8(vs, D, static_cast<int8_t*>(w.value_pool) + at);
+        pa_isa().quantize_kv_int8(ks, D, static_cast<int8_t*>(w.key_pool) + at);  // paged_attention_impl.h
+        pa_isa().quantize_kv_int8(vs, D, static_cast<int8_t*>(w.value_pool) + at);
       }
     }
     if (w.qrot)
@@ -278,7 +288,7 @@ OrtStatus* compute(const Kernel& K, OrtKernelContext* ctx) {
     kdata = static_cast<const float*>(k.data), vdata = static_cast<const float*>(v.data);
   }
   if (std::find(std::begin(kHeadDims), std::end(kHeadDims), D) == std::end(kHeadDims))
-    return fail("head_dim must be one of 16, 32, 64, 96, 128, 256, got " + std::to_string(D));
+    return fail("head_dim must be one of " + head_dims(", ") + ", got " + std::to_string(D));
   if (rotary && (cosc.type != kFloat || sinc.type != kFloat || cosc.numel() != T * (D / 2) ||
                  sinc.numel() != T * (D / 2) || cosc.dims.empty() || cosc.dims.back() != D / 2))
     return fail("cos_cache and sin_cache must be float32 [1, T, head_dim/2]");
@@ -398,7 +408,7 @@ void run_swiglu_item(void* data, size_t i) {
   const SwiGluRun* r = static_cast<const SwiGluRun*>(data);
   const int64_t first = static_cast<int64_t>(i) * r->rows_per_item;
   const int64_t n = std::min(r->rows_per_item, r->rows - first);
-  isa().swiglu(r->in + first * 2 * r->F, r->out + first * r->F, n, r->F);
+  pa_isa().swiglu(r->in + first * 2 * r->F, r->out + first * r->F, n, r->F);
 }
 
 // SwiGLU(gate_up [..., 2F]) -> [..., F]: silu(gate_up[..., :F]) * gate_up[..., F:], rows over ORT's threads.
@@ -428,8 +438,8 @@ void run_add_rms_norm_item(void* data, size_t i) {
   const AddRmsNormRun* r = static_cast<const AddRmsNormRun*>(data);
   const int64_t first = static_cast<int64_t>(i) * r->rows_per_item;
   const int64_t n = std::min(r->rows_per_item, r->rows - first);
-  isa().add_rms_norm(r->a + first * r->H, r->b + first * r->H, r->w, r->eps, r->y + first * r->H,
-                     r->sum + first * r->H, n, r->H);
+  pa_isa().add_rms_norm(r->a + first * r->H, r->b + first * r->H, r->w, r->eps, r->y + first * r->H,
+                        r->sum + first * r->H, n, r->H);
 }
 
 // AddRMSNorm(a, b, weight [H]; epsilon) -> (y, sum), a and b of one shape [..., H]: sum = a + b, y = RMSNorm(sum) ·
@@ -635,15 +645,16 @@ OMF_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApi
   return omf::g_api.AddCustomOpDomain(options, domain);
 }
 
-// "abi=<n> isa=<path> gemm=<path> bf16=<path> qbf16=<path> f32=<path> lora=<path> layout=<n> domain=<domain>": what
-// `omforge doctor` and the manifest report (qbf16: MatMulQBF16's path, the bf16 one; its presence says the library
-// has the op; f32: MatMulF32's; lora: LoraAdd's).
+// "abi=<n> isa=<path> gemm=<path> bf16=<path> qbf16=<path> f32=<path> lora=<path> layout=<n> head_dims=<d>,<d>…
+// domain=<domain>": what `omforge doctor` and the manifest report (qbf16: MatMulQBF16's path, the bf16 one; its presence
+// says the library has the op; f32: MatMulF32's; lora: LoraAdd's; head_dims: PagedAttention's kHeadDims).
 OMF_EXPORT const char* omforge_kernels_info() {
-  static std::string info = "abi=" + std::to_string(omf::kAbiVersion) + " isa=" + omf::isa().name +
+  static std::string info = "abi=" + std::to_string(omf::kAbiVersion) + " isa=" + omf::pa_isa().name +
                             " gemm=" + omf::gemm_isa().name + " bf16=" + omf::bf16_isa().name +
                             " qbf16=" + omf::bf16_isa().name +
                             " f32=" + omf::f32_isa().name + " lora=" + omf::lora_isa().name +
                             " layout=" + std::to_string(omf::kPanelLayout) +
+                            " head_dims=" + omf::head_dims(",") +
                             " domain=" + omf::kDomain;
   return info.c_str();
 }

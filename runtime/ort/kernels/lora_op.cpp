@@ -3,11 +3,11 @@
 // transposed (256 columns an item); (2) y' rows: slot-0 rows copied, each slot's rows y + H · B_sᵀ (32 tokens × 256
 // columns an item).
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "isa.h"
 #include "lora.h"
 #include "ort_tensor.h"
 
@@ -21,19 +21,6 @@ constexpr int64_t kOutChunk = 256;  // columns an expand item covers: a multiple
 // in 576, out 960, PR 48 on AVX2, one thread: 8 tokens a slot 36 µs (dot) vs 56 (transposed), 32 tokens 135 vs 117
 // — even near 20.
 constexpr int64_t kTransposeTokens = 20;
-
-LoraIsa choose() {
-  const char* want = std::getenv("OMFORGE_KERNELS_ISA");  // force a slower path (tests exercise each)
-  const std::string w = want ? want : "";
-#if defined(__x86_64__) && defined(__GNUC__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && (w.empty() || w == "avx512"))
-    return {"avx512", &avx512::lora_shrink, &avx512::lora_expand};
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && (w.empty() || w == "avx512" || w == "avx2"))
-    return {"avx2", &avx2::lora_shrink, &avx2::lora_expand};
-#endif
-  return {"generic", &generic::lora_shrink, &generic::lora_expand};
-}
 
 OrtStatus* fail(const ort::Api& api, const std::string& msg) {
   return api.CreateStatus(kOrtInvalidArgument, ("LoraAdd: " + msg).c_str());
@@ -100,8 +87,17 @@ void run_item(void* data, size_t i) {
 
 }  // namespace
 
+// AVX-512F, AVX2 + FMA, portable; chosen at the first call
 const LoraIsa& lora_isa() {
-  static const LoraIsa chosen = choose();
+  using namespace isa;
+  static const Candidate<LoraIsa> kPaths[] = {
+#if OMF_ISA_X86
+      {kAuto | kAvx512, [] { return cpu().avx512f; }, {"avx512", &avx512::lora_shrink, &avx512::lora_expand}},
+      {kAuto | kAvx512 | kAvx2, [] { return cpu().avx2 && cpu().fma; },
+       {"avx2", &avx2::lora_shrink, &avx2::lora_expand}},
+#endif
+      {kAny, always, {"generic", &generic::lora_shrink, &generic::lora_expand}}};
+  static const LoraIsa chosen = choose(kPaths);
   return chosen;
 }
 

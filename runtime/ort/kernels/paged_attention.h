@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "head_dims.h"
 
 namespace omf {
 
@@ -62,6 +63,10 @@ struct PagedProblem {
 // Attention for one work item (its index in PagedProblem::items). Returns false (and sets *error) when a
 // position lies beyond its block table or a block id beyond the pool.
 using AttendFn = bool (*)(const PagedProblem&, size_t item, const char** error);
+
+// A phase of a kernel function, split out of it for reading: inlined into its one caller whatever its size, so the
+// code is the caller's as if written there.
+#define OMF_ALWAYS_INLINE __attribute__((always_inline))
 
 // One KV element as float: fp32 as is, bf16 widened (its bits are the high half of an fp32), int8 unscaled.
 inline float kv_to_float(float x) { return x; }

@@ -644,28 +644,53 @@ static inline void block_bf16(Scratch& S, const uint32_t* QT2, float* OT, float*
   });
 }
 
-// The tile path of one work item (rows in lanes, see above); blocks first_block … last_block are valid.
+// One work item on the tile path: its rows r = token i · G + hh in the lanes of nrv row vectors per KV head (ld lanes,
+// rows padded to whole vectors), the KV heads g_lo … g_hi − 1 it attends (every one, or a cascade item's own) and
+// their query heads h_lo … h_hi − 1.
+struct LaneItem {
+  int Hq, Hkv, G, bs;
+  int64_t row_stride;  // elements per slot row
+  int ntok;
+  const int32_t* toks;
+  int nrv;
+  int64_t ld;
+  int g_lo, g_hi, h_lo, h_hi;
+};
+
 template <int D, typename KV>
-static bool attend_lanes(const omf::PagedProblem& P, const omf::WorkItem& it, int64_t first_block,
-                         int64_t last_block, int64_t pmin, int64_t pmax) {
-  const int Hq = P.q_heads, Hkv = P.kv_heads, G = Hq / Hkv, bs = P.block_size;
-  constexpr int64_t HE = head_elems<KV, D>();
-  const int64_t row_stride = static_cast<int64_t>(Hkv) * HE;
-  constexpr bool is_f32 = std::is_same<KV, float>::value, is_i8 = std::is_same<KV, int8_t>::value;
-  Scratch& S = scratch();
-  const int ntok = it.count;
-  const int32_t* toks = P.tokens + it.first;
-  const int R = ntok * G;
-  const int nrv = static_cast<int>((R + Vec::W - 1) / Vec::W);
-  const int64_t ld = static_cast<int64_t>(nrv) * Vec::W;  // lanes per head (rows padded to whole vectors)
-  // per KV head g: QT / OT at g·D·ld ([d][lane]); m, l, posf at g·ld; ST: [bs][ld] for the block in flight
+static inline LaneItem lane_item(const omf::PagedProblem& P, const omf::WorkItem& it) {
+  LaneItem li;
+  li.Hq = P.q_heads, li.Hkv = P.kv_heads, li.G = li.Hq / li.Hkv, li.bs = P.block_size;
+  li.row_stride = static_cast<int64_t>(li.Hkv) * head_elems<KV, D>();
+  li.ntok = it.count, li.toks = P.tokens + it.first;
+  const int R = li.ntok * li.G;
+  li.nrv = static_cast<int>((R + Vec::W - 1) / Vec::W);
+  li.ld = static_cast<int64_t>(li.nrv) * Vec::W;
+  li.g_lo = it.kv_head >= 0 ? it.kv_head : 0, li.g_hi = it.kv_head >= 0 ? it.kv_head + 1 : li.Hkv;
+  li.h_lo = li.g_lo * li.G, li.h_hi = li.g_hi * li.G;
+  return li;
+}
+
+// bfloat16 pools on a Vec with bfloat16 dot products take block_bf16 (see above)
+template <typename KV>
+constexpr bool kLaneDot16 = kBf16Dot && std::is_same<KV, uint16_t>::value;
+
+// The tile path's state in S, per KV head g: QT (the queries times the scale, transposed) and OT at g·D·ld
+// ([d][lane]), m, l at g·ld; posf the rows' positions as float (exact below 2^24), -1 on padding lanes; ST [bs][ld] for
+// the block in flight. An item after a cascade (skip_blocks) starts from the cascade's state after the shared blocks.
+template <int D>
+static inline OMF_ALWAYS_INLINE void lanes_load(const omf::PagedProblem& P, const omf::WorkItem& it,
+                                                const LaneItem& li, Scratch& S) {
+  const int Hq = li.Hq, Hkv = li.Hkv, G = li.G, ntok = li.ntok;
+  const int32_t* toks = li.toks;
+  const int64_t ld = li.ld;
   S.q.assign(static_cast<size_t>(Hkv) * D * ld, 0.0f);
   S.acc.assign(static_cast<size_t>(Hkv) * D * ld, 0.0f);
   S.m.assign(static_cast<size_t>(Hkv) * ld, kNegInf);
   S.l.assign(static_cast<size_t>(Hkv) * ld, 0.0f);
-  S.s.assign(static_cast<size_t>(bs) * ld, 0.0f);
-  S.posf.assign(ld, -1.0f);  // row positions as float (exact below 2^24), -1 on padding lanes
-  if (it.skip_blocks > 0)  // the rows start from the cascade's state after the shared blocks
+  S.s.assign(static_cast<size_t>(li.bs) * ld, 0.0f);
+  S.posf.assign(ld, -1.0f);
+  if (it.skip_blocks > 0)
     for (int i = 0; i < ntok; ++i)
       for (int h = 0; h < Hq; ++h) {
         const size_t g = static_cast<size_t>(h / G), r = static_cast<size_t>(i * G + h % G);
@@ -674,92 +699,119 @@ static bool attend_lanes(const omf::PagedProblem& P, const omf::WorkItem& it, in
         float* ot = &S.acc[g * D * ld] + r;
         for (int d = 0; d < D; ++d) ot[d * ld] = st[2 + d];
       }
-  const int g_lo = it.kv_head >= 0 ? it.kv_head : 0, g_hi = it.kv_head >= 0 ? it.kv_head + 1 : Hkv;
-  const int h_lo = g_lo * G, h_hi = g_hi * G;  // the query heads of KV heads g_lo … g_hi - 1
   for (int i = 0; i < ntok; ++i) {
     const float* q = P.q + toks[i] * P.q_tok_stride;
     for (int hh = 0; hh < G; ++hh) S.posf[i * G + hh] = static_cast<float>(P.positions[toks[i]]);
-    for (int h = h_lo; h < h_hi; ++h) {
+    for (int h = li.h_lo; h < li.h_hi; ++h) {
       const float* qh = q + h * P.q_head_stride;
       float* qt = &S.q[static_cast<size_t>(h / G) * D * ld] + i * G + h % G;
       for (int d = 0; d < D; ++d) qt[d * ld] = qh[d] * P.scale;
     }
   }
-  constexpr bool dot16 = kBf16Dot && std::is_same<KV, uint16_t>::value;  // bfloat16 dot products (see above)
-  if constexpr (dot16) {
-    S.q2.resize(static_cast<size_t>(Hkv) * (D / 2) * ld);
-    S.v2.resize(static_cast<size_t>((bs + 1) / 2) * D);
-    S.p2.resize(static_cast<size_t>((bs + 1) / 2) * ld);
-    pair_queries_bf16<D, Vec>(S.q.data(), S.q2.data(), ld, g_lo, g_hi);
-  } else if (!is_f32) {
-    S.kt.resize(static_cast<size_t>(2) * bs * D);
-    if (is_i8) {
-      S.scale.resize(bs);
-      S.vscale.resize(bs);
+}
+
+// The pool type's buffers: bfloat16 dot products' pairs (the queries paired once, here), or room for a block's rows
+// as float (block_as_float) and int8 pools' scales.
+template <int D, typename KV>
+static inline OMF_ALWAYS_INLINE void lanes_buffers(const LaneItem& li, Scratch& S) {
+  if constexpr (kLaneDot16<KV>) {
+    S.q2.resize(static_cast<size_t>(li.Hkv) * (D / 2) * li.ld);
+    S.v2.resize(static_cast<size_t>((li.bs + 1) / 2) * D);
+    S.p2.resize(static_cast<size_t>((li.bs + 1) / 2) * li.ld);
+    pair_queries_bf16<D, Vec>(S.q.data(), S.q2.data(), li.ld, li.g_lo, li.g_hi);
+  } else if constexpr (!std::is_same<KV, float>::value) {
+    S.kt.resize(static_cast<size_t>(2) * li.bs * D);
+    if constexpr (std::is_same<KV, int8_t>::value) {
+      S.scale.resize(li.bs);
+      S.vscale.resize(li.bs);
     }
   }
-  const KV* kpool = static_cast<const KV*>(P.key_pool);
-  const KV* vpool = static_cast<const KV*>(P.value_pool);
-  // row vectors split evenly into tiles of <= kLaneTile (the score tile's 4 × kLaneTile accumulators in registers)
-  const int tiles = (nrv + kLaneTile - 1) / kLaneTile, per_tile = (nrv + tiles - 1) / tiles;
-  for (int64_t b = first_block; b <= last_block; ++b) {
-    const int64_t base = it.table[b] * bs, j0 = b * bs;
-    const int64_t n = std::min<int64_t>(bs, pmax + 1 - j0);
-    const bool masked = pmin < j0 + n - 1 || P.window > 0;
-    for (int g = g_lo; g < g_hi; ++g) {
-      const KV* krow = kpool + base * row_stride + g * HE;
-      const KV* vrow = vpool + base * row_stride + g * HE;
-      float* OT = &S.acc[static_cast<size_t>(g) * D * ld];
-      float* m = &S.m[static_cast<size_t>(g) * ld];
-      float* l = &S.l[static_cast<size_t>(g) * ld];
-      if constexpr (dot16) {
-        block_bf16<D, Vec>(S, &S.q2[static_cast<size_t>(g) * (D / 2) * ld], OT, m, l, ld, nrv, per_tile, krow, vrow,
-                           row_stride, n, j0, masked, P.window);
-        continue;
+}
+
+// A block's key and value rows of one head as block_lanes reads them: K, V (kstride apart) and int8 pools' per-key
+// scales (nullptr otherwise).
+struct FloatBlock {
+  const float *K, *V;
+  int64_t kstride;
+  const float *ksc, *vsc;
+};
+
+// float pools as they lie (row_stride apart); bfloat16 and int8 ones widened into S.kt (D apart; int8 unscaled, its
+// scales gathered into S.scale and S.vscale for the scores and the probabilities). n rows from krow / vrow.
+template <int D, typename KV>
+static inline OMF_ALWAYS_INLINE FloatBlock block_as_float(Scratch& S, const KV* krow, const KV* vrow,
+                                                          int64_t row_stride, int64_t n, int bs) {
+  if constexpr (std::is_same<KV, float>::value) {
+    return {reinterpret_cast<const float*>(krow), reinterpret_cast<const float*>(vrow), row_stride, nullptr, nullptr};
+  } else {
+    float* kf = S.kt.data();
+    float* vf = kf + static_cast<size_t>(bs) * D;
+    for (int64_t j = 0; j < n; ++j)
+      for (int d = 0; d < D; d += Vec::W) {
+        Vec::store(kf + j * D + d, Vec::load_kv(krow + j * row_stride + d));
+        Vec::store(vf + j * D + d, Vec::load_kv(vrow + j * row_stride + d));
       }
-      const float *K, *Vv;
-      int64_t kstride;
-      const float *ksc = nullptr, *vsc = nullptr;
-      if constexpr (is_f32) {
-        K = reinterpret_cast<const float*>(krow), Vv = reinterpret_cast<const float*>(vrow), kstride = row_stride;
-      } else {  // the block's rows of this head as float (int8 unscaled: the scales go to scores and probabilities)
-        float* kf = S.kt.data();
-        float* vf = kf + static_cast<size_t>(bs) * D;
-        for (int64_t j = 0; j < n; ++j)
-          for (int d = 0; d < D; d += Vec::W) {
-            Vec::store(kf + j * D + d, Vec::load_kv(krow + j * row_stride + d));
-            Vec::store(vf + j * D + d, Vec::load_kv(vrow + j * row_stride + d));
-          }
-        if constexpr (is_i8) {
-          for (int64_t j = 0; j < n; ++j) {
-            S.scale[j] = row_scale<KV, D>(krow + j * row_stride);
-            S.vscale[j] = row_scale<KV, D>(vrow + j * row_stride);
-          }
-          ksc = S.scale.data(), vsc = S.vscale.data();
-        }
-        K = kf, Vv = vf, kstride = D;
+    if constexpr (std::is_same<KV, int8_t>::value) {
+      for (int64_t j = 0; j < n; ++j) {
+        S.scale[j] = row_scale<KV, D>(krow + j * row_stride);
+        S.vscale[j] = row_scale<KV, D>(vrow + j * row_stride);
       }
-      float* QT = &S.q[static_cast<size_t>(g) * D * ld];
-      for_lane_tiles(nrv, per_tile, [&](int rv0, auto c) {
-        block_lanes<D, decltype(c)::value>(QT, OT, m, l, S.posf.data(), ld, rv0, K, Vv, kstride, n, j0, ksc, vsc,
-                                           masked, P.window, S.s.data());
-      });
+      return {kf, vf, D, S.scale.data(), S.vscale.data()};
     }
+    return {kf, vf, D, nullptr, nullptr};
   }
-  if (it.cascade_blocks > 0) {  // each row's state after the shared blocks, for its sequence's own item
-    for (int i = 0; i < ntok; ++i)
-      for (int h = h_lo; h < h_hi; ++h) {
-        const size_t g = static_cast<size_t>(h / G), r = static_cast<size_t>(i * G + h % G);
-        float* st = cascade_state<D>(P, toks[i], h);
-        st[0] = S.m[g * ld + r], st[1] = S.l[g * ld + r];
-        const float* ot = &S.acc[g * D * ld] + r;
-        for (int d = 0; d < D; ++d) st[2 + d] = ot[d * ld];
-      }
-    return true;
+}
+
+// One block of KV head g (its slots from `base`, n keys at positions j0 …) for every tile of the item's rows.
+template <int D, typename KV>
+static inline OMF_ALWAYS_INLINE void lanes_head_block(const omf::PagedProblem& P, const LaneItem& li, Scratch& S,
+                                                      int g, int64_t base, int64_t n, int64_t j0, bool masked,
+                                                      int per_tile) {
+  constexpr int64_t HE = head_elems<KV, D>();
+  const int64_t ld = li.ld;
+  const KV* krow = static_cast<const KV*>(P.key_pool) + base * li.row_stride + g * HE;
+  const KV* vrow = static_cast<const KV*>(P.value_pool) + base * li.row_stride + g * HE;
+  float* OT = &S.acc[static_cast<size_t>(g) * D * ld];
+  float* m = &S.m[static_cast<size_t>(g) * ld];
+  float* l = &S.l[static_cast<size_t>(g) * ld];
+  if constexpr (kLaneDot16<KV>) {
+    block_bf16<D, Vec>(S, &S.q2[static_cast<size_t>(g) * (D / 2) * ld], OT, m, l, ld, li.nrv, per_tile, krow, vrow,
+                       li.row_stride, n, j0, masked, P.window);
+  } else {
+    const FloatBlock f = block_as_float<D, KV>(S, krow, vrow, li.row_stride, n, li.bs);
+    float* QT = &S.q[static_cast<size_t>(g) * D * ld];
+    for_lane_tiles(li.nrv, per_tile, [&](int rv0, auto c) {
+      block_lanes<D, decltype(c)::value>(QT, OT, m, l, S.posf.data(), ld, rv0, f.K, f.V, f.kstride, n, j0, f.ksc,
+                                         f.vsc, masked, P.window, S.s.data());
+    });
   }
-  for (int i = 0; i < ntok; ++i) {
-    float* o = P.o + toks[i] * P.o_tok_stride;
-    for (int h = 0; h < Hq; ++h) {
+}
+
+// A cascade item's end: each row's state after the shared blocks, for its sequence's own item.
+template <int D>
+static inline OMF_ALWAYS_INLINE void lanes_store_cascade(const omf::PagedProblem& P, const LaneItem& li,
+                                                         const Scratch& S) {
+  const int G = li.G;
+  const int64_t ld = li.ld;
+  for (int i = 0; i < li.ntok; ++i)
+    for (int h = li.h_lo; h < li.h_hi; ++h) {
+      const size_t g = static_cast<size_t>(h / G), r = static_cast<size_t>(i * G + h % G);
+      float* st = cascade_state<D>(P, li.toks[i], h);
+      st[0] = S.m[g * ld + r], st[1] = S.l[g * ld + r];
+      const float* ot = &S.acc[g * D * ld] + r;
+      for (int d = 0; d < D; ++d) st[2 + d] = ot[d * ld];
+    }
+}
+
+// Each row's output: its accumulator over its sum l (0 for a row that saw nothing).
+template <int D>
+static inline OMF_ALWAYS_INLINE void lanes_write_out(const omf::PagedProblem& P, const LaneItem& li,
+                                                     const Scratch& S) {
+  const int G = li.G;
+  const int64_t ld = li.ld;
+  for (int i = 0; i < li.ntok; ++i) {
+    float* o = P.o + li.toks[i] * P.o_tok_stride;
+    for (int h = 0; h < li.Hq; ++h) {
       const size_t g = static_cast<size_t>(h / G), r = static_cast<size_t>(i * G + h % G);
       const float lr = S.l[g * ld + r];
       const float inv = lr > 0.0f ? 1.0f / lr : 0.0f;
@@ -768,47 +820,86 @@ static bool attend_lanes(const omf::PagedProblem& P, const omf::WorkItem& it, in
       for (int d = 0; d < D; ++d) oh[d] = ot[d * ld] * inv;
     }
   }
+}
+
+// The tile path of one work item (rows in lanes, see above); blocks first_block … last_block are valid.
+template <int D, typename KV>
+static bool attend_lanes(const omf::PagedProblem& P, const omf::WorkItem& it, int64_t first_block,
+                         int64_t last_block, int64_t pmin, int64_t pmax) {
+  const LaneItem li = lane_item<D, KV>(P, it);
+  Scratch& S = scratch();
+  lanes_load<D>(P, it, li, S);
+  lanes_buffers<D, KV>(li, S);
+  // row vectors split evenly into tiles of <= kLaneTile (the score tile's 4 × kLaneTile accumulators in registers)
+  const int tiles = (li.nrv + kLaneTile - 1) / kLaneTile, per_tile = (li.nrv + tiles - 1) / tiles;
+  for (int64_t b = first_block; b <= last_block; ++b) {
+    const int64_t base = it.table[b] * li.bs, j0 = b * li.bs;
+    const int64_t n = std::min<int64_t>(li.bs, pmax + 1 - j0);
+    const bool masked = pmin < j0 + n - 1 || P.window > 0;
+    for (int g = li.g_lo; g < li.g_hi; ++g) lanes_head_block<D, KV>(P, li, S, g, base, n, j0, masked, per_tile);
+  }
+  if (it.cascade_blocks > 0) {
+    lanes_store_cascade<D>(P, li, S);
+    return true;
+  }
+  lanes_write_out<D>(P, li, S);
   return true;
 }
 
-// `next`: the item this thread most likely runs next (nullptr for none); its first key block is prefetched while
-// this item's last block runs.
+// ---- the row path (decodes, short items): row r = token i · Hq + head h ----
+
+// One work item on the row path; each row's scores over the block in flight at r · np_max.
+struct RowItem {
+  int Hq, Hkv, G, bs;
+  int64_t row_stride;  // elements per slot row
+  int ntok;
+  const int32_t* toks;
+  int nrows;
+  int64_t np_max;
+};
+
+// A block in flight on the row path: its first slot, its first key's position, the keys any query sees (n), n in
+// whole vectors (np) and in W-key chunks.
+struct RowBlock {
+  int64_t base, j0, n, np, chunks;
+};
+
+// int8 pools with head sizes kIntScores allows score (and sum P·V) in integers on the row path
 template <int D, typename KV>
-static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, const omf::WorkItem* next,
-                        const char** error) {
-  const int Hq = P.q_heads, Hkv = P.kv_heads, G = Hq / Hkv, bs = P.block_size;
-  constexpr int64_t HE = head_elems<KV, D>();
-  const int64_t row_stride = static_cast<int64_t>(Hkv) * HE;  // elements per slot row
-  const int64_t num_blocks = P.num_slots / bs;
-  Scratch& S = scratch();
-  const int ntok = it.count;
-  const int32_t* toks = P.tokens + it.first;
-  const auto [pmin, pmax] = position_range(P, it);
-  const int64_t first_block = first_read_block(P, it, pmin);
-  const int64_t last_block = it.cascade_blocks > 0 ? it.cascade_blocks - 1 : pmax / bs;
-  if (last_block >= it.table_len) {
+constexpr bool kIntRows = std::is_same<KV, int8_t>::value && kIntScores<D>;
+
+// Blocks first … last of the item's table exist and lie inside the pool; else false, *error set.
+static inline bool blocks_in_range(const omf::PagedProblem& P, const omf::WorkItem& it, int64_t first, int64_t last,
+                                   const char** error) {
+  if (last >= it.table_len) {
     *error = "PagedAttention: a position lies beyond its sequence's block table";
     return false;
   }
-  for (int64_t b = first_block; b <= last_block; ++b)
+  const int64_t num_blocks = P.num_slots / P.block_size;
+  for (int64_t b = first; b <= last; ++b)
     if (it.table[b] < 0 || it.table[b] >= num_blocks) {
       *error = "PagedAttention: block id out of range of the KV pool";
       return false;
     }
-  constexpr bool int_scores = std::is_same<KV, int8_t>::value && kIntScores<D>;  // the row path scores in integers
-  const bool row_path = int_scores ? ntok * G <= kRowPathRowsInt && G <= kMaxGroupRows : ntok * G <= kRowPathRows;
-  if (it.cascade_blocks > 0 || !row_path) return attend_lanes<D, KV>(P, it, first_block, last_block, pmin, pmax);
-  // the row path from here on; row r = token i * Hq + head h
-  const int64_t np_max = round_up(bs, Vec::W);
-  const int nrows = ntok * Hq;
+  return true;
+}
+
+// The rows' state in S: q (times the scale), acc (D floats a row), m, l, pos; s (np_max scores a row, -inf). An item
+// after a cascade (one token) starts from the cascade's state after the shared blocks. int8 pools' integer rows: each
+// query row rounded once to int16 (q16, qscale).
+template <int D, typename KV>
+static inline OMF_ALWAYS_INLINE void rows_load(const omf::PagedProblem& P, const omf::WorkItem& it,
+                                               const RowItem& ri, Scratch& S) {
+  const int Hq = ri.Hq, ntok = ri.ntok, nrows = ri.nrows;
+  const int32_t* toks = ri.toks;
   const size_t rows = static_cast<size_t>(nrows);
   S.q.assign(rows * D, 0.0f);
   S.acc.assign(rows * D, 0.0f);
   S.m.assign(rows, kNegInf);
   S.l.assign(rows, 0.0f);
-  S.s.assign(rows * np_max, kNegInf);
+  S.s.assign(rows * ri.np_max, kNegInf);
   S.pos.assign(rows, -1);
-  if (it.skip_blocks > 0)  // one token: its rows start from the cascade's state after the shared blocks
+  if (it.skip_blocks > 0)
     for (int h = 0; h < Hq; ++h) {
       const float* st = cascade_state<D>(P, toks[0], h);
       S.m[h] = st[0], S.l[h] = st[1];
@@ -823,114 +914,145 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
       S.pos[r] = P.positions[toks[i]];
     }
   }
-  if (int_scores) {
+  if constexpr (kIntRows<D, KV>) {
     S.q16.resize(static_cast<size_t>(nrows) * D);
     S.qscale.resize(nrows);
     for (int r = 0; r < nrows; ++r)
       S.qscale[r] = quantize_row_i16<D>(&S.q[static_cast<size_t>(r) * D], &S.q16[static_cast<size_t>(r) * D]);
   }
-  const KV* kpool = static_cast<const KV*>(P.key_pool);
-  const KV* vpool = static_cast<const KV*>(P.value_pool);
-  std::vector<const KV*> vrows(bs + 1);
-  PrefetchPump pump;
-  {  // this item's first key block (usually in flight already: the previous item prefetched it)
-    const auto [k0, bytes] = first_key_block<D, KV>(P, it);
-    pump.start(k0, bytes, 1);
-    pump.drain();
-  }
+}
 
-  for (int64_t b = first_block; b <= last_block; ++b) {
-    const int64_t base = it.table[b] * bs, j0 = b * bs;
-    const int64_t n = std::min<int64_t>(bs, pmax + 1 - j0);  // keys of this block any query can see
-    const int64_t np = round_up(n, Vec::W);
-    // Whole slot rows, W at a time (all heads of a row used while it is in L1; rows read in order). Memory
-    // overlaps compute: this block's value rows are prefetched during its scores, the next block's key rows
-    // (or the next item's first ones) during its P·V, a few lines per inner call.
-    const int64_t chunks = (n + Vec::W - 1) / Vec::W;
-    pump.start(vpool + base * row_stride, n * row_stride * static_cast<int64_t>(sizeof(KV)), chunks * nrows);
-    for (int64_t c = 0; c < n; c += Vec::W) {
-      const int64_t m = std::min<int64_t>(Vec::W, n - c);
-      const KV* kchunk = kpool + (base + c) * row_stride;
-      if constexpr (int_scores) {
-        for (int i = 0; i < ntok; ++i)
-          for (int g = 0; g < Hkv; ++g) {  // rows i·Hq + g·G … + G − 1: KV head g's query rows of token i
-            const int r0 = i * Hq + g * G;
-            for (int t = 0; t < G; ++t) pump.pump();
-            score_group_i8<D>(&S.q16[static_cast<size_t>(r0) * D], &S.qscale[r0], G, kchunk + g * HE,
-                              row_stride, m, &S.s[r0 * np_max + c], np_max);
-          }
-      } else {
-        for (int r = 0; r < nrows; ++r) {
-          pump.pump();
-          score_chunk<D, KV>(&S.q[static_cast<size_t>(r) * D], kchunk + (r % Hq / G) * HE, row_stride, m,
-                             &S.s[r * np_max + c]);
-        }
-      }
-    }
-    if constexpr (std::is_same<KV, int8_t>::value && !int_scores) {  // each key row's scale, gathered per head
-      gather_scales<KV, D>(kpool + base * row_stride, row_stride, n, Hkv, HE, np_max, S.scale);
-      for (int r = 0; r < nrows; ++r) {
-        const float* sc = &S.scale[(r % Hq / G) * np_max];
-        for (int64_t j = 0; j < n; ++j) S.s[r * np_max + j] *= sc[j];
-      }
-    }
-    for (int r = 0; r < nrows; ++r) {
-      float* s = &S.s[r * np_max];
-      const int64_t p = S.pos[r];
-      if (p < j0 + n - 1 || P.window > 0)
-        for (int64_t j = 0; j < n; ++j)
-          if (!visible(j0 + j, p, P.window)) s[j] = kNegInf;
-      std::fill(s + n, s + np, kNegInf);
-      const float corr = softmax_update(s, np, S.m[r], S.l[r]);
-      if (corr != 1.0f) scale_row<D>(&S.acc[static_cast<size_t>(r) * D], corr);
-    }
-    if constexpr (std::is_same<KV, int8_t>::value) {  // fold each value row's scale into its probabilities
-      gather_scales<KV, D>(vpool + base * row_stride, row_stride, n, Hkv, HE, np_max, S.scale);
-      for (int r = 0; r < nrows; ++r) {
-        const float* sc = &S.scale[(r % Hq / G) * np_max];
-        for (int64_t j = 0; j < n; ++j) S.s[r * np_max + j] *= sc[j];
-      }
-    }
-    if constexpr (int_scores) {  // each row's probabilities as int16 with the row's own scale (pv_tile_i16)
-      S.p16.resize(static_cast<size_t>(nrows) * np_max);
-      S.pscale.resize(nrows);
-      for (int r = 0; r < nrows; ++r) {
-        const float* s = &S.s[r * np_max];
-        int16_t* p16 = &S.p16[static_cast<size_t>(r) * np_max];
-        const float amax = abs_max(s, np);  // the probabilities past n are 0
-        if (!(amax > 0.0f)) {
-          std::fill(p16, p16 + np, int16_t{0});
-          S.pscale[r] = 0.0f;
-          continue;
-        }
-        for (int64_t j = 0; j < np; j += Vec::W) Vec::to_i16(s + j, 32767.0f / amax, p16 + j);
-        S.pscale[r] = amax / 32767.0f;
-      }
-    }
-    // the P·V below calls pump.pump() `pv_calls` times
-    const int64_t pv_calls = int_scores ? Hkv * ntok * pv_tiles<D>(G) * (((n + 1) / 2 + 3) / 4) : chunks * Hkv * ntok;
-    pump.drain();
-    if (b < last_block) {
-      const int64_t nn = std::min<int64_t>(bs, pmax + 1 - (b + 1) * bs);
-      pump.start(kpool + it.table[b + 1] * bs * row_stride, nn * row_stride * static_cast<int64_t>(sizeof(KV)),
-                 pv_calls);
-    } else if (next != nullptr) {
-      const auto [k0, bytes] = first_key_block<D, KV>(P, *next);
-      pump.start(k0, bytes, pv_calls);
-    }
-    if constexpr (int_scores) {  // P·V per KV head over the whole block, in integers
-      for (int g = 0; g < Hkv; ++g) {
-        for (int64_t j = 0; j < n; ++j) vrows[j] = vpool + (base + j) * row_stride + g * HE;
-        if (n & 1) vrows[n] = vrows[n - 1];  // the padding key (probability 0)
-        for (int i = 0; i < ntok; ++i) {
+// int8 pools: each row's s[j] (j < n) times the scale of key row j of the row's KV head, `rows` the block's first slot
+// row in the key or value pool (the scales gathered per head once).
+template <int D>
+static inline OMF_ALWAYS_INLINE void rows_times_scales(const int8_t* rows, const RowItem& ri, Scratch& S, int64_t n) {
+  gather_scales<int8_t, D>(rows, ri.row_stride, n, ri.Hkv, head_elems<int8_t, D>(), ri.np_max, S.scale);
+  for (int r = 0; r < ri.nrows; ++r) {
+    const float* sc = &S.scale[(r % ri.Hq / ri.G) * ri.np_max];
+    for (int64_t j = 0; j < n; ++j) S.s[r * ri.np_max + j] *= sc[j];
+  }
+}
+
+// Every row's scores over the block (whole slot rows, W at a time: all heads of a row used while it is in L1, rows
+// read in order; one pump() per row and chunk), int8 pools' key scales applied where the scores are float.
+template <int D, typename KV>
+static inline OMF_ALWAYS_INLINE void rows_scores(const omf::PagedProblem& P, const RowItem& ri, Scratch& S,
+                                                 const RowBlock& blk, PrefetchPump& pump) {
+  constexpr int64_t HE = head_elems<KV, D>();
+  const int Hq = ri.Hq, Hkv = ri.Hkv, G = ri.G;
+  const int64_t row_stride = ri.row_stride, np_max = ri.np_max, n = blk.n;
+  const KV* kpool = static_cast<const KV*>(P.key_pool);
+  for (int64_t c = 0; c < n; c += Vec::W) {
+    const int64_t m = std::min<int64_t>(Vec::W, n - c);
+    const KV* kchunk = kpool + (blk.base + c) * row_stride;
+    if constexpr (kIntRows<D, KV>) {
+      for (int i = 0; i < ri.ntok; ++i)
+        for (int g = 0; g < Hkv; ++g) {  // rows i·Hq + g·G … + G − 1: KV head g's query rows of token i
           const int r0 = i * Hq + g * G;
-          pv_rows_i16<D>(&S.p16[static_cast<size_t>(r0) * np_max], np_max, vrows.data(), n, &S.pscale[r0],
-                         &S.acc[static_cast<size_t>(r0) * D], G, pump);
+          for (int t = 0; t < G; ++t) pump.pump();
+          score_group_i8<D>(&S.q16[static_cast<size_t>(r0) * D], &S.qscale[r0], G, kchunk + g * HE, row_stride, m,
+                            &S.s[r0 * np_max + c], np_max);
         }
+    } else {
+      for (int r = 0; r < ri.nrows; ++r) {
+        pump.pump();
+        score_chunk<D, KV>(&S.q[static_cast<size_t>(r) * D], kchunk + (r % Hq / G) * HE, row_stride, m,
+                           &S.s[r * np_max + c]);
       }
-      continue;
     }
-    // P·V in chunks of W rows: every KV head's group of query rows in registers over the chunk
+  }
+  if constexpr (std::is_same<KV, int8_t>::value && !kIntRows<D, KV>)  // each key row's scale
+    rows_times_scales<D>(kpool + blk.base * row_stride, ri, S, n);
+}
+
+// Every row's keys hidden from it masked (-inf), then its online softmax over the block: s becomes its
+// probabilities, acc rescaled to the new maximum.
+template <int D>
+static inline OMF_ALWAYS_INLINE void rows_softmax(const omf::PagedProblem& P, const RowItem& ri, Scratch& S,
+                                                  const RowBlock& blk) {
+  const int64_t j0 = blk.j0, n = blk.n, np = blk.np;
+  for (int r = 0; r < ri.nrows; ++r) {
+    float* s = &S.s[r * ri.np_max];
+    const int64_t p = S.pos[r];
+    if (p < j0 + n - 1 || P.window > 0)
+      for (int64_t j = 0; j < n; ++j)
+        if (!visible(j0 + j, p, P.window)) s[j] = kNegInf;
+    std::fill(s + n, s + np, kNegInf);
+    const float corr = softmax_update(s, np, S.m[r], S.l[r]);
+    if (corr != 1.0f) scale_row<D>(&S.acc[static_cast<size_t>(r) * D], corr);
+  }
+}
+
+// int8 pools: each value row's scale folded into its probabilities; on the integer rows, each row's probabilities
+// then rounded to int16 with the row's own scale (p16, pscale: pv_tile_i16).
+template <int D, typename KV>
+static inline OMF_ALWAYS_INLINE void rows_probabilities(const omf::PagedProblem& P, const RowItem& ri, Scratch& S,
+                                                        const RowBlock& blk) {
+  if constexpr (std::is_same<KV, int8_t>::value)
+    rows_times_scales<D>(static_cast<const KV*>(P.value_pool) + blk.base * ri.row_stride, ri, S, blk.n);
+  if constexpr (kIntRows<D, KV>) {
+    const int nrows = ri.nrows;
+    const int64_t np_max = ri.np_max, np = blk.np;
+    S.p16.resize(static_cast<size_t>(nrows) * np_max);
+    S.pscale.resize(nrows);
+    for (int r = 0; r < nrows; ++r) {
+      const float* s = &S.s[r * np_max];
+      int16_t* p16 = &S.p16[static_cast<size_t>(r) * np_max];
+      const float amax = abs_max(s, np);  // the probabilities past n are 0
+      if (!(amax > 0.0f)) {
+        std::fill(p16, p16 + np, int16_t{0});
+        S.pscale[r] = 0.0f;
+        continue;
+      }
+      for (int64_t j = 0; j < np; j += Vec::W) Vec::to_i16(s + j, 32767.0f / amax, p16 + j);
+      S.pscale[r] = amax / 32767.0f;
+    }
+  }
+}
+
+// The pump's next region, spread over the P·V's pump() calls: the next block's key rows, or after the item's last
+// block the next item's first ones (`next`; none without one). What is left of this block's values is read first.
+template <int D, typename KV>
+static inline OMF_ALWAYS_INLINE void rows_prefetch_next(const omf::PagedProblem& P, const omf::WorkItem& it,
+                                                        const omf::WorkItem* next, const RowItem& ri,
+                                                        const RowBlock& blk, int64_t b, int64_t last_block,
+                                                        int64_t pmax, PrefetchPump& pump) {
+  const int Hkv = ri.Hkv, ntok = ri.ntok, bs = ri.bs;
+  const int64_t n = blk.n;
+  // the P·V (rows_pv) calls pump.pump() `pv_calls` times
+  const int64_t pv_calls =
+      kIntRows<D, KV> ? Hkv * ntok * pv_tiles<D>(ri.G) * (((n + 1) / 2 + 3) / 4) : blk.chunks * Hkv * ntok;
+  pump.drain();
+  if (b < last_block) {
+    const int64_t nn = std::min<int64_t>(bs, pmax + 1 - (b + 1) * bs);
+    pump.start(static_cast<const KV*>(P.key_pool) + it.table[b + 1] * bs * ri.row_stride,
+               nn * ri.row_stride * static_cast<int64_t>(sizeof(KV)), pv_calls);
+  } else if (next != nullptr) {
+    const auto [k0, bytes] = first_key_block<D, KV>(P, *next);
+    pump.start(k0, bytes, pv_calls);
+  }
+}
+
+// P·V of the block into every row's acc: per KV head over the whole block in integers (the integer rows), else in
+// chunks of W keys with every KV head's group of query rows in registers over the chunk.
+template <int D, typename KV>
+static inline OMF_ALWAYS_INLINE void rows_pv(const omf::PagedProblem& P, const RowItem& ri, Scratch& S,
+                                             const RowBlock& blk, std::vector<const KV*>& vrows, PrefetchPump& pump) {
+  constexpr int64_t HE = head_elems<KV, D>();
+  const int Hq = ri.Hq, Hkv = ri.Hkv, G = ri.G, ntok = ri.ntok;
+  const int64_t row_stride = ri.row_stride, np_max = ri.np_max, base = blk.base, n = blk.n;
+  const KV* vpool = static_cast<const KV*>(P.value_pool);
+  if constexpr (kIntRows<D, KV>) {
+    for (int g = 0; g < Hkv; ++g) {
+      for (int64_t j = 0; j < n; ++j) vrows[j] = vpool + (base + j) * row_stride + g * HE;
+      if (n & 1) vrows[n] = vrows[n - 1];  // the padding key (probability 0)
+      for (int i = 0; i < ntok; ++i) {
+        const int r0 = i * Hq + g * G;
+        pv_rows_i16<D>(&S.p16[static_cast<size_t>(r0) * np_max], np_max, vrows.data(), n, &S.pscale[r0],
+                       &S.acc[static_cast<size_t>(r0) * D], G, pump);
+      }
+    }
+  } else {
     for (int64_t c = 0; c < n; c += Vec::W) {
       const int64_t m = std::min<int64_t>(Vec::W, n - c);
       for (int g = 0; g < Hkv; ++g) {
@@ -943,16 +1065,76 @@ static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, con
       }
     }
   }
-  for (int i = 0; i < ntok; ++i) {
-    float* o = P.o + toks[i] * P.o_tok_stride;
-    for (int h = 0; h < Hq; ++h) {
-      const int r = i * Hq + h;
+}
+
+// Each row's output: its accumulator over its sum l (0 for a row that saw nothing).
+template <int D>
+static inline OMF_ALWAYS_INLINE void rows_write_out(const omf::PagedProblem& P, const RowItem& ri, const Scratch& S) {
+  for (int i = 0; i < ri.ntok; ++i) {
+    float* o = P.o + ri.toks[i] * P.o_tok_stride;
+    for (int h = 0; h < ri.Hq; ++h) {
+      const int r = i * ri.Hq + h;
       const float inv = S.l[r] > 0.0f ? 1.0f / S.l[r] : 0.0f;
       float* oh = o + h * P.o_head_stride;
       for (int d = 0; d < D; ++d) oh[d] = S.acc[static_cast<size_t>(r) * D + d] * inv;
     }
   }
+}
+
+// The row path of one work item (see above); blocks first_block … last_block are valid, pmax its last position.
+// Memory overlaps compute: each block's value rows are prefetched during its scores, the next block's key rows (or
+// the next item's first ones) during its P·V, a few lines per inner call.
+template <int D, typename KV>
+static inline OMF_ALWAYS_INLINE bool attend_rows(const omf::PagedProblem& P, const omf::WorkItem& it,
+                                                 const omf::WorkItem* next, int64_t first_block, int64_t last_block,
+                                                 int64_t pmax) {
+  RowItem ri;
+  ri.Hq = P.q_heads, ri.Hkv = P.kv_heads, ri.G = ri.Hq / ri.Hkv, ri.bs = P.block_size;
+  ri.row_stride = static_cast<int64_t>(ri.Hkv) * head_elems<KV, D>();
+  ri.ntok = it.count, ri.toks = P.tokens + it.first;
+  ri.nrows = ri.ntok * ri.Hq;
+  ri.np_max = round_up(ri.bs, Vec::W);
+  Scratch& S = scratch();
+  rows_load<D, KV>(P, it, ri, S);
+  std::vector<const KV*> vrows(ri.bs + 1);
+  PrefetchPump pump;
+  {  // this item's first key block (usually in flight already: the previous item prefetched it)
+    const auto [k0, bytes] = first_key_block<D, KV>(P, it);
+    pump.start(k0, bytes, 1);
+    pump.drain();
+  }
+  for (int64_t b = first_block; b <= last_block; ++b) {
+    RowBlock blk;
+    blk.base = it.table[b] * ri.bs, blk.j0 = b * ri.bs;
+    blk.n = std::min<int64_t>(ri.bs, pmax + 1 - blk.j0);  // keys of this block any query can see
+    blk.np = round_up(blk.n, Vec::W);
+    blk.chunks = (blk.n + Vec::W - 1) / Vec::W;
+    pump.start(static_cast<const KV*>(P.value_pool) + blk.base * ri.row_stride,
+               blk.n * ri.row_stride * static_cast<int64_t>(sizeof(KV)), blk.chunks * ri.nrows);
+    rows_scores<D, KV>(P, ri, S, blk, pump);
+    rows_softmax<D>(P, ri, S, blk);
+    rows_probabilities<D, KV>(P, ri, S, blk);
+    rows_prefetch_next<D, KV>(P, it, next, ri, blk, b, last_block, pmax, pump);
+    rows_pv<D, KV>(P, ri, S, blk, vrows, pump);
+  }
+  rows_write_out<D>(P, ri, S);
   return true;
+}
+
+// One work item on the row path or the tile path. `next`: the item this thread most likely runs next (nullptr for
+// none); its first key block is prefetched while this item's last block runs.
+template <int D, typename KV>
+static bool attend_item(const omf::PagedProblem& P, const omf::WorkItem& it, const omf::WorkItem* next,
+                        const char** error) {
+  const int G = P.q_heads / P.kv_heads;
+  const auto [pmin, pmax] = position_range(P, it);
+  const int64_t first_block = first_read_block(P, it, pmin);
+  const int64_t last_block = it.cascade_blocks > 0 ? it.cascade_blocks - 1 : pmax / P.block_size;
+  if (!blocks_in_range(P, it, first_block, last_block, error)) return false;
+  const bool row_path =
+      kIntRows<D, KV> ? it.count * G <= kRowPathRowsInt && G <= kMaxGroupRows : it.count * G <= kRowPathRows;
+  if (it.cascade_blocks > 0 || !row_path) return attend_lanes<D, KV>(P, it, first_block, last_block, pmin, pmax);
+  return attend_rows<D, KV>(P, it, next, first_block, last_block, pmax);
 }
 
 // Symmetric int8 of one head's row (the pool write): scale = max|x| / 127, q = round-half-even(x / scale) clamped
@@ -983,13 +1165,8 @@ bool attend(const omf::PagedProblem& P, size_t item, const char** error) {
       case omf::KvType::kInt8: return attend_item<d, int8_t>(P, it, next, error);       \
       default: return attend_item<d, float>(P, it, next, error);                      \
     }
-  switch (P.head_dim) {  // keep in step with kHeadDims (custom_op.cpp) and HEAD_DIMS (contract/kernel_abi.py)
-    OMF_HEAD_DIM(16)
-    OMF_HEAD_DIM(32)
-    OMF_HEAD_DIM(64)
-    OMF_HEAD_DIM(96)
-    OMF_HEAD_DIM(128)
-    OMF_HEAD_DIM(256)
+  switch (P.head_dim) {  // head_dims.h
+    OMF_HEAD_DIMS(OMF_HEAD_DIM)
     default: *error = "PagedAttention: unsupported head_dim"; return false;
   }
 #undef OMF_HEAD_DIM

@@ -188,14 +188,12 @@ void decompress_panel(const QBGemmProblem&, int64_t p, uint16_t* out);  // panel
 }  // namespace avx512bf16
 
 // AMX (bgemm_amx.cpp): MatMulBF16's and MatMulQBF16's tiles on the tile unit (tdpbf16ps), where the CPU has amx-bf16
-// and the kernel grants this process the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM).
+// and the kernel grants this process the tile data state (isa.h amx_bf16, amx_int8).
 namespace amx {
-bool available();  // asks the kernel once; false without amx-bf16 or without the permission
 void bgemm(const BGemmProblem&, int64_t, int64_t);
 void bf16_panels(const Bf16Panels&, int panels);
 void qbgemm(const QBGemmProblem&, int64_t, int64_t);
 // MatMulQ (qgemm_amx.cpp): whole 16-row tiles on tdpbssd, the other rows on the VNNI path, bit for bit its results
-bool available_int8();  // amx-int8 + avx512vnni and the permission
 void qgemm(const QGemmProblem&, int64_t, int64_t);
 }  // namespace amx
 

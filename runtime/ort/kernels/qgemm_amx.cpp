@@ -23,21 +23,6 @@
 
 namespace omf::amx {
 
-namespace {
-bool ask_int8() {
-  __builtin_cpu_init();
-  if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8") ||
-      !__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw"))
-    return false;
-  return request_tile_data();
-}
-}  // namespace
-
-bool available_int8() {
-  static const bool granted = ask_int8();
-  return granted;
-}
-
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni")
 
@@ -223,7 +208,6 @@ void qgemm(const QGemmProblem& P, int64_t panel_begin, int64_t panel_end) {
 #else  // no tile unit on this platform: never chosen
 
 namespace omf::amx {
-bool available_int8() { return false; }
 void qgemm(const QGemmProblem&, int64_t, int64_t) {}
 }  // namespace omf::amx
 

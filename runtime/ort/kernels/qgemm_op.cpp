@@ -4,68 +4,15 @@
 #include "qgemm_op.h"
 
 #include <algorithm>
-
-#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "isa.h"
 #include "ort_tensor.h"
 
 namespace omf {
 namespace {
-
-// The fastest path the CPU has: AMX int8 (its 16-row tiles; bit for bit AVX-512 VNNI's results), AVX-512 VNNI,
-// AVX-VNNI (256-bit), AVX2, portable. OMFORGE_KERNELS_ISA forces a slower one (tests exercise each): "avx512"
-// (VNNI), "avxvnni", "avx2" (plain AVX2), "generic".
-GemmIsa choose() {
-  const char* want = std::getenv("OMFORGE_KERNELS_ISA");
-  const std::string w = want ? want : "";
-#if defined(__x86_64__) && defined(__GNUC__)
-  __builtin_cpu_init();
-  // the 256-bit paths widen the float16 scales with vcvtph2ps (F16C: every AVX2 CPU has it, but it is checked)
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  if (w.empty() || w == "amx")
-    if (amx::available_int8()) return {"amx-int8", &amx::qgemm, &avx512vnni::quantize_rows};
-  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") && (w.empty() || w == "avx512"))
-    return {"avx512vnni", &avx512vnni::qgemm, &avx512vnni::quantize_rows};
-  if (avx2 && __builtin_cpu_supports("avxvnni") && (w.empty() || w == "avx512" || w == "avxvnni"))
-    return {"avxvnni", &avxvnni::qgemm, &generic::quantize_rows};
-  if (avx2 && w != "generic") return {"avx2", &avx2::qgemm, &generic::quantize_rows};
-#endif
-  return {"generic", &generic::qgemm, &generic::quantize_rows};
-}
-
-// AMX tiles where the CPU and the kernel allow them, else AVX-512 BF16, else AVX2 (widening + FMA), else portable;
-// OMFORGE_KERNELS_ISA=avx512 forces the AVX-512 path, "avx2" the AVX2 one, "generic" the portable one.
-Bf16Isa choose_bf16() {
-  const char* want = std::getenv("OMFORGE_KERNELS_ISA");
-  const std::string w = want ? want : "";
-#if defined(__x86_64__) && defined(__GNUC__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") && (w.empty() || w == "amx") &&
-      amx::available())
-    return {"amx-bf16", &amx::bgemm, &avx512bf16::to_bf16_rows, &amx::qbgemm, 16, 32};
-  if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") && (w.empty() || w == "avx512"))
-    return {"avx512bf16", &avx512bf16::bgemm, &avx512bf16::to_bf16_rows, &avx512bf16::qbgemm};
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && (w.empty() || w == "avx2" || w == "avxvnni"))
-    return {"avx2", &avx2::bgemm, &avx2::to_bf16_rows, &avx2::qbgemm};
-#endif
-  return {"generic", &generic::bgemm, &generic::to_bf16_rows, &generic::qbgemm};
-}
-
-// AVX-512F where the CPU has it, else portable (OMFORGE_KERNELS_ISA=generic forces it). The compile stage lowers
-// float32 weights to MatMulF32 only where this is "avx512f" (on the portable path ORT's own MatMul is faster).
-F32Isa choose_f32() {
-  const char* want = std::getenv("OMFORGE_KERNELS_ISA");
-  const std::string w = want ? want : "";
-#if defined(__x86_64__) && defined(__GNUC__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && w != "generic" && w != "avx2" && w != "avxvnni")
-    return {"avx512f", &avx512f::fgemm};
-#endif
-  return {"generic", &generic::fgemm};
-}
 
 OrtStatus* fail(const ort::Api& api, const char* op, const std::string& msg) {
   return api.CreateStatus(kOrtInvalidArgument, (std::string(op) + ": " + msg).c_str());
@@ -174,8 +121,20 @@ void fgemm_item(void* data, size_t i) {
 
 }  // namespace
 
+// AMX tiles where the CPU and the kernel allow them, else AVX-512 BF16, else AVX2 (widening + FMA), else portable.
 const Bf16Isa& bf16_isa() {
-  static const Bf16Isa chosen = choose_bf16();
+  using namespace isa;
+  static const Candidate<Bf16Isa> kPaths[] = {
+#if OMF_ISA_X86
+      {kAuto | kAmx, [] { return cpu().avx512bf16 && cpu().avx512bw && amx_bf16(); },
+       {"amx-bf16", &amx::bgemm, &avx512bf16::to_bf16_rows, &amx::qbgemm, 16, 32}},
+      {kAuto | kAvx512, [] { return cpu().avx512bf16 && cpu().avx512bw; },
+       {"avx512bf16", &avx512bf16::bgemm, &avx512bf16::to_bf16_rows, &avx512bf16::qbgemm}},
+      {kAuto | kAvx2 | kAvxVnni, [] { return cpu().avx2 && cpu().fma; },
+       {"avx2", &avx2::bgemm, &avx2::to_bf16_rows, &avx2::qbgemm}},
+#endif
+      {kAny, always, {"generic", &generic::bgemm, &generic::to_bf16_rows, &generic::qbgemm}}};
+  static const Bf16Isa chosen = choose(kPaths);
   return chosen;
 }
 
@@ -202,8 +161,16 @@ OrtStatus* compute_matmul_bf16(const ort::Api& api, const MatMulQAttrs& A, OrtKe
   return run_items(api, ctx, &bgemm_item, items_of(P, kPanelsPerItem), &run.prob);
 }
 
+// AVX-512F where the CPU has it, else portable. The compile stage lowers float32 weights to MatMulF32 only where this
+// is "avx512f" (on the portable path ORT's own MatMul is faster).
 const F32Isa& f32_isa() {
-  static const F32Isa chosen = choose_f32();
+  using namespace isa;
+  static const Candidate<F32Isa> kPaths[] = {
+#if OMF_ISA_X86
+      {kAny & ~(kGeneric | kAvx2 | kAvxVnni), [] { return cpu().avx512f; }, {"avx512f", &avx512f::fgemm}},
+#endif
+      {kAny, always, {"generic", &generic::fgemm}}};
+  static const F32Isa chosen = choose(kPaths);
   return chosen;
 }
 
@@ -224,8 +191,23 @@ OrtStatus* compute_matmul_f32(const ort::Api& api, const MatMulQAttrs& A, OrtKer
   return run_items(api, ctx, &fgemm_item, items_of(panels_of(A.N), kPanelsPerItem), &prob);
 }
 
+// The fastest path the CPU has: AMX int8 (its 16-row tiles; bit for bit AVX-512 VNNI's results), AVX-512 VNNI,
+// AVX-VNNI (256-bit), AVX2, portable. The 256-bit paths widen the float16 scales with vcvtph2ps (F16C: every AVX2 CPU
+// has it, but it is checked).
 const GemmIsa& gemm_isa() {
-  static const GemmIsa chosen = choose();
+  using namespace isa;
+  static const Candidate<GemmIsa> kPaths[] = {
+#if OMF_ISA_X86
+      {kAuto | kAmx, amx_int8, {"amx-int8", &amx::qgemm, &avx512vnni::quantize_rows}},
+      {kAuto | kAvx512, [] { return cpu().avx512vnni && cpu().avx512bw; },
+       {"avx512vnni", &avx512vnni::qgemm, &avx512vnni::quantize_rows}},
+      {kAuto | kAvx512 | kAvxVnni, [] { return cpu().avx2 && cpu().fma && cpu().f16c && cpu().avxvnni; },
+       {"avxvnni", &avxvnni::qgemm, &generic::quantize_rows}},
+      {kAny & ~kGeneric, [] { return cpu().avx2 && cpu().fma && cpu().f16c; },
+       {"avx2", &avx2::qgemm, &generic::quantize_rows}},
+#endif
+      {kAny, always, {"generic", &generic::qgemm, &generic::quantize_rows}}};
+  static const GemmIsa chosen = choose(kPaths);
   return chosen;
 }
 
