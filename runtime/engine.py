@@ -127,6 +127,12 @@ class LLMEngine:
         self.output = OutputProcessor(self.tokenizer, self.config.eos_token_ids, self._grammars, self.stats,
                                       self.scheduler.finish, self._forget)
 
+    def prepare_structured_output(self) -> None:
+        """Build the grammar engine's tokenizer now (it holds the GIL while it builds; a server calls this before
+        it listens). Nothing to do without a tokenizer."""
+        if self.tokenizer is not None:
+            self._grammars.prepare()
+
     def _executor(self, bundle: Path, m: Manifest, cfg: EngineConfig, acl_module: object) -> Executor:
         if m.target == "ascend":
             from omforge.runtime.ascend.acl_executor import AclExecutor

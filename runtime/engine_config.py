@@ -46,8 +46,9 @@ DEFAULT_MAX_CPU_LORAS = 16
 live in host memory once registered: each is its A and B in float32)."""
 HICACHE_STORAGE_BACKENDS = ("file",)
 QUEUE_BATCHES = 1
-"""The default ``max_waiting_requests`` is this many full batches (``QUEUE_BATCHES * max_num_seqs``) until the
-server has measured how fast it finishes sequences (serve/admission.py sizes the queue from that rate then): a
+"""The default ``max_waiting_requests`` depth (``QUEUE_BATCHES * max_num_seqs``) where the server has no queue-time
+bound, or for one request on an idle server whose steps are not timed yet; otherwise serve/admission.py predicts
+each request's start from the measured pace or the queued requests' ``max_tokens`` and the engine's step times. A
 waiting request starts when a running one finishes, so a queue of ``k`` batches drains in about ``k`` request
 lifetimes. Issue 46 measured one batch of 64 SmolLM2 requests at ~38 s on the 2-core VM: two lifetimes passed
 ``DEFAULT_MAX_QUEUE_TIME_S`` and 21 of 150 requests heard a 503 after waiting 60 s instead of a 429 at once."""

@@ -51,12 +51,14 @@ class PoolingParams:
 
 @dataclass
 class PoolingRequest:
-    """One input waiting for its step: its whole token ids (never chunked) and options."""
+    """One input waiting for its step: its whole token ids (never chunked) and options; ``arrival_time``: when its
+    request reached the server (latency), ``queued_at``: when it entered this queue (the queue-time bound)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: PoolingParams
     arrival_time: float = field(default_factory=time.monotonic)
+    queued_at: float = field(default_factory=time.monotonic)
 
 
 def pack(batch: Sequence[Sequence[int]]) -> dict[str, np.ndarray]:
@@ -227,9 +229,11 @@ class PoolingEngine:
         return False
 
     def expire_waiting(self, max_wait_s: float, now: float | None = None) -> list[str]:
-        """Abort the requests waiting longer than ``max_wait_s``; returns their ids."""
+        """Abort the requests waiting in this queue longer than ``max_wait_s``; returns their ids. Queue time
+        only: a server request of many inputs tokenizes them all, then queues them in parts, each when the one
+        before is done — neither counts against its later inputs."""
         now = time.monotonic() if now is None else now
-        expired = [r.request_id for r in self.waiting if now - r.arrival_time > max_wait_s]
+        expired = [r.request_id for r in self.waiting if now - r.queued_at > max_wait_s]
         for rid in expired:
             self.abort(rid)
         return expired

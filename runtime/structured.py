@@ -5,13 +5,15 @@ Contract: :func:`grammar` turns a :class:`StructuredOutput` into an llguidance g
 :class:`StructuredOutputError` naming the request field; :class:`GrammarBackend` owns the tokenizer (built
 once, from the bundle's tokenizer.json) and makes one :class:`llguidance.LLMatcher` per sequence; masks are
 bitmasks ``int32 [rows, ceil(V / 32)]`` whose bit ``t`` allows token ``t``. :class:`GrammarMasks` is what the engine
-holds: the backend, made at the first structured request, and the worker thread that fills a step's masks.
+holds: the backend, made at start-up by a server (:meth:`GrammarMasks.prepare`) or at the first structured
+request, and the worker thread that fills a step's masks.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ import numpy as np
 
 from omforge.contract import cdiv
 from omforge.errors import OmforgeError
+from omforge.runtime.finite_grammar import unending_rules
 
 
 class StructuredOutputError(OmforgeError):
@@ -76,6 +79,11 @@ def grammar(spec: StructuredOutput) -> str:
     if error:
         raise StructuredOutputError(f"{spec.param}: the grammar engine cannot compile it: {error.strip()}",
                                     spec.param)
+    if spec.kind == "grammar" and "start" in (unending := unending_rules(str(spec.value)) or []):
+        others = [r for r in unending if r != "start"]
+        via = f" (nor do {', '.join(others)})" if others else ""
+        raise StructuredOutputError(f"{spec.param}: no finite text matches this grammar: every alternative of "
+                                    f"rule start needs a rule that never ends{via}", spec.param)
     return text
 
 
@@ -131,19 +139,28 @@ class GrammarBackend:
 class GrammarMasks:
     """The engine's structured output: matchers for new sequences and each step's masks, computed on one worker
     thread while the executor runs (llguidance releases the GIL). ``tokenizer_json`` gives tokenizer.json's text;
-    it and the backend are made at the first structured request, the thread at the first structured step."""
+    it and the backend are made by :meth:`prepare` or at the first structured request, the thread at the first
+    structured step."""
 
     def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: tuple[int, ...]):
         self._tokenizer_json = tokenizer_json
         self.vocab_size, self.eos_token_ids = vocab_size, eos_token_ids
         self._backend: GrammarBackend | None = None
+        self._making = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
 
     @property
     def backend(self) -> GrammarBackend:
-        if self._backend is None:
-            self._backend = GrammarBackend(self._tokenizer_json(), self.vocab_size, self.eos_token_ids)
+        with self._making:  # made once, whichever thread asks first
+            if self._backend is None:
+                self._backend = GrammarBackend(self._tokenizer_json(), self.vocab_size, self.eos_token_ids)
         return self._backend
+
+    def prepare(self) -> None:
+        """Make the backend now. llguidance builds its tokenizer holding the GIL (~1.6 s for SmolLM2's on a 2-core
+        VM): a server does it before it listens, so no request's first grammar stalls every thread (``/health``
+        included) while the server runs."""
+        _ = self.backend
 
     def matcher(self, spec: StructuredOutput) -> Any:
         """A fresh matcher of ``spec``'s grammar (compiled once per distinct spec: :func:`compiled_grammar`)."""

@@ -10,10 +10,12 @@ Invariants:
   (``check_request``, which reads limits fixed at load) and its LoRA registry (thread-safe); only the event loop
   touches the streams and the in-flight count. A request enters the engine twice: checked once on a worker thread
   (a :class:`~omforge.runtime.input_processor.CheckedRequest`), added once on the engine thread.
-- ``num_in_flight`` counts sequences submitted and not yet finished or aborted; a submission the
-  :class:`~omforge.serve.admission.QueueBudget` refuses (more waiting than the measured service rate starts
-  within the queue-time bound, or past the configured depth) is refused with :class:`Overloaded` (429), never
-  queued without bound.
+- ``num_in_flight`` counts sequences submitted and not yet finished or aborted, each with its
+  :class:`~omforge.serve.admission.SeqBound` (prompt, ``max_tokens``, tokens generated so far); a submission the
+  :class:`~omforge.serve.admission.QueueBudget` refuses (its sequences are not predicted to start within the
+  queue-time bound, or past the configured depth) is refused with :class:`Overloaded` (429), never queued
+  without bound. The engine thread feeds the budget every step (its time and tokens, its finishes, the engine's
+  running and waiting counts and free KV blocks after it).
 - A stream whose consumer stops early (client gone) aborts its request; the engine thread frees its blocks
   before its next step.
 - No request waits longer than ``max_queue_time_s`` (checked before every step): one that has not started by then
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import itertools
 import logging
 import threading
@@ -49,13 +52,15 @@ from omforge.runtime.lora.registry import LoraRegistry
 from omforge.runtime.reasoning import ReasoningParser
 from omforge.runtime.request import seq_ids
 from omforge.runtime.tokenizer import TextTokenizer
-from omforge.serve.admission import QueueBudget, ServiceRate
+from omforge.serve.admission import QueueBudget, SeqBound
 from omforge.serve.metrics import EngineSnapshot, ServerMetrics
 
 log = logging.getLogger("omforge.serve")
 
 FILL_WAIT_CAP = 25
 """The batch-fill wait lasts at most this many ``max_queue_delay`` gaps (50 ms at the default 2 ms)."""
+_ARRIVING: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar("omforge_arriving", default=None)
+"""The handler's own :meth:`AsyncEngine.arriving` count, ``[True]`` until its request is submitted."""
 
 
 class Overloaded(OmforgeError):
@@ -115,7 +120,8 @@ class RequestGroup:
 class ServedModel:
     """What the server reads of the engine, fixed at load (safe from the event loop): the tokenizer (None: token
     ids only), the reasoning parser (``--reasoning-parser``), a pooling bundle's settings (None: generate), the
-    limits, and the LoRA registry (None: no adapter slots; ``max_loras`` resident at once)."""
+    limits (``token_budget``: tokens one step carries; ``num_kv_blocks``: 0 without a KV pool), and the LoRA
+    registry (None: no adapter slots; ``max_loras`` resident at once)."""
 
     tokenizer: TextTokenizer | None
     reasoning: ReasoningParser | None
@@ -126,13 +132,18 @@ class ServedModel:
     block_size: int  # tokens per KV block
     lora: LoraRegistry | None
     max_loras: int | None
+    token_budget: int = 512
+    num_kv_blocks: int = 0
 
     @classmethod
     def of(cls, engine: Any) -> ServedModel:
         """The facts of an ``LLMEngine`` or a ``PoolingEngine``."""
         cfg = engine.engine_config
-        return cls(engine.tokenizer, engine.reasoning, engine.manifest.pooling, engine.config.vocab_size,
-                   engine.max_model_len, cfg.max_num_seqs, engine.block_size, engine.lora, cfg.max_loras)
+        pooling = engine.manifest.pooling
+        return cls(engine.tokenizer, engine.reasoning, pooling, engine.config.vocab_size,
+                   engine.max_model_len, cfg.max_num_seqs, engine.block_size, engine.lora, cfg.max_loras,
+                   getattr(engine, "token_budget", cfg.max_num_batched_tokens),  # a pooling step holds a whole input
+                   cfg.num_kv_blocks if pooling is None else 0)
 
 
 class AsyncEngine:
@@ -149,9 +160,10 @@ class AsyncEngine:
         self._engine = engine
         self.model = ServedModel.of(engine)
         self.max_queue_time_s = max_queue_time_s
-        self.service_rate = ServiceRate()
-        self.budget = QueueBudget(engine.engine_config.max_num_seqs, max_waiting_requests, explicit_waiting,
-                                  max_queue_time_s, self.service_rate)
+        m = self.model
+        self.budget = QueueBudget(m.max_num_seqs, max_waiting_requests, explicit_waiting, max_queue_time_s,
+                                  m.token_budget, m.num_kv_blocks, m.block_size,
+                                  m.max_loras or 0 if m.lora is not None else 0)
         self.capacity = self.budget.capacity
         self.max_queue_delay_s = max_queue_delay_s
         self.metrics = metrics  # updated from the engine thread
@@ -160,6 +172,7 @@ class AsyncEngine:
         self.failure: BaseException | None = None
         self.draining = False
         self._groups: dict[str, RequestGroup] = {}  # unfinished sequence id → its group (event loop only)
+        self._bounds: dict[str, SeqBound] = {}  # unfinished sequence id → what admission reads of it (event loop)
         self._cmds: deque[Command] = deque()
         self._cv = threading.Condition()
         self._stopped = False  # a Shutdown was applied (engine thread only)
@@ -206,16 +219,18 @@ class AsyncEngine:
         ``InputProcessor.check``. Any thread."""
         return self._engine.check_request(prompt_token_ids, params, lora)
 
-    def submit(self, prompts: Sequence[CheckedRequest], request_id: str,
-               arrival_time: float | None = None) -> RequestGroup:
+    def submit(self, prompts: Sequence[CheckedRequest], request_id: str, arrival_time: float | None = None,
+               continuing: bool = False) -> RequestGroup:
         """Queue one request per checked prompt as a group, all or none, with their adapter (one for the group;
-        None: the base model), which the caller holds (:meth:`holding`). Raises :class:`Overloaded` when the group
-        would exceed the capacity, :class:`EngineUnavailable` when draining or failed. Consume the group with
-        :meth:`outputs` (which aborts what is left if the consumer stops)."""
+        None: the base model), which the caller holds (:meth:`holding`). Raises :class:`Overloaded` when the
+        budget refuses the group (``continuing``: the next part of a request already admitted, refused only past
+        the capacity), :class:`EngineUnavailable` when draining or failed. Consume the group with :meth:`outputs`
+        (which aborts what is left if the consumer stops)."""
         self._require_running()
         lora = prompts[0].lora
         num_seqs = sum(p.n for p in prompts)
-        refused = self.budget.refusal(self.num_in_flight, num_seqs)
+        bounds = [self._bound(p) for p in prompts for _ in range(p.n)]
+        refused = self.budget.refusal(list(self._bounds.values()), bounds, time.monotonic(), continuing)
         if refused is not None:
             if self.metrics is not None:
                 self.metrics.rejected("queue_full")
@@ -224,17 +239,30 @@ class AsyncEngine:
             self.model.lora.join(lora, num_seqs)  # type: ignore[union-attr]
         group = RequestGroup({}, set(), lora=lora)
         arrival = arrival_time or time.monotonic()
+        fresh = iter(bounds)
         for i, checked in enumerate(prompts):
             rid = f"{request_id}-p{i}" if len(prompts) > 1 else request_id
             for sid in seq_ids(rid, checked.n):
                 group.prompt_of[sid] = i
                 group.unfinished.add(sid)
                 self._groups[sid] = group
+                self._bounds[sid] = next(fresh)
             self._send(AddRequest(checked, rid, arrival))
+        self._arrived()
         self.num_in_flight += num_seqs
         if self.metrics is not None:
             self.metrics.lora_request(lora, len(prompts))
         return group
+
+    def _bound(self, checked: CheckedRequest) -> SeqBound:
+        """One of ``checked``'s sequences as admission sees it: a generation runs to ``max_tokens`` at the latest
+        (none given: to the end of the context), a pooling input is its prefill alone."""
+        prompt = len(checked.prompt_token_ids)
+        if self.model.pooling is not None:
+            return SeqBound(prompt, 0)
+        max_new = checked.params.max_tokens
+        return SeqBound(prompt, max_new if max_new is not None else max(1, self.model.max_model_len - prompt),
+                        lora=checked.lora)
 
     # --- LoRA adapters (event loop) -----------------------------------------------------------------------
 
@@ -303,6 +331,7 @@ class AsyncEngine:
 
     def _retire(self, ids: list[str]) -> None:
         for sid in ids:
+            self._bounds.pop(sid, None)
             group = self._groups.pop(sid, None)
             if group is not None:
                 self.num_in_flight -= 1
@@ -323,6 +352,7 @@ class AsyncEngine:
             group = self._groups.get(out.request_id)
             if group is not None:  # None: aborted meanwhile
                 per_group.setdefault(id(group), (group, []))[1].append(out)
+                self._bounds[out.request_id].generated = max(1, len(out.token_ids))  # started
         for group, outs in per_group.values():
             self._retire([o.request_id for o in outs if o.finished])
             group.queue.put_nowait(outs)
@@ -390,6 +420,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self._engine
+        before = self.snapshot()
         try:
             while True:
                 cmds = self._take_commands(block=not engine.has_unfinished())
@@ -400,13 +431,17 @@ class AsyncEngine:
                     return
                 if self.max_queue_time_s is not None and (expired := engine.expire_waiting(self.max_queue_time_s)):
                     self._call_soon(self._time_out, expired)
-                saturated = self.num_in_flight >= self.model.max_num_seqs  # a waiting sequence gets the next free slot
                 started = time.perf_counter()
                 outputs = engine.step() if engine.has_unfinished() else []
-                self.service_rate.step(time.perf_counter() - started, sum(o.finished for o in outputs), saturated)
+                seconds = time.perf_counter() - started
+                pending = sum(isinstance(c, AddRequest) for c in list(self._cmds))
+                snap = self.snapshot(pending)
+                self.budget.observe_step(seconds, snap.prefill_tokens - before.prefill_tokens,
+                                         snap.generation_tokens - before.generation_tokens,
+                                         sum(o.finished for o in outputs), snap.num_running,
+                                         snap.num_waiting - pending, snap.kv.num_free, time.monotonic())
+                before = snap
                 if self.metrics is not None:  # before delivery: a client that has its answer sees it counted
-                    pending = sum(isinstance(c, AddRequest) for c in list(self._cmds))
-                    snap = self.snapshot(pending)
                     self.metrics.after_step(snap, outputs)
                     self.metrics.lora_state(snap.lora)
                 if outputs:
@@ -430,11 +465,24 @@ class AsyncEngine:
 
     @contextlib.contextmanager
     def arriving(self) -> Iterator[None]:
-        """Wrap a request's parsing and tokenization (event loop), so the batch-fill wait knows it is coming."""
+        """Wrap a request's parsing and tokenization (event loop), so the batch-fill wait knows it is coming; it
+        counts as arriving until its first :meth:`submit` (not while it waits for its outputs: a lone request would
+        hold its own first step for the whole wait)."""
         self.num_arriving += 1
+        held = [True]
+        token = _ARRIVING.set(held)
         try:
             yield
         finally:
+            _ARRIVING.reset(token)
+            if held[0]:
+                self.num_arriving -= 1
+
+    def _arrived(self) -> None:
+        """The calling handler's request is submitted: it no longer counts as arriving."""
+        held = _ARRIVING.get()
+        if held is not None and held[0]:
+            held[0] = False
             self.num_arriving -= 1
 
     def end_all(self, reason: str) -> None:

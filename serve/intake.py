@@ -137,14 +137,16 @@ def encode(state: ServerState, text: str, add_special_tokens: bool, param: str) 
     return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def check_characters(state: ServerState, text: str, param: str) -> None:
+def check_characters(state: ServerState, text: str, param: str, extra: int = 0, what: str = "the prompt") -> None:
     """400 ``context_length_exceeded`` for a text that cannot fit the context by its character count alone (each
     token spells at most ``max_token_chars`` characters); every route checks a client's text with it before
-    tokenizing."""
+    tokenizing. ``extra``: characters of other text in the same sequence (a rerank pair's query); ``what`` names
+    the text in the message."""
     assert state.tokenizer is not None
     most = state.tokenizer.max_token_chars * state.max_model_len
-    if len(text) > most:
-        raise APIError(400, f"{param}: the prompt is {len(text):,} characters, which cannot fit this model's context "
+    chars = len(text) + extra
+    if chars > most:
+        raise APIError(400, f"{param}: {what} is {chars:,} characters, which cannot fit this model's context "
                        f"of {state.max_model_len} tokens (at most {most:,} characters with this tokenizer)",
                        param=param, code="context_length_exceeded")
 
@@ -166,9 +168,11 @@ def check(state: ServerState, ids: list[int], params: SamplingParams, length_par
     return checked
 
 
-def submit(state: ServerState, prompts: list[CheckedRequest], request_id: str, arrival: float) -> RequestGroup:
+def submit(state: ServerState, prompts: list[CheckedRequest], request_id: str, arrival: float,
+           continuing: bool = False) -> RequestGroup:
     """Queue the checked prompts as one group (one adapter, held: :func:`holding`): 400 if they could never fit,
-    429 when full, 503 when stopping."""
+    429 when full (``continuing``: the next part of a request already admitted, 429 only past the capacity), 503
+    when stopping."""
     num_seqs = sum(p.n for p in prompts)
     capacity = state.engine.capacity
     if num_seqs > capacity:  # never admissible: a 429 would have the client retry forever
@@ -176,7 +180,7 @@ def submit(state: ServerState, prompts: list[CheckedRequest], request_id: str, a
                        f"server ever holds ({capacity}: max_num_seqs + max_waiting_requests); "
                        "send fewer per request", param="prompt")
     try:
-        return state.engine.submit(prompts, request_id, arrival)
+        return state.engine.submit(prompts, request_id, arrival, continuing)
     except Overloaded as exc:
         raise APIError(429, str(exc), type="server_overloaded", code="queue_full",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None

@@ -23,9 +23,14 @@ class _Body(BaseModel):
         """Checks beyond the schema (serve/intake.py ``parse`` calls it)."""
 
 
+MAX_INPUTS = 2048
+"""The most inputs one embeddings request may hold (OpenAI's limit on ``input``'s array)."""
+
+
 class EmbeddingRequest(_Body):
-    """OpenAI's embeddings request: ``input`` a string, strings, token ids or lists of token ids; ``dimensions``
-    where the model is matryoshka-trained; ``encoding_format`` float or base64 (little-endian float32)."""
+    """OpenAI's embeddings request: ``input`` a string, strings, token ids or lists of token ids (at most
+    :data:`MAX_INPUTS` inputs); ``dimensions`` where the model is matryoshka-trained; ``encoding_format`` float or
+    base64 (little-endian float32)."""
 
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
@@ -36,6 +41,9 @@ class EmbeddingRequest(_Body):
         if not self.input or (isinstance(self.input, list) and any(isinstance(i, list | str) and not i
                                                                    for i in self.input)):
             raise APIError(400, "input: must not be empty, nor hold an empty string or list", param="input")
+        if len(self.inputs()) > MAX_INPUTS:
+            raise APIError(400, f"input: {len(self.inputs()):,} inputs, more than the {MAX_INPUTS:,} one request may "
+                           "hold; send them in several requests", param="input")
 
     def inputs(self) -> list[str | list[int]]:
         """The inputs as a list, each a text or one sequence of token ids."""

@@ -10,7 +10,7 @@ import json
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from omforge.serve.intake import authorize, parse, render_chat
+from omforge.serve.intake import authorize, check_characters, parse, render_chat
 from omforge.serve.openapi import CLIENT_ERRORS, HEALTH, LOADS, VERSION, PrometheusResponse, errors
 from omforge.serve.openapi import body as openapi_body
 from omforge.serve.protocol import APIError, DetokenizeRequest, TokenizeRequest
@@ -64,6 +64,7 @@ async def tokenize(request: Request, state: AppState) -> Response:
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer", param="prompt")
     if body.prompt is not None:
+        check_characters(state, body.prompt, "prompt")  # before the tokenizer (messages: render_chat checks)
         special = True if body.add_special_tokens is None else body.add_special_tokens
         ids = await state.offload(tokenizer.encode, body.prompt, special)
     else:

@@ -52,9 +52,9 @@ async def embeddings(request: Request, state: AppState) -> Response:
         inputs = body.inputs()
         if tokenizer is None and any(isinstance(i, str) for i in inputs):
             raise APIError(400, "this model has no tokenizer: send input token ids", param="input")
-        for text in inputs:
+        for i, text in enumerate(inputs):
             if isinstance(text, str):
-                check_characters(state, text, "input")
+                check_characters(state, text, "input", what=f"input[{i}]" if len(inputs) > 1 else "the input")
         seqs = await state.offload(lambda: [encode_text(tokenizer, pooling, i) if isinstance(i, str) else i
                                             for i in inputs])
         vectors = await _run(state, request, "embd", seqs, PoolingParams(body.dimensions), "input", arrival)
@@ -70,8 +70,9 @@ async def rerank(request: Request, state: AppState) -> Response:
         arrival = time.monotonic()
         body = await parse(state, request, RerankRequest)
         pooling = _pooling(state, request.url.path, ("score", "embed"))
-        seqs = await state.offload(score_inputs, _tokenizer(state), pooling, body.query, body.texts(),
-                                   body.instruction)
+        tokenizer = _tokenizer(state)
+        _check_pairs(state, pooling, body.query, body.texts(), "query", "documents")
+        seqs = await state.offload(score_inputs, tokenizer, pooling, body.query, body.texts(), body.instruction)
         scores = scores_of(pooling, await _run(state, request, "rerank", seqs, PoolingParams(), "documents",
                                                arrival))
     return JSONResponse(rerank_response(state.engine.new_request_id("rerank"), state.model_name, body, scores,
@@ -87,6 +88,8 @@ async def score(request: Request, state: AppState) -> Response:
         pooling = _pooling(state, request.url.path, ("score", "embed"))
         groups = body.pairs()
         tokenizer = _tokenizer(state)
+        for query, docs in groups:
+            _check_pairs(state, pooling, query, docs, "text_1", "text_2")
         per_group = await state.offload(lambda: [score_inputs(tokenizer, pooling, q, docs, body.instruction)
                                                  for q, docs in groups])
         seqs = [s for group in per_group for s in group]
@@ -111,6 +114,20 @@ def _pooling(state: ServerState, route: str, tasks: tuple[str, ...]) -> PoolingS
     return pooling
 
 
+def _check_pairs(state: ServerState, pooling: PoolingSection, query: str, documents: Sequence[str],
+                 query_param: str, doc_param: str) -> None:
+    """Before the tokenizer: 400 ``context_length_exceeded`` for a sequence that cannot fit the context by its
+    characters alone (:func:`check_characters`) — a score bundle's pair (query and document are one sequence), an
+    embed bundle's query and each document on its own."""
+    if pooling.task == "score":
+        for i, doc in enumerate(documents):
+            check_characters(state, doc, doc_param, extra=len(query), what=f"{doc_param}[{i}] with its query")
+    else:
+        check_characters(state, query, query_param, what=query_param)
+        for i, doc in enumerate(documents):
+            check_characters(state, doc, doc_param, what=f"{doc_param}[{i}]")
+
+
 def _tokenizer(state: ServerState) -> TextTokenizer:
     if state.tokenizer is None:
         raise APIError(400, "this model has no tokenizer; rerank and score take text", param="model")
@@ -119,10 +136,12 @@ def _tokenizer(state: ServerState) -> TextTokenizer:
 
 async def _run(state: ServerState, request: Request, kind: str, seqs: list[list[int]], params: PoolingParams,
                param: str, arrival: float) -> list[np.ndarray]:
-    """Check every sequence (a 400 naming ``param`` or ``dimensions``), queue them in groups of ``max_num_seqs``
-    (one engine step each: a request of many inputs — OpenAI takes 2,048, LangChain sends 1,000 — never needs more
-    room in the queue than one batch) and return their results in order, or leave the engine at once when the client
-    goes."""
+    """Check every sequence (a 400 naming ``param`` or ``dimensions``), queue them in parts of ``max_num_seqs``
+    (a request of many inputs — OpenAI takes 2,048, LangChain sends 1,000 — never needs more room in the queue than
+    one batch) and return their results in order, or leave the engine at once when the client goes. Each part is
+    queued when the one before it is done, as a continuation (admission does not refuse it: it takes the room its
+    predecessor left); the engine's queue-time bound counts only its time in the queue (runtime/pooling.py), so
+    the request's own tokenizing and earlier parts never end it with a 503."""
     engine = state.engine
     checked = []
     for ids in seqs:
@@ -139,7 +158,7 @@ async def _run(state: ServerState, request: Request, kind: str, seqs: list[list[
         if await request.is_disconnected():
             raise APIError(499, "the client closed the connection", code="client_disconnected")
         part = checked[at:at + step]
-        group = submit(state, part, engine.new_request_id(kind), arrival)
+        group = submit(state, part, engine.new_request_id(kind), arrival, continuing=at > 0)
         results += await until_done_or_disconnect(request, _collect(engine, group, len(part)),
                                                   functools.partial(engine.cancel, group))
     return results

@@ -22,6 +22,7 @@ from typing import Any
 import uvicorn
 
 from omforge.errors import OmforgeError
+from omforge.runtime.engine import LLMEngine
 from omforge.runtime.pooling import open_engine
 from omforge.serve.api import build_app
 from omforge.serve.async_engine import AsyncEngine
@@ -124,6 +125,8 @@ def _serve(bundle: str | Path, options: ServeOptions, sock: socket.socket, t0: f
         engine.close()
         raise ServeStartError(f"--lora-modules: the adapter name '{name}' is the base model's (its served name); "
                               "pick another")
+    if isinstance(engine, LLMEngine):  # not at the first grammar, stalling every thread of a running server
+        engine.prepare_structured_output()
     metrics = ServerMetrics(name)
     async_engine = AsyncEngine(engine, max_waiting_requests=cfg.max_waiting_requests,
                                max_queue_delay_s=cfg.max_queue_delay_us / 1e6, metrics=metrics,
