@@ -97,7 +97,7 @@ SERVE_OPTIONS: tuple[ServeOption, ...] = (
     ServeOption("speculative_config", dict, None, 'speculative decoding, vLLM\'s spelling, e.g. {"method": "ngram", '
                 '"num_speculative_tokens": 4}', nullable=True, metavar="JSON", group="model"),
     ServeOption("max_waiting_requests", int, None, "sequences waiting beyond max_num_seqs before the server answers "
-                "429 (default: as many as are predicted to start within 80% of max_queue_time_s, from the measured "
+                "429 (default: as many as are predicted to start within 0.8 × max_queue_time_s, from the measured "
                 "pace or the requests' max_tokens and the engine's step times; given: a hard cap)", nullable=True, ge=1,
                 le=1_000_000, group="scheduling"),
     ServeOption("max_queue_time_s", float, 60.0, "a request still waiting after this many seconds ends with a "

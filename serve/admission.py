@@ -15,9 +15,10 @@ either one within ``ADMIT_FRACTION`` of the bound admits:
   that many tokens lasts. Known from the first timed step on.
 
 A sequence whose LoRA adapter would find every adapter slot held by others (``max_loras`` other adapters in
-flight) starts only as those drain, whatever the seats and the pace: it is admitted by the bounded prediction alone,
-which lets an adapter start only while it holds a slot or one is free. Waiting is counted against the batch the
-engine runs: ``max_num_seqs``, or the running count while the KV pool
+flight) starts only as those drain, whatever the seats and the pace: once a step is timed it is admitted by the
+bounded prediction alone, which lets an adapter start only while it holds a slot or one is free.
+
+Waiting is counted against the batch the engine runs: ``max_num_seqs``, or the running count while the KV pool
 holds sequences back (some wait, the pool is full). What starts now is always admitted; before the engine has
 timed a step, nothing more — but a request on an idle server, up to the configured depth (by default one batch,
 engine_config.QUEUE_BATCHES). ``max_queue_time_s`` None: only the configured depth applies; a
@@ -214,7 +215,9 @@ class QueueBudget:
         if continuing:
             return None
         if self.max_queue_time_s is not None and self.lora_contended(in_flight, new):
-            return self._lora_refusal(in_flight, new, self.max_queue_time_s)
+            worst = self.worst_start(in_flight, new)
+            if worst is not None:  # untimed: the seats' rules below (no prediction of the slots yet)
+                return self._lora_refusal(worst, new[0].lora, self.max_queue_time_s)
         queued = after - self.slots()
         if queued <= 0:
             return None
@@ -248,16 +251,14 @@ class QueueBudget:
             return False
         return len({s.lora for s in in_flight if s.lora is not None} - {lora}) >= self.max_loras
 
-    def _lora_refusal(self, in_flight: Sequence[SeqBound], new: Sequence[SeqBound], bound: float) -> str | None:
-        """Admission of an adapter's sequences while other adapters hold every slot: by the bounded prediction
-        alone (slots drain as their sequences end)."""
-        worst = self.worst_start(in_flight, new)
-        if worst is not None and worst <= ADMIT_FRACTION * bound:
+    def _lora_refusal(self, worst: float, lora: str | None, bound: float) -> str | None:
+        """Admission of an adapter's sequences while other adapters hold every slot, by the bounded prediction
+        alone (``worst``: when the last of them starts; slots drain as their sequences end)."""
+        if worst <= ADMIT_FRACTION * bound:
             return None
-        when = f"after about {worst:.0f}s if every sequence runs to its max_tokens, past {ADMIT_FRACTION:.0%} of " \
-               f"the {bound:g}s queue-time bound" if worst is not None else "at a time this server has not yet timed"
-        return (f"every LoRA adapter slot ({self.max_loras}) is held by other adapters; '{new[0].lora}' would start "
-                f"{when}")
+        return (f"every LoRA adapter slot ({self.max_loras}) is held by other adapters; '{lora}' would start after "
+                f"about {worst:.0f}s if every sequence runs to its max_tokens, past {ADMIT_FRACTION:.0%} of the "
+                f"{bound:g}s queue-time bound")
 
     def worst_start(self, in_flight: Sequence[SeqBound], new: Sequence[SeqBound]) -> float | None:
         """Seconds until the last of ``new`` starts if every sequence runs to its ``max_tokens``: slots and KV blocks
