@@ -6,8 +6,9 @@ The library is ``_omforge_kernels*.so``, which ``setup.py`` builds into ``runtim
 sources, or ``$OMFORGE_KERNELS_LIBRARY``. The probe loads it with ctypes and asks its ``omforge_kernels_info``
 (kernel ABI, each op's ISA path, the packed weight layout); it reads onnxruntime's version from the installed
 distribution's metadata, so it stays dependency-free (stdlib only) and compile never imports the runtime.
-``OMFORGE_KERNELS=0`` disables the library (tests of the fallback); ``OMFORGE_KERNELS_ISA`` (``avx512``, ``avx2``,
-``generic``) forces a slower code path than the CPU allows (read by the library itself at load).
+``OMFORGE_KERNELS=0`` disables the library (tests of the fallback); ``OMFORGE_KERNELS_ISA`` (``amx``,
+``avx512bf16``, ``avx512``, ``avxvnni``, ``avx2``, ``generic``) forces a slower code path than the CPU allows (read
+once by the library itself, runtime/ort/kernels/isa.h; each op's table says which values allow which path).
 """
 
 from __future__ import annotations
