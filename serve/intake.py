@@ -106,11 +106,15 @@ async def read_body(state: ServerState, request: Request, schema: type[M]) -> M:
         raise APIError(400, f"{param}: {what}", param=param) from None
 
 
+MAX_ECHOED_NAME = 128  # characters of an unknown model name a 404 repeats (a 1 MB name is not answered in full)
+
+
 def model_not_found(state: ServerState, model: str) -> APIError:
     """404 ``model_not_found`` (vLLM's words) naming what this server serves: the base model and its adapters."""
     names = state.engine.model.lora.names() if state.engine.model.lora is not None else ()
     adapters = f" and the LoRA adapter(s) {', '.join(repr(n) for n in names)}" if names else ""
-    return APIError(404, f"The model `{model}` does not exist; this server serves '{state.model_name}'{adapters}",
+    shown = model if len(model) <= MAX_ECHOED_NAME else f"{model[:MAX_ECHOED_NAME]}… ({len(model)} characters)"
+    return APIError(404, f"The model `{shown}` does not exist; this server serves '{state.model_name}'{adapters}",
                     param="model", code="model_not_found")
 
 

@@ -94,6 +94,14 @@ def test_unknown_model_is_404(client) -> None:  # noqa: ANN001
     assert e.value.body["code"] == "model_not_found" and "gpt-4o" in e.value.body["message"]
 
 
+def test_a_huge_unknown_model_name_is_not_echoed_in_full(client) -> None:  # noqa: ANN001
+    """Issue 64's probe: after a 1 MB name every 404 was 1 MB; the answer repeats at most 128 characters of it."""
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="m" * 200_000, prompt="hi", max_tokens=2)
+    message = e.value.body["message"]
+    assert e.value.body["code"] == "model_not_found" and len(message) < 1_000 and "200000 characters" in message
+
+
 @pytest.mark.parametrize("kwargs, param", [
     (dict(temperature=3.0), "temperature"),
     (dict(top_p=0.0), "top_p"),
