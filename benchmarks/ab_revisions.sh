@@ -2,13 +2,13 @@
 # A/B of two revisions in one sitting: omforge at REV (a git worktree, run through PYTHONPATH with this checkout's
 # venv and kernel library — valid while no kernel source differs) against this working tree, SmolLM2-135M fp32:
 # serving short-chat at concurrency 32 (64 requests, loadgen) and offline short-chat 64 (offline.py), alternated
-# twice. The load generators are the peers' harness (BENCH, default ../shared/bench, as bench_serve.sh uses).
+# twice. The load generators are the peers' harness (BENCH, default benchmarks/harness, as bench_serve.sh uses).
 # Usage: benchmarks/ab_revisions.sh REV   → JSON lines in $OUT (default /tmp/ab.jsonl)
 set -euo pipefail
 REV=${1:?usage: ab_revisions.sh REV}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 cd "$HERE"
-PY=$HERE/.venv/bin/python; BENCH=${BENCH:-$HERE/../shared/bench}; OUT=${OUT:-/tmp/ab.jsonl}; WORK=${WORK:-/tmp/ab}
+PY=$HERE/.venv/bin/python; BENCH=${BENCH:-$HERE/benchmarks/harness}; OUT=${OUT:-/tmp/ab.jsonl}; WORK=${WORK:-/tmp/ab}
 : > "$OUT"; mkdir -p "$WORK/path"
 git diff --quiet "$REV" -- runtime/ort/kernels || { echo "kernel sources differ from $REV: rebuild instead" >&2; exit 2; }
 [ -d "$WORK/old" ] || git worktree add -f "$WORK/old" "$REV" -q

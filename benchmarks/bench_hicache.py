@@ -2,7 +2,7 @@
 storage tier off, on, and on again after a restart that keeps only the storage directory.
 
 The workload: ``--conversations`` conversations of ``--turns`` turns. Turn 1 is ``--first-tokens`` tokens of
-common words (the shared harness's ``workload.PromptFactory``, ../shared/bench/workload.py: exact token counts);
+common words (the shared harness's ``workload.PromptFactory``, benchmarks/harness/workload.py: exact token counts);
 each later turn re-sends the whole history — the previous prompt's text, the model's answer, and a new user
 message of ``--user-tokens`` tokens — as a text prompt to /v1/completions (streamed, greedy, EOS ignored,
 ``--max-tokens`` per answer). ``--concurrency`` conversations run at a time (their start order shuffled by
@@ -57,7 +57,7 @@ from pathlib import Path
 import aiohttp
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED_BENCH = REPO.parent / "shared" / "bench"
+SHARED_BENCH = REPO / "benchmarks" / "harness"  # the peers' harness, carried in the tree
 sys.path.insert(0, str(SHARED_BENCH))
 sys.path.insert(0, str(REPO / "benchmarks"))
 import workload  # noqa: E402 - the shared harness's prompt factory

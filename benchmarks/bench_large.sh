@@ -3,7 +3,7 @@
 # benchmarks/build_large_peers.py (same random weights, same tokenizer), one engine at a time, in one sitting.
 #   bash benchmarks/bench_large.sh ROOT OUT.jsonl [GROUP…]
 # Groups (default: all, in this order): limits single pairs chat serve
-#   limits  ../shared/bench/machine_limits.py: read / copy bandwidth and the fp32 GEMM peak of the sitting
+#   limits  benchmarks/harness/machine_limits.py: read / copy bandwidth and the fp32 GEMM peak of the sitting
 #   single  offline.py --workload single --ttft --runs 2 (1 × 128 → 128): fp32, bf16, int4 rows
 #   pairs   the single-stream rows against llama.cpp again, interleaved (two rounds of omforge and llama.cpp at fp32,
 #           bf16/F16 and int4/Q4_0, --runs 3 each): the machine's speed moves within a sitting (RESULTS, 2026-12-06);
@@ -40,7 +40,7 @@ OUT=${2:?usage: bench_large.sh ROOT OUT.jsonl [GROUP…]}
 shift 2
 GROUPS_=${*:-limits single pairs chat serve}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-BENCH=${BENCH:-$HERE/../shared/bench}
+BENCH=${BENCH:-$HERE/benchmarks/harness}
 M=$ROOT/models
 N=${LARGE_NAME:-llama-3.2-1b}  # llama-3.2-1b-text: the text-vocabulary variant (build_large_peers.py --text-vocab)
 HF=$M/$N-hf

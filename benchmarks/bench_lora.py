@@ -8,7 +8,7 @@ The adapters are random PEFT LoRAs (``init_lora_weights=False``, fixed seeds) of
 projections of the HF directory's model, written once under ``--work``. Request ``i`` asks for adapter
 ``i mod k`` (k = 0: the base model). Rows: omforge on a bundle compiled without LoRA (the baseline the ≤ 20 %
 goal is measured against), the LoRA bundle with base requests and with k adapters; vLLM without LoRA and with
-``--enable-lora --max-loras k``. Load: ``../shared/bench`` short-chat (128 → 128 tokens, EOS ignored), ``--num``
+``--enable-lora --max-loras k``. Load: ``benchmarks/harness`` short-chat (128 → 128 tokens, EOS ignored), ``--num``
 requests at ``--concurrency``; medians over ``--runs``. Every wait is bounded (start-up, each request, the run).
 """
 
@@ -58,7 +58,7 @@ def make_adapters(hf_dir: Path, work: Path, count: int, rank: int) -> list[Path]
 
 
 class VllmProcess:
-    """vLLM's OpenAI server on 127.0.0.1 (both cores bound, tcmalloc, as ../shared/reference/peers.md)."""
+    """vLLM's OpenAI server on 127.0.0.1 (both cores bound, tcmalloc, as docs/peers.md)."""
 
     def __init__(self, python: str, hf_dir: Path, port: int, args: list[str], log_path: Path):
         venv = Path(python).parent.parent

@@ -2,7 +2,7 @@
 long prompts arriving while chat streams decode — with the same CPU in every setup, one setup at a time.
 
 The workload (deterministic for ``--seed``; prompts from the shared harness's ``workload.PromptFactory``,
-../shared/bench/workload.py, each an exact token count): ``--chat`` chat streams of ``--chat-tokens`` prompt tokens →
+benchmarks/harness/workload.py, each an exact token count): ``--chat`` chat streams of ``--chat-tokens`` prompt tokens →
 ``--chat-out`` output tokens, kept at ``--concurrency`` in flight (a new one starts when one ends), and ``--long``
 long prompts of ``--long-tokens`` tokens → ``--long-out`` output tokens, the j-th sent ``--long-start`` +
 j × ``--long-interval`` seconds after the chat streams started, whatever is running. Every request is a streamed
@@ -59,7 +59,7 @@ from typing import Protocol
 import aiohttp
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED_BENCH = REPO.parent / "shared" / "bench"
+SHARED_BENCH = REPO / "benchmarks" / "harness"  # the peers' harness, carried in the tree
 sys.path.insert(0, str(SHARED_BENCH))
 sys.path.insert(0, str(REPO / "benchmarks"))
 import workload  # noqa: E402 - the shared harness's prompt factory

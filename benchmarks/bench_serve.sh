@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Online serving benchmark: `omforge serve BUNDLE` on 127.0.0.1 driven by the peers' own load generator
-# (../shared/bench/loadgen.py, streaming /v1/completions) at the levels of ../shared/bench/serve_peers.sh —
+# (benchmarks/harness/loadgen.py, streaming /v1/completions) at the levels of benchmarks/harness/serve_peers.sh —
 # short-chat (128 → 128) at concurrency 1, 8, 32 and Poisson rates, shared-prefix at concurrency 8 — with the
 # same seeds, greedy, EOS ignored. One JSON line per level goes to $OUT; a table is printed at the end.
 # Usage: benchmarks/bench_serve.sh BUNDLE [extra omforge serve args…]
@@ -8,7 +8,7 @@ set -euo pipefail
 BUNDLE=${1:?usage: bench_serve.sh BUNDLE [serve args…]}
 shift
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-BENCH=${BENCH:-$HERE/../shared/bench}
+BENCH=${BENCH:-$HERE/benchmarks/harness}
 PY=$HERE/.venv/bin/python
 OUT=${OUT:-/tmp/omforge-bench-serve.jsonl}
 RATES=${RATES:-"1 2 4"}

@@ -9,7 +9,7 @@ Workloads (greedy, EOS ignored, fixed output lengths):
   grounded-1 / grounded-8: input-grounded — a passage of ~450 tokens from the project's own docs (docs/*.md,
       README.md; 8 passages chosen with seed 0) and "copy it" as the instruction, 128 output tokens; one stream,
       then 8 concurrent.
-  chat-1 / chat-64: the shared harness's short-chat prompts (../shared/bench/workload.py: 128 single-token
+  chat-1 / chat-64: the shared harness's short-chat prompts (benchmarks/harness/workload.py: 128 single-token
       English words), 128 output tokens; one stream, then 64 concurrent.
 """
 

@@ -23,7 +23,7 @@ zeroed (tied: the lm_head scores them 0, so greedy tokens stay writable text, al
 its ``NAME-text-omforge-fp32`` and ``-int4-rtn`` bundles, for serving rows whose ITL counts every token (the
 directory and the fp32 bundle 99 s on 2026-12-06).
 
-The peers' virtual environments are those of ../shared/reference/peers.md (``ROOT/venv-ov``, ``ROOT/venv-llamacpp``,
+The peers' virtual environments are those of docs/peers.md (``ROOT/venv-ov``, ``ROOT/venv-llamacpp``,
 ``ROOT/venv-vllm``); ``--install`` creates them (on the 2-core VM: 1 min, 12–21 min compiling llama.cpp, ~5 min).
 The whole 1B build from nothing took ~36 minutes on 2026-12-06 (benchmarks/RESULTS.md), the 8B artefacts ~16 minutes
 more (HF 131 s, GGUF 184 s, OpenVINO 137 s, omforge 477–524 s; with ``--drop-hf-weights`` the 8B build needs ~50 GB
@@ -272,7 +272,7 @@ def build_omforge(root: Path, name: str, hf: Path, tag: str | None = None,
 
 
 def install(root: Path) -> None:
-    """The OpenVINO, llama.cpp and vLLM CPU venvs of ../shared/reference/peers.md."""
+    """The OpenVINO, llama.cpp and vLLM CPU venvs of docs/peers.md."""
     ov, lc, vl = root / "venv-ov", root / "venv-llamacpp", root / "venv-vllm"
     if not (ov / "bin" / "optimum-cli").exists():
         with step("venv-ov (OpenVINO GenAI, optimum-intel)"):
@@ -312,7 +312,7 @@ def main() -> None:
     ap.add_argument("--models", default="1b,8b")
     ap.add_argument("--steps", default="hf,gguf,openvino,omforge")
     ap.add_argument("--tokenizer", type=Path, help="HF dir whose tokenizer files are copied (default: the test "
-                    "model's, converted once with ../shared/bench/tools/convert_smollm2.py into ROOT/models)")
+                    "model's, converted once with benchmarks/harness/tools/convert_smollm2.py into ROOT/models)")
     ap.add_argument("--install", action="store_true", help="create venv-ov, venv-llamacpp and venv-vllm first")
     ap.add_argument("--text-vocab", action="store_true", help="also NAME-text-hf (1B): the embedding rows beyond the "
                     "tokenizer zeroed, for serving rows whose every token streams text, and its omforge fp32 and "
