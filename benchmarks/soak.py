@@ -97,6 +97,8 @@ class Report:
     alive: dict[str, bool]
     phases: dict[str, float]  # seconds: servers' start, warm-up, clients (arrivals + the last answers), settle, stop
     examples: dict[str, list[str]] = field(default_factory=dict)
+    # per outcome other than ok / client-cancelled / early 429: {minute of arrival: count}
+    timeline: dict[str, dict[int, int]] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
 
     def table(self) -> str:
@@ -131,6 +133,8 @@ class Report:
             lines.append(f"{name}: " + ", ".join(f"{k.removeprefix('omforge:')} {v:g}" for k, v in values.items()))
         for name, texts in self.examples.items():
             lines.append(f"e.g. {name}: " + " | ".join(texts))
+        for name, minutes in self.timeline.items():
+            lines.append(f"{name} by minute of arrival: " + ", ".join(f"{m}: {n}" for m, n in sorted(minutes.items())))
         lines.append("")
         lines += [f"FAIL: {f}" for f in self.failures] or ["PASS: every invariant held"]
         return "\n".join(lines)
@@ -237,10 +241,13 @@ def _report(cfg: SoakConfig, plans: list[Plan], results: dict[int, Outcome], sam
     counts: collections.Counter[str] = collections.Counter()
     by_target: dict[str, collections.Counter[str]] = {}
     examples: dict[str, list[str]] = {}
+    timeline: dict[str, collections.Counter[int]] = {}
     for plan in plans:
         out = results.get(plan.index)
         name = "lost" if out is None else _classify(out, late_s)
         counts[name] += 1
+        if name not in ("ok", "client-cancelled", "http 429"):
+            timeline.setdefault(name, collections.Counter())[int(plan.at // 60)] += 1
         by_target.setdefault(plan.target, collections.Counter())[name] += 1
         if out is not None and name not in ("ok", "client-cancelled") and len(examples.setdefault(name, [])) < 3:
             examples[name].append(f"#{plan.index} {plan.target} {out.seconds:.1f}s {out.code or ''} {out.detail}"[:200])
@@ -258,7 +265,7 @@ def _report(cfg: SoakConfig, plans: list[Plan], results: dict[int, Outcome], sam
     report = Report(config={**dataclasses.asdict(cfg), "bound": cfg.bound}, sent=len(plans), counts=dict(counts),
                     by_target={t: dict(c) for t, c in sorted(by_target.items())}, health=health, rss=rss,
                     states=states, settle_s=settle_s, counters=counters, alive=alive, phases=phases,
-                    examples=examples)
+                    examples=examples, timeline={k: dict(v) for k, v in timeline.items()})
     report.failures = invariants(report, cfg)
     return report
 
