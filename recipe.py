@@ -55,7 +55,7 @@ class ModelRecipe(_Section):
     package: str | None = None
     file: str | None = None
     seed: int = Field(default=0, ge=0)
-    family: Literal["llama", "qwen2", "qwen3", "mistral"] | None = None
+    family: Literal["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"] | None = None
     config: dict[str, Any] | None = None
     tokenizer: str | None = None
 

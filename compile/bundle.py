@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from omforge.contract.manifest import MANIFEST, FileEntry, Manifest, file_sha256
+from omforge.models.params import describe_counts
 
 
 def file_entries(bundle: Path, files: list[Path]) -> dict[str, FileEntry]:
@@ -56,6 +57,7 @@ def describe(m: Manifest) -> str:
         f"  model      {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, heads "
         f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} kv, head_dim {cfg.head_dim}, "
         f"vocab {cfg.vocab_size}, tied embeddings {cfg.tie_word_embeddings}",
+        f"  parameters {describe_counts(cfg)}",
         f"  kv cache   block size {kv.block_size}, layout {kv.layout}, {kv.num_layers} layers × K,V, "
         f"{kv.bytes_per_token} bytes per token" if kv is not None else _pooling_line(m),
         f"  limits     max_seq_len {limits.max_seq_len}, max_batch_size {limits.max_batch_size}, max_num_tokens "

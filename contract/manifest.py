@@ -53,7 +53,9 @@ class Section:
         return _write(self)
 
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
+"""Mixtures of experts: every layer's FFN is a sparse MoE block (:attr:`ModelConfig.num_experts` > 0)."""
 ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 """``freq_factors``: ``{"rope_type": "freq_factors", "factors": [head_dim // 2 floats]}``, the per-frequency divisors a
 GGUF carries as ``rope_freqs.weight`` (llama.cpp's convert_hf_to_gguf.py writes them for Llama 3's ``llama3``
@@ -96,6 +98,13 @@ class ModelConfig(Section):
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # a mixture of experts (:data:`MOE_FAMILIES`; 0 for a dense model): every layer routes each token to
+    # ``num_experts_per_tok`` of ``num_experts`` SwiGLU experts of width ``moe_intermediate_size``, weighted by the
+    # router's softmax (renormalized over the chosen ones when ``norm_topk_prob``; Mixtral always)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -115,12 +124,35 @@ class ModelConfig(Section):
                               f"supported: {', '.join(ROPE_TYPES)}")
         if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "freq_factors":
             _check_freq_factors(self.rope_scaling.get("factors"), self.head_dim // 2)
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        """A MoE family has ``2 <= num_experts``, ``1 <= num_experts_per_tok <= num_experts`` and a positive
+        ``moe_intermediate_size``; a dense family has ``num_experts == 0``."""
+        if self.family not in MOE_FAMILIES:
+            if self.num_experts:
+                raise ConfigError(f"num_experts: family '{self.family}' is dense (got {self.num_experts}); "
+                                  f"mixtures of experts: {', '.join(MOE_FAMILIES)}")
+            return
+        if not _is(int, self.num_experts) or self.num_experts < 2:
+            raise ConfigError(f"num_experts: a mixture of experts needs at least 2 (got {self.num_experts!r})")
+        k = self.num_experts_per_tok
+        if not _is(int, k) or not 1 <= k <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok: must be between 1 and num_experts ({self.num_experts}), "
+                              f"got {k!r}")
+        if not _is(int, self.moe_intermediate_size) or self.moe_intermediate_size < 1:
+            raise ConfigError(f"moe_intermediate_size: must be a positive integer (got {self.moe_intermediate_size!r})")
+
+    @property
+    def is_moe(self) -> bool:
+        """Every layer's FFN is a sparse MoE block."""
+        return self.num_experts > 0
 
     @property
     def qk_norm(self) -> bool:
         """Per-head RMSNorm on q and k (weights ``[head_dim]``, eps ``rms_norm_eps``) after the projections and
         before rotary: Qwen3's ``q_norm`` / ``k_norm``."""
-        return self.family == "qwen3"
+        return self.family in ("qwen3", "qwen3_moe")
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "") -> ModelConfig:

@@ -2,7 +2,11 @@
 
 Every loader returns a :class:`Checkpoint` whose ``tensors`` use transformers' ``LlamaForCausalLM``
 names and give float32 numpy arrays. Invariant: the names are exactly the parameters of
-:class:`omforge.models.llama.LlamaForCausalLM` for ``config`` (checked by :func:`check_names`).
+:class:`omforge.models.llama.LlamaForCausalLM` for ``config`` (checked by :func:`check_names`). A mixture of experts
+has Qwen3-MoE's per-expert names (``mlp.gate.weight [E, H]``, ``mlp.experts.<e>.{gate,up,down}_proj.weight``) whatever
+the source held: Mixtral's ``block_sparse_moe.*.w1/w3/w2``, transformers 5's fused ``mlp.experts.gate_up_proj
+[E, 2F, H]`` / ``down_proj [E, H, F]``, or a GGUF's ``ffn_{gate,up,down}_exps`` (one 3-D tensor per layer), each
+expert read as its own slice.
 
 ``tensors`` is lazy (:class:`TensorMap`): shapes are known up front, each array is read (safetensors slice,
 GGUF block dequantization, seeded generation) when it is asked for and not kept, so an export streams the
@@ -74,7 +78,12 @@ def expected_names(cfg: ModelConfig) -> set[str]:
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-        names |= {p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
+        if cfg.is_moe:
+            names.add(p + "mlp.gate.weight")
+            names |= {p + f"mlp.experts.{e}.{n}_proj.weight" for e in range(cfg.num_experts)
+                      for n in ("gate", "up", "down")}
+        else:
+            names |= {p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
         names |= {p + f"self_attn.{n}_proj.weight" for n in "qkvo"}
         if cfg.qkv_bias:
             names |= {p + f"self_attn.{n}_proj.bias" for n in "qkv"}
@@ -155,21 +164,23 @@ def load_hf_dir(path: Path) -> Checkpoint:
     if not files:
         raise WeightsError(f"{path}: no *.safetensors files (omforge reads safetensors, not .bin)")
     shapes: dict[str, tuple[int, ...]] = {}
-    shard: dict[str, tuple[Path, str]] = {}  # our name → (file, its name there)
+    shard: dict[str, tuple[Path, str, tuple | None]] = {}  # our name → (file, its name there, slice of it or None)
     for name in files:
         if not (path / name).is_file():
             raise WeightsError(f"{path}: shard '{name}' named in the index is missing")
         try:
             with safe_open(path / name, framework="numpy") as f:
-                for key in f.keys():
-                    if "rotary_emb" in key or (cfg.tie_word_embeddings and key == "lm_head.weight"):
-                        continue
-                    # a base model saved alone (Qwen3-Embedding: embed_tokens.weight, layers.N…) has no "model."
-                    ours = key if key.startswith(("model.", "lm_head.")) else f"model.{key}"
-                    shapes[ours] = tuple(f.get_slice(key).get_shape())
-                    shard[ours] = (path / name, key)
+                keys = [(key, tuple(f.get_slice(key).get_shape())) for key in f.keys()]
         except Exception as e:  # safetensors raises its own SafetensorError / OSError on a bad file
             raise WeightsError(f"{path / name}: not a readable safetensors file ({e})") from None
+        for key, shape in keys:
+            if "rotary_emb" in key or (cfg.tie_word_embeddings and key == "lm_head.weight"):
+                continue
+            # a base model saved alone (Qwen3-Embedding: embed_tokens.weight, layers.N…) has no "model."
+            ours = key if key.startswith(("model.", "lm_head.")) else f"model.{key}"
+            for part, part_shape, index in _hf_parts(ours, shape, path / name):
+                shapes[part] = part_shape
+                shard[part] = (path / name, key, index)
     if not cfg.tie_word_embeddings and "lm_head.weight" not in shapes and \
             not any(key.startswith("model.") for _, key in shard.values()):
         # a base model has no LM head (Qwen3-Embedding-4B/8B, untied): pooling reads the hidden states, and the
@@ -177,11 +188,37 @@ def load_hf_dir(path: Path) -> Checkpoint:
         cfg = replace(cfg, tie_word_embeddings=True)
 
     def read(name: str) -> np.ndarray:
-        file, key = shard[name]
+        file, key, index = shard[name]
         with safe_open(file, framework="numpy") as f:
-            return f.get_tensor(key).astype(np.float32, copy=False)
+            arr = f.get_tensor(key) if index is None else f.get_slice(key)[index]
+            return arr.astype(np.float32, copy=False)
 
     return Checkpoint(cfg, TensorMap(shapes, read), path)
+
+
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_MIXTRAL = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.(gate|experts\.\d+\.(w[123]))\.weight")
+_FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)(?:\.weight)?")
+
+
+def _hf_parts(name: str, shape: tuple[int, ...], file: Path) -> list[tuple[str, tuple[int, ...], tuple | None]]:
+    """A safetensors tensor as our parameter(s): ``(name, shape, index into the stored tensor or None)``. Mixtral's
+    ``block_sparse_moe.gate`` / ``experts.<e>.w1|w3|w2`` are renamed; transformers 5's fused ``mlp.experts.gate_up_proj
+    [E, 2F, H]`` (each expert's gate rows, then its up rows) and ``down_proj [E, H, F]`` become one slice per expert,
+    read on access; anything else is itself."""
+    if m := _MIXTRAL.fullmatch(name):
+        return [(f"{m[1]}mlp.{'gate' if m[2] == 'gate' else m[2][:-2] + _MIXTRAL_PROJ[m[3]]}.weight", shape, None)]
+    if not (m := _FUSED.fullmatch(name)):
+        return [(name, shape, None)]
+    if len(shape) != 3 or (m[2] == "gate_up_proj" and shape[1] % 2):
+        raise WeightsError(f"{file}: tensor '{name}' has shape {list(shape)}; expected [experts, "
+                           + ("2 × width, hidden]" if m[2] == "gate_up_proj" else "hidden, width]"))
+    experts, rows, cols = shape
+    if m[2] == "down_proj":
+        return [(f"{m[1]}{e}.down_proj.weight", (rows, cols), (e,)) for e in range(experts)]
+    f = rows // 2
+    return [(f"{m[1]}{e}.{proj}.weight", (f, cols), (e, slice(lo, lo + f)))
+            for e in range(experts) for proj, lo in (("gate_proj", 0), ("up_proj", f))]
 
 
 _GGUF_NAMES = {
@@ -194,12 +231,17 @@ _GGUF_LAYER = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router [E, H]
 }
+_GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+"""A mixture of experts' 3-D tensors, one per layer (llama.cpp's convert_hf_to_gguf.py stacks the experts in torch
+order: gate / up ``[E, F, H]``, down ``[E, H, F]``), read as ``mlp.experts.<e>.<proj>.weight``, one slice each."""
 
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
 """llama.cpp architectures read; only ``llama``'s Q/K rows are permuted (convert_hf_to_gguf.py's LlamaModel.permute;
-its Qwen2Model and Qwen3Model write the projections as they are)."""
+its Qwen2Model, Qwen3Model and Qwen3MoeModel write the projections as they are). ``llama`` with
+``llama.expert_count`` is Mixtral (family ``mixtral``), ``qwen3moe`` is Qwen3-MoE (``qwen3_moe``)."""
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -258,11 +300,12 @@ def gguf_config(reader) -> ModelConfig:  # noqa: ANN001 - gguf.GGUFReader
             raise ConfigError(f"{GGUF_ROPE_FREQS}: rope frequency factors together with {arch}.rope.scaling.type "
                               f"'{scaling}' are not supported")
         rope_scaling = {"rope_type": "freq_factors", "factors": _rope_freq_factors(freqs, head_dim)}
+    experts = _gguf_experts(field, arch)
     return ModelConfig(
-        family=arch,
+        family={"qwen3moe": "qwen3_moe", "llama": "mixtral" if experts else "llama"}.get(arch, arch),
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(field(f"{arch}.feed_forward_length")),
+        intermediate_size=int(field(f"{arch}.feed_forward_length", experts.get("moe_intermediate_size", 0))),
         num_hidden_layers=int(field(f"{arch}.block_count")),
         num_attention_heads=heads,
         num_key_value_heads=int(field(f"{arch}.attention.head_count_kv", heads)),
@@ -275,11 +318,36 @@ def gguf_config(reader) -> ModelConfig:  # noqa: ANN001 - gguf.GGUFReader
         qkv_bias="blk.0.attn_q.bias" in names,
         bos_token_id=field("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
+        **experts,
     )
 
 
+def _gguf_experts(field: Callable, arch: str) -> dict[str, object]:
+    """The MoE fields from ``<arch>.expert_count`` (> 0), ``expert_used_count`` and ``expert_feed_forward_length``
+    (Qwen3-MoE; Mixtral's experts are ``feed_forward_length`` wide; where absent, llama.cpp's ``n_ff / n_expert_used``
+    for qwen3moe); empty for a dense model. ``norm_topk_prob`` is true: llama.cpp's llama and qwen3moe graphs always
+    renormalize the top-k (``build_moe_ffn(..., norm_w = true, ...)``, softmax gating), whatever the HF config said.
+    Refused in one line: a shared expert, a routing weight scale other than 1."""
+    experts = int(field(f"{arch}.expert_count", 0))
+    if not experts:
+        if arch == "qwen3moe":
+            raise ConfigError("qwen3moe.expert_count: missing or 0 (a qwen3moe file is a mixture of experts)")
+        return {}
+    if shared := field(f"{arch}.expert_shared_count", 0) or field(f"{arch}.expert_shared_feed_forward_length", 0):
+        raise ConfigError(f"{arch}.expert_shared_count: a shared expert ({shared}) is not supported")
+    if (scale := float(field(f"{arch}.expert_weights_scale", 1.0))) not in (0.0, 1.0):
+        raise ConfigError(f"{arch}.expert_weights_scale: {scale} is not supported (the routing weights unscaled: 1)")
+    used = int(field(f"{arch}.expert_used_count", 0))
+    ffn = field(f"{arch}.expert_feed_forward_length") or (
+        int(field(f"{arch}.feed_forward_length", 0)) // max(used, 1) if arch == "qwen3moe"
+        else field(f"{arch}.feed_forward_length"))
+    return {"num_experts": experts, "num_experts_per_tok": used, "moe_intermediate_size": int(ffn or 0),
+            "norm_topk_prob": True}
+
+
 def load_gguf(path: Path) -> Checkpoint:
-    """A GGUF file; quantized tensors (Q4_0/Q4_1/Q8_0/K-quants …) are dequantized to fp32 with ``gguf``."""
+    """A GGUF file; quantized tensors (Q4_0/Q4_1/Q8_0/K-quants …) are dequantized to fp32 with ``gguf``, a mixture
+    of experts' 3-D expert tensors one expert at a time (their Q4_0/Q4_1/Q8_0 blocks kept per expert too)."""
     import gguf
 
     try:
@@ -290,14 +358,27 @@ def load_gguf(path: Path) -> Checkpoint:
         cfg = gguf_config(reader)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
-    permute = cfg.family == "llama"
+    permute = cfg.family in ("llama", "mixtral")
     shapes: dict[str, tuple[int, ...]] = {}
-    where: dict[str, tuple[object, int | None]] = {}  # name → (reader tensor, heads to un-permute or None)
+    # name → (reader tensor, heads to un-permute or None, expert index into a 3-D tensor or None)
+    where: dict[str, tuple[object, int | None, int | None]] = {}
     blocks: dict[str, tuple[str, np.ndarray, int]] = {}
     for t in reader.tensors:
         if t.name == GGUF_ROPE_FREQS:  # read into cfg.rope_scaling by gguf_config: not a parameter
             continue
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name)
+        if m and m[2] in _GGUF_EXPERTS and m[3] == "weight":
+            shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+            if len(shape) != 3:
+                raise WeightsError(f"{path}: tensor '{t.name}' has shape {list(shape)}; expected 3-D [experts, rows, "
+                                   "columns]")
+            raw = np.asarray(t.data) if t.tensor_type.name in GGUF_KEPT_BLOCKS else None
+            for e in range(shape[0]):
+                name = f"model.layers.{m[1]}.mlp.experts.{e}.{_GGUF_EXPERTS[m[2]]}.weight"
+                shapes[name], where[name] = shape[1:], (t, None, e)
+                if raw is not None:  # expert e's rows of the file's blocks (a view of the memory map)
+                    blocks[name] = (t.tensor_type.name, raw[e].reshape(shape[1], -1), shape[2])
+            continue
         if m:
             if m[2] not in _GGUF_LAYER:
                 raise WeightsError(f"{path}: tensor '{t.name}' has no place in a {cfg.family} model")
@@ -310,15 +391,16 @@ def load_gguf(path: Path) -> Checkpoint:
         heads = None
         if permute and m and m[2] in ("attn_q", "attn_k"):
             heads = cfg.num_attention_heads if m[2] == "attn_q" else cfg.num_key_value_heads
-        shapes[name], where[name] = shape, (t, heads)
+        shapes[name], where[name] = shape, (t, heads, None)
         if t.tensor_type.name in GGUF_KEPT_BLOCKS and len(shape) == 2:  # the file's blocks (memory-mapped)
             raw = np.asarray(t.data)
             raw = _unpermute(raw, heads) if heads else raw  # rows move whole: blocks run along K
             blocks[name] = (t.tensor_type.name, np.ascontiguousarray(raw.reshape(shape[0], -1)), shape[1])
 
     def dequantize(name: str) -> np.ndarray:
-        t, heads = where[name]
-        arr = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shapes[name]).astype(np.float32, copy=False)
+        t, heads, expert = where[name]
+        data = t.data if expert is None else t.data[expert]
+        arr = gguf.quants.dequantize(data, t.tensor_type).reshape(shapes[name]).astype(np.float32, copy=False)
         return _unpermute(arr, heads) if heads else arr
 
     return Checkpoint(cfg, TensorMap(shapes, dequantize), path, blocks)

@@ -1,6 +1,6 @@
-"""Reading a Llama-family (Llama, Qwen2, Qwen3, Mistral) model's configuration (contract/manifest.py's
-:class:`ModelConfig`) from a Hugging Face ``config.json`` or a recipe's ``model.config``; export/weights.py reads
-GGUF metadata into the same type.
+"""Reading a Llama-family (Llama, Qwen2, Qwen3, Mistral; the mixtures of experts Qwen3-MoE and Mixtral) model's
+configuration (contract/manifest.py's :class:`ModelConfig`) from a Hugging Face ``config.json`` or a recipe's
+``model.config``; export/weights.py reads GGUF metadata into the same type.
 
 Pure Python (no torch).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from omforge.contract.manifest import FAMILIES, ConfigError, ModelConfig
+from omforge.contract.manifest import FAMILIES, MOE_FAMILIES, ConfigError, ModelConfig
 
 
 def from_recipe(d: dict[str, Any]) -> ModelConfig:
@@ -32,7 +32,8 @@ def from_recipe(d: dict[str, Any]) -> ModelConfig:
 
 
 def from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """Read a Hugging Face ``config.json`` (transformers 4.x ``rope_scaling`` or 5.x ``rope_parameters``)."""
+    """Read a Hugging Face ``config.json`` (transformers 4.x ``rope_scaling`` or 5.x ``rope_parameters``); a mixture
+    of experts' fields by :func:`_experts`."""
     family = hf.get("model_type", "llama")
     if family not in FAMILIES:
         raise ConfigError(f"model_type: '{family}' is not a supported family; supported: {', '.join(FAMILIES)}")
@@ -47,7 +48,8 @@ def from_hf(hf: dict[str, Any]) -> ModelConfig:
             scaling = {}
     heads = hf["num_attention_heads"]
     eos = hf.get("eos_token_id")
-    sliding = hf.get("sliding_window") if (family == "mistral" or hf.get("use_sliding_window")) else None
+    sliding = hf.get("sliding_window") if (family in ("mistral", "mixtral") or hf.get("use_sliding_window")) \
+        else None
     return ModelConfig(
         family=family,
         vocab_size=hf["vocab_size"],
@@ -67,4 +69,26 @@ def from_hf(hf: dict[str, Any]) -> ModelConfig:
         sliding_window=sliding,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else [])),
+        **(_experts(hf, family) if family in MOE_FAMILIES else {}),
     )
+
+
+def _experts(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """The MoE fields of a ``qwen3_moe`` / ``mixtral`` config.json. The expert count is ``num_experts`` (hub
+    Qwen3-MoE) or ``num_local_experts`` (Mixtral; transformers 5 writes it for both); transformers' defaults where a
+    key is absent; Mixtral's experts are ``intermediate_size`` wide and always renormalize the top-k. Refused in one
+    line: dense layers between the sparse ones (``decoder_sparse_step`` != 1, ``mlp_only_layers``) and a shared
+    expert (``shared_expert_intermediate_size``, Qwen2-MoE's). Mixtral's ``router_jitter_noise`` is training only."""
+    if (step := hf.get("decoder_sparse_step", 1)) != 1:
+        raise ConfigError(f"decoder_sparse_step: {step} is not supported (every layer must be a mixture of experts: 1)")
+    if hf.get("mlp_only_layers"):
+        raise ConfigError(f"mlp_only_layers: dense layers {hf['mlp_only_layers']} between the mixtures of experts "
+                          "are not supported (every layer must be one)")
+    if hf.get("shared_expert_intermediate_size"):
+        raise ConfigError(f"shared_expert_intermediate_size: a shared expert "
+                          f"({hf['shared_expert_intermediate_size']}) is not supported")
+    mixtral = family == "mixtral"
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or (8 if mixtral else 128)  # transformers' defaults
+    return {"num_experts": experts, "num_experts_per_tok": hf.get("num_experts_per_tok", 2 if mixtral else 8),
+            "moe_intermediate_size": hf["intermediate_size"] if mixtral else hf.get("moe_intermediate_size", 768),
+            "norm_topk_prob": mixtral or bool(hf.get("norm_topk_prob", False))}

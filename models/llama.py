@@ -1,4 +1,5 @@
-"""A plain torch definition of the Llama family (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral), written to export cleanly.
+"""A plain torch definition of the Llama family (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral) and its mixtures of
+experts (Qwen3-MoE, Mixtral), written to export cleanly.
 
 Only primitive tensor operations: no ``scaled_dot_product_attention``, no ``rms_norm``, so the
 exported ONNX graph holds primitive ops and every fusion is left to ``omforge.passes``.
@@ -105,15 +106,42 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, width: int | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        width = width or cfg.intermediate_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.gate_proj(x)
         return self.down_proj(gate * torch.sigmoid(gate) * self.up_proj(x))
+
+
+class SparseMoeBlock(nn.Module):
+    """A mixture of experts (Qwen3-MoE, Mixtral), written densely: every expert runs on every token and the
+    router's weights (zero for the experts not chosen) combine them. Parameter names: Qwen3-MoE's
+    (``mlp.gate.weight [E, H]``, ``mlp.experts.<e>.{gate,up,down}_proj.weight``); export/weights.py renames
+    Mixtral's and transformers 5's fused ones to these.
+
+    The reference the passes fuse (passes/moe.py matches this graph): ``p = softmax(x @ Wr.T)``; ``(w, i) =
+    top_k(p)``; ``w /= Σw`` when ``norm_topk_prob``; routing = ``scatter(zeros, i, w)`` ``[…, E]``;
+    ``y = Σ_e routing[…, e] · expert_e(x)`` as ``ReduceSum(routing[…, None] · stack(expert_e(x), -2), -2)``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        routing = torch.zeros_like(probs).scatter(-1, chosen, weights)
+        outputs = torch.stack([expert(x) for expert in self.experts], dim=-2)
+        return (routing.unsqueeze(-1) * outputs).sum(dim=-2)
 
 
 class DecoderLayer(nn.Module):
@@ -122,7 +150,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoeBlock(cfg) if cfg.is_moe else MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)

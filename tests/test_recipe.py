@@ -138,7 +138,7 @@ BAD = [
     ("source-s3", "model:\n  name: t\n  source: s3\n",
      "model.source: 's3' is not allowed; expected 'hf', 'gguf', 'package' or 'random'"),
     ("family-unknown", "model:\n  name: t\n  source: random\n  config: {}\n  family: gpt2\n",
-     "model.family: 'gpt2' is not allowed; expected 'llama', 'qwen2', 'qwen3' or 'mistral'"),
+     "model.family: 'gpt2' is not allowed; expected 'llama', 'qwen2', 'qwen3', 'mistral', 'qwen3_moe' or 'mixtral'"),
     ("preemption-mode", MODEL + "serve:\n  preemption_mode: evict\n",
      "serve.preemption_mode: 'evict' is not allowed; expected 'swap' or 'recompute'"),
     # Missing required keys.

@@ -126,7 +126,8 @@ def test_hf_no_safetensors(sharded_llama: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("edit", "message"), [
-    ({"model_type": "gpt2"}, r"model_type: 'gpt2' is not a supported family; supported: llama, qwen2, qwen3, mistral"),
+    ({"model_type": "gpt2"}, r"model_type: 'gpt2' is not a supported family; supported: llama, qwen2, qwen3, mistral, "
+                             r"qwen3_moe, mixtral"),
     ({"mlp_bias": True}, r"mlp_bias: biased MLP projections are not supported"),
 ], ids=["gpt2", "mlp_bias"])
 def test_hf_config_rejected(sharded_llama: Path, tmp_path: Path, edit: dict, message: str) -> None:
@@ -274,7 +275,8 @@ def test_gguf_linear_rope_scaling(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("arch", "extra", "metadata", "error", "message"), [
-    ("gpt2", None, None, ConfigError, r"general\.architecture: 'gpt2' is not supported \(llama, qwen2, qwen3\)"),
+    ("gpt2", None, None, ConfigError,
+     r"general\.architecture: 'gpt2' is not supported \(llama, qwen2, qwen3, qwen3moe\)"),
     ("llama", None, lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN), ConfigError,
      r"llama\.rope\.scaling\.type: 'yarn' is not supported \(none, linear\)"),
     ("llama", {"rope_freqs.weight": np.ones(7, np.float32)}, None, ConfigError,  # head_dim 16: 8 factors
