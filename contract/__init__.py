@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-FUSIONS = ("rms_norm", "add_rms_norm", "rotary", "qkv_merge", "gate_up_swiglu", "attention")
+FUSIONS = ("rms_norm", "add_rms_norm", "rotary", "qkv_merge", "moe", "gate_up_swiglu", "attention")
 """Fusion switches (recipe ``compile.fusions``), in pass order: omforge's own passes, whose counts the manifest
-records under these names (never sent to ATC)."""
+records under these names (never sent to ATC). ``moe`` matches only mixtures of experts (0 on a dense model)."""
 
 DEFAULT_BLOCK_SIZE = {"ort": 64, "ascend": 128}
 """Tokens per KV block by target. ascend: 128, what MindIE and vllm-ascend use and IFA recommends. ort: 64, the

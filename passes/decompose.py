@@ -329,6 +329,45 @@ class DecomposePagedAttention(pattern.RewriteRuleClassBase):
                                window=window_of(node))
 
 
+def moe(op, x, router_logits, gate_up, down, *, top_k: int, normalize: bool, experts: int, hidden: int):  # noqa: ANN001, ANN201
+    """``omforge.MoE`` in plain ops, densely: every expert on every token as two batched MatMuls over the stacked
+    weights (``[1, T, H] @ [E, H, 2F]``, ``[E, T, F] @ [E, F, H]``), combined by the routing matrix ``[T, E]``
+    (Softmax, TopK, optional renormalization, ScatterElements into zeros: a weight for the chosen experts, 0 for the
+    rest), as the export's reference graph does. E times the chosen experts' work; correct for any routing."""
+    flat = op.Reshape(x, op.Constant(value_ints=[-1, hidden]))  # [T, H]
+    probs = op.Softmax(op.Reshape(router_logits, op.Constant(value_ints=[-1, experts])), axis=-1)  # [T, E]
+    weights, chosen = op.TopK(probs, op.Constant(value_ints=[top_k]), axis=-1, largest=1, sorted=1, _outputs=2)
+    if normalize:
+        weights = op.Div(weights, op.ReduceSum(weights, op.Constant(value_ints=[-1]), keepdims=1))
+    zeros = op.Expand(op.CastLike(op.Constant(value_float=0.0), probs), op.Shape(probs))
+    routing = op.ScatterElements(zeros, chosen, weights, axis=-1)  # [T, E]
+    gate, up = op.Split(op.MatMul(op.Unsqueeze(flat, op.Constant(value_ints=[0])), gate_up), axis=-1, num_outputs=2,
+                        _outputs=2)  # [E, T, F] each
+    out = op.MatMul(op.Mul(op.Mul(gate, op.Sigmoid(gate)), up), down)  # [E, T, H]
+    scale = op.Unsqueeze(op.Transpose(routing, perm=[1, 0]), op.Constant(value_ints=[2]))  # [E, T, 1]
+    y = op.ReduceSum(op.Mul(scale, out), op.Constant(value_ints=[0]), keepdims=0)  # [T, H]
+    return op.Reshape(y, op.Shape(x))
+
+
+class DecomposeMoE(pattern.RewriteRuleClassBase):
+    def pattern(self, op, x, router_logits, gate_up, down):  # noqa: ANN001, ANN201
+        return op.MoE(x, router_logits, gate_up, down, _domain=ops.DOMAIN, _allow_other_attributes=True,
+                      _outputs=["y"])
+
+    def check(self, context, gate_up, down, **_) -> pattern.MatchResult:  # noqa: ANN001
+        result = pattern.MatchResult()
+        gu, d = gate_up.shape, down.shape
+        if gu is None or d is None or gu.rank() != 3 or d.rank() != 3 or not all(isinstance(n, int) for n in gu):
+            return result.fail("the stacked expert weights' shapes are not static [E, H, 2F] / [E, F, H]", gate_up)
+        return result
+
+    def rewrite(self, op, x, router_logits, gate_up, down, y, **_):  # noqa: ANN001, ANN201
+        a = y.producer().attributes
+        experts, hidden, _ = gate_up.shape
+        return moe(op, x, router_logits, gate_up, down, top_k=a["top_k"].value, normalize=bool(a["normalize"].value),
+                   experts=experts, hidden=hidden)
+
+
 RULES: dict[str, pattern.RewriteRule] = {
     "PagedAttention": DecomposePagedAttention.rule("decompose_paged_attention"),
     "RMSNorm": DecomposeRMSNorm.rule("decompose_rms_norm"),
@@ -336,6 +375,7 @@ RULES: dict[str, pattern.RewriteRule] = {
     "Rotary": DecomposeRotary.rule("decompose_rotary"),
     "SwiGLU": DecomposeSwiGLU.rule("decompose_swiglu"),
     "Attention": DecomposeAttention.rule("decompose_attention"),
+    "MoE": DecomposeMoE.rule("decompose_moe"),
 }
 """Neutral op type → its decomposition rule."""
 

@@ -16,6 +16,11 @@
                    mask; plain ops when the attention switch is off; twice per layer: the step's main group and its
                    decode group (inputs ``decode_block_tables``, ``decode_query_index``), so decodes ride along with
                    prefill chunks without being padded to them
+  MoE         → with ``kernel=True`` and the library's expert kernel wired (:data:`MOE_KERNEL`):
+                :func:`lower_moe_kernel`; otherwise plain ops (:func:`decompose.moe`: every expert on every token,
+                combined by the dense routing matrix). The plain ops' stacked weights stay float32 whatever
+                ``compile.weights`` says (the quantization passes take 2-D MatMul weights only); the router MatMul
+                quantizes as any other
   LoraAdd     → with ``lora_kernel`` (default: ``kernel``, the step graph's): ``omforge.kernels.LoraAdd``, same
                 operands (tokens grouped by slot); otherwise plain ops (passes/lora.py ``lower_plain``: two Gathers
                 of the pools by slot, two batched MatMuls, Reshape, Add)
@@ -130,6 +135,28 @@ class LowerSwiGLUKernel(decompose.DecomposeSwiGLU):
         return op.SwiGLU(gate_up, _domain=KERNEL_DOMAIN)
 
 
+MOE_KERNEL = False
+"""Whether :func:`lower` (``kernel=True``) sends ``omforge.MoE`` to the kernel library's expert op (runtime/ort/kernels/
+moe*); off until that is wired: the plain decomposition meanwhile."""
+
+
+def lower_moe_kernel(graph: ir.Graph, precision: str = "float32") -> int:
+    """The neutral ``omforge.MoE`` nodes of ``graph`` as the kernel library's expert op for the experts' weight
+    ``precision`` (:func:`omforge.passes.moe_kernel.lower_moe_to_kernel`: the stacked weights packed in that op's
+    layout) when :data:`MOE_KERNEL` is on and the library here runs it; returns how many. The rest take the plain
+    decomposition."""
+    if not MOE_KERNEL:
+        return 0
+    from omforge.passes import moe_kernel
+
+    if moe_kernel.kernel_runs(precision) is not None:
+        return 0
+    nodes = [n for n in graph if n.op_type == "MoE" and n.domain == ops.DOMAIN]
+    for node in nodes:
+        moe_kernel.lower_moe_to_kernel(graph, node, precision)
+    return len(nodes)
+
+
 KV_WRITES = ("runtime", "graph")
 KERNEL_OPS = {"float32": "PagedAttention", "bfloat16": "PagedAttentionBF16", "int8": "PagedAttentionInt8"}
 _POOL_TYPES = {"float32": ir.DataType.FLOAT, "bfloat16": ir.DataType.BFLOAT16, "int8": ir.DataType.INT8}
@@ -166,10 +193,12 @@ def lower(model: ir.Model, kv_write: str = "graph", kernel: bool = False, kv_cac
         LowerRotary.rule("ort_rotary"),
         LowerSwiGLUKernel.rule("ort_swiglu_kernel") if kernel else decompose.RULES["SwiGLU"],
         LowerAttention.rule("ort_attention"),
+        decompose.RULES["MoE"],
     ])
     if kernel:
         model.opset_imports[KERNEL_DOMAIN] = 1
-    count = rules.apply_to_model(model)
+    count = lower_moe_kernel(model.graph) if kernel else 0
+    count += rules.apply_to_model(model)
     if (kernel if lora_kernel is None else lora_kernel and kernel):
         model.opset_imports[KERNEL_DOMAIN] = 1
         count += lora.lower_kernel(model.graph)

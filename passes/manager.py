@@ -1,8 +1,9 @@
 """The fusion passes: onnx-ir passes in a fixed order, each behind its recipe switch, with a count per pass.
 
 Order matters and is fixed: ``rms_norm`` before ``add_rms_norm`` (which fuses the residual Add into an
-RMSNorm), ``rotary`` before ``attention`` (whose q/k are the rotary outputs), ``qkv_merge`` and
-``gate_up_swiglu`` anywhere (they touch only projections). After the fusions, dead nodes are removed and
+RMSNorm), ``rotary`` before ``attention`` (whose q/k are the rotary outputs), ``moe`` before ``gate_up_swiglu``
+(which would fuse each expert's gate/up on its own; with ``moe`` off it does, E per layer), ``qkv_merge`` and
+``gate_up_swiglu`` anywhere else (they touch only projections). After the fusions, dead nodes are removed and
 common subexpressions merged.
 """
 
@@ -15,13 +16,14 @@ import onnx_ir.passes.common as common
 from onnxscript.rewriter import pattern
 
 from omforge.contract import FUSIONS
-from omforge.passes import add_rms_norm, attention, gate_up_swiglu, qkv_merge, rms_norm, rotary
+from omforge.passes import add_rms_norm, attention, gate_up_swiglu, moe, qkv_merge, rms_norm, rotary
 
 _PASSES: dict[str, Callable[[ir.Model], int] | pattern.RewriteRuleSet] = {
     "rms_norm": rms_norm.RULES,
     "add_rms_norm": add_rms_norm.RULES,
     "rotary": rotary.RULES,
     "qkv_merge": qkv_merge.apply,
+    "moe": moe.apply,
     "gate_up_swiglu": gate_up_swiglu.RULES,
     "attention": attention.RULES,
 }

@@ -16,6 +16,13 @@ Each op is a contract: its semantics below, a plain-op decomposition in :mod:`om
                  position_ids; scale, q_heads, kv_heads, block_size, fused_attention[, window])
                  -> (o, key_cache_out, value_cache_out)
                                   see :mod:`omforge.passes.paged_kv` and the step ABI in docs/compile.md
+  MoE(x, router_logits, gate_up_weight, down_weight; top_k, normalize) -> y
+                                  x [..., H]; router_logits [..., E] (the router MatMul stays outside the op);
+                                  gate_up_weight [E, H, 2F] (each expert's gate columns, then its up columns),
+                                  down_weight [E, F, H]; p = softmax(router_logits) (float32); (w, i) = top_k(p)
+                                  (ties: the lower expert first); normalize 1: w /= Σ w;
+                                  y[t] = Σ_j w[t, j] · SwiGLU(x[t] @ gate_up_weight[i[t, j]]) @ down_weight[i[t, j]];
+                                  see :mod:`omforge.passes.moe`
   LoraAdd(y, x, lora_a, lora_b, lora_slots) -> y'
                                   y [..., out], x [..., in], lora_a [S, P·R, in], lora_b [S, out, P·R], lora_slots
                                   [1, T] int64: y'[t] = y[t] + lora_b[slot_t] · (lora_a[slot_t] · x[t]); see

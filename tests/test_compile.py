@@ -36,7 +36,7 @@ def test_manifest_contents(bundle: Path) -> None:
     assert names[:7] == ["input_ids", "position_ids", "slot_mapping", "block_tables", "query_index", "token_index",
                          "logits_indices"]
     assert [o.name for o in m.abi.outputs][:3] == ["logits", "key_cache_out.0", "value_cache_out.0"]
-    assert m.passes.fusion_counts == {"rms_norm": 5, "add_rms_norm": 4, "rotary": 4, "qkv_merge": 2,
+    assert m.passes.fusion_counts == {"rms_norm": 5, "add_rms_norm": 4, "rotary": 4, "qkv_merge": 2, "moe": 0,
                                       "gate_up_swiglu": 2, "attention": 2}
     assert set(m.files) >= {"ort/step.onnx", "ort/step.onnx.data"}
     # no second copy of the weights: the unfused export stays in the stage cache, named by the manifest

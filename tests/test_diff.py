@@ -65,7 +65,7 @@ def test_terminal_lists_every_fusion(export: Path, fused: tuple[Path, ort.PassRe
     out = capsys.readouterr().out
     lines = out.splitlines()
     counts = fused[1].fusion_counts
-    assert all(counts[f] > 0 for f in FUSIONS)
+    assert all(counts[f] > 0 for f in FUSIONS if f != "moe")  # a dense model: no MoE block
     for name in FUSIONS:
         row = next(line for line in lines if line.startswith(f"{name} "))
         assert int(row.split()[1]) == counts[name]
@@ -135,7 +135,7 @@ def test_per_fusion_sweep(export: Path, capsys: pytest.CaptureFixture[str]) -> N
     rows = {r["fusion"]: r for r in d["per_fusion"]}
     assert list(rows) == [*FUSIONS, "all"]
     for name in FUSIONS:
-        assert rows[name]["matches"] > 0, name
+        assert rows[name]["matches"] > 0 or name == "moe", name
         assert rows[name]["max_abs"] < 1e-4 and rows[name]["passed"], rows[name]
         assert rows[name]["nodes"] <= d["structure"]["total_a"]  # gate_up_swiglu: 5 nodes → 5 on ORT CPU
     assert rows["add_rms_norm"]["enabled"] == ["rms_norm", "add_rms_norm"]

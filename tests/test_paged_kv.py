@@ -142,7 +142,7 @@ def test_smollm2_paged_matches_unfused(smollm2_export: Path, tmp_path: Path) -> 
     # ORT's MatMul, as the unfused reference runs it: this checks the paging (MatMulF32's own sums, in k order,
     # drift 1.1e-4 from MLAS's: test_matmul_f32.py)
     report = build(smollm2_export, tmp_path / "model.onnx", block_size=16, float_gemm="MatMul")
-    assert all(report.fusion_counts[f] > 0 for f in report.fusion_counts)
+    assert all(report.fusion_counts[f] > 0 for f in report.fusion_counts if f != "moe")  # dense: no MoE block
     ex = OrtExecutor(tmp_path / "model.onnx", report.layout, num_blocks=32)
     ref = ExportedModel(smollm2_export)
     text = ref.tokenizer.apply_chat_template([{"role": "user", "content": "Name three planets of the solar system."}])

@@ -16,12 +16,12 @@ from omforge.passes import decompose, manager
 from omforge.recipe import FUSIONS
 
 L = NUM_LAYERS
-EXPECTED = {"rms_norm": 2 * L + 1, "add_rms_norm": 2 * L, "rotary": 2 * L, "qkv_merge": L, "gate_up_swiglu": L,
-            "attention": L}
+EXPECTED = {"rms_norm": 2 * L + 1, "add_rms_norm": 2 * L, "rotary": 2 * L, "qkv_merge": L, "moe": 0,
+            "gate_up_swiglu": L, "attention": L}  # dense families: no MoE block (tests/test_moe_graph.py has them)
 # What each fusion leaves behind when switched off: a primitive op of its pattern and how many of it remain.
 LEFT_WHEN_OFF = {"rms_norm": ("Pow", 2 * L + 1), "add_rms_norm": ("omforge::RMSNorm", 2 * L + 1),
-                 "rotary": ("Neg", 2 * L), "qkv_merge": ("MatMul:q_proj", L), "gate_up_swiglu": ("Sigmoid", L),
-                 "attention": ("Softmax", L)}
+                 "rotary": ("Neg", 2 * L), "qkv_merge": ("MatMul:q_proj", L), "moe": ("TopK", 0),
+                 "gate_up_swiglu": ("Sigmoid", L), "attention": ("Softmax", L)}
 
 
 def histogram(model) -> Counter:  # noqa: ANN001 - ir.Model
