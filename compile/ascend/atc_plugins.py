@@ -98,6 +98,35 @@ PLUGINS: dict[str, PluginSpec] = {
         "output softmax_lse, float32 [B, N, Q_S, 1] (def.cpp:544; aclnnFusedInferAttentionScoreV4.md:714).",
         "[unverified] the same positional-mapping question as OmFusedInferAttentionScore. No kernel of ours is needed.",
     )),
+    # the MoE chain (passes/ascend/moe.py); GE prototypes at hicann/ops-transformer c29bc10
+    "OmMoeGatingTopKSoftmax": PluginSpec(_attrs(("k", "int")), (
+        "GE MoeGatingTopKSoftmax (moe/moe_gating_top_k_softmax/op_graph/moe_gating_top_k_softmax_proto.h:37-44): x is",
+        "IR input 0 (the optional finished, 1, is left out); outputs y, expert_idx, row_idx. CANN's own plugin for",
+        "NPUMoeGatingTopKSoftmax is in a 2026 mirror only (libochao-huawei/ops-transformer 5778144).",
+        "No kernel of ours is needed.",
+    )),
+    "OmMoeInitRouting": PluginSpec(_attrs(("active_num", "int")), (
+        "GE MoeInitRouting (moe/moe_init_routing/op_graph/moe_init_routing_proto.h:39-49): x, row_idx, expert_idx are",
+        "IR inputs 0-2; outputs expanded_x, expanded_row_idx, expanded_expert_idx. CANN's NPUMoeInitRouting plugin is",
+        "in the 2026 mirror only. No kernel of ours is needed.",
+    )),
+    "OmMoeComputeExpertTokens": PluginSpec(_attrs(("num_experts", "int")), (
+        "GE MoeComputeExpertTokens (moe/moe_compute_expert_tokens/op_graph/moe_compute_expert_tokens_proto.h:31-36):",
+        "sorted_experts is IR input 0. CANN's plugin is in the 2026 mirror only. No kernel of ours is needed.",
+    )),
+    "OmGroupedMatmul": PluginSpec(_attrs(("split_item", "int"), ("group_type", "int"), ("group_list_type", "int")), (
+        "GE GroupedMatmul (gmm/grouped_matmul/op_host/grouped_matmul_def.cpp:22-154): no ONNX plugin exists in any",
+        "source read. The node carries x at IR input 0 and weight at 1 (DYNAMIC inputs, one tensor each), bias, scale,",
+        "offset, antiquant_scale, antiquant_offset (2-6, DYNAMIC) empty and group_list (int64) at 7. [unverified] that",
+        "the parser's positional mapping registers a dynamic input of one tensor and of none: CANN's IFA plugin",
+        "(npu_incre_flash_attention_onnx_plugin.cpp:99-165) registers a PartitionedCall with DynamicInputRegister",
+        "instead — the form to switch to if ATC refuses this one. No kernel of ours is needed.",
+    )),
+    "OmMoeFinalizeRoutingV2": PluginSpec(_attrs(("drop_pad_mode", "int")), (
+        "GE MoeFinalizeRoutingV2 (moe/moe_finalize_routing_v2/op_graph/moe_finalize_routing_v2_proto.h:52-62):",
+        "expanded_x 0, expanded_row_idx 1, the optional x1, x2, bias (2-4) empty, scales 5, expert_idx (6) left out.",
+        "CANN's NPUMoeFinalizeRoutingV2 plugin is in the 2026 mirror only. No kernel of ours is needed.",
+    )),
 }
 """Every op type our plugins map (attributes copied under the same names: the GE ops use the ONNX ones)."""
 

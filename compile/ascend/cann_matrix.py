@@ -114,13 +114,14 @@ def _plain(op: str, ge: str, line: int, dtypes: tuple[tuple[str, ...], ...], dty
     return Row("", op, (8, 18), ge, at(MATH, _SIMILAR, line), (), dtypes, dtypes_at, note)
 
 
-def _reduce(op: str, folder: str, plugin_line: int, keepdims_line: int, proto_line: int, note: str = "") -> Row:
+def _reduce(op: str, folder: str, plugin_line: int, keepdims_line: int, proto_line: int, note: str = "",
+            dtypes: tuple[tuple[str, ...], ...] = ((F32, I64),)) -> Row:
     """A ReduceXxx of ai.onnx 13..18 through its own ONNX plugin (``keepdims`` read as INT), ``x`` a NumberType and
     ``axes`` an input (opset 18) of IndexNumberType (the proto line after ``x``'s)."""
     plugin = f"math/{folder}/framework/{folder}_onnx_plugin.cpp"
     return Row("", op, (13, 18), op, at(MATH, plugin, plugin_line),
                (Attr("keepdims", "INT", at(MATH, plugin, keepdims_line)),),
-               ((F32, I64),), at(MATH, f"math/{folder}/op_graph/{folder}_proto.h", proto_line),
+               dtypes, at(MATH, f"math/{folder}/op_graph/{folder}_proto.h", proto_line),
                f"x: NumberType() ({at(METADEF, 'inc/external/graph/types.h', 365)}); axes as input 1 (opset 18), "
                f"IndexNumberType (line {proto_line + 1}){note}")
 
@@ -140,8 +141,9 @@ ROWS: tuple[Row, ...] = (
     _plain("Add", "Add", 577, ((F32, F32), (F16, F16), (I64, I64)), at(MATH, "math/add/op_graph/add_proto.h", 37)),
     Row("", "Cast", (8, 18), "Cast", at(MATH, "math/cast/framework/cast_onnx_plugin.cpp", 59),
         (Attr("to", "INT", at(MATH, "math/cast/framework/cast_onnx_plugin.cpp", 27)),),
-        ((F32,), (F16,), (I64,)), at(MATH, "math/cast/op_graph/cast_proto.h", 53),
-        "`to` is read with attr.i() (no type check) and mapped by GetOmDtypeFromOnnxDtype (onnx_common.h)"),
+        ((F32,), (F16,), (I64,), ("INT32",)), at(MATH, "math/cast/op_graph/cast_proto.h", 53),
+        "`to` is read with attr.i() (no type check) and mapped by GetOmDtypeFromOnnxDtype (onnx_common.h); INT32: "
+        "MoeComputeExpertTokens' int32 counts to GroupedMatmul's int64 group_list (passes/ascend/moe.py)"),
     Row("", "Concat", (8, 18), "PartitionedCall → ConcatD",
         at(MATH, "conversion/concat/framework/concat_onnx_plugin.cpp", 115),
         (Attr("axis", "INT", at(MATH, "conversion/concat/framework/concat_onnx_plugin.cpp", 34)),),
@@ -158,8 +160,9 @@ ROWS: tuple[Row, ...] = (
     _plain("And", "LogicalAnd", 578, ((B, B),), at(MATH, "math/logical_and/op_graph/logical_and_proto.h", 42),
            "x1 and x2 DT_BOOL only (lines 42-43)"),
     _plain("Or", "LogicalOr", 603, ((B, B),), at(MATH, "math/logical_or/op_graph/logical_or_proto.h", 42)),
-    _plain("Equal", "Equal", 589, ((I64, I64),), at(MATH, "math/equal/op_graph/equal_proto.h", 40),
-           "x1 and x2 list DT_INT64 (lines 40-47); y DT_BOOL (line 48)"),
+    _plain("Equal", "Equal", 589, ((I64, I64), (F32, F32)), at(MATH, "math/equal/op_graph/equal_proto.h", 40),
+           "x1 and x2 list DT_INT64 and DT_FLOAT (lines 40-47); y DT_BOOL (line 48). FLOAT: the plain MoE's top-k "
+           "rounds (passes/ascend/moe.py routing_weights, a float32 island)"),
     Row("", "GreaterOrEqual", (12, 18), "GreaterEqual", at(MATH, _SIMILAR, 622), (), ((I64, I64),),
         at(MATH, "math/greater_equal/op_graph/greater_equal_proto.h", 36),
         f"registered for ai.onnx 8 and 12..18 ({_SIMILAR}:125, 278, 319, 373, 428, 484, 559, 622), no attribute read; "
@@ -183,7 +186,8 @@ ROWS: tuple[Row, ...] = (
     _plain("Reciprocal", "Reciprocal", 605, ((F32,),), at(MATH, "math/reciprocal/op_graph/reciprocal_proto.h", 38)),
     _reduce("ReduceMean", "reduce_mean", 237, 121, 55),
     _reduce("ReduceMax", "reduce_max", 236, 124, 59, "; the readonly paged attention's log-sum-exp"),
-    _reduce("ReduceSum", "reduce_sum", 225, 113, 56, "; the readonly paged attention's log-sum-exp"),
+    _reduce("ReduceSum", "reduce_sum", 225, 113, 56, "; the readonly paged attention's log-sum-exp; float16: the "
+            "plain MoE's combine of the experts (passes/ascend/moe.py plain_moe)", ((F32, I64), (F16, I64))),
     Row("", "Reshape", (8, 18), "Reshape", at(MATH, "conversion/reshape/framework/reshape_onnx_plugin.cpp", 41),
         (Attr("allowzero", "INT", at(MATH, "conversion/reshape/framework/reshape_onnx_plugin.cpp", 20)),),
         ((F32, I64), (F16, I64), (I64, I64)), at(MATH, "conversion/reshape/op_graph/reshape_proto.h", 44),
@@ -281,6 +285,59 @@ ROWS: tuple[Row, ...] = (
         "(def.cpp:137-146), block_table int32 (def.cpp:282); query float16/bfloat16 (def.cpp:27-48). Kernel: "
         "ascend910b / ascend910_93 only (def.cpp:570-571): a 310B or 310P bundle must not hold it. [unverified] "
         "compiled only against stub headers; the dynamic key/value inputs mapped by position"),
+    Row("", "OmMoeGatingTopKSoftmax", (11, 18), "MoeGatingTopKSoftmax",
+        at(OURS, "compile/ascend/templates/onnx_plugin.cc.j2", 46),
+        (Attr("k", "INT", at(OURS, "compile/ascend/templates/omforge_onnx_attrs.h.j2", 57)),),
+        ((F32,), (F16,)),
+        at(TRANSFORMER, "moe/moe_gating_top_k_softmax/op_graph/moe_gating_top_k_softmax_proto.h", 38),
+        "the MoE chain (passes/ascend/moe.py): x = the router logits [T, E], the optional `finished` (line 39) "
+        "omitted; outputs y (x's dtype), expert_idx and row_idx int32 (lines 40-42); k a required Int (line 43). "
+        "CANN's own plugin for NPUMoeGatingTopKSoftmax is in a 2026 mirror only (libochao-huawei/ops-transformer "
+        "5778144 moe/moe_gating_top_k_softmax/framework/npu_moe_gating_top_k_softmax_onnx_plugin.cpp:29, 41-51, "
+        "added 2025-12-31 in 70c7cdd): ours carries the key. Kernel: ascend910b / ascend910_93 (def.cpp:51-52). "
+        "[unverified] compiled only against stub headers"),
+    Row("", "OmMoeInitRouting", (11, 18), "MoeInitRouting",
+        at(OURS, "compile/ascend/templates/onnx_plugin.cc.j2", 46),
+        (Attr("active_num", "INT", at(OURS, "compile/ascend/templates/omforge_onnx_attrs.h.j2", 57)),),
+        ((F32, "INT32", "INT32"), (F16, "INT32", "INT32")),
+        at(TRANSFORMER, "moe/moe_init_routing/op_graph/moe_init_routing_proto.h", 46),
+        "inputs x (\"T1\", line 40: DATATYPE line 46), row_idx and expert_idx (\"T2\" = DT_INT32, lines 41-42, 47); "
+        "active_num a required Int (line 48), 2^31 - 1 here: expanded_x keeps min(T, active_num)·k rows "
+        "(op_host/moe_init_routing_infershape.cpp:197). CANN's NPUMoeInitRouting plugin: the 2026 mirror only "
+        "(npu_moe_init_routing_onnx_plugin.cpp:30, 45-55). Kernel: ascend910b / ascend910_93 (def.cpp:63-64). "
+        "[unverified] compiled only against stub headers"),
+    Row("", "OmMoeComputeExpertTokens", (11, 18), "MoeComputeExpertTokens",
+        at(OURS, "compile/ascend/templates/onnx_plugin.cc.j2", 46),
+        (Attr("num_experts", "INT", at(OURS, "compile/ascend/templates/omforge_onnx_attrs.h.j2", 57)),),
+        (("INT32",),), at(TRANSFORMER, "moe/moe_compute_expert_tokens/op_graph/moe_compute_expert_tokens_proto.h", 35),
+        "sorted_experts (MoeInitRouting's expanded_expert_idx) and the output int32 (\"T\", lines 32-35); "
+        "num_experts a required Int (line 34). CANN's plugin: the 2026 mirror only "
+        "(npu_moe_compute_expert_tokens_onnx_plugin.cpp:26, 43-53). Kernel: ascend910b / ascend910_93 "
+        "(def.cpp:45-46). [unverified] compiled only against stub headers"),
+    Row("", "OmGroupedMatmul", (11, 18), "GroupedMatmul",
+        at(OURS, "compile/ascend/templates/onnx_plugin.cc.j2", 46),
+        tuple(Attr(n, "INT", at(OURS, "compile/ascend/templates/omforge_onnx_attrs.h.j2", 57))
+              for n in ("group_list_type", "group_type", "split_item")),
+        ((F32, F32, "", "", "", "", "", I64), (F16, F16, "", "", "", "", "", I64)),
+        at(TRANSFORMER, "gmm/grouped_matmul/op_host/grouped_matmul_def.cpp", 24),
+        "every input at its IR index: x 0 and weight 1 (DYNAMIC, one tensor each: [T·k, K] and [E, K, N]), bias, "
+        "scale, offset, antiquant_scale, antiquant_offset empty, group_list 7 int64 (def.cpp:22-112); the 910B/910_93 "
+        "combinations (x, weight, y) = (FLOAT16 ×3) at column 1 and (FLOAT ×3) at column 6 of def.cpp:24-40, 131; "
+        "split_item 2 (one y), group_type 0 (grouped along M), group_list_type 0 (cumulative) (def.cpp:141-152; "
+        "vllm-ascend 936c1021 vllm_ascend/ops/fused_moe.py:782-801 calls it so). No ONNX plugin exists in any source "
+        "read. Kernel: ascend910b / ascend910_93 (def.cpp:167-168); 310P float16 with FRACTAL_NZ weights only "
+        "(170-222). [unverified] compiled only against stub headers; the dynamic inputs mapped by position, as "
+        "OmFusedInferAttentionScore's"),
+    Row("", "OmMoeFinalizeRoutingV2", (11, 18), "MoeFinalizeRoutingV2",
+        at(OURS, "compile/ascend/templates/onnx_plugin.cc.j2", 46),
+        (Attr("drop_pad_mode", "INT", at(OURS, "compile/ascend/templates/omforge_onnx_attrs.h.j2", 57)),),
+        ((F32, "INT32", "", "", "", F32), (F16, "INT32", "", "", "", F16)),
+        at(TRANSFORMER, "moe/moe_finalize_routing_v2/op_graph/moe_finalize_routing_v2_proto.h", 53),
+        "every input at its IR index: expanded_x 0, expanded_row_idx 1 int32 (line 54), x1, x2, bias empty "
+        "(optional, lines 55-57), scales 5 (expanded_x's dtype, line 58), expert_idx omitted (needed with a bias "
+        "only, line 42-43); drop_pad_mode 0 (dropless, column order, lines 47-50; line 61). CANN's "
+        "NPUMoeFinalizeRoutingV2 plugin: the 2026 mirror only (npu_moe_finalize_routing_v2_onnx_plugin.cpp:25, 34-44). "
+        "Kernel: ascend910b / ascend910_93 (def.cpp:82-83). [unverified] compiled only against stub headers"),
     Row("", "OmFusedInferAttentionScoreLse", (11, 18), "FusedInferAttentionScore",
         at(OURS, "compile/ascend/templates/onnx_plugin.cc.j2", 46),
         tuple(Attr(n, f, at(OURS, "compile/ascend/templates/omforge_onnx_attrs.h.j2", 57 if f == "INT" else

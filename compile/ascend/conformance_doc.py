@@ -44,6 +44,7 @@ SOCS = ("Ascend910B3", "Ascend910_9392", "Ascend310P3", "Ascend310B1")
 TINY = "tests/recipes/tiny-llama.yaml"
 SMOLLM2 = "models/smollm2-135m.yaml"
 LLAMA_8B = "models/llama-3-8b-random-ascend.yaml"
+TINY_MOE = "tests/recipes/tiny-qwen3-moe.yaml"
 
 
 @dataclass(frozen=True)
@@ -78,10 +79,14 @@ VARIANTS: tuple[Variant, ...] = (
     Variant(TINY, "float16", "Ascend910B3", "readonly"),
     *(Variant(SMOLLM2, w, "Ascend910B3") for w in ("float32", "float16", "int8")),
     *(Variant(LLAMA_8B, w, "Ascend910B3") for w in ("float16", "int8")),
+    *(Variant(TINY_MOE, w, soc) for soc, ws in (("Ascend910B3", ("float32", "float16", "int8")),
+                                                ("Ascend310P3", ("float16",)), ("Ascend310B1", ("float32",)))
+      for w in ws),
 )
 """Every bundle of the document: the tiny recipe on each SoC in float32, float16 and W8A16 where the SoC builds
 it, and in float16 on Atlas A2 with the readonly paged attention (a mode auto never picks); SmolLM2 and the
-8B-shaped recipe (its twin) on Atlas A2, the SoC their recipes are written for."""
+8B-shaped recipe (its twin) on Atlas A2, the SoC their recipes are written for; the tiny Qwen3-MoE with CANN's MoE
+chain on Atlas A2 (every weight form) and its plain MoE on 310P (float16) and 310B (float32)."""
 FAST: tuple[Variant, ...] = tuple(v for v in VARIANTS if v.recipe == TINY and (
     v.soc == "Ascend910B3" or v.weights == "float16" or v.soc == "Ascend310B1"))
 """The variants tests/test_ascend_conformance_matrix.py compiles (seconds each once the tiny export is cached): the

@@ -92,6 +92,14 @@ LISTED: dict[str, str] = {
         "TensorType({DT_BF16, DT_FLOAT16, DT_FLOAT})",
     "hicann/ops-transformer posembedding/rotary_position_embedding/op_graph/rotary_position_embedding_proto.h:54":
         "TensorType({DT_FLOAT16, DT_FLOAT, DT_BFLOAT16})",
+    "hicann/ops-transformer moe/moe_gating_top_k_softmax/op_graph/moe_gating_top_k_softmax_proto.h:38":
+        "TensorType({DT_FLOAT, DT_FLOAT16, DT_BF16})",
+    "hicann/ops-transformer moe/moe_init_routing/op_graph/moe_init_routing_proto.h:46":
+        "TensorType({DT_FLOAT, DT_FLOAT16, DT_BF16})",
+    "hicann/ops-transformer moe/moe_compute_expert_tokens/op_graph/moe_compute_expert_tokens_proto.h:35":
+        "TensorType({DT_INT32})",
+    "hicann/ops-transformer moe/moe_finalize_routing_v2/op_graph/moe_finalize_routing_v2_proto.h:53":
+        "TensorType({DT_FLOAT, DT_FLOAT16, DT_BF16})",
     "hicann/ops-math math/sqrt/op_graph/sqrt_proto.h:35":
         "TensorType{(DT_BF16, DT_FLOAT, DT_FLOAT16, DT_DOUBLE, DT_COMPLEX64, DT_COMPLEX128)}",
 }

@@ -190,6 +190,19 @@ def step_spec(step_onnx: Path, plan: BucketPlan) -> AtcModelSpec:
     return AtcModelSpec(OM_MODEL, Path(step_onnx.name), listed, gears, used)
 
 
+def moe_workspace(recipe: Recipe, config: dict[str, Any], tokens: int, itemsize: int) -> int:
+    """One MoE layer's activations for ``tokens`` tokens (0 for a dense model): CANN's chain keeps ``T·k`` expanded
+    rows (x, gate/up, SwiGLU, down: ``2H + 3F`` each); the plain MoE (passes/ascend/moe.py, where a kernel of the
+    chain does not ship) runs every expert on every token (``E·T`` rows of ``H + 3F``)."""
+    experts = config.get("num_experts") or 0
+    if not experts:
+        return 0
+    hidden, width = config["hidden_size"], config["moe_intermediate_size"]
+    if all(ascend_kernels.ships(k, recipe.compile.soc_version) for k in ascend_kernels.MOE_KERNELS):
+        return tokens * config["num_experts_per_tok"] * (2 * hidden + 3 * width) * itemsize
+    return experts * tokens * (hidden + 3 * width) * itemsize
+
+
 def memory_plan(recipe: Recipe, plan: BucketPlan, step_dir: Path, layout: dict[str, Any] | None,
                 config: dict[str, Any]) -> DeviceMemoryPlan:
     """What the bundle needs of the device, in bytes: the weights (once: one OM), the KV pool and the step's input
@@ -205,7 +218,8 @@ def memory_plan(recipe: Recipe, plan: BucketPlan, step_dir: Path, layout: dict[s
     if layout is None:  # a pooling bundle: no pool; ids, positions and the pooled rows; a layer's activations
         inter, heads = config["intermediate_size"], config["num_attention_heads"]
         io = max(8 * (2 * t + b) + 4 * b * hidden for t, b, q, _, _ in gears)
-        work = max(t * (4 * hidden + 2 * inter) * itemsize + 4 * b * heads * q * q for t, b, q, _, _ in gears) * 2
+        work = max(t * (4 * hidden + 2 * inter) * itemsize + 4 * b * heads * q * q
+                   + moe_workspace(recipe, config, t, itemsize) for t, b, q, _, _ in gears) * 2
         return DeviceMemoryPlan(
             soc_version=recipe.compile.soc_version, om_models=1, gears=len(gears), weights_bytes=weights,
             kv_pool_bytes=0, io_bytes=io, workspace_bytes_estimate=work, total_bytes=weights + io + work,
@@ -218,7 +232,7 @@ def memory_plan(recipe: Recipe, plan: BucketPlan, step_dir: Path, layout: dict[s
     inter, heads = config["intermediate_size"], config["num_attention_heads"]
     bs = plan.block_size
     work = max(t * (4 * hidden + 2 * inter) * itemsize + 4 * b * heads * q * m * bs + 2 * b * m * bs * slot
-               // layout["num_layers"] for t, b, q, n, m in gears) * 2
+               // layout["num_layers"] + moe_workspace(recipe, config, t, itemsize) for t, b, q, n, m in gears) * 2
     pool = num_slots(recipe, bs) * slot
     return DeviceMemoryPlan(
         soc_version=recipe.compile.soc_version, om_models=1, gears=len(gears), weights_bytes=weights,

@@ -40,6 +40,12 @@ OUTPUT_DTYPES: dict[str, tuple[int | None, ...]] = {
     "NPUWeightQuantBatchMatmulV2": (None,),
     "NPUPromptFlashAttention": (None,),
     "OmFusedInferAttentionScore": (None,),
+    # the MoE chain (passes/ascend/moe.py): int32 indices (hicann/ops-transformer c29bc10 op_graph protos)
+    "OmMoeGatingTopKSoftmax": (None, TensorProto.INT32, TensorProto.INT32),
+    "OmMoeInitRouting": (None, TensorProto.INT32, TensorProto.INT32),
+    "OmMoeComputeExpertTokens": (TensorProto.INT32,),
+    "OmGroupedMatmul": (None,),
+    "OmMoeFinalizeRoutingV2": (None,),
 }
 """Output dtypes of the op types ONNX does not define: None = input 0's dtype; rstd is float32 whatever x is
 (ops-nn ``norm/rms_norm/op_graph/rms_norm_proto.h`` and ``add_rms_norm_proto.h``: ``OUTPUT(rstd, DT_FLOAT…)``)."""

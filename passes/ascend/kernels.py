@@ -72,6 +72,23 @@ KERNELS: dict[str, KernelRow] = {r.ge_op: r for r in (
          "hicann/ops-nn index/scatter_nd_update/op_host/scatter_nd_update_def.cpp:86,144-145",
          "no 310P AI Core config; ScatterElementsV2 has one (scatter_elements_v2_def.cpp:112) but its prototype "
          "says Atlas A2/A3 only (scatter_elements_v2_proto.h:44-45): 310P keeps the gather path"),
+    # the MoE chain (passes/ascend/moe.py; issue 62): every kernel at hicann/ops-transformer c29bc106
+    _row("MoeGatingTopKSoftmax", "ascend910b ascend910_93",
+         "hicann/ops-transformer moe/moe_gating_top_k_softmax/op_host/moe_gating_top_k_softmax_def.cpp:25,51-52",
+         "a 310P config is in a 2026-08 mirror only (libochao-huawei/ops-transformer 5778144 "
+         "op_host/config/ascend310p)"),
+    _row("MoeInitRouting", "ascend910b ascend910_93",
+         "hicann/ops-transformer moe/moe_init_routing/op_host/moe_init_routing_def.cpp:25,63-64 (and ascend910_95, 71)",
+         "not 310P or 310B (aclnnMoeInitRouting.md: Atlas inference series not supported)"),
+    _row("MoeComputeExpertTokens", "ascend910b ascend910_93",
+         "hicann/ops-transformer moe/moe_compute_expert_tokens/op_host/moe_compute_expert_tokens_def.cpp:26,45-46"),
+    _row("GroupedMatmul", "ascend910b ascend910_93",
+         "hicann/ops-transformer gmm/grouped_matmul/op_host/grouped_matmul_def.cpp:24,36,167-168 (310P: 170-222)",
+         "float16/bfloat16/float32 x and weight on 910B/910_93; 310P has a kernel for float16 x with FRACTAL_NZ "
+         "weights only (def.cpp:171-178), which we do not build: 310P takes the plain MoE"),
+    _row("MoeFinalizeRoutingV2", "ascend910b ascend910_93",
+         "hicann/ops-transformer moe/moe_finalize_routing_v2/op_host/moe_finalize_routing_v2_def.cpp:26,82-83 "
+         "(and ascend910_95, 189)", "a 310P line is in the 2026-08 mirror's doc only"),
     # plain ONNX ops whose CANN kernel is per SoC (issue 60 item 6)
     _row("TensorScatterUpdate", "",
          "hicann/ops-math common/src/framework/similar_opp_onnx_plugin.cpp:70 (ONNX ScatterND -> "
@@ -90,6 +107,9 @@ KERNELS: dict[str, KernelRow] = {r.ge_op: r for r in (
 """Every GE op the lowering can emit whose kernel is per SoC, keyed by GE op type (an empty family list: the
 lowering must not emit it on any SoC)."""
 
+MOE_KERNELS = ("MoeGatingTopKSoftmax", "MoeInitRouting", "MoeComputeExpertTokens", "GroupedMatmul", "SwiGlu",
+               "MoeFinalizeRoutingV2")
+"""What the fused MoE lowering emits (passes/ascend/moe.py): all of them, or the plain MoE."""
 INPLACE_KERNELS = ("ScatterPaKvCache", "FusedInferAttentionScore")
 """What ``compile.paged_attention: inplace`` emits on 910B / 910_93 (passes/ascend/lower.py)."""
 READONLY_KERNELS = ("FusedInferAttentionScore",)

@@ -79,6 +79,12 @@ Atlas A2/A3 only, so Atlas 300I/310P gets plain rotary, and Atlas 200I/500 A2 (3
                 (decompose ``_attend_new_rows_concat``): no ONNX ScatterND (ATC maps it to TensorScatterUpdate, an
                 AI-CPU-only, "EXPERIMENTAL" op, kernels.KERNELS) and no int64 division. Cost follows the context,
                 never the pool.
+  MoE         → CANN's MoE chain where every kernel of it ships for the SoC (:mod:`omforge.passes.ascend.moe`:
+                OmMoeGatingTopKSoftmax → [renormalize] → OmMoeInitRouting → OmMoeComputeExpertTokens → Cast →
+                OmGroupedMatmul → SwiGlu → OmGroupedMatmul → OmMoeFinalizeRoutingV2, own plugins → the GE ops
+                MoeGatingTopKSoftmax, MoeInitRouting, MoeComputeExpertTokens, GroupedMatmul, MoeFinalizeRoutingV2:
+                910B / 910_93); elsewhere (310P, 310B) its plain form without TopK / ScatterElements
+                (``moe.plain_moe``). ``plain=True`` with the chain: each op of it as its documented formula.
   LoraAdd     → plain ops always (passes/lora.py ``lower_plain``): Reshape of ``lora_slots`` to ``[T]`` (int64),
                 ``Gather(axis=0)`` of each pool by it (GatherV2: int64 indices), 3-D batched ``MatMul``s
                 (BatchMatMulV2), ``Shape`` / ``Reshape`` to the projection's shape, ``Add``; every form a row of
@@ -116,7 +122,7 @@ from onnxscript.rewriter import pattern
 from omforge.contract.ascend import KV_NEW, KV_POOL, REF_SUFFIX, SEQ_LENS_KV, SEQ_LENS_Q, SLOT_MAPPING
 from omforge.passes import decompose, lora, ops
 from omforge.passes.ascend import kernels as ascend_kernels
-from omforge.passes.ascend import readonly
+from omforge.passes.ascend import moe, readonly
 
 CANN_RMSNORM_EPS = 1e-6
 """The epsilon CANN's NPURmsNorm/NPUAddRmsNorm plugins hard-code (reference/ascend.md §2.2)."""
@@ -174,6 +180,18 @@ SPECS: dict[str, OpSpec] = {
                                              "actual_seq_lengths_kv", "dequant_scale1", "quant_scale1",
                                              "dequant_scale2", "quant_scale2", "quant_offset2", "antiquant_scale",
                                              "antiquant_offset", "block_table"), ("attention_out", "softmax_lse")),
+    # the MoE chain (passes/ascend/moe.py): inputs as the GE prototypes name them, in IR order
+    "OmMoeGatingTopKSoftmax": OpSpec("MoeGatingTopKSoftmax", (), False, ("x", "finished"),
+                                     ("y", "expert_idx", "row_idx")),
+    "OmMoeInitRouting": OpSpec("MoeInitRouting", (), False, ("x", "row_idx", "expert_idx"),
+                               ("expanded_x", "expanded_row_idx", "expanded_expert_idx")),
+    "OmMoeComputeExpertTokens": OpSpec("MoeComputeExpertTokens", (), False, ("sorted_experts",),
+                                       ("total_rows_before_expert",)),
+    "OmGroupedMatmul": OpSpec("GroupedMatmul", (), False,
+                              ("x", "weight", "bias", "scale", "offset", "antiquant_scale", "antiquant_offset",
+                               "group_list"), ("y",)),
+    "OmMoeFinalizeRoutingV2": OpSpec("MoeFinalizeRoutingV2", (), False,
+                                     ("expanded_x", "expanded_row_idx", "x1", "x2", "bias", "scales"), ("y",)),
 }
 """Every non-standard op type this lowering can emit."""
 
@@ -346,7 +364,7 @@ class PagedAttentionInPlace(decompose.DecomposePagedAttention):
                 # every input at its IR index (query 0, key 1, value 2 — dynamic, one tensor each —, pse_shift 3
                 # empty, atten_mask 4, lengths 5-6, quant/antiquant 7-13 empty, block_table 14: FIA proto / def.cpp
                 # 27-282): our plugin maps ONNX inputs to IR inputs by position
-                # (the builder drops None inputs: _fia_inputs_at_ir_indices puts them back after the rewrite)
+                # (the builder drops None inputs: _inputs_at_ir_indices puts them back after the rewrite)
                 q_pad, op.Reshape(k_w, bnbsh), op.Reshape(v_w, bnbsh), self.mask, self.seq_q, self.seq_kv, tables,
                 num_heads=hq, num_key_value_heads=kv, scale=a["scale"], input_layout="BSH", sparse_mode=3,
                 block_size=bs, inner_precise=0)
@@ -414,12 +432,12 @@ _FIA_INPUTS_AT = (0, 1, 2, 4, 5, 6, 14)
 """The IR indices of the inputs our FIA node carries (query, key, value, atten_mask, the two lengths, block_table)."""
 
 
-def _fia_inputs_at_ir_indices(graph: ir.Graph) -> None:
-    """Put each FIA node's inputs at their GE IR indices, empty between (the rewriter's builder drops None inputs):
-    our plugin maps ONNX inputs to IR inputs by position."""
+def _inputs_at_ir_indices(graph: ir.Graph) -> None:
+    """Put each FIA, GroupedMatmul and FinalizeRouting node's inputs at their GE IR indices, empty between (the
+    rewriter's builder drops None inputs): our plugins map ONNX inputs to IR inputs by position."""
     for node in graph:
         at = {"OmFusedInferAttentionScore": _FIA_INPUTS_AT,
-              "OmFusedInferAttentionScoreLse": readonly.FIA_LSE_INPUTS_AT}.get(node.op_type)
+              "OmFusedInferAttentionScoreLse": readonly.FIA_LSE_INPUTS_AT, **moe.IR_INPUTS_AT}.get(node.op_type)
         if at is not None and len(node.inputs) == len(at):
             given = list(node.inputs)
             node.resize_inputs(len(SPECS[node.op_type].inputs))
@@ -559,6 +577,11 @@ def lower(model: ir.Model, *, rmsnorm_plugin: Literal["cann", "omforge"] = DEFAU
                  for neutral_op, ge_op in _FUSED_KERNEL.items()
                  if (neutral_op != "Attention" or attention == "pfa") and neutral.get(neutral_op)
                  and not ascend_kernels.ships(ge_op, soc_version)}
+    if neutral.get("MoE"):
+        missing = [ascend_kernels.missing_reason(k, soc_version) for k in ascend_kernels.MOE_KERNELS
+                   if not ascend_kernels.ships(k, soc_version)]
+        if missing:
+            fallbacks["MoE"] = missing[0]
     fused = {op: not plain and op not in fallbacks for op in _FUSED_KERNEL}
     norm = _NORM_OPS[rmsnorm_plugin][0] if fused["RMSNorm"] else None
     add_norm = _NORM_OPS[rmsnorm_plugin][1] if fused["AddRMSNorm"] else None
@@ -597,6 +620,7 @@ def lower(model: ir.Model, *, rmsnorm_plugin: Literal["cann", "omforge"] = DEFAU
         OwnRotary.rule("ascend_rotary") if fused["Rotary"] else decompose.RULES["Rotary"],
         OwnSwiGlu.rule("ascend_swiglu") if fused["SwiGLU"] else decompose.RULES["SwiGLU"],
         NPUPromptFlashAttention.rule("ascend_pfa") if pfa else decompose.RULES["Attention"],
+        moe.LowerMoE.rule(fused="MoE" not in fallbacks, plain=plain),
     ])
     rules.apply_to_model(model)
     lora.lower_plain(model.graph)
@@ -614,13 +638,12 @@ def lower(model: ir.Model, *, rmsnorm_plugin: Literal["cann", "omforge"] = DEFAU
         result.new_kv_outputs.append(KV_NEW)
     elif inplace:
         result.ref_inputs = _inplace_outputs(model.graph, plain)
-        _fia_inputs_at_ir_indices(model.graph)
     elif read_only:
         pools = [v for v in model.graph.inputs if re.fullmatch(r"key_cache\.\d+", v.name or "")]
         readonly.stack_layer_major(model.graph, len(pools), pools[0])
         result.removed_inputs.append(SLOT_MAPPING)
         result.new_kv_outputs.append(KV_NEW)
-        _fia_inputs_at_ir_indices(model.graph)
+    _inputs_at_ir_indices(model.graph)
     result.custom_ops = _custom_ops(model.graph, opset)
     if rmsnorm_plugin == "cann" and any(abs(e - CANN_RMSNORM_EPS) > 1e-12 for e in epsilons):
         result.epsilon_note = (
