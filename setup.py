@@ -16,9 +16,10 @@ PROFILE_BUILD = os.environ.get("OMFORGE_KERNELS_DEBUG") == "1"
 SOURCES = ("custom_op", "pa_avx512", "pa_avx512bf16", "pa_avx2", "pa_generic", "qgemm_op", "qgemm_avx512",
            "qgemm_avx2", "qgemm_generic", "qgemm_amx", "bgemm_avx512", "bgemm_amx", "bgemm_avx2", "bgemm_generic",
            "qbgemm_avx512", "qbgemm_generic", "fgemm_avx512", "fgemm_generic",
-           "lora_op", "lora_avx512", "lora_avx2", "lora_generic")
+           "lora_op", "lora_avx512", "lora_avx2", "lora_generic", "moe_op", "moe_avx2")
 HEADERS = ("ort_abi", "ort_tensor", "bf16", "amx", "isa", "head_dims", "paged_attention", "paged_attention_impl",
-           "pa_avx512_vec", "qgemm", "qgemm_op", "qgemm_avx2_impl", "avx512_reduce", "avx512_tile", "lora", "lora_impl")
+           "pa_avx512_vec", "qgemm", "qgemm_op", "qgemm_avx2_impl", "avx512_reduce", "avx512_tile", "lora", "lora_impl",
+           "moe")
 KERNELS = Extension(
     "omforge.runtime.ort.kernels._omforge_kernels",
     sources=[f"runtime/ort/kernels/{name}.cpp" for name in SOURCES],

@@ -43,6 +43,7 @@ class KernelStatus:
     qbf16: str | None = None  # MatMulQBF16's ISA path (MatMulBF16's); None: a library from before the op
     f32: str | None = None  # MatMulF32's ISA path (avx512f, generic)
     lora: str | None = None  # LoraAdd's ISA path (avx512, avx2, generic)
+    moe_f32: str | None = None  # MoEF32's GEMM path (avx512f, avx2, generic; MoEBF16 and MoEQ take bf16's and gemm's)
     weight_layout: int | None = None  # the packed weight layout version MatMulQ reads
 
     def manifest_entry(self, weight_layout: bool = False) -> KernelLibrary:
@@ -103,4 +104,5 @@ def status() -> KernelStatus:
                                    "reinstall omforge")
     return KernelStatus(True, str(path), abi, fields["isa"], gemm=fields.get("gemm"), bf16=fields.get("bf16"),
                         qbf16=fields.get("qbf16"), f32=fields.get("f32"), lora=fields.get("lora"),
+                        moe_f32=fields.get("moe_f32"),
                         weight_layout=int(fields["layout"]) if "layout" in fields else None)

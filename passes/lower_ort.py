@@ -135,9 +135,11 @@ class LowerSwiGLUKernel(decompose.DecomposeSwiGLU):
         return op.SwiGLU(gate_up, _domain=KERNEL_DOMAIN)
 
 
-MOE_KERNEL = False
+MOE_KERNEL = True
 """Whether :func:`lower` (``kernel=True``) sends ``omforge.MoE`` to the kernel library's expert op (runtime/ort/kernels/
-moe*); off until that is wired: the plain decomposition meanwhile."""
+moe*) when the library here runs it; the plain decomposition otherwise. The experts' precision handed down is float32
+for every bundle so far (MoEF32): int8 / int4 / bfloat16 experts (MoEQ, MoEBF16) are built and tested as ops but
+not yet chosen from the recipe."""
 
 
 def lower_moe_kernel(graph: ir.Graph, precision: str = "float32") -> int:

@@ -2,7 +2,7 @@
 is built for (runtime/ort/kernels/head_dims.h, which the op's check and the kernel's dispatch expand) against
 HEAD_DIMS — in the sources, in the built library's report and by running the op at each size — and which ISA path
 each op takes under every OMFORGE_KERNELS_ISA value on this CPU (isa.h's chooser, the tables in custom_op.cpp,
-lora_op.cpp and qgemm_op.cpp)."""
+lora_op.cpp, qgemm_op.cpp and moe_op.cpp)."""
 
 from __future__ import annotations
 
@@ -99,6 +99,8 @@ def expected_paths(forced: str, has: set[str], amx_granted: bool) -> dict[str, s
         "bf16": first(("amx-bf16", {"", "amx"}, bf16 and amx_granted and "amx_bf16" in has),
                       ("avx512bf16", {"", "avx512"}, bf16), ("avx2", {"", "avx2", "avxvnni"}, avx2)),
         "f32": first(("avx512f", every - {"generic", "avx2", "avxvnni"}, "avx512f" in has)),
+        "moe_f32": first(("avx512f", every - {"generic", "avx2", "avxvnni"}, "avx512f" in has),
+                         ("avx2", every - {"generic"}, avx2)),
     }
 
 

@@ -4,10 +4,11 @@ The library (``_omforge_kernels*.so`` beside this file, built from the C++ sourc
 ``$OMFORGE_KERNELS_LIBRARY``) registers ``PagedAttention``, ``PagedAttentionBF16`` and ``PagedAttentionInt8``
 (fp32, bf16 and int8 KV pools), ``SwiGLU``, ``AddRMSNorm``, ``MatMulQ`` (block-quantized weights × int8
 activations, its weights in the packed layout of ``qgemm.h``), ``MatMulQBF16`` (the same weights × bfloat16
-activations), ``MatMulBF16`` (bfloat16 weights), ``MatMulF32`` (float32 weights in column panels) and
-``LoraAdd`` (each token's LoRA term from adapter pools, tokens grouped by slot; since ABI 6); their contracts are at
-the top of ``custom_op.cpp``, ``qgemm_op.h`` and ``lora.h``, and what the lowering shares of them (domain, ABI
-version, head dims) lives in :mod:`omforge.contract.kernel_abi`. It receives ORT's API table at registration and
+activations), ``MatMulBF16`` (bfloat16 weights), ``MatMulF32`` (float32 weights in column panels),
+``LoraAdd`` (each token's LoRA term from adapter pools, tokens grouped by slot; since ABI 6) and ``MoEF32`` /
+``MoEBF16`` / ``MoEQ`` (a mixture-of-experts block, tokens grouped by expert; since ABI 9); their contracts are at
+the top of ``custom_op.cpp``, ``qgemm_op.h``, ``lora.h`` and ``moe.h``, and what the lowering shares of them (domain,
+ABI version, head dims) lives in :mod:`omforge.contract.kernel_abi`. It receives ORT's API table at registration and
 declares the few ABI facts it uses itself (``ort_abi.h``), so it needs no ORT headers and loads on any ORT >=
 :data:`MIN_ORT`.
 

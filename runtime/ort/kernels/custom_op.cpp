@@ -4,7 +4,8 @@
 // ORT's SkipSimplifiedLayerNormalization without the broadcasting), MatMulQ (a block-quantized weight
 // MatMul with int8 activations: qgemm.h, qgemm_op.h), MatMulQBF16 (the same weights, bfloat16 activations),
 // MatMulBF16 (bfloat16 weights: bgemm_generic.cpp), MatMulF32 (float32 weights in panels: fgemm_generic.cpp) and
-// LoraAdd (y + each token's LoRA term, tokens grouped by adapter slot: the contract in lora.h, since ABI 6).
+// LoraAdd (y + each token's LoRA term, tokens grouped by adapter slot: the contract in lora.h, since ABI 6) and
+// MoEF32 / MoEBF16 / MoEQ (a mixture-of-experts block, tokens grouped by expert: the contract in moe.h, since ABI 9).
 //
 // PagedAttention (fp32 pools) / PagedAttentionBF16 (bf16 pools) / PagedAttentionInt8 (int8 pools, each
 // head's row followed by its float32 scale: [S, Hkv, D + 4] int8), the ORT CPU lowering of the step ABI's
@@ -36,6 +37,7 @@
 #include "head_dims.h"
 #include "isa.h"
 #include "lora.h"
+#include "moe.h"
 #include "ort_abi.h"
 #include "ort_tensor.h"
 #include "paged_attention.h"
@@ -46,9 +48,9 @@
 namespace omf {
 namespace {
 
-constexpr int kAbiVersion = 8;  // bump when an op's inputs, outputs or attributes change or an op is added (6: LoraAdd;
+constexpr int kAbiVersion = 9;  // bump when an op's inputs, outputs or attributes change or an op is added (6: LoraAdd;
                                 // 7: MatMulBF16's panels may be typed bfloat16 as well as uint16; 8: MatMulQ's and
-                                // MatMulQBF16's scales are float16)
+                                // MatMulQBF16's scales are float16; 9: MoEF32, MoEBF16, MoEQ)
 constexpr const char* kDomain = "omforge.kernels";
 #define OMF_LIST_ITEM(d) d,
 constexpr int64_t kHeadDims[] = {OMF_HEAD_DIMS(OMF_LIST_ITEM)};  // the instantiations in paged_attention_impl.h
@@ -93,7 +95,15 @@ const PaIsa& pa_isa() {
 
 OrtStatus* fail(const std::string& msg) { return g_api.CreateStatus(kOrtInvalidArgument, ("PagedAttention: " + msg).c_str()); }
 
-enum class OpKind { kPagedAttention, kSwiGlu, kMatMulQ, kMatMulQBF16, kMatMulBF16, kMatMulF32, kAddRmsNorm, kLoraAdd };
+enum class OpKind {
+  kPagedAttention, kSwiGlu, kMatMulQ, kMatMulQBF16, kMatMulBF16, kMatMulF32, kAddRmsNorm, kLoraAdd,
+  kMoEF32, kMoEBF16, kMoEQ
+};
+
+bool is_moe(OpKind k) { return k == OpKind::kMoEF32 || k == OpKind::kMoEBF16 || k == OpKind::kMoEQ; }
+MoEWeights moe_weights(OpKind k) {
+  return k == OpKind::kMoEF32 ? MoEWeights::kF32 : k == OpKind::kMoEBF16 ? MoEWeights::kBF16 : MoEWeights::kQ;
+}
 
 struct Kernel {
   OpKind kind = OpKind::kPagedAttention;
@@ -101,6 +111,7 @@ struct Kernel {
   int64_t q_heads = 0, kv_heads = 0, block_size = 0, window = 0;
   float scale = 0.0f, epsilon = 0.0f;
   MatMulQAttrs gemm;
+  MoEAttrs moe;
 };
 
 // Cascade attention for decodes that share a prefix (a system prompt, a shared document, parallel samples): the
@@ -489,6 +500,14 @@ OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernelIn
     *out = k;
     return nullptr;
   }
+  if (is_moe(k->kind)) {
+    if (OrtStatus* s = read_moe_attrs(g_api, info, moe_weights(k->kind), k->moe)) {
+      delete k;
+      return s;
+    }
+    *out = k;
+    return nullptr;
+  }
   if (k->kind == OpKind::kAddRmsNorm) {
     OrtStatus* s = g_api.KernelInfoGetAttribute_float(info, "epsilon", &k->epsilon);
     if (!s && !(k->epsilon >= 0.0f)) s = g_api.CreateStatus(kOrtInvalidArgument, "AddRMSNorm: epsilon must be >= 0");
@@ -540,6 +559,7 @@ OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
     if (k.kind == OpKind::kMatMulF32) return compute_matmul_f32(g_api, k.gemm, ctx);
     if (k.kind == OpKind::kAddRmsNorm) return compute_add_rms_norm(k, ctx);
     if (k.kind == OpKind::kLoraAdd) return compute_lora_add(g_api, ctx);
+    if (is_moe(k.kind)) return compute_moe(g_api, k.moe, ctx);
     return k.kind == OpKind::kSwiGlu ? compute_swiglu(ctx) : compute(k, ctx);
   } catch (const std::bad_alloc&) {
     return g_api.CreateStatus(kOrtFail, "PagedAttention: out of memory");
@@ -551,6 +571,7 @@ const char* op_name(const OrtCustomOp* op) { return as_op(op)->name; }
 const char* op_ep(const OrtCustomOp*) { return "CPUExecutionProvider"; }
 size_t input_count(const OrtCustomOp* op) {
   const OpKind kind = as_op(op)->kind;
+  if (is_moe(kind)) return moe_input_count(moe_weights(kind));
   if (kind == OpKind::kMatMulQ || kind == OpKind::kMatMulQBF16) return 4;
   if (kind == OpKind::kAddRmsNorm) return 3;
   if (kind == OpKind::kLoraAdd) return 5;
@@ -561,6 +582,7 @@ size_t output_count(const OrtCustomOp* op) {
   return kind == OpKind::kPagedAttention ? 3 : kind == OpKind::kAddRmsNorm ? 2 : 1;
 }
 int input_type(const OrtCustomOp* op, size_t i) {
+  if (is_moe(as_op(op)->kind)) return moe_input_type(moe_weights(as_op(op)->kind), i);
   if (as_op(op)->kind == OpKind::kMatMulQ || as_op(op)->kind == OpKind::kMatMulQBF16)
     return i == 1 ? kUint8 : i == 2 ? kFloat16 : kFloat;  // codes, float16 scales (panel16 layout 2)
   // MatMulBF16's panels: uint16 or bfloat16 (the same bits; compute_matmul_bf16 checks), so a graph may also
@@ -584,6 +606,7 @@ int required(const OrtCustomOp*, size_t) { return 0; }
 int input_required(const OrtCustomOp* op, size_t i) {  // 1: optional (MatMulQ's and MatMulQBF16's offsets;
   const OpKind kind = as_op(op)->kind;                   // PagedAttention's k, v and cos/sin caches)
   if (kind == OpKind::kMatMulQ || kind == OpKind::kMatMulQBF16) return i == 3 ? 1 : 0;
+  if (is_moe(kind)) return moe_input_optional(moe_weights(kind), i) ? 1 : 0;  // MoEQ's offsets
   return kind == OpKind::kPagedAttention && (i == 1 || i == 2 || i >= 12) ? 1 : 0;
 }
 int mem_default(const OrtCustomOp*, size_t) { return 0; }
@@ -629,7 +652,10 @@ Op g_ops[] = {make_op("PagedAttention", OpKind::kPagedAttention, KvType::kFloat3
               make_op("MatMulQBF16", OpKind::kMatMulQBF16, KvType::kFloat32),
               make_op("MatMulBF16", OpKind::kMatMulBF16, KvType::kFloat32),
               make_op("MatMulF32", OpKind::kMatMulF32, KvType::kFloat32),
-              make_op("LoraAdd", OpKind::kLoraAdd, KvType::kFloat32)};
+              make_op("LoraAdd", OpKind::kLoraAdd, KvType::kFloat32),
+              make_op("MoEF32", OpKind::kMoEF32, KvType::kFloat32),
+              make_op("MoEBF16", OpKind::kMoEBF16, KvType::kFloat32),
+              make_op("MoEQ", OpKind::kMoEQ, KvType::kFloat32)};
 
 }  // namespace
 }  // namespace omf
@@ -645,14 +671,16 @@ OMF_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApi
   return omf::g_api.AddCustomOpDomain(options, domain);
 }
 
-// "abi=<n> isa=<path> gemm=<path> bf16=<path> qbf16=<path> f32=<path> lora=<path> layout=<n> head_dims=<d>,<d>…
-// domain=<domain>": what `omforge doctor` and the manifest report (qbf16: MatMulQBF16's path, the bf16 one; its presence
-// says the library has the op; f32: MatMulF32's; lora: LoraAdd's; head_dims: PagedAttention's kHeadDims).
+// "abi=<n> isa=<path> gemm=<path> bf16=<path> qbf16=<path> f32=<path> lora=<path> moe_f32=<path> layout=<n>
+// head_dims=<d>,<d>… domain=<domain>": what `omforge doctor` and the manifest report (qbf16: MatMulQBF16's path, the
+// bf16 one; its presence says the library has the op; f32: MatMulF32's; lora: LoraAdd's; moe_f32: MoEF32's GEMMs,
+// MoEBF16's and MoEQ's being bf16's and gemm's; head_dims: PagedAttention's kHeadDims).
 OMF_EXPORT const char* omforge_kernels_info() {
   static std::string info = "abi=" + std::to_string(omf::kAbiVersion) + " isa=" + omf::pa_isa().name +
                             " gemm=" + omf::gemm_isa().name + " bf16=" + omf::bf16_isa().name +
                             " qbf16=" + omf::bf16_isa().name +
                             " f32=" + omf::f32_isa().name + " lora=" + omf::lora_isa().name +
+                            " moe_f32=" + omf::moe_f32_path() +
                             " layout=" + std::to_string(omf::kPanelLayout) +
                             " head_dims=" + omf::head_dims(",") +
                             " domain=" + omf::kDomain;
