@@ -147,13 +147,13 @@ def lower_moe_kernel(graph: ir.Graph, precision: str = "float32") -> int:
     ``precision`` (:func:`omforge.passes.moe_kernel.lower_moe_to_kernel`: the stacked weights packed in that op's
     layout) when :data:`MOE_KERNEL` is on and the library here runs it; returns how many. The rest take the plain
     decomposition."""
-    if not MOE_KERNEL:
+    nodes = [n for n in graph if n.op_type == "MoE" and n.domain == ops.DOMAIN]
+    if not MOE_KERNEL or not nodes:
         return 0
     from omforge.passes import moe_kernel
 
     if moe_kernel.kernel_runs(precision) is not None:
         return 0
-    nodes = [n for n in graph if n.op_type == "MoE" and n.domain == ops.DOMAIN]
     for node in nodes:
         moe_kernel.lower_moe_to_kernel(graph, node, precision)
     return len(nodes)
