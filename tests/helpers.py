@@ -286,3 +286,20 @@ def lowering_dict(opset: int = 18) -> dict:
             op_type, f"ai.onnx::{opset}::{op_type}", spec.ge_type, 1, attrs, own_plugin=opset not in spec.cann_opsets,
             own_kernel=spec.own_kernel, inputs=spec.inputs, outputs=spec.outputs))
     return {"opset": opset, "custom_ops": ops}
+
+
+def greedy_paged(path: Path, layout, prompt: list[int], new: int, block: int) -> list[int]:  # noqa: ANN001
+    """Greedy decoding of ``new`` tokens through a paged step graph (``layout``: its PagedLayout) with KV blocks of
+    ``block`` tokens: the prompt in one step, then one decode step per token, over a scattered block table."""
+    from omforge.contract import cdiv
+    from omforge.runtime.ort.ort_executor import OrtExecutor
+    from omforge.runtime.step import SeqWork, build_step
+
+    ex = OrtExecutor(path, layout, num_blocks=32)
+    table = list(range(31, 31 - cdiv(len(prompt) + new, block), -1))  # scattered, out of order
+    ids = list(prompt)
+    logits = ex.run(build_step([SeqWork(ids, 0, table)], block))
+    for _ in range(new):
+        ids.append(int(logits[0].argmax()))
+        logits = ex.run(build_step([SeqWork(ids[-1:], len(ids) - 1, table)], block))
+    return ids[len(prompt):]

@@ -15,16 +15,14 @@ import pytest
 import torch
 from moe_setup import LAYERS, moe_export
 
+import helpers
 from helpers import compile_bundle, load_export, lowered
 from omforge.compile.ort import build
-from omforge.contract import cdiv
 from omforge.contract.manifest import load_manifest
 from omforge.passes import lower_ort, manager
 from omforge.runtime.full_recompute import ExportedModel
 from omforge.runtime.llm import LLM
-from omforge.runtime.ort.ort_executor import OrtExecutor
 from omforge.runtime.sampling_params import SamplingParams
-from omforge.runtime.step import SeqWork, build_step
 
 NEW = 8  # greedy tokens per prompt
 PROMPTS = [[int(t) for t in np.random.default_rng(n).integers(3, 256, n)] for n in (5, 13, 22)]
@@ -61,14 +59,7 @@ def greedy_full(model: ir.Model, prompt: list[int]) -> list[int]:
 
 def greedy_paged(path: Path, layout, prompt: list[int]) -> list[int]:  # noqa: ANN001 - PagedLayout
     """Greedy decoding through a paged step graph: the prompt in one step, then one decode step per token."""
-    ex = OrtExecutor(path, layout, num_blocks=32)
-    table = list(range(31, 31 - cdiv(len(prompt) + NEW, BLOCK), -1))  # scattered, out of order
-    ids = list(prompt)
-    logits = ex.run(build_step([SeqWork(ids, 0, table)], BLOCK))
-    for _ in range(NEW):
-        ids.append(int(logits[0].argmax()))
-        logits = ex.run(build_step([SeqWork(ids[-1:], len(ids) - 1, table)], BLOCK))
-    return ids[len(prompt):]
+    return helpers.greedy_paged(path, layout, prompt, NEW, BLOCK)
 
 
 def test_unfused_export_and_fused_plain_graph(moe_model: dict) -> None:

@@ -17,6 +17,7 @@ import onnx_ir as ir
 import pytest
 import torch
 
+import helpers
 from helpers import (
     TINY_QWEN3_CONFIG,
     assert_same_logits,
@@ -29,7 +30,6 @@ from helpers import (
     write_recipe,
 )
 from omforge.compile.ort import build
-from omforge.contract import cdiv
 from omforge.export.onnx_export import cached_export, export_recipe
 from omforge.recipe import load_recipe
 from omforge.runtime.full_recompute import ExportedModel
@@ -127,14 +127,7 @@ def greedy_full(model: ir.Model, prompt: list[int]) -> list[int]:
 
 def greedy_paged(path: Path, layout, prompt: list[int]) -> list[int]:  # noqa: ANN001 - PagedLayout
     """Greedy decoding through a paged step graph: the prompt in one step, then one decode step per token."""
-    ex = OrtExecutor(path, layout, num_blocks=32)
-    table = list(range(31, 31 - cdiv(len(prompt) + NEW, BLOCK), -1))  # scattered, out of order
-    ids = list(prompt)
-    logits = ex.run(build_step([SeqWork(ids, 0, table)], BLOCK))
-    for _ in range(NEW):
-        ids.append(int(logits[0].argmax()))
-        logits = ex.run(build_step([SeqWork(ids[-1:], len(ids) - 1, table)], BLOCK))
-    return ids[len(prompt):]
+    return helpers.greedy_paged(path, layout, prompt, NEW, BLOCK)
 
 
 def test_config_and_the_unfused_export_match_transformers(qwen3: dict) -> None:
