@@ -106,6 +106,13 @@ def at(repo: str, path: str, line: int) -> Cite:
 _SIMILAR = "common/src/framework/similar_opp_onnx_plugin.cpp"
 _UNARY = at(METADEF, "inc/external/graph/types.h", 400)  # TensorType::UnaryDataType(): …, DT_FLOAT, DT_FLOAT16, …
 F32, F16, I64, I8, B = "FLOAT", "FLOAT16", "INT64", "INT8", "BOOL"
+_PLUGIN = at(OURS, "compile/ascend/templates/onnx_plugin.cc.j2", 46)  # our parser plugins' registration
+_ATTR_LINES = {"INT": 57, "FLOAT": 41, "STRING": 73}  # where omforge_onnx_attrs.h.j2 reads each attribute kind
+
+
+def _our_attr(name: str, kind: str = "INT") -> Attr:
+    """An attribute one of our parser plugins copies (omforge_onnx_attrs.h.j2, cited at its kind's reader)."""
+    return Attr(name, kind, at(OURS, "compile/ascend/templates/omforge_onnx_attrs.h.j2", _ATTR_LINES[kind]))
 
 
 def _plain(op: str, ge: str, line: int, dtypes: tuple[tuple[str, ...], ...], dtypes_at: Cite, note: str = "") -> Row:
@@ -239,33 +246,33 @@ ROWS: tuple[Row, ...] = (
         at(NN, "matmul/weight_quant_batch_matmul_v2/op_graph/weight_quant_batch_matmul_v2_proto.h", 105),
         "x float16 (line 105), weight int8 (106), antiquant_scale float16 (107); the plugin forces transpose_x / "
         "transpose_weight false (lines 42-43)"),
-    Row("", "OmRmsNorm", (11, 18), "RmsNorm", at(OURS, "compile/ascend/templates/onnx_plugin.cc.j2", 46),
-        (Attr("epsilon", "FLOAT", at(OURS, "compile/ascend/templates/omforge_onnx_attrs.h.j2", 41)),),
+    Row("", "OmRmsNorm", (11, 18), "RmsNorm", _PLUGIN,
+        (_our_attr("epsilon", "FLOAT"),),
         ((F32, F32), (F16, F16)), at(NN, "norm/rms_norm/op_graph/rms_norm_proto.h", 41),
         "our plugin (compile/ascend/atc_plugins.py:44), registered for the graph's own key "
         "ai.onnx::<opset>::OmRmsNorm; GetFloat reads the Pb2Json `f` field, i.e. a FLOAT attribute. GE RmsNorm is "
         "declared at rms_norm_proto.h:40; rstd is float32 (line 44). [unverified] compiled only against stub headers"),
-    Row("", "OmAddRmsNorm", (11, 18), "AddRmsNorm", at(OURS, "compile/ascend/templates/onnx_plugin.cc.j2", 46),
-        (Attr("epsilon", "FLOAT", at(OURS, "compile/ascend/templates/omforge_onnx_attrs.h.j2", 41)),),
+    Row("", "OmAddRmsNorm", (11, 18), "AddRmsNorm", _PLUGIN,
+        (_our_attr("epsilon", "FLOAT"),),
         ((F32, F32, F32), (F16, F16, F16)), at(NN, "norm/add_rms_norm/op_graph/add_rms_norm_proto.h", 45),
         "our plugin (compile/ascend/atc_plugins.py:48); GE AddRmsNorm declared at add_rms_norm_proto.h:44. "
         "[unverified] compiled only against stub headers"),
-    Row("", "SwiGlu", (11, 18), "SwiGlu", at(OURS, "compile/ascend/templates/onnx_plugin.cc.j2", 46),
-        (Attr("dim", "INT", at(OURS, "compile/ascend/templates/omforge_onnx_attrs.h.j2", 57)),),
+    Row("", "SwiGlu", (11, 18), "SwiGlu", _PLUGIN,
+        (_our_attr("dim"),),
         ((F32,), (F16,)), at(NN, "activation/swi_glu/op_graph/swi_glu_proto.h", 44),
         "our plugin (compile/ascend/atc_plugins.py:53); GE SwiGlu declared at swi_glu_proto.h:41 (attr dim, line 45). "
         "[unverified] compiled only against stub headers"),
     Row("", "OmRotaryPositionEmbedding", (11, 18), "RotaryPositionEmbedding",
-        at(OURS, "compile/ascend/templates/onnx_plugin.cc.j2", 46),
-        (Attr("mode", "INT", at(OURS, "compile/ascend/templates/omforge_onnx_attrs.h.j2", 57)),),
+        _PLUGIN,
+        (_our_attr("mode"),),
         ((F32, F32, F32), (F16, F16, F16)),
         at(TRANSFORMER, "posembedding/rotary_position_embedding/op_graph/rotary_position_embedding_proto.h", 54),
         "our plugin (compile/ascend/atc_plugins.py PLUGINS): CANN's NPURotaryPositionEmbedding plugin is in "
         "third-party mirrors only (issue 60). Kernel: ascend910b / ascend910_93 only (passes/ascend/kernels.py). "
         "[unverified] compiled only against stub headers"),
     Row("", "OmScatterPaKvCache", (11, 18), "ScatterPaKvCache",
-        at(OURS, "compile/ascend/templates/onnx_plugin.cc.j2", 46),
-        (Attr("cache_mode", "STRING", at(OURS, "compile/ascend/templates/omforge_onnx_attrs.h.j2", 73)),),
+        _PLUGIN,
+        (_our_attr("cache_mode", "STRING"),),
         ((F16, F16, "INT32", F16, F16),),
         at(TRANSFORMER_MIRROR, "attention/scatter_pa_kv_cache/op_host/scatter_pa_kv_cache_def.cpp", 20),
         "inputs key, key_cache, slot_mapping, value, value_cache (IR 0-4); 910B/910_93 combinations key float16 + "
@@ -273,9 +280,8 @@ ROWS: tuple[Row, ...] = (
         "proto lists the same inputs); slots unique and in range (proto constraint text). Kernel: ascend910b / "
         "ascend910_93 only (def.cpp:331-332). [unverified] compiled only against stub headers"),
     Row("", "OmFusedInferAttentionScore", (11, 18), "FusedInferAttentionScore",
-        at(OURS, "compile/ascend/templates/onnx_plugin.cc.j2", 46),
-        tuple(Attr(n, f, at(OURS, "compile/ascend/templates/omforge_onnx_attrs.h.j2", 57 if f == "INT" else
-                            41 if f == "FLOAT" else 73))
+        _PLUGIN,
+        tuple(_our_attr(n, f)
               for n, f in (("block_size", "INT"), ("inner_precise", "INT"), ("input_layout", "STRING"),
                            ("num_heads", "INT"), ("num_key_value_heads", "INT"), ("scale", "FLOAT"),
                            ("sparse_mode", "INT"))),
@@ -286,8 +292,8 @@ ROWS: tuple[Row, ...] = (
         "ascend910b / ascend910_93 only (def.cpp:570-571): a 310B or 310P bundle must not hold it. [unverified] "
         "compiled only against stub headers; the dynamic key/value inputs mapped by position"),
     Row("", "OmMoeGatingTopKSoftmax", (11, 18), "MoeGatingTopKSoftmax",
-        at(OURS, "compile/ascend/templates/onnx_plugin.cc.j2", 46),
-        (Attr("k", "INT", at(OURS, "compile/ascend/templates/omforge_onnx_attrs.h.j2", 57)),),
+        _PLUGIN,
+        (_our_attr("k"),),
         ((F32,), (F16,)),
         at(TRANSFORMER, "moe/moe_gating_top_k_softmax/op_graph/moe_gating_top_k_softmax_proto.h", 38),
         "the MoE chain (passes/ascend/moe.py): x = the router logits [T, E], the optional `finished` (line 39) "
@@ -297,8 +303,8 @@ ROWS: tuple[Row, ...] = (
         "added 2025-12-31 in 70c7cdd): ours carries the key. Kernel: ascend910b / ascend910_93 (def.cpp:51-52). "
         "[unverified] compiled only against stub headers"),
     Row("", "OmMoeInitRouting", (11, 18), "MoeInitRouting",
-        at(OURS, "compile/ascend/templates/onnx_plugin.cc.j2", 46),
-        (Attr("active_num", "INT", at(OURS, "compile/ascend/templates/omforge_onnx_attrs.h.j2", 57)),),
+        _PLUGIN,
+        (_our_attr("active_num"),),
         ((F32, "INT32", "INT32"), (F16, "INT32", "INT32")),
         at(TRANSFORMER, "moe/moe_init_routing/op_graph/moe_init_routing_proto.h", 46),
         "inputs x (\"T1\", line 40: DATATYPE line 46), row_idx and expert_idx (\"T2\" = DT_INT32, lines 41-42, 47); "
@@ -307,16 +313,16 @@ ROWS: tuple[Row, ...] = (
         "(npu_moe_init_routing_onnx_plugin.cpp:30, 45-55). Kernel: ascend910b / ascend910_93 (def.cpp:63-64). "
         "[unverified] compiled only against stub headers"),
     Row("", "OmMoeComputeExpertTokens", (11, 18), "MoeComputeExpertTokens",
-        at(OURS, "compile/ascend/templates/onnx_plugin.cc.j2", 46),
-        (Attr("num_experts", "INT", at(OURS, "compile/ascend/templates/omforge_onnx_attrs.h.j2", 57)),),
+        _PLUGIN,
+        (_our_attr("num_experts"),),
         (("INT32",),), at(TRANSFORMER, "moe/moe_compute_expert_tokens/op_graph/moe_compute_expert_tokens_proto.h", 35),
         "sorted_experts (MoeInitRouting's expanded_expert_idx) and the output int32 (\"T\", lines 32-35); "
         "num_experts a required Int (line 34). CANN's plugin: the 2026 mirror only "
         "(npu_moe_compute_expert_tokens_onnx_plugin.cpp:26, 43-53). Kernel: ascend910b / ascend910_93 "
         "(def.cpp:45-46). [unverified] compiled only against stub headers"),
     Row("", "OmGroupedMatmul", (11, 18), "GroupedMatmul",
-        at(OURS, "compile/ascend/templates/onnx_plugin.cc.j2", 46),
-        tuple(Attr(n, "INT", at(OURS, "compile/ascend/templates/omforge_onnx_attrs.h.j2", 57))
+        _PLUGIN,
+        tuple(_our_attr(n)
               for n in ("group_list_type", "group_type", "split_item")),
         ((F32, F32, "", "", "", "", "", I64), (F16, F16, "", "", "", "", "", I64)),
         at(TRANSFORMER, "gmm/grouped_matmul/op_host/grouped_matmul_def.cpp", 24),
@@ -329,8 +335,8 @@ ROWS: tuple[Row, ...] = (
         "(170-222). [unverified] compiled only against stub headers; the dynamic inputs mapped by position, as "
         "OmFusedInferAttentionScore's"),
     Row("", "OmMoeFinalizeRoutingV2", (11, 18), "MoeFinalizeRoutingV2",
-        at(OURS, "compile/ascend/templates/onnx_plugin.cc.j2", 46),
-        (Attr("drop_pad_mode", "INT", at(OURS, "compile/ascend/templates/omforge_onnx_attrs.h.j2", 57)),),
+        _PLUGIN,
+        (_our_attr("drop_pad_mode"),),
         ((F32, "INT32", "", "", "", F32), (F16, "INT32", "", "", "", F16)),
         at(TRANSFORMER, "moe/moe_finalize_routing_v2/op_graph/moe_finalize_routing_v2_proto.h", 53),
         "every input at its IR index: expanded_x 0, expanded_row_idx 1 int32 (line 54), x1, x2, bias empty "
@@ -339,9 +345,8 @@ ROWS: tuple[Row, ...] = (
         "NPUMoeFinalizeRoutingV2 plugin: the 2026 mirror only (npu_moe_finalize_routing_v2_onnx_plugin.cpp:25, 34-44). "
         "Kernel: ascend910b / ascend910_93 (def.cpp:82-83). [unverified] compiled only against stub headers"),
     Row("", "OmFusedInferAttentionScoreLse", (11, 18), "FusedInferAttentionScore",
-        at(OURS, "compile/ascend/templates/onnx_plugin.cc.j2", 46),
-        tuple(Attr(n, f, at(OURS, "compile/ascend/templates/omforge_onnx_attrs.h.j2", 57 if f == "INT" else
-                            41 if f == "FLOAT" else 73))
+        _PLUGIN,
+        tuple(_our_attr(n, f)
               for n, f in (("block_size", "INT"), ("inner_precise", "INT"), ("input_layout", "STRING"),
                            ("num_heads", "INT"), ("num_key_value_heads", "INT"), ("scale", "FLOAT"),
                            ("softmax_lse_flag", "INT"), ("sparse_mode", "INT"))),
