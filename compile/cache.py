@@ -3,7 +3,8 @@
 A stage is done when its folder holds ``stage.json`` (written last, after every file): an interrupted stage
 is redone, never half-used. Keys hash the stage's inputs (the previous stage's key, the recipe section it
 reads, the omforge and tool versions), so changing a fusion switch redoes the passes and what follows but
-not the export.
+not the export. Two compiles sharing a cache build a stage once: each builds a stage under :func:`locked` (an
+exclusive lock on ``<folder>.lock``, omforge/file_lock.py), and the second finds it done.
 """
 
 from __future__ import annotations

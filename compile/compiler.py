@@ -43,6 +43,7 @@ from omforge.contract.manifest import (
     TokenizerMeta,
 )
 from omforge.errors import OmforgeError
+from omforge.file_lock import locked
 from omforge.passes.options import LoraOptions, PoolingOptions
 from omforge.recipe import FUSIONS, PoolingRecipe, Recipe, retarget
 
@@ -218,15 +219,16 @@ def _passes_stage(job: _Job, export_dir: Path, digest: str) -> Stage:
            if job.lora is not None else {}),
     })
     passes = Stage(f"passes-{target}", passes_key, job.root)
-    job.cached["passes"] = passes.done
-    with job.progress.stage(f"passes + lowering ({target})", passes.done):
-        if not passes.done:
-            from omforge.passes.lora import LoraTargetMissing
+    with locked(passes.dir):  # another compile sharing the cache builds it once
+        job.cached["passes"] = passes.done
+        with job.progress.stage(f"passes + lowering ({target})", passes.done):
+            if not passes.done:
+                from omforge.passes.lora import LoraTargetMissing
 
-            try:
-                _run_passes(export_dir, passes, job)
-            except LoraTargetMissing as e:
-                raise OmforgeError(f"{recipe.path}: {e}") from None
+                try:
+                    _run_passes(export_dir, passes, job)
+                except LoraTargetMissing as e:
+                    raise OmforgeError(f"{recipe.path}: {e}") from None
     return passes
 
 

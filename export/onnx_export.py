@@ -31,6 +31,7 @@ import numpy as np
 
 from omforge.export.tokenizer_files import write_tokenizer
 from omforge.export.weights import Checkpoint, load_checkpoint
+from omforge.file_lock import locked
 from omforge.recipe import Recipe
 
 EXPORT_FORMAT = 3  # 2: GGUF blocks kept beside the graph (source_blocks.npz); 3: streamed, per-tensor random seeds
@@ -242,19 +243,21 @@ def is_exported(out: Path) -> bool:
 
 
 def cached_export(recipe: Recipe, cache_root: Path, quiet: bool = False, isolated: bool = False) -> Path:
-    """The export for ``recipe`` under ``cache_root/<name>-<digest>``, made once and reused while the digest holds.
+    """The export for ``recipe`` under ``cache_root/<name>-<digest>``, made once and reused while the digest holds
+    (under the stage cache's lock: two processes sharing ``cache_root`` export it once).
     ``isolated``: export in a child process, so that what torch and the exporter hold is returned to the system
     before the caller's next stage (compile: the passes stage's peak then does not add to the export's)."""
     out = cached_export_dir(recipe, cache_root)
-    if is_exported(out):
-        return out
-    if not isolated:
-        export_recipe(recipe, out, quiet=quiet)
-        return out
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    with locked(out):  # another process sharing the cache exports it once
+        if is_exported(out):
+            return out
+        if not isolated:
+            export_recipe(recipe, out, quiet=quiet)
+            return out
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
 
-    sys.stdout.flush()
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        pool.submit(export_recipe, recipe, out, quiet).result()  # the child's errors are raised here
+        sys.stdout.flush()
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            pool.submit(export_recipe, recipe, out, quiet).result()  # the child's errors are raised here
     return out

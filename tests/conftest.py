@@ -9,14 +9,24 @@ from pathlib import Path
 import pytest
 
 from helpers import SMOLLM2_RECIPE, TINY_HF_CONFIGS, TINY_RECIPE, compile_bundle, export_tiny
+from omforge.file_lock import locked
+
+
+def shared_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A folder every xdist worker of this run shares (the run's base temp, above each worker's own), else the
+    session's own: what is built there under a lock (the stage cache's, omforge/file_lock.py) is built once."""
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    path.mkdir(exist_ok=True)
+    return path
 
 
 @pytest.fixture(scope="session")
 def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The stage cache the SmolLM2 fixtures compile into; ``OMFORGE_TEST_CACHE`` may name a persistent one so
-    local runs skip the minute of export."""
+    """The stage cache the SmolLM2 fixtures compile into, shared by the run's workers (two compiles sharing a cache
+    build each stage once); ``OMFORGE_TEST_CACHE`` may name a persistent one so local runs skip the export."""
     given = os.environ.get("OMFORGE_TEST_CACHE")
-    return Path(given) if given else tmp_path_factory.mktemp("omforge-cache")
+    return Path(given) if given else shared_dir(tmp_path_factory, "omforge-cache")
 
 
 @pytest.fixture(scope="session")
@@ -58,9 +68,13 @@ def tiny_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """``{variant: export directory}`` for every family in ``TINY_HF_CONFIGS`` (2 layers, GQA 4/2 heads).
     ``OMFORGE_TEST_TINY_EXPORTS`` may name a directory to keep them in and reuse across sessions."""
     given = os.environ.get("OMFORGE_TEST_TINY_EXPORTS")
-    root = Path(given) if given else tmp_path_factory.mktemp("tiny-exports")
-    return {variant: root / variant / "export" if (root / variant / "export" / "export.json").is_file()
-            else export_tiny(root / variant, variant) for variant in sorted(TINY_HF_CONFIGS)}
+    root = Path(given) if given else shared_dir(tmp_path_factory, "tiny-exports")  # the run's workers share them
+    out = {}
+    for variant in sorted(TINY_HF_CONFIGS):
+        with locked(root / variant):
+            done = (root / variant / "export" / "export.json").is_file()
+            out[variant] = root / variant / "export" if done else export_tiny(root / variant, variant)
+    return out
 
 
 @pytest.fixture(scope="session")

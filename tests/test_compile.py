@@ -77,6 +77,25 @@ def test_second_compile_reuses_every_stage_and_a_switch_redoes_only_the_passes(c
     assert fourth.cached == {"export": True, "passes": False} and fourth.manifest.kv.block_size == 16
 
 
+def test_two_compiles_sharing_a_cache_build_each_stage_once(tmp_path: Path) -> None:
+    """Two ``omforge compile`` processes started together on one stage cache: both bundles are whole and equal, the
+    passes stage was built by one of them and found done by the other (omforge/file_lock.py), one export folder."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMFORGE_CACHE_DIR": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-m", "omforge", "compile", str(TINY_RECIPE), "-o", str(tmp_path / n)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for n in "ab"]
+    logs = [p.communicate(timeout=600)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    assert sorted("[compile] passes + lowering (ort) (cached)" in log for log in logs) == [False, True], logs
+    assert len(list((tmp_path / "cache" / "exports").glob("*/export.json"))) == 1
+    a, b = load_manifest(tmp_path / "a"), load_manifest(tmp_path / "b")
+    assert a.files == b.files and (tmp_path / "a" / a.graphs.step).read_bytes() == (tmp_path / "b" /
+                                                                                   b.graphs.step).read_bytes()
+
+
 def test_corrupted_or_missing_artifacts_are_clear_errors(bundle: Path, tmp_path: Path) -> None:
     import shutil
 
