@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from omforge.contract.lora import ATTENTION_MODULES
 from omforge.contract.manifest import ModelConfig
 from omforge.errors import OmforgeError
 from omforge.passes.options import LoraOptions, PoolingOptions
@@ -15,11 +16,21 @@ from omforge.recipe import Recipe
 
 def lora_options(recipe: Recipe, config: ModelConfig) -> LoraOptions | None:
     """``compile.lora`` with the export's model ``config`` (the column widths of fused projections); None without
-    LoRA."""
+    LoRA. A mixture of experts' MLP is its experts, which take no LoRA term (per-expert adapters are not built): its
+    default targets are the attention projections, and an MLP module named in ``target_modules`` is a one-line
+    error."""
     lora = recipe.compile.lora
     if lora is None:
         return None
-    return LoraOptions(lora.max_loras, lora.max_rank, tuple(lora.target_modules), config)
+    targets = tuple(lora.target_modules)
+    if config.is_moe:
+        mlp = [m for m in targets if m not in ATTENTION_MODULES]
+        if mlp and "target_modules" in lora.model_fields_set:
+            raise OmforgeError(f"{recipe.path}: compile.lora.target_modules: {', '.join(mlp)}: a mixture of experts' "
+                               "MLP is its experts, which take no LoRA term (per-expert adapters are not built); "
+                               f"target {', '.join(ATTENTION_MODULES)}")
+        targets = tuple(m for m in targets if m in ATTENTION_MODULES)
+    return LoraOptions(lora.max_loras, lora.max_rank, targets, config)
 
 
 def pooling_options(recipe: Recipe, export_dir: Path, config: ModelConfig) -> PoolingOptions | None:

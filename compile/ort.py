@@ -19,7 +19,14 @@ from omforge.compile.pass_report import PassReport
 from omforge.contract import kernel_library
 from omforge.contract.manifest import LoraSection, StepAbi, Weights
 from omforge.errors import OmforgeError
-from omforge.passes.options import LoraOptions, OrtLoweringOptions, PoolingOptions, QuantizeOptions
+from omforge.passes.options import (
+    EXPERT_BLOCKS,
+    ExpertOptions,
+    LoraOptions,
+    OrtLoweringOptions,
+    PoolingOptions,
+    QuantizeOptions,
+)
 from omforge.passes.pipeline import Pipeline, histogram, interface
 from omforge.recipe import ACTIVATION_LEVELS, QuantizationSection
 
@@ -96,6 +103,28 @@ def quantize_options(weights: str, quantization: QuantizationSection | None,
                            blocks=blocks if q.source_blocks else None, gemm=gemm)
 
 
+def expert_options(weights: str, quantization: QuantizationSection | None,
+                   blocks: Mapping[str, tuple[str, Any, int]] | None, moe: bool) -> ExpertOptions:
+    """A mixture of experts' expert precision (the MoE kernel lowering's :class:`ExpertOptions`) from the recipe's
+    ``weights`` and ``quantization``: the dense matrices' precision, int8 / int4 with its block and symmetry and the
+    export's GGUF ``blocks`` (when ``source_blocks``); float32 experts where ``quantization.matrices`` leaves ``mlp``
+    out. The expert kernel's int8 / int4 path (MoEQ) runs int8 activations and blocks of 32, 64 or 128: another
+    choice is a one-line error naming the key. A dense model (``moe`` False) gets the defaults, never read."""
+    if not moe or weights in ("float32", "bfloat16"):
+        return ExpertOptions(weights if moe else "float32")
+    q = quantization or QuantizationSection()
+    if "mlp" not in q.matrices:
+        return ExpertOptions()
+    if q.activation_type != "int8":
+        raise OmforgeError(f"compile.quantization.activations: {weights} experts run with int8 activations (the "
+                           f"expert kernel MoEQ); {q.activation_type} activations are not built for a mixture of "
+                           "experts — use activations: int8, or leave mlp out of quantization.matrices")
+    if q.group_size not in EXPERT_BLOCKS:
+        raise OmforgeError(f"compile.quantization.group_size: the expert kernel takes blocks of "
+                           f"{', '.join(map(str, EXPERT_BLOCKS))} along K, got {q.group_size}")
+    return ExpertOptions(weights, q.group_size, q.symmetric, blocks if q.source_blocks else None)
+
+
 def lora_kernel() -> bool:
     """Whether the kernel library here has ``LoraAdd`` (its info reports a ``lora`` path); else the ort lowering
     writes the LoRA terms as plain ops."""
@@ -119,7 +148,8 @@ def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | Non
     the export's GGUF ``blocks`` as they are where they fit (``passes/quantize_weights.py``). ``pooling``: a pooling
     bundle's step graph instead of a paged one (its weight MatMuls take the kernels a paged graph's would).
     ``lora``: LoRA pool inputs and terms (passes/lora.py; the term through the kernel library's LoraAdd where it has
-    one, :func:`lora_kernel`); the report's ``lora`` is the manifest section."""
+    one, :func:`lora_kernel`); the report's ``lora`` is the manifest section. A mixture of experts' experts take the
+    weights' precision (:func:`expert_options`)."""
     if target != "ort":
         raise ValueError(f"target '{target}' is built by compile/ascend/stages.py, not here")
     model = ir.load(export_dir / "model.onnx")
@@ -127,8 +157,10 @@ def build(export_dir: Path, out_path: Path, *, fusions: Mapping[str, bool] | Non
         kernel = kv_write == "graph" and kernel_library.status().available
     gemm = gemm_lowering(weights, quantization, kernel, paged=block_size is not None or pooling is not None,
                          float_gemm=float_gemm)
+    moe = any(".mlp.experts." in name for name in model.graph.initializers)  # the export's per-expert weights
     lowering = OrtLoweringOptions(kv_write=kv_write, kernel=kernel, kv_cache_dtype=kv_cache_dtype,
-                                  lora_kernel=kernel and lora_kernel() if lora is not None else None)
+                                  lora_kernel=kernel and lora_kernel() if lora is not None else None,
+                                  experts=expert_options(weights, quantization, blocks, moe))
     run = Pipeline(target, fusions or {}, block_size, lowering,
                    quantize_options(weights, quantization, blocks, gemm or "nbits"), pooling=pooling,
                    lora=lora).run(model)

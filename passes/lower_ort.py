@@ -40,7 +40,9 @@ from onnxscript.rewriter import pattern
 from omforge.contract import row_elems
 from omforge.contract.kernel_abi import DOMAIN as KERNEL_DOMAIN
 from omforge.contract.kernel_abi import HEAD_DIMS
+from omforge.contract.pooling import POOLING_INPUTS
 from omforge.passes import decompose, lora, ops, packed_qkv
+from omforge.passes.options import ExpertOptions
 from omforge.passes.paged_kv import add_decode_group_inputs, new_rows_as_outputs
 
 ORT_OPSET = 23
@@ -137,25 +139,33 @@ class LowerSwiGLUKernel(decompose.DecomposeSwiGLU):
 
 MOE_KERNEL = True
 """Whether :func:`lower` (``kernel=True``) sends ``omforge.MoE`` to the kernel library's expert op (runtime/ort/kernels/
-moe*) when the library here runs it; the plain decomposition otherwise. The experts' precision handed down is float32
-for every bundle so far (MoEF32): int8 / int4 / bfloat16 experts (MoEQ, MoEBF16) are built and tested as ops but
-not yet chosen from the recipe."""
+moe*) when the library here runs it; the plain decomposition otherwise."""
 
 
-def lower_moe_kernel(graph: ir.Graph, precision: str = "float32") -> int:
-    """The neutral ``omforge.MoE`` nodes of ``graph`` as the kernel library's expert op for the experts' weight
-    ``precision`` (:func:`omforge.passes.moe_kernel.lower_moe_to_kernel`: the stacked weights packed in that op's
-    layout) when :data:`MOE_KERNEL` is on and the library here runs it; returns how many. The rest take the plain
-    decomposition."""
+def lower_moe_kernel(graph: ir.Graph, experts: ExpertOptions | None = None,
+                     report: dict[str, dict[str, object]] | None = None, kernel: bool = True) -> int:
+    """The neutral ``omforge.MoE`` nodes of ``graph`` as the kernel library's expert op in ``experts``' precision
+    (:func:`omforge.passes.moe_kernel.lower_moe_to_kernel`: the stacked weights packed in that op's layout, a GGUF's
+    blocks as they are) when :data:`MOE_KERNEL` is on and the library here runs it; returns how many. The rest take
+    the plain decomposition with float32 weights (and all of them without ``kernel``). ``report`` gets one entry per
+    MoE node (by the experts' torch name): op, bits, block, where each matrix came from, bytes — or why plain ops."""
+    experts = experts or ExpertOptions()
     nodes = [n for n in graph if n.op_type == "MoE" and n.domain == ops.DOMAIN]
-    if not MOE_KERNEL or not nodes:
+    if not nodes:
         return 0
     from omforge.passes import moe_kernel
 
-    if moe_kernel.kernel_runs(precision) is not None:
+    why = "the kernel lowering is off" if not kernel else "disabled (passes/lower_ort.py MOE_KERNEL)" \
+        if not MOE_KERNEL else moe_kernel.kernel_runs(experts.precision)
+    if why is not None:
+        if report is not None:
+            for node in nodes:
+                report[moe_kernel.experts_name(node)] = {"bits": 32, "block": None, "op": "plain ops",
+                                                         "source": f"float32 (plain ops: {why})"}
         return 0
     for node in nodes:
-        moe_kernel.lower_moe_to_kernel(graph, node, precision)
+        moe_kernel.lower_moe_to_kernel(graph, node, experts.precision, group_size=experts.group_size,
+                                       symmetric=experts.symmetric, blocks=experts.blocks, report=report)
     return len(nodes)
 
 
@@ -165,7 +175,8 @@ _POOL_TYPES = {"float32": ir.DataType.FLOAT, "bfloat16": ir.DataType.BFLOAT16, "
 
 
 def lower(model: ir.Model, kv_write: str = "graph", kernel: bool = False, kv_cache_dtype: str = "float32",
-          lora_kernel: bool | None = None) -> int:
+          lora_kernel: bool | None = None, experts: ExpertOptions | None = None,
+          experts_report: dict[str, dict[str, object]] | None = None) -> int:
     """Lower every neutral op in ``model`` in place; returns the number of ops lowered. ``kv_write`` says who
     writes the new K/V rows of a step graph: the graph itself (default: ScatterND into the pool the executor
     binds in place) or the runtime (the graph returns the rows; attention sees them through a scatter into the
@@ -174,7 +185,8 @@ def lower(model: ir.Model, kv_write: str = "graph", kernel: bool = False, kv_cac
     then register the kernel library (runtime/ort/kernels). ``kv_cache_dtype`` other than float32 (the pools'
     element type, see ``contract.KV_DTYPES``) needs the kernel. ``lora_kernel``: LoRA terms (``omforge.LoraAdd``)
     through the kernel library's ``LoraAdd`` (None: where the kernel lowering is used; False: plain ops, e.g. a library
-    that predates the op)."""
+    that predates the op). ``experts``: a mixture of experts' expert precision and blocks (:func:`lower_moe_kernel`,
+    with the kernel), each MoE node's entry written to ``experts_report``."""
     if kv_write not in KV_WRITES:
         raise ValueError(f"kv_write={kv_write!r} is not one of {KV_WRITES}")
     if kernel and kv_write != "graph":
@@ -187,7 +199,10 @@ def lower(model: ir.Model, kv_write: str = "graph", kernel: bool = False, kv_cac
     paged = any(n.op_type == "PagedAttention" and n.domain == ops.DOMAIN for n in model.graph)
     # a decode group of its own (graph write): decodes share steps with prefill chunks, unpadded
     group = add_decode_group_inputs(model.graph) if kv_write == "graph" and paged else None
-    kernel = kernel and group is not None  # the kernel library serves step graphs; a plain graph stays plain ops
+    # the kernel library serves step graphs (the experts a pooling step graph's too); a plain graph stays plain ops
+    pooling = {v.name for v in model.graph.inputs} >= set(POOLING_INPUTS)
+    moe_kernel = kernel and (group is not None or pooling)
+    kernel = kernel and group is not None
     rules = pattern.RewriteRuleSet([
         LowerPagedAttention.rule("ort_paged_attention", "kernel" if kernel else kv_write, group, kv_cache_dtype),
         LowerAddRMSNormKernel.rule("ort_add_rms_norm_kernel") if kernel else LowerAddRMSNorm.rule("ort_add_rms_norm"),
@@ -197,9 +212,9 @@ def lower(model: ir.Model, kv_write: str = "graph", kernel: bool = False, kv_cac
         LowerAttention.rule("ort_attention"),
         decompose.RULES["MoE"],
     ])
-    if kernel:
+    count = lower_moe_kernel(model.graph, experts, experts_report, moe_kernel)
+    if kernel or count:
         model.opset_imports[KERNEL_DOMAIN] = 1
-    count = lower_moe_kernel(model.graph) if kernel else 0
     count += rules.apply_to_model(model)
     if (kernel if lora_kernel is None else lora_kernel and kernel):
         model.opset_imports[KERNEL_DOMAIN] = 1

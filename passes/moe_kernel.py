@@ -193,26 +193,52 @@ def pack_experts(gate_up: np.ndarray, down: np.ndarray, precision: str, top_k: i
     return PackedExperts(op, inputs + offsets, attrs, report)
 
 
+def experts_name(node: ir.Node) -> str:
+    """The experts' torch name of a neutral ``omforge.MoE`` node (``<prefix>`` of its ``<prefix>.gate_up_proj.
+    weight.T`` weight, as passes/moe.py names it), else the node's name."""
+    gate_up = node.inputs[2] if len(node.inputs) > 2 else None
+    name = gate_up.name if gate_up is not None and gate_up.name else ""
+    return name.rsplit(".gate_up_proj.", 1)[0] if ".gate_up_proj." in name else node.name or "MoE"
+
+
+def describe(packed: PackedExperts) -> dict[str, object]:
+    """A manifest ``weights.quantized`` entry for one MoE node's experts: op, bits, block, source, bytes (int8 /
+    int4: the gate_up matrix's width and block, ``down`` the down matrix's where they differ)."""
+    a = packed.attributes
+    if packed.op == MOE_OPS["float32"] or packed.op == MOE_OPS["bfloat16"]:
+        bits, block, source = (32, None, "float32") if packed.op == MOE_OPS["float32"] else (16, None, "bfloat16")
+    else:
+        bits, block = a["bits"], a["block_size"]
+        gate_up, down = packed.report["gate_up"], packed.report["down"]
+        source = gate_up if (gate_up, bits, block) == (down, a["down_bits"], a["down_block_size"]) else \
+            f"gate_up {gate_up} ({bits}-bit, block {block}), down {down} ({a['down_bits']}-bit, block " \
+            f"{a['down_block_size']})"
+    return {"bits": bits, "block": block, "source": source, "bytes": packed.nbytes, "op": packed.op}
+
+
 def lower_moe_to_kernel(graph: ir.Graph, node: ir.Node, precision: str, *, group_size: int = 32,
                         symmetric: bool = True, blocks: Mapping[str, tuple[str, np.ndarray, int]] | None = None,
-                        prefix: str | None = None) -> ir.Node:
+                        prefix: str | None = None, report: dict[str, dict[str, object]] | None = None) -> ir.Node:
     """Replace the neutral ``omforge.MoE(x, router_logits, gate_up_weight, down_weight; top_k, normalize)`` node in
     ``graph`` by the kernel library's op for ``precision`` (:func:`pack_experts`; the weights must be initializers),
     its packed weights new initializers named after ``gate_up_weight`` and ``down_weight`` (which are dropped when
     nothing else reads them); returns the new node. Its output is the neutral op's (same shape, float32). ``prefix``
     defaults to the experts' torch name in ``gate_up_weight``'s (``<prefix>.gate_up_proj.weight.T``, as
-    passes/moe.py names it). The caller imports :data:`KERNEL_DOMAIN` and checks the library (:func:`kernel_runs`)."""
+    passes/moe.py names it). ``report`` gets the node's :func:`describe` entry under :func:`experts_name`. The caller
+    imports :data:`KERNEL_DOMAIN` and checks the library (:func:`kernel_runs`)."""
     if len(node.inputs) != 4 or any(v is None for v in node.inputs):
         raise ValueError(f"{node.name}: MoE takes x, router_logits, gate_up_weight and down_weight")
     x, logits, gate_up, down = node.inputs
     if gate_up.const_value is None or down.const_value is None:
         raise ValueError(f"{node.name}: the expert weights must be initializers to be packed")
     if prefix is None and ".gate_up_proj." in (gate_up.name or ""):
-        prefix = gate_up.name.rsplit(".gate_up_proj.", 1)[0]
+        prefix = experts_name(node)
     top_k = node.attributes.get_int("top_k", 0)
     normalize = bool(node.attributes.get_int("normalize", 0))
     packed = pack_experts(read_weight(gate_up.const_value), read_weight(down.const_value), precision, top_k, normalize,
                           group_size=group_size, symmetric=symmetric, blocks=blocks, prefix=prefix)
+    if report is not None:
+        report[experts_name(node)] = describe(packed)
     weights: list[ir.Value | None] = []
     for suffix, array in packed.inputs:
         if array is None:

@@ -4,7 +4,8 @@ pass that reads it. The compile stage builds them once from the recipe (``compil
 
   LoraOptions               compile.lora and the model config             → InsertLora
   PoolingOptions            task embed | score and the score token ids    → InsertPooling
-  OrtLoweringOptions        KV write, kernel library, KV dtype            → LowerORT (passes/lower_ort.py)
+  OrtLoweringOptions        KV write, kernel library, KV dtype, experts   → LowerORT (passes/lower_ort.py)
+  ExpertOptions             MoE experts' precision, blocks                → LowerORT's expert kernel (moe_kernel.py)
   AscendLoweringOptions     paged-attention mode, SoC, static pool, plain → LowerAscend (passes/ascend/lower.py)
   QuantizeOptions           weight bits, blocks, GEMM op                  → QuantizeWeights (ort) / QuantizeW8A16
 
@@ -19,6 +20,7 @@ from typing import Any
 
 from omforge.contract.lora import TARGET_MODULES
 from omforge.contract.manifest import POOLING_TASKS, ModelConfig
+from omforge.passes.gemm_pack import BLOCKS as EXPERT_BLOCKS
 
 QUANT_MATRICES = ("attention", "mlp", "lm_head")
 
@@ -65,16 +67,40 @@ class PoolingOptions:
             raise ValueError(f"pooling.score_token_ids: a (no, yes) pair (got {self.score_token_ids!r})")
 
 
+EXPERT_PRECISIONS = ("float32", "bfloat16", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class ExpertOptions:
+    """The experts of ``omforge.MoE`` nodes as the kernel library's expert op (passes/moe_kernel.py): their weight
+    ``precision`` (the recipe's ``compile.weights``; int8 / int4 run with int8 activations), int8 / int4 blocks of
+    ``group_size`` along K (32, 64, 128), ``symmetric`` or affine, and a GGUF's ``blocks`` by torch name, taken as
+    they are where every expert of a matrix has them in one width."""
+
+    precision: str = "float32"
+    group_size: int = 32
+    symmetric: bool = True
+    blocks: Mapping[str, tuple[str, Any, int]] | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.precision not in EXPERT_PRECISIONS:
+            raise ValueError(f"experts.precision: {self.precision!r} is not one of {', '.join(EXPERT_PRECISIONS)}")
+        if self.precision in ("int8", "int4") and self.group_size not in EXPERT_BLOCKS:
+            raise ValueError(f"quantization.group_size: the expert kernel takes blocks of "
+                             f"{', '.join(map(str, EXPERT_BLOCKS))} along K (got {self.group_size})")
+
+
 @dataclass(frozen=True)
 class OrtLoweringOptions:
     """The ort lowering (:func:`omforge.passes.lower_ort.lower`): who writes the new KV rows (``graph`` or
-    ``runtime``), whether paged attention goes to omforge's kernel library, the pools' element type, and the LoRA
-    terms' op (``lora_kernel`` None: the kernel library's where ``kernel``)."""
+    ``runtime``), whether paged attention goes to omforge's kernel library, the pools' element type, the LoRA
+    terms' op (``lora_kernel`` None: the kernel library's where ``kernel``) and a mixture of experts' ``experts``."""
 
     kv_write: str = "graph"
     kernel: bool = False
     kv_cache_dtype: str = "float32"
     lora_kernel: bool | None = None
+    experts: ExpertOptions = field(default_factory=ExpertOptions)
 
 
 @dataclass(frozen=True)

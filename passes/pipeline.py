@@ -90,11 +90,12 @@ class LowerORT(ir.passes.InPlacePass):
     def __init__(self, options: OrtLoweringOptions):
         super().__init__()
         self.options, self.count = options, 0
+        self.experts: dict[str, dict[str, object]] = {}  # per MoE node: its experts' op, bits, source
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         o = self.options
         self.count = lower_ort.lower(model, kv_write=o.kv_write, kernel=o.kernel, kv_cache_dtype=o.kv_cache_dtype,
-                                     lora_kernel=o.lora_kernel)
+                                     lora_kernel=o.lora_kernel, experts=o.experts, experts_report=self.experts)
         return ir.passes.PassResult(model, modified=self.count > 0)
 
     def ensures(self, model: ir.Model) -> None:
@@ -234,8 +235,11 @@ class PipelineRun:
 
     @property
     def quantized(self) -> dict[str, dict[str, object]]:
-        """Per quantized weight: bits, block, where it came from (GGUF blocks or round to nearest), bytes."""
-        return next((p.report for p in self.passes if isinstance(p, QuantizeWeights | QuantizeW8A16)), {})
+        """Per quantized weight: bits, block, where it came from (GGUF blocks or round to nearest), bytes; a mixture
+        of experts' experts by their torch name (``…mlp.experts``) with the op they run as."""
+        experts = next((p.experts for p in self.passes if isinstance(p, LowerORT)), {})
+        return {**next((p.report for p in self.passes if isinstance(p, QuantizeWeights | QuantizeW8A16)), {}),
+                **experts}
 
 
 def interface(model: ir.Model) -> dict[str, list[dict[str, object]]]:

@@ -57,7 +57,11 @@ _MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pr
 
 
 def group_of(source: str) -> str | None:
-    """The recipe's matrix group of a torch weight name (``quantization.matrices``)."""
+    """The recipe's matrix group of a torch weight name (``quantization.matrices``); None: never quantized — a
+    mixture of experts' router (``mlp.gate.weight``, [E, H]) stays float as llama.cpp keeps it (src/llama-quant.cpp:
+    "do not quantize expert gating tensors", ``ffn_gate_inp``): a rounded router picks other experts."""
+    if source.endswith(".mlp.gate.weight"):
+        return None
     if ".self_attn." in source:
         return "attention"
     if ".mlp." in source:

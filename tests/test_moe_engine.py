@@ -19,7 +19,7 @@ import helpers
 from helpers import compile_bundle, load_export, lowered
 from omforge.compile.ort import build
 from omforge.contract.manifest import load_manifest
-from omforge.passes import lower_ort, manager
+from omforge.passes import lower_ort, manager, moe_kernel
 from omforge.runtime.full_recompute import ExportedModel
 from omforge.runtime.llm import LLM
 from omforge.runtime.sampling_params import SamplingParams
@@ -96,3 +96,88 @@ def test_engine_batched_equals_solo_and_transformers(moe_model: dict, tmp_path: 
         batched = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
         solo = [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in PROMPTS]
     assert batched == solo == moe_model["tokens"]
+
+
+# --- the runtime around a MoE bundle (issue 62 item 4): prefix caching, speculation, LoRA, pooling -----------------
+
+def test_prefix_cache_and_speculation_change_no_token(moe_model: dict, tmp_path: Path) -> None:
+    """A prompt served again hits the prefix cache; n-gram speculation (drafts verified by the MoE step graph, several
+    tokens a step) gives the plain engine's greedy tokens, and drafts were accepted."""
+    bundle = compile_bundle(moe_model["recipe"], tmp_path / "bundle", moe_model["cache"])
+    prompts = [p * 2 for p in PROMPTS[:2]]  # repeats: the n-gram drafter finds matches
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    with LLM(bundle) as plain:
+        want = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+        again = plain.generate(prompts[:1], params, use_tqdm=False)[0]
+    assert again.token_ids == want[0] and again.num_cached_tokens > 0
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "min_acceptance": 0.0}
+    with LLM(bundle, speculative_config=spec) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.engine.stats
+    assert got == want
+    assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens > 0
+
+
+def test_lora_on_the_attention_projections_is_peft(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``compile.lora`` on a MoE model targets the attention projections by default (the experts take no LoRA term):
+    a PEFT adapter of q/k/v/o gives PEFT's greedy tokens through the engine, the base model's without it."""
+    from lora_setup import make_peft_adapter
+    from peft import PeftModel
+
+    from omforge.contract.lora import ATTENTION_MODULES
+
+    made = moe_export("qwen3_moe", tmp_path_factory, BLOCK)
+    adapter = make_peft_adapter(made["hf_dir"], tmp_path / "adapter", seed=1, targets=ATTENTION_MODULES)
+    recipe = helpers.write_recipe(tmp_path / "lora.yaml", {"name": "tiny-qwen3_moe", "source": "hf",
+                                                           "path": str(made["hf_dir"]), "family": "qwen3_moe"},
+                                  compile={"kv_block_size": BLOCK, "max_seq_len": 64,
+                                           "lora": {"max_loras": 1, "max_rank": 8}})
+    bundle = compile_bundle(recipe, tmp_path / "bundle", made["cache"])
+    assert tuple(load_manifest(bundle).lora.target_modules) == ATTENTION_MODULES
+    peft = PeftModel.from_pretrained(helpers.hf_reference(made["hf_dir"]), adapter).eval()
+    with torch.no_grad():
+        want = [peft.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                              pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    with LLM(bundle, lora_modules={"a": str(adapter)}, max_loras=1) as llm:
+        got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora="a")]
+        base = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert got == want and base != got
+
+
+def test_lora_on_the_experts_is_one_line(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    from omforge.errors import OmforgeError
+
+    made = moe_export("qwen3_moe", tmp_path_factory, BLOCK)
+    recipe = helpers.write_recipe(tmp_path / "lora.yaml", {"name": "tiny-qwen3_moe", "source": "hf",
+                                                           "path": str(made["hf_dir"]), "family": "qwen3_moe"},
+                                  compile={"kv_block_size": BLOCK, "max_seq_len": 64,
+                                           "lora": {"max_loras": 1, "max_rank": 8,
+                                                    "target_modules": ["q_proj", "gate_proj", "down_proj"]}})
+    with pytest.raises(OmforgeError, match="compile.lora.target_modules: gate_proj, down_proj: a mixture of "
+                                           "experts' MLP is its experts, which take no LoRA term") as error:
+        compile_bundle(recipe, tmp_path / "bundle", made["cache"])
+    assert "\n" not in str(error.value)
+
+
+def test_an_embed_bundle_is_transformers_last_token_pooling(tmp_path: Path,
+                                                            tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``task: embed`` of a MoE model: the experts through the kernel library's op in the pooling step graph too,
+    and the vectors are transformers' (Qwen3MoeModel) last hidden state, normalized."""
+    from transformers import AutoModel
+
+    made = moe_export("qwen3_moe", tmp_path_factory, BLOCK)
+    recipe = helpers.write_recipe(tmp_path / "embed.yaml", {"name": "tiny-qwen3_moe", "source": "hf",
+                                                            "path": str(made["hf_dir"]), "family": "qwen3_moe"},
+                                  compile={"max_seq_len": 64}, task="embed")
+    bundle = compile_bundle(recipe, tmp_path / "bundle", made["cache"])
+    hist = load_manifest(bundle).passes.op_histogram
+    if moe_kernel.kernel_runs("float32") is None:  # the library runs the expert op here
+        assert hist.get("omforge.kernels::MoEF32") == LAYERS and "TopK" not in hist, hist
+    model = AutoModel.from_pretrained(made["hf_dir"], dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        want = np.stack([torch.nn.functional.normalize(model(torch.tensor([p])).last_hidden_state[0, -1], dim=-1)
+                         .numpy() for p in PROMPTS])
+    with LLM(bundle) as llm:
+        got = np.stack(llm.embed(PROMPTS))
+    assert np.abs(got - want).max() < 1e-4

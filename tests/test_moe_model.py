@@ -4,12 +4,7 @@ torch model and its unfused ONNX export with transformers' logits and greedy tok
 tensors load as the same per-expert weights; GGUF files written as llama.cpp's converter writes them (F32, F16, BF16,
 Q8_0, Q4_0) load to the same weights; bad configs are one-line errors; the parameter counts are the model's.
 
-The GGUF writer follows llama.cpp's conversion/ (ggml-org/llama.cpp): base.py ``TextModel.set_gguf_parameters``
-(``expert_count`` from ``num_local_experts``, ``expert_used_count``; ``ffn_gate_inp`` always F32), qwen.py
-``Qwen2MoeModel`` (``expert_feed_forward_length``; per-expert ``gate_proj / up_proj / down_proj`` stacked into
-``[E, F, H]`` / ``[E, H, F]``, q/k as they are), llama.py ``LlamaModel`` (Mixtral: ``w1 / w3 / w2`` stacked the same
-way, q/k rows permuted). Quantized files are written as llama-quantize leaves them (``gguf.quants.quantize`` of each
-layer matrix and expert stack; the router ``ffn_gate_inp`` kept F32).
+The GGUF writer (tests/moe_setup.py ``write_moe_gguf``) follows llama.cpp's converter.
 """
 
 from __future__ import annotations
@@ -24,6 +19,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from moe_setup import write_moe_gguf
 
 from helpers import hf_reference, make_tiny_tokenizer, write_recipe
 from omforge.contract.manifest import ConfigError, ModelConfig
@@ -196,81 +192,6 @@ def test_the_export_runs_transformers_logits_and_tokens(moe: dict, variant: str,
 
 
 # --- (c) GGUF as llama.cpp's converter writes it ------------------------------------------------------------------
-
-def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """conversion/llama.py ``LlamaModel.permute`` (q_proj / k_proj of the ``llama`` architecture)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp"}
-GGUF_EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
-
-
-def write_moe_gguf(hf_dir: Path, out: Path, quant: str) -> Path:
-    """The HF directory as a GGUF of llama.cpp's ``qwen3moe`` (Qwen3-MoE) or ``llama`` with experts (Mixtral)
-    architecture. The per-expert weights are read from the safetensors as the converter reads them (Mixtral's
-    ``w1 / w3 / w2`` are gate / up / down) and stacked over experts; ``quant`` Q8_0 stores every layer matrix
-    (the 3-D expert stacks included) in its blocks except the router, norms and embeddings stay F32."""
-    from safetensors.numpy import load_file
-
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    mixtral = cfg["model_type"] == "mixtral"
-    arch = "llama" if mixtral else "qwen3moe"
-    w = gguf.GGUFWriter(out, arch)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_expert_count(cfg["num_local_experts"])
-    w.add_expert_used_count(cfg["num_experts_per_tok"])
-    if mixtral:
-        w.add_vocab_size(cfg["vocab_size"])
-        w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
-    else:
-        w.add_key_length(cfg["head_dim"])
-        w.add_value_length(cfg["head_dim"])
-        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
-    w.add_token_list([f"<t{i}>" for i in range(cfg["vocab_size"])])
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
-    tensors: list[tuple[str, np.ndarray]] = []
-    for name, arr in sorted(load_file(hf_dir / "model.safetensors").items()):
-        arr = arr.astype(np.float32)
-        name = re.sub(r"block_sparse_moe\.experts\.(\d+)\.w([123])",
-                      lambda m: f"mlp.experts.{m[1]}.{ {'1': 'gate_proj', '3': 'up_proj', '2': 'down_proj'}[m[2]]}",
-                      name.replace("block_sparse_moe.gate.", "mlp.gate."))
-        if e := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight", name):
-            experts.setdefault((e[1], e[3]), {})[int(e[2])] = arr
-            continue
-        if mixtral and name.endswith(("q_proj.weight", "k_proj.weight")):
-            arr = llama_cpp_permute(arr, heads if "q_proj" in name else kv_heads)
-        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name)
-        tensors.append((f"blk.{m[1]}.{GGUF_LAYER[m[2]]}.weight" if m else top[name], arr))
-    for (layer, proj), per_expert in sorted(experts.items()):
-        tensors.append((f"blk.{layer}.{GGUF_EXPERTS[proj]}.weight", np.stack([per_expert[i] for i in
-                                                                               range(len(per_expert))])))
-    for gguf_name, arr in tensors:
-        if quant != "F32" and gguf_name.startswith("blk.") and arr.ndim >= 2 and "ffn_gate_inp" not in gguf_name:
-            qtype = gguf.GGMLQuantizationType[quant]
-            w.add_tensor(gguf_name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(gguf_name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
-
 
 @pytest.mark.parametrize("quant", ["F32", "F16", "BF16", "Q8_0", "Q4_0"])
 @pytest.mark.parametrize("variant", ["qwen3_moe_norm", "mixtral"])
