@@ -3,7 +3,8 @@
 #   bash scripts/setup.sh demo   what compile + serve + one openai request need (scripts/demo.sh): torch (CPU wheel),
 #                                the export extra, the openai client, the test model
 #   bash scripts/setup.sh        everything the tests need besides (scripts/test.sh, CI): the test and bench extras,
-#                                the cluster extra (SMG, NIXL; their tests skip without it), a C++ JSON header
+#                                the cluster extra (SMG, NIXL; their tests skip without it), a C++ JSON header,
+#                                llama.cpp's HF → GGUF converter (Python sources only)
 # Idempotent: a finished install only checks a stamp (the hash of pyproject.toml, setup.py, this script and the
 # kernel sources; an edited kernel is rebuilt). pip's own output goes to .venv/setup.log, shown when a step fails.
 set -euo pipefail
@@ -55,4 +56,20 @@ step "the test and bench extras" .venv/bin/pip install -q "${reqs[@]}"
 mapfile -t reqs < <(extra cluster)
 step "the cluster extra (SMG, NIXL)" .venv/bin/pip install -q "${reqs[@]}" \
   || echo "[setup] warning: the cluster extra did not install; the SMG and PD tests will be skipped" >&2
+# llama.cpp's own HF → GGUF converter (convert_hf_to_gguf.py with its conversion/ and gguf-py/, from llama-cpp-python's
+# source distribution; nothing is compiled): tests/test_moe_llama_cpp.py converts the tiny MoE checkpoints with it
+LLAMA_CPP_PYTHON=0.3.36
+conv=.venv/llama.cpp-convert
+if [ ! -f "$conv/$LLAMA_CPP_PYTHON/convert_hf_to_gguf.py" ]; then
+  fetch_converter() {
+    local tmp; tmp=$(mktemp -d)
+    .venv/bin/pip download -q --no-binary :all: --no-deps "llama-cpp-python==$LLAMA_CPP_PYTHON" -d "$tmp" &&
+      tar xzf "$tmp"/llama_cpp_python-*.tar.gz -C "$tmp" --wildcards '*/vendor/llama.cpp/convert_hf_to_gguf.py' \
+        '*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*' &&
+      rm -rf "$conv" && mkdir -p "$conv" && mv "$tmp"/llama_cpp_python-*/vendor/llama.cpp "$conv/$LLAMA_CPP_PYTHON" &&
+      rm -rf "$tmp"
+  }
+  step "llama.cpp's HF → GGUF converter (llama-cpp-python $LLAMA_CPP_PYTHON's sources)" fetch_converter \
+    || echo "[setup] warning: no llama.cpp converter; its MoE conversion test will be skipped" >&2
+fi
 echo "$want" >"$stamp_all"

@@ -40,14 +40,14 @@ ROUTER_STD = 0.8
 so every path picks the same experts (a near tie would flip on a last-bit difference)."""
 
 
-def make_moe_hf_dir(path: Path, family: str, seed: int = 0) -> Path:
+def make_moe_hf_dir(path: Path, family: str, seed: int = 0, **overrides: Any) -> Path:
     """config.json + model.safetensors (save_pretrained: per-expert hub names) + the tests' tokenizer.json of a random
     ``family`` model of :data:`MOE_HF_CONFIGS`; norm weights perturbed from 1.0, routers rescaled to
-    :data:`ROUTER_STD`."""
+    :data:`ROUTER_STD`; ``overrides``: config arguments replacing the family's."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(family, **MOE_HF_CONFIGS[family])
+    cfg = AutoConfig.for_model(family, **{**MOE_HF_CONFIGS[family], **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     routers = 0
