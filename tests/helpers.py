@@ -303,3 +303,41 @@ def greedy_paged(path: Path, layout, prompt: list[int], new: int, block: int) ->
         ids.append(int(logits[0].argmax()))
         logits = ex.run(build_step([SeqWork(ids[-1:], len(ids) - 1, table)], block))
     return ids[len(prompt):]
+
+
+# --- GGUF files as llama.cpp's converter writes them (the GGUF loader tests) ----------------------------------------
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's converter does to q_proj / k_proj rows of the ``llama`` architecture (conversion/llama.py
+    ``LlamaModel.permute``)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def add_llama_hparams(w: Any, cfg: dict[str, Any], rope_theta: float) -> None:
+    """The hyperparameters every llama-family GGUF of the tests carries, from an HF ``config.json`` (``w``: a
+    ``gguf.GGUFWriter``): blocks, context, widths, heads, rope base, RMS epsilon."""
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(rope_theta)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+
+
+def write_gguf_tensors(w: Any, tensors: Any, qtype_of: Any = lambda name, arr: None) -> None:
+    """Add ``(name, float32 array)`` pairs to the ``gguf.GGUFWriter`` ``w`` — each in the GGML type ``qtype_of(name,
+    array)`` names, quantized by ``gguf``'s own quantizer (None: as it is) — and write and close the file."""
+    import gguf
+
+    for name, arr in tensors:
+        qtype = qtype_of(name, arr)
+        if qtype is None:
+            w.add_tensor(name, arr)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -19,7 +19,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from helpers import make_tiny_tokenizer
+from helpers import add_llama_hparams, llama_cpp_permute, make_tiny_tokenizer, write_gguf_tensors
 
 EXPERTS, TOP_K, FFN, HIDDEN, LAYERS = 4, 2, 32, 64, 2
 _COMMON = dict(vocab_size=256, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=4,
@@ -107,11 +107,6 @@ def moe_reference(x: np.ndarray, logits: np.ndarray, gate_up: np.ndarray, down: 
     return out.reshape(x.shape)
 
 
-def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """conversion/llama.py ``LlamaModel.permute`` (q_proj / k_proj of the ``llama`` architecture)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp"}
@@ -129,14 +124,7 @@ def write_moe_gguf(hf_dir: Path, out: Path, quant: str) -> Path:
     mixtral = cfg["model_type"] == "mixtral"
     arch = "llama" if mixtral else "qwen3moe"
     w = gguf.GGUFWriter(out, arch)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    add_llama_hparams(w, cfg, cfg["rope_parameters"]["rope_theta"])
     w.add_expert_count(cfg["num_local_experts"])
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     if mixtral:
@@ -169,14 +157,6 @@ def write_moe_gguf(hf_dir: Path, out: Path, quant: str) -> Path:
     for (layer, proj), per_expert in sorted(experts.items()):
         tensors.append((f"blk.{layer}.{GGUF_EXPERTS[proj]}.weight", np.stack([per_expert[i] for i in
                                                                                range(len(per_expert))])))
-    for gguf_name, arr in tensors:
-        if quant != "F32" and gguf_name.startswith("blk.") and arr.ndim >= 2 and "ffn_gate_inp" not in gguf_name:
-            qtype = gguf.GGMLQuantizationType[quant]
-            w.add_tensor(gguf_name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(gguf_name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf_tensors(w, tensors, lambda name, arr: gguf.GGMLQuantizationType[quant] if quant != "F32" and
+                       name.startswith("blk.") and arr.ndim >= 2 and "ffn_gate_inp" not in name else None)
     return out

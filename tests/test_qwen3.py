@@ -20,6 +20,7 @@ import torch
 import helpers
 from helpers import (
     TINY_QWEN3_CONFIG,
+    add_llama_hparams,
     assert_same_logits,
     compile_bundle,
     export_feeds,
@@ -27,6 +28,7 @@ from helpers import (
     lowered,
     make_tiny_qwen3_dir,
     run_model,
+    write_gguf_tensors,
     write_recipe,
 )
 from omforge.compile.ort import build
@@ -58,16 +60,9 @@ def write_gguf(hf_dir: Path, out: Path, quant: str = "F32") -> Path:
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     w = gguf.GGUFWriter(out, "qwen3")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
+    add_llama_hparams(w, cfg, HF_CONFIG["rope_theta"])
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
-    w.add_rope_freq_base(HF_CONFIG["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
@@ -82,18 +77,12 @@ def write_gguf(hf_dir: Path, out: Path, quant: str = "F32") -> Path:
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    tensors = []
     for name, tensor in sorted(load_file(hf_dir / "model.safetensors").items()):
         m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name)
-        gguf_name = f"blk.{m[1]}.{layer[m[2]]}.weight" if m else top[name]
-        if quant != "F32" and m and tensor.ndim == 2:
-            qtype = gguf.GGMLQuantizationType[quant]
-            w.add_tensor(gguf_name, gguf.quants.quantize(tensor.astype(np.float32), qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(gguf_name, tensor.astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        tensors.append((f"blk.{m[1]}.{layer[m[2]]}.weight" if m else top[name], tensor.astype(np.float32)))
+    write_gguf_tensors(w, tensors, lambda name, arr: gguf.GGMLQuantizationType[quant] if quant != "F32" and
+                       name.startswith("blk.") and arr.ndim == 2 else None)
     return out
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from helpers import SMOLLM2_RECIPE, make_tiny_hf_dir, write_recipe
+from helpers import SMOLLM2_RECIPE, llama_cpp_permute, make_tiny_hf_dir, write_gguf_tensors, write_recipe
 from omforge.contract.manifest import ConfigError, ModelConfig
 from omforge.export.weights import (
     WeightsError,
@@ -178,11 +178,6 @@ GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_n
 Q8_0 = ("model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.k_proj.weight")
 
 
-def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """What llama.cpp's convert_hf_to_gguf.py does to q_proj / k_proj (``LlamaModel.permute``)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def gguf_name(hf: str) -> str:
     fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
@@ -219,19 +214,15 @@ def write_tiny_gguf(path: Path, tensors: dict[str, np.ndarray], arch: str = "lla
     w.add_eos_token_id(2)
     if metadata:
         metadata(w)
+    written, q8 = [], set()
     for name, arr in {**tensors, **(extra or {})}.items():
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             arr = llama_cpp_permute(arr, HEADS if "q_proj" in name else KV_HEADS)
         out = name if name in (extra or {}) else gguf_name(name)
+        written.append((out, arr))
         if name in Q8_0:
-            w.add_tensor(out, gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(out, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+            q8.add(out)
+    write_gguf_tensors(w, written, lambda out, arr: gguf.GGMLQuantizationType.Q8_0 if out in q8 else None)
     return path
 
 
