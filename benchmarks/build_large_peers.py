@@ -2,7 +2,8 @@
 
   .venv/bin/python benchmarks/build_large_peers.py --root /work/peers --models 1b,8b [--steps hf,gguf,openvino,omforge]
 
-For each shape (Llama-3.2-1B's and Llama-3-8B's real configs, :data:`SHAPES`) it writes, under ``ROOT/models``:
+For each shape (Llama-3.2-1B's and Llama-3-8B's real configs, and 8 of Qwen3-30B-A3B's 48 layers at its real shape —
+``--models 30b-a3b-l8``, issue 62; :data:`SHAPES`) it writes, under ``ROOT/models``:
 
 - ``NAME-hf/``: a Hugging Face directory with random weights (numpy, fixed seed, N(0, 0.02) like HF's init, norms
   1), stored as bfloat16 so that every engine that reads it in float32 sees the same values. The vocabulary keeps
@@ -59,7 +60,16 @@ SHAPES: dict[str, dict] = {
                    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 500000.0,
                    "rope_scaling": None, "max_position_embeddings": 8192, "tie_word_embeddings": False},
 }
-ALIASES = {"1b": "llama-3.2-1b", "8b": "llama-3-8b"}
+# Qwen3-30B-A3B's config (128 experts, 8 active, expert width 768, GQA 32/4, head_dim 128, vocabulary 151,936) with 8
+# of its 48 layers: its float32 export stage (~21 GB) fits this VM's disk, the whole 48 (122 GB) does not. Per token a
+# layer costs what it costs in the full model; the embedding and lm_head are a larger share of the slice.
+SHAPES["qwen3-30b-a3b-l8"] = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+    "norm_topk_prob": True, "num_hidden_layers": 8, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "rope_theta": 1000000.0, "rope_scaling": None, "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+ALIASES = {"1b": "llama-3.2-1b", "8b": "llama-3-8b", "30b-a3b-l8": "qwen3-30b-a3b-l8"}
 VOCAB = 128256
 SHARD_BYTES = 4 << 30
 
@@ -81,18 +91,30 @@ def run(cmd: list[str], **kw) -> None:
 
 
 def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the shape ``cfg`` by its HF name: a dense Llama's, or a Qwen3-MoE's (q/k norms, the router
+    ``mlp.gate``, per-expert ``mlp.experts.<e>.{gate,up,down}_proj`` as the hub checkpoints name them)."""
     h, i, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    shapes = {"model.embed_tokens.weight": (VOCAB, h), "model.norm.weight": (h,)}
+    vocab, experts = cfg.get("vocab_size", VOCAB), cfg.get("num_experts", 0)
+    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
     for n in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{n}."
         shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
                        p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                       p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                       p + "mlp.down_proj.weight": (h, i)})
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)})
+        if not experts:
+            shapes.update({p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                           p + "mlp.down_proj.weight": (h, i)})
+            continue
+        m = cfg["moe_intermediate_size"]
+        shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+                       p + "mlp.gate.weight": (experts, h)})
+        for e in range(experts):
+            x = f"{p}mlp.experts.{e}."
+            shapes.update({x + "gate_proj.weight": (m, h), x + "up_proj.weight": (m, h),
+                           x + "down_proj.weight": (h, m)})
     if not cfg["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (VOCAB, h)
+        shapes["lm_head.weight"] = (vocab, h)
     return shapes
 
 
@@ -230,8 +252,9 @@ def omforge_recipes(root: Path, name: str, hf: Path) -> dict[str, dict]:
     limits = {"max_seq_len": 2048, "max_batch_size": 4 if big else 64, "max_num_tokens": 512 if big else 2048}
     serve = {"max_num_seqs": 4 if big else 64, "max_num_batched_tokens": 256 if big else 512,
              "enable_prefix_caching": True}
-    hf_model = {"name": name, "source": "hf", "path": str(hf), "family": "llama"}
-    gguf = {"name": name, "source": "gguf", "path": str(root / "models" / f"{name}-Q4_0.gguf"), "family": "llama",
+    family = SHAPES[name].get("model_type", "llama")
+    hf_model = {"name": name, "source": "hf", "path": str(hf), "family": family}
+    gguf = {"name": name, "source": "gguf", "path": str(root / "models" / f"{name}-Q4_0.gguf"), "family": family,
             "tokenizer": str(hf / "tokenizer.json")}
     recipes = {"int4-q4_0": {"model": gguf, "compile": {**limits, "weights": "int4"}, "serve": serve}}
     if not big:  # the 8B shape: only the Q4_0 row is measured, and each export's float32 stage is ~32 GB of disk
