@@ -189,9 +189,10 @@ def _export_stage(job: _Job) -> tuple[Path, dict[str, Any]]:
     from omforge.export.onnx_export import cached_export, cached_export_dir, is_exported
 
     exports = job.root / "exports"
-    job.cached["export"] = is_exported(cached_export_dir(job.recipe, exports))
-    with job.progress.stage("export", job.cached["export"]):
-        export_dir = cached_export(job.recipe, exports, quiet=job.quiet, isolated=True)
+    with locked(cached_export_dir(job.recipe, exports)):  # another compile sharing the cache exports it once
+        job.cached["export"] = is_exported(cached_export_dir(job.recipe, exports))
+        with job.progress.stage("export", job.cached["export"]):
+            export_dir = cached_export(job.recipe, exports, quiet=job.quiet, isolated=True, lock=False)
     return export_dir, json.loads((export_dir / "export.json").read_text())
 
 

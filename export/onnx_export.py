@@ -14,6 +14,7 @@ which ATC's ONNX parser requires); no op outside the ONNX standard domain; onnx.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -242,13 +243,15 @@ def is_exported(out: Path) -> bool:
     return (out / "export.json").is_file() and (out / "model.onnx").is_file()
 
 
-def cached_export(recipe: Recipe, cache_root: Path, quiet: bool = False, isolated: bool = False) -> Path:
+def cached_export(recipe: Recipe, cache_root: Path, quiet: bool = False, isolated: bool = False,
+                  lock: bool = True) -> Path:
     """The export for ``recipe`` under ``cache_root/<name>-<digest>``, made once and reused while the digest holds
     (under the stage cache's lock: two processes sharing ``cache_root`` export it once).
     ``isolated``: export in a child process, so that what torch and the exporter hold is returned to the system
-    before the caller's next stage (compile: the passes stage's peak then does not add to the export's)."""
+    before the caller's next stage (compile: the passes stage's peak then does not add to the export's). ``lock``
+    False: the caller already holds the folder's lock (``locked(cached_export_dir(...))``; flock does not nest)."""
     out = cached_export_dir(recipe, cache_root)
-    with locked(out):  # another process sharing the cache exports it once
+    with locked(out) if lock else contextlib.nullcontext():  # another process sharing the cache exports it once
         if is_exported(out):
             return out
         if not isolated:
