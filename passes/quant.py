@@ -21,6 +21,7 @@ and Q8_0 ``q·d`` as they are; Q4_1 ``q·d + m`` as ``(q - 8)·d + (m + 8·d)`` 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -148,6 +149,25 @@ def from_gguf(kind: str, data: np.ndarray, k: int) -> Packed:
         m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
         block_min = (m + 8 * d).astype(np.float32)
     return Packed(4, GGUF_BLOCK, n, k, _pack_nibbles(codes), d.reshape(-1), block_min, f"gguf {kind}")
+
+
+def from_gguf_parts(blocks: Mapping[str, tuple[str, np.ndarray, int]], parts: Sequence[str],
+                    check: np.ndarray, name: str, parts_named: str | None = None) -> Packed | None:
+    """The matrix stacked (rows in order) from the GGUF blocks of the torch weights ``parts`` (``blocks``: by torch
+    name, as the export saved them), or None when a part has no blocks or the parts differ in width (one matrix
+    cannot hold both). Checked against ``check`` ``[N, K]``, the float weight the export dequantized from the same
+    blocks: a mismatch is a RuntimeError naming ``name`` and the parts (``parts_named``, default their names)."""
+    if not all(part in blocks for part in parts):
+        return None
+    try:
+        packed = concat_rows([from_gguf(*blocks[part]) for part in parts])
+    except ValueError:  # parts of different widths (a Q4 q with a Q8 v)
+        return None
+    got = dequantize(packed)
+    if got.shape != check.shape or np.abs(got - check).max() > 1e-6 * max(float(np.abs(check).max()), 1.0):
+        raise RuntimeError(f"{name}: the GGUF blocks of {parts_named or ', '.join(parts)} do not hold the exported "
+                           "weight")
+    return packed
 
 
 def concat_rows(parts: list[Packed]) -> Packed:

@@ -120,17 +120,7 @@ class QuantizeWeights(ir.passes.InPlacePass):
         return packed
 
     def _from_blocks(self, source: str, w_nk: np.ndarray) -> quant.Packed | None:
-        parts = parts_of(source)
-        if not all(p in self.blocks for p in parts):
-            return None
-        try:
-            packed = quant.concat_rows([quant.from_gguf(*self.blocks[p]) for p in parts])
-        except ValueError:  # parts of different widths (a Q4 q with a Q8 v): one MatMulNBits cannot hold both
-            return None
-        got = quant.dequantize(packed)
-        if got.shape != w_nk.shape or np.abs(got - w_nk).max() > 1e-6 * max(float(np.abs(w_nk).max()), 1.0):
-            raise RuntimeError(f"{source}: the GGUF blocks of {', '.join(parts)} do not hold the exported weight")
-        return packed
+        return quant.from_gguf_parts(self.blocks, parts_of(source), w_nk, source)
 
     @staticmethod
     def _const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
