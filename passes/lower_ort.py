@@ -155,8 +155,12 @@ def lower_moe_kernel(graph: ir.Graph, experts: ExpertOptions | None = None,
         return 0
     from omforge.passes import moe_kernel
 
-    why = "the kernel lowering is off" if not kernel else "disabled (passes/lower_ort.py MOE_KERNEL)" \
-        if not MOE_KERNEL else moe_kernel.kernel_runs(experts.precision)
+    if not kernel:
+        why: str | None = "the kernel lowering is off"
+    elif not MOE_KERNEL:
+        why = "disabled (passes/lower_ort.py MOE_KERNEL)"
+    else:
+        why = moe_kernel.kernel_runs(experts.precision)
     if why is not None:
         if report is not None:
             for node in nodes:
